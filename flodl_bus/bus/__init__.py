@@ -1,0 +1,1 @@
+"""The control plane on Redis Streams."""

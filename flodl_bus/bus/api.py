@@ -1,0 +1,66 @@
+"""The transport contract the runtimes are written against.
+
+``bus.streams`` implements it on Redis Streams; ``bus.memory`` in process (unit tests,
+single-process runs). Runtimes never touch Redis directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One decoded entry as it left the stream."""
+
+    stream: str
+    entry_id: str
+    msg: object
+
+
+class RankBus(Protocol):
+    """A rank's side: control in (merged unicast + broadcast, in send order), upstream out."""
+
+    rank: int
+
+    def read_control(self, block_ms: int) -> Sequence[Delivery]:
+        """Next control deliveries in the coordinator's send order (may be empty).
+
+        Entries that fail to decode or authenticate never appear here: they are
+        dead-lettered by the transport. Deliveries must be ``ack``ed once dispatched; a
+        restarted reader first re-delivers what was read but not acked, and never
+        yields an entry it already acked.
+        """
+        ...
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None: ...
+
+    def publish(self, msg: UpstreamMsg) -> None:
+        """Queue an upstream message; returns at once (a publisher thread writes it)."""
+        ...
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued upstream message is written; False on timeout."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class CoordinatorBus(Protocol):
+    """The coordinator's side: control out, every rank's upstream in."""
+
+    def send(self, rank: int, msg: ControlWire) -> None: ...
+
+    def broadcast(self, msg: ControlWire) -> None: ...
+
+    def read_upstream(self, block_ms: int) -> Sequence[Delivery]:
+        """Upstream deliveries, each rank's in its send order (ranks interleaved)."""
+        ...
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,69 @@
+"""``flodl-bus``: one entry point; each subcommand lives with the plane it drives.
+
+Subcommand modules are imported lazily so ``flodl-bus tail`` does not pay for torch.
+Each target is ``module:function`` taking the remaining argv and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("flodl_bus.launch.up:main", "start Redis (embedded if no URL), coordinator and workers"),
+    "coordinator": ("flodl_bus.coordinator.cli:main", "run the coordinator of a run"),
+    "worker": ("flodl_bus.worker.cli:main", "run one rank (or join a run without --rank)"),
+    "tail": ("flodl_bus.bus.tail:main", "print a run's control and upstream entries live"),
+    "replay": ("flodl_bus.record.replay:main", "replay a recorded run against fresh cores"),
+}
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "codec": ("flodl_bus.protocol.bench:main", "encode/decode cost per message vs plain msgpack"),
+    "bus": ("flodl_bus.bus.bench:main", "dispatch latency, ingest rate, send cost vs PING"),
+    "worker": ("flodl_bus.worker.bench:main", "training-thread bus cost per step"),
+    "coordinator": ("flodl_bus.coordinator.bench:main", "coordinator cost per reduce/message"),
+    "params": ("flodl_bus.params.bench:main", "CPU averaging round time vs memcpy"),
+    "record": ("flodl_bus.record.bench:main", "recording cost per dispatch, replay speed"),
+    "gpu": ("flodl_bus.params.bench_gpu:main", "pinned vs pageable copies, snapshot overlap"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: flodl-bus COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  bench {name:<6} {help_}" for name, (_, help_) in BENCHES.items()]
+    return "\n".join(lines)
+
+
+def _load(target: str) -> Callable[[Sequence[str]], int]:
+    module_name, func = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise SystemExit(f"flodl-bus: {module_name} is not available in this build") from None
+        raise
+    fn: Callable[[Sequence[str]], int] = getattr(module, func)
+    return fn
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    cmd, rest = args[0], args[1:]
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCHES:
+            print(_usage(), file=sys.stderr)
+            return 2
+        return _load(BENCHES[rest[0]][0])(rest[1:])
+    if cmd not in COMMANDS:
+        print(f"flodl-bus: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    return _load(COMMANDS[cmd][0])(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""A training job as one object: what a rank trains and how it is judged.
+
+Users hand ``flodl-bus`` a ``MODULE:NAME`` pointing at a ``Job`` (or a zero-argument
+callable returning one). Everything is built lazily inside each rank process so a job
+object is cheap to import in the coordinator, which only needs the sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ArrayDataset:
+    """Features and labels as two tensors; a batch is a gather by pick index."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ValueError(f"dataset has {len(self.x)} inputs but {len(self.y)} labels")
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def batch(self, picks: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # A pick beyond the dataset wraps (augmentation passes reuse samples).
+        idx = torch.as_tensor(picks, dtype=torch.long) % len(self.x)
+        return self.x[idx], self.y[idx]
+
+    def signature(self) -> str:
+        """A short content hash so the coordinator can refuse a mismatched worker."""
+        h = hashlib.sha256()
+        h.update(str((tuple(self.x.shape), tuple(self.y.shape))).encode())
+        h.update(self.x.contiguous().numpy().tobytes())
+        h.update(self.y.contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def accuracy(model: nn.Module, data: ArrayDataset) -> float:
+    with torch.no_grad():
+        pred = model(data.x).argmax(dim=1)
+        return float((pred == data.y).float().mean().item())
+
+
+def constant_lr(lr: float) -> Callable[[int], float]:
+    return lambda _step: lr
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a run trains. Every builder is called inside the rank process."""
+
+    name: str
+    build_model: Callable[[], nn.Module]
+    build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    train_data: Callable[[], ArrayDataset]
+    eval_data: Callable[[], ArrayDataset] | None = None
+    #: loss of one batch; backward/step are done by the runtime
+    loss_fn: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] = (
+        classification_loss
+    )
+    #: model, held-out data -> metric (higher is better)
+    eval_fn: Callable[[nn.Module, ArrayDataset], float] | None = accuracy
+    batch_size: int = 32
+    num_epochs: int = 10
+    #: learning rate as a pure function of the global step (every rank builds the same)
+    lr_at: Callable[[int], float] = field(default=constant_lr(1e-3))
+    max_grad_norm: float | None = None
+    #: a finished run is "good" when the final eval reaches this
+    target_metric: float | None = None
+    seed: int = 0
+
+
+def load_job(ref: str) -> Job:
+    """Resolve ``MODULE:NAME`` to a Job; a clear one-line error names the fix."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise SystemExit(f"--job {ref!r}: expected MODULE:NAME, e.g. flodl_bus.examples.digits:job")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SystemExit(f"--job {ref!r}: cannot import {module_name} ({exc})") from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise SystemExit(f"--job {ref!r}: {module_name} has no attribute {attr!r}") from None
+    if callable(obj) and not isinstance(obj, Job):
+        obj = obj()
+    if not isinstance(obj, Job):
+        raise SystemExit(f"--job {ref!r}: {attr} is a {type(obj).__name__}, not a flodl_bus Job")
+    return obj

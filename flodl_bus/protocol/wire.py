@@ -1,0 +1,512 @@
+"""The one home of the wire: every message <-> msgpack conversion and its validation.
+
+A body is a msgpack map with named fields (never positional variant indices)::
+
+    {"v": SCHEMA_VERSION, "type": "StartEpoch", "plan": {...}}
+
+Adding a message means adding its class to ``messages`` and one ``_spec(...)`` line here.
+
+Decoding is strict: every malformed input raises ``DecodeError`` naming the reason, and
+never another exception type, so a transport can route any bad entry to the dead-letter
+stream with that reason and carry on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Final
+
+import msgpack
+
+from flodl_bus.protocol import messages as m
+
+SCHEMA_VERSION: Final = 1
+
+#: Limits enforced before and while unpacking, so a hostile entry cannot make us allocate.
+MAX_BODY_BYTES: Final = 1 << 20
+MAX_STR_LEN: Final = 64 * 1024
+MAX_BIN_LEN: Final = 4096
+MAX_ARRAY_LEN: Final = 65_536
+MAX_MAP_LEN: Final = 4096
+_U64_LIMIT: Final = 2**64
+
+CONTROL: Final = "control"
+UPSTREAM: Final = "upstream"
+JOIN: Final = "join"
+
+
+class DecodeError(ValueError):
+    """A body that cannot become a message. ``reason`` is short and safe to log."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# ------------------------------------------------------------------- field decoders
+# Each takes the raw unpacked value and the field path (for the error message).
+
+Decoder = Callable[[Any, str], Any]
+Encoder = Callable[[Any], Any]
+
+
+def _u64(v: Any, path: str) -> int:
+    # `type(v) is int` rejects bool (a subclass of int) and floats such as NaN.
+    if type(v) is not int:
+        raise DecodeError(f"{path}: expected a non-negative int, got {type(v).__name__}")
+    if v < 0 or v >= _U64_LIMIT:
+        raise DecodeError(f"{path}: {v} is out of range for an unsigned 64-bit int")
+    return v
+
+
+def _f64(v: Any, path: str) -> float:
+    t = type(v)
+    if t is float:
+        return v  # type: ignore[no-any-return]
+    if t is int and -_U64_LIMIT < v < _U64_LIMIT:
+        return float(v)
+    raise DecodeError(f"{path}: expected a float, got {t.__name__}")
+
+
+def _optional(inner: Decoder) -> Decoder:
+    def dec(v: Any, path: str) -> Any:
+        return None if v is None else inner(v, path)
+
+    return dec
+
+
+def _str(v: Any, path: str) -> str:
+    if type(v) is not str:
+        raise DecodeError(f"{path}: expected a string, got {type(v).__name__}")
+    return v
+
+
+def _bool(v: Any, path: str) -> bool:
+    if type(v) is not bool:
+        raise DecodeError(f"{path}: expected a bool, got {type(v).__name__}")
+    return v
+
+
+def _bin(v: Any, path: str) -> bytes:
+    if type(v) is not bytes:
+        raise DecodeError(f"{path}: expected bytes, got {type(v).__name__}")
+    return v
+
+
+def _array(v: Any, path: str) -> tuple[Any, ...]:
+    if type(v) is not tuple:
+        raise DecodeError(f"{path}: expected an array, got {type(v).__name__}")
+    return v  # type: ignore[no-any-return]
+
+
+def _tuple_of(inner: Decoder) -> Decoder:
+    def dec(v: Any, path: str) -> tuple[Any, ...]:
+        return tuple(inner(x, f"{path}[{i}]") for i, x in enumerate(_array(v, path)))
+
+    return dec
+
+
+def _pair(a: Decoder, b: Decoder) -> Decoder:
+    def dec(v: Any, path: str) -> tuple[Any, Any]:
+        t = _array(v, path)
+        if len(t) != 2:
+            raise DecodeError(f"{path}: expected a pair, got {len(t)} items")
+        return (a(t[0], f"{path}[0]"), b(t[1], f"{path}[1]"))
+
+    return dec
+
+
+def _map_of(value: Decoder) -> Decoder:
+    def dec(v: Any, path: str) -> dict[str, Any]:
+        if type(v) is not dict:
+            raise DecodeError(f"{path}: expected a map, got {type(v).__name__}")
+        out: dict[str, Any] = {}
+        for k, x in v.items():
+            out[_str(k, f"{path} key")] = value(x, f"{path}[{k!r}]")
+        return out
+
+    return dec
+
+
+def _record(cls: type, decoders: Mapping[str, Decoder]) -> Decoder:
+    """A nested record (EpochPlan, EpochMetrics) as a map of named fields."""
+    required = {
+        f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+    }
+
+    def dec(v: Any, path: str) -> Any:
+        if type(v) is not dict:
+            raise DecodeError(f"{path}: expected a map, got {type(v).__name__}")
+        for k in v:
+            if k not in decoders:
+                raise DecodeError(f"{path}: unknown field {k!r}")
+        missing = required.difference(v)
+        if missing:
+            raise DecodeError(f"{path}: missing field {sorted(missing)[0]!r}")
+        return cls(**{k: decoders[k](x, f"{path}.{k}") for k, x in v.items()})
+
+    return dec
+
+
+def _target(v: Any, path: str) -> int:
+    rank = _u64(v, path)
+    if rank == m.RESERVED_TARGET:
+        raise DecodeError(
+            f"{path}: target_rank 2**64-1 is reserved for a controller-side executor; "
+            "the coordinator must name a worker rank"
+        )
+    return rank
+
+
+def _save_reason(v: Any, path: str) -> m.SaveReason:
+    byte = _u64(v, path)
+    if byte > 255:
+        raise DecodeError(f"{path}: SaveReason must be one byte, got {byte}")
+    return m.SaveReason.from_byte(byte)
+
+
+_INTENTS = {k.value: k for k in m.IntentKind}
+
+
+def _intent(v: Any, path: str) -> m.IntentKind:
+    try:
+        return _INTENTS[_str(v, path)]
+    except KeyError:
+        raise DecodeError(f"{path}: unknown intent {v!r}") from None
+
+
+_opt_f64 = _optional(_f64)
+_opt_str = _optional(_str)
+_opt_u64 = _optional(_u64)
+_u64s = _tuple_of(_u64)
+_f64s = _tuple_of(_f64)
+
+_plan = _record(
+    m.EpochPlan,
+    {"epoch": _u64, "partition_offset": _u64, "partition_size": _u64},
+)
+_float_map = _map_of(_f64)
+_epoch_metrics = _record(
+    m.EpochMetrics,
+    {
+        "epoch": _u64,
+        "avg_loss": _f64,
+        "epoch_ms": _f64,
+        "scalars": _float_map,
+        "per_rank": _tuple_of(_float_map),
+        "per_rank_throughput": _f64s,
+        "per_rank_batch_share": _f64s,
+        "per_rank_share_complete_ms": _f64s,
+        "per_rank_compute_only_ms": _f64s,
+        "per_rank_data_starve_ms": _f64s,
+        "device_indices": _u64s,
+        "per_rank_loss": _tuple_of(_opt_f64),
+        "per_rank_samples": _u64s,
+    },
+)
+_segments = _tuple_of(_pair(_u64, _tuple_of(_pair(_u64, _u64))))
+_scalar_sums = _map_of(_pair(_f64, _u64))
+
+
+# ------------------------------------------------------------------- field encoders
+
+
+def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
+    if p is None:
+        return None
+    return {
+        "epoch": p.epoch,
+        "partition_offset": p.partition_offset,
+        "partition_size": p.partition_size,
+    }
+
+
+def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:
+    return {
+        "epoch": e.epoch,
+        "avg_loss": e.avg_loss,
+        "epoch_ms": e.epoch_ms,
+        "scalars": dict(e.scalars),
+        "per_rank": [dict(r) for r in e.per_rank],
+        "per_rank_throughput": e.per_rank_throughput,
+        "per_rank_batch_share": e.per_rank_batch_share,
+        "per_rank_share_complete_ms": e.per_rank_share_complete_ms,
+        "per_rank_compute_only_ms": e.per_rank_compute_only_ms,
+        "per_rank_data_starve_ms": e.per_rank_data_starve_ms,
+        "device_indices": e.device_indices,
+        "per_rank_loss": e.per_rank_loss,
+        "per_rank_samples": e.per_rank_samples,
+    }
+
+
+def _enc_target(rank: int) -> int:
+    if rank == m.RESERVED_TARGET:
+        raise ValueError("target_rank 2**64-1 is reserved; dispatch to a worker rank")
+    return rank
+
+
+# --------------------------------------------------------------------- the registry
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    name: str
+    cls: type
+    channel: str
+    #: (field, encoder or None for as-is, decoder)
+    fields: tuple[tuple[str, Encoder | None, Decoder], ...]
+    required: frozenset[str]
+    allowed: frozenset[str]
+
+
+_BY_NAME: dict[str, _Spec] = {}
+_BY_CLASS: dict[type, _Spec] = {}
+
+
+def _spec(cls: type, channel: str, name: str | None = None, **decoders: Decoder) -> None:
+    encoders: dict[str, Encoder] = {
+        "plan": _enc_plan,
+        "next_plan": _enc_plan,
+        "metrics": _enc_metrics,
+        "reason": int,
+        "kind": lambda k: k.value,
+        "scalars": dict,
+    }
+    for f in ("target_rank",):
+        encoders[f] = _enc_target
+    declared = {f.name: f for f in fields(cls)}
+    if set(declared) != set(decoders):
+        raise AssertionError(
+            f"{cls.__name__}: wire fields {sorted(decoders)} != {sorted(declared)}"
+        )
+    required = frozenset(
+        n for n, f in declared.items() if f.default is MISSING and f.default_factory is MISSING
+    )
+    spec = _Spec(
+        name=name or cls.__name__,
+        cls=cls,
+        channel=channel,
+        fields=tuple((n, encoders.get(n), decoders[n]) for n in declared),
+        required=required,
+        allowed=frozenset(declared) | {"v", "type"},
+    )
+    _BY_NAME[spec.name] = spec
+    _BY_CLASS[cls] = spec
+
+
+# control (coordinator -> rank)
+_spec(m.RequestParams, CONTROL)
+_spec(m.WireUpdate, CONTROL, "Update", version=_u64, next_plan=_optional(_plan))
+_spec(m.StageAdvisory, CONTROL, counts=_u64s, segments=_segments)
+_spec(m.SyncNow, CONTROL)
+_spec(m.StartEpoch, CONTROL, plan=_plan)
+_spec(m.DeclareDead, CONTROL, rank=_u64)
+_spec(m.NewNcclSession, CONTROL, uid_bytes=_bin, new_rank=_u64, new_world_size=_u64)
+_spec(m.RequestNewNcclId, CONTROL)
+_spec(m.ShutdownWithSave, CONTROL, reason=_save_reason)
+_spec(m.ExtendPartition, CONTROL, partition_offset=_u64, partition_size=_u64)
+_spec(m.Throttle, CONTROL)
+_spec(m.SetGlobalStep, CONTROL, global_step=_u64)
+_spec(m.Checkpoint, CONTROL, version=_u64, target_rank=_target)
+_spec(
+    m.ExecuteEvalCallback,
+    CONTROL,
+    schedule_id=_u64,
+    epoch=_u64,
+    target_rank=_target,
+    adopt_consensus=_bool,
+)
+_spec(m.ArmConsensusEval, CONTROL, schedule_id=_u64, epoch=_u64, target_rank=_target)
+_spec(m.SetEpochCallbackRole, CONTROL, rank=_u64)
+_spec(m.Shutdown, CONTROL)
+_spec(m.EpochAggregated, CONTROL, metrics=_epoch_metrics)
+_spec(m.EvalBroadcast, CONTROL, epoch=_u64, metric=_f64)
+_spec(m.SaveConsensusModel, CONTROL, target_rank=_target)
+_spec(m.CoordHeartbeat, CONTROL)
+
+# upstream (rank -> coordinator): timing and metrics on one ordered stream
+_spec(
+    m.Batch,
+    UPSTREAM,
+    rank=_u64,
+    batch_ms=_f64,
+    data_ms=_f64,
+    step_count=_u64,
+    batch_loss=_f64,
+    param_norm=_opt_f64,
+    sync_divergence=_opt_f64,
+)
+_spec(
+    m.SyncAck,
+    UPSTREAM,
+    rank=_u64,
+    step_count=_u64,
+    divergence=_opt_f64,
+    post_norm=_opt_f64,
+    pre_norm=_opt_f64,
+)
+_spec(m.Exiting, UPSTREAM, rank=_u64)
+_spec(m.LrUpdate, UPSTREAM, rank=_u64, lr=_f64)
+_spec(m.Heartbeat, UPSTREAM, rank=_u64, step_count=_u64)
+_spec(m.Intent, UPSTREAM, rank=_u64, kind=_intent)
+_spec(m.SnapshotReady, UPSTREAM, rank=_u64)
+_spec(m.NewNcclIdGenerated, UPSTREAM, rank=_u64, uid_bytes=_bin)
+_spec(
+    m.EvalResult,
+    UPSTREAM,
+    rank=_u64,
+    schedule_id=_u64,
+    epoch=_u64,
+    metric=_f64,
+    elapsed_ms=_f64,
+    error=_opt_str,
+)
+_spec(m.CheckpointResult, UPSTREAM, rank=_u64, version=_u64, elapsed_ms=_f64, error=_opt_str)
+_spec(m.EpochFnElapsed, UPSTREAM, rank=_u64, epoch=_u64, elapsed_ms=_f64)
+_spec(
+    m.MetricsMsg,
+    UPSTREAM,
+    "Metrics",
+    rank=_u64,
+    epoch=_u64,
+    avg_loss=_f64,
+    batches_processed=_u64,
+    epoch_ms=_f64,
+    samples_processed=_u64,
+    share_complete_ms=_f64,
+    compute_only_ms=_f64,
+    data_starve_ms=_f64,
+    scalars=_scalar_sums,
+)
+
+# membership
+_spec(
+    m.Hello,
+    JOIN,
+    worker_id=_str,
+    host=_str,
+    dataset_sig=_str,
+    device=_str,
+    requested_rank=_opt_u64,
+)
+_spec(m.Assign, JOIN, worker_id=_str, rank=_u64, world_size=_u64)
+_spec(m.Reject, JOIN, worker_id=_str, reason=_str)
+
+CONTROL_TYPES: Final = frozenset(s.name for s in _BY_NAME.values() if s.channel == CONTROL)
+UPSTREAM_TYPES: Final = frozenset(s.name for s in _BY_NAME.values() if s.channel == UPSTREAM)
+JOIN_TYPES: Final = frozenset(s.name for s in _BY_NAME.values() if s.channel == JOIN)
+
+
+# ------------------------------------------------------------------------ public API
+
+
+def type_name(msg: object) -> str:
+    """The wire ``type`` of a message (``WireUpdate`` travels as ``Update``)."""
+    try:
+        return _BY_CLASS[type(msg)].name
+    except KeyError:
+        raise TypeError(f"{type(msg).__name__} has no wire form") from None
+
+
+def channel_of(type_name_: str) -> str | None:
+    spec = _BY_NAME.get(type_name_)
+    return spec.channel if spec else None
+
+
+def to_map(msg: object) -> dict[str, Any]:
+    """The msgpack-ready map of a message (also what the recorder logs)."""
+    try:
+        spec = _BY_CLASS[type(msg)]
+    except KeyError:
+        raise TypeError(
+            f"{type(msg).__name__} has no wire form (in-process Update travels as WireUpdate)"
+        ) from None
+    out: dict[str, Any] = {"v": SCHEMA_VERSION, "type": spec.name}
+    for name, enc, _ in spec.fields:
+        value = getattr(msg, name)
+        out[name] = value if enc is None else enc(value)
+    return out
+
+
+def encode(msg: object) -> bytes:
+    """Message -> msgpack body."""
+    return msgpack.packb(to_map(msg), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def from_map(data: Any, channel: str | None = None) -> Any:
+    """Validated map -> message. Raises ``DecodeError`` on anything malformed."""
+    if type(data) is not dict:
+        raise DecodeError(f"body: expected a map, got {type(data).__name__}")
+    version = data.get("v")
+    if version != SCHEMA_VERSION or type(version) is not int:
+        raise DecodeError(f"body: unsupported schema version {version!r} (want {SCHEMA_VERSION})")
+    name = data.get("type")
+    spec = _BY_NAME.get(name) if type(name) is str else None
+    if spec is None:
+        raise DecodeError(f"body: unknown message type {name!r}")
+    if channel is not None and spec.channel != channel:
+        raise DecodeError(f"body: {name} is a {spec.channel} message, not {channel}")
+    for k in data:
+        if k not in spec.allowed:
+            raise DecodeError(f"{name}: unknown field {k!r}")
+    kwargs: dict[str, Any] = {}
+    for fname, _, dec in spec.fields:
+        if fname in data:
+            kwargs[fname] = dec(data[fname], f"{name}.{fname}")
+        elif fname in spec.required:
+            raise DecodeError(f"{name}: missing field {fname!r}")
+    return spec.cls(**kwargs)
+
+
+def decode(body: bytes, channel: str | None = None) -> Any:
+    """msgpack body -> message, optionally requiring a channel (control/upstream/join)."""
+    if type(body) is not bytes:
+        raise DecodeError(f"body: expected bytes, got {type(body).__name__}")
+    if len(body) > MAX_BODY_BYTES:
+        raise DecodeError(f"body: {len(body)} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    try:
+        data = msgpack.unpackb(
+            body,
+            raw=False,
+            use_list=False,
+            strict_map_key=True,
+            max_str_len=MAX_STR_LEN,
+            max_bin_len=MAX_BIN_LEN,
+            max_array_len=MAX_ARRAY_LEN,
+            max_map_len=MAX_MAP_LEN,
+            max_ext_len=0,
+        )
+    except Exception as exc:
+        raise DecodeError(f"body: not valid msgpack ({type(exc).__name__}: {exc})") from None
+    try:
+        return from_map(data, channel)
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise DecodeError(f"body: malformed ({type(exc).__name__}: {exc})") from None
+
+
+def decode_control(body: bytes) -> m.ControlWire:
+    return decode(body, CONTROL)  # type: ignore[no-any-return]
+
+
+def decode_upstream(body: bytes) -> m.UpstreamMsg:
+    return decode(body, UPSTREAM)  # type: ignore[no-any-return]
+
+
+def decode_join(body: bytes) -> m.JoinMsg:
+    return decode(body, JOIN)  # type: ignore[no-any-return]
+
+
+def control_wire_to_msg(wire: m.ControlWire) -> m.ControlMsg | None:
+    """Seed 004's rule: which wire control messages reach ``WorkerControl``.
+
+    ``CoordHeartbeat`` only resets the rank's coordinator-liveness clock and
+    ``WireUpdate`` is informational (its ``next_plan`` is turned into a ``StartEpoch``
+    by the reader, and the real ``Update`` comes from the param plane), so both map
+    to None. Everything else reaches the core unchanged.
+    """
+    if isinstance(wire, (m.CoordHeartbeat, m.WireUpdate)):
+        return None
+    return wire

@@ -1,0 +1,61 @@
+"""Shared fixtures: a real redis-server per test session, and fakeredis."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import fakeredis
+import pytest
+import redis
+
+from flodl_bus.bus.server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer | None]:
+    """A real redis-server on a free port for the whole session (None if REDIS_URL)."""
+    if os.environ.get("REDIS_URL"):
+        yield None
+        return
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer | None) -> str:
+    if redis_server is None:
+        return os.environ["REDIS_URL"]
+    return redis_server.url
+
+
+@pytest.fixture
+def real_redis(redis_url: str) -> Iterator[redis.Redis]:
+    """A client on the session's real server, flushed before each test."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=10)
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def fake_redis() -> Iterator[fakeredis.FakeRedis]:
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(params=["fakeredis", "redis-server"])
+def any_redis(request: pytest.FixtureRequest) -> redis.Redis:
+    """Run a transport test against both fakeredis and a real redis-server."""
+    if request.param == "fakeredis":
+        return request.getfixturevalue("fake_redis")  # type: ignore[no-any-return]
+    return request.getfixturevalue("real_redis")  # type: ignore[no-any-return]
