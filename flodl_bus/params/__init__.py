@@ -1,0 +1,1 @@
+"""The parameter plane: rendezvous store, collectives, averaging, pinned staging."""
