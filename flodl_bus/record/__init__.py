@@ -1,0 +1,1 @@
+"""Recording every dispatch (structlog, JSON lines) and replaying it."""

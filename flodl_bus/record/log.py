@@ -1,0 +1,139 @@
+"""structlog set up once per process: a readable console and a fast JSONL record.
+
+Two sinks, deliberately separate:
+
+* the console logger (global structlog config) is for people: key=value lines on stderr;
+* a ``Recorder`` is the durable record of one process (``runs/<run>/<role>.jsonl``): a
+  structlog logger wrapped around a ``BytesLogger`` with orjson, no stdlib ``logging`` on
+  the hot path, one line per event.
+
+Secrets never reach either sink: the ``redact`` processor masks them by key and strips
+credentials out of URLs.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import sys
+import threading
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+import structlog
+
+_SECRET_KEYS = frozenset({"secret", "password", "passwd", "token", "run_secret", "mac_key"})
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z]+://)(?P<cred>[^@/\s]+)@")
+_configured = False
+_lock = threading.Lock()
+
+
+def redact_url(url: str) -> str:
+    """``redis://user:pw@host`` -> ``redis://***@host``."""
+    return _URL_CREDENTIALS.sub(r"\g<scheme>***@", url)
+
+
+def redact(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key in list(event):
+        lowered = key.lower()
+        if lowered in _SECRET_KEYS or lowered.endswith("_secret") or lowered.endswith("password"):
+            event[key] = "***"
+        else:
+            value = event[key]
+            if isinstance(value, str) and "://" in value:
+                event[key] = redact_url(value)
+    return event
+
+
+def configure_console(level: str = "info") -> None:
+    """Human-readable structured logs on stderr. Idempotent; cheap when filtered out."""
+    global _configured
+    with _lock:
+        if _configured:
+            return
+        structlog.configure(
+            processors=[
+                structlog.contextvars.merge_contextvars,
+                structlog.processors.add_log_level,
+                structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
+                redact,
+                structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+            ],
+            wrapper_class=structlog.make_filtering_bound_logger(level),
+            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            cache_logger_on_first_use=True,
+        )
+        _configured = True
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, bytes):
+        return {"$b": base64.b64encode(obj).decode()}
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"cannot record {type(obj).__name__}")
+
+
+def _dumps(event: Mapping[str, Any], **_kw: Any) -> bytes:
+    return orjson.dumps(event, default=_default, option=orjson.OPT_NON_STR_KEYS)
+
+
+def unjson(value: Any) -> Any:
+    """Inverse of the record's encoding: ``{"$b": ...}`` back to bytes, lists to tuples."""
+    if isinstance(value, dict):
+        if len(value) == 1 and "$b" in value:
+            return base64.b64decode(value["$b"])
+        return {k: unjson(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return tuple(unjson(v) for v in value)
+    return value
+
+
+class Recorder:
+    """Appends one JSON object per line to ``path``. Thread-safe; flushed on close."""
+
+    def __init__(self, path: str | Path, **context: Any) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[bytes] = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
+        self._write_lock = threading.Lock()
+        self._log = structlog.wrap_logger(
+            structlog.BytesLogger(self._file),
+            processors=[redact, structlog.processors.JSONRenderer(serializer=_dumps)],
+            context_class=dict,
+        ).bind(**context)
+
+    def record(self, event: str, **fields: Any) -> None:
+        with self._write_lock:
+            self._log.msg(event, **fields)
+
+    def flush(self) -> None:
+        with self._write_lock:
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._write_lock:
+            if not self._file.closed:
+                self._file.flush()
+                self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a JSONL file; a torn last line (crash mid-write) is skipped."""
+    out: list[dict[str, Any]] = []
+    with open(path, "rb") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                continue
+    return out
