@@ -36,10 +36,17 @@ UPSTREAM: Final = "upstream"
 JOIN: Final = "join"
 
 
+#: A reason quotes offending values (a type name, a field name); a hostile entry must not
+#: turn that into a 64 KiB dead-letter record or log line.
+MAX_REASON_CHARS: Final = 200
+
+
 class DecodeError(ValueError):
     """A body that cannot become a message. ``reason`` is short and safe to log."""
 
     def __init__(self, reason: str) -> None:
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[: MAX_REASON_CHARS - 3] + "..."
         super().__init__(reason)
         self.reason = reason
 
@@ -100,11 +107,43 @@ def _array(v: Any, path: str) -> tuple[Any, ...]:
     return v  # type: ignore[no-any-return]
 
 
+# Composite decoders run a fast pass that hands children the parent's path (formatting a
+# path per item was most of the decode cost). Decoders are pure, so when the fast pass
+# fails, a second pass with exact per-item paths fails at the same item and names it.
+
+
 def _tuple_of(inner: Decoder) -> Decoder:
+    def exact(t: tuple[Any, ...], path: str) -> tuple[Any, ...]:
+        return tuple(inner(x, f"{path}[{i}]") for i, x in enumerate(t))
+
     def dec(v: Any, path: str) -> tuple[Any, ...]:
-        return tuple(inner(x, f"{path}[{i}]") for i, x in enumerate(_array(v, path)))
+        t = _array(v, path)
+        try:
+            return tuple([inner(x, path) for x in t])
+        except DecodeError:
+            return exact(t, path)
 
     return dec
+
+
+def _u64s(v: Any, path: str) -> tuple[int, ...]:
+    t = _array(v, path)
+    for x in t:
+        if type(x) is not int or x < 0 or x >= _U64_LIMIT:
+            break
+    else:
+        return t
+    return tuple(_u64(x, f"{path}[{i}]") for i, x in enumerate(t))
+
+
+def _f64s(v: Any, path: str) -> tuple[float, ...]:
+    t = _array(v, path)
+    for x in t:
+        if type(x) is not float:
+            break
+    else:
+        return t
+    return tuple(_f64(x, f"{path}[{i}]") for i, x in enumerate(t))
 
 
 def _pair(a: Decoder, b: Decoder) -> Decoder:
@@ -112,19 +151,39 @@ def _pair(a: Decoder, b: Decoder) -> Decoder:
         t = _array(v, path)
         if len(t) != 2:
             raise DecodeError(f"{path}: expected a pair, got {len(t)} items")
-        return (a(t[0], f"{path}[0]"), b(t[1], f"{path}[1]"))
+        try:
+            return (a(t[0], path), b(t[1], path))
+        except DecodeError:
+            return (a(t[0], f"{path}[0]"), b(t[1], f"{path}[1]"))
 
     return dec
 
 
+_exact_u64_pair = _pair(_u64, _u64)
+
+
+def _u64_pair(v: Any, path: str) -> tuple[int, int]:
+    if type(v) is tuple and len(v) == 2:
+        a, b = v
+        if type(a) is int and type(b) is int and 0 <= a < _U64_LIMIT and 0 <= b < _U64_LIMIT:
+            return v  # type: ignore[no-any-return]
+    return _exact_u64_pair(v, path)  # type: ignore[no-any-return]
+
+
 def _map_of(value: Decoder) -> Decoder:
+    def exact(v: dict[Any, Any], path: str) -> dict[str, Any]:
+        return {_str(k, f"{path} key"): value(x, f"{path}[{k!r}]") for k, x in v.items()}
+
     def dec(v: Any, path: str) -> dict[str, Any]:
         if type(v) is not dict:
             raise DecodeError(f"{path}: expected a map, got {type(v).__name__}")
-        out: dict[str, Any] = {}
-        for k, x in v.items():
-            out[_str(k, f"{path} key")] = value(x, f"{path}[{k!r}]")
-        return out
+        for k in v:
+            if type(k) is not str:
+                return exact(v, path)
+        try:
+            return {k: value(x, path) for k, x in v.items()}
+        except DecodeError:
+            return exact(v, path)
 
     return dec
 
@@ -135,16 +194,22 @@ def _record(cls: type, decoders: Mapping[str, Decoder]) -> Decoder:
         f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
     }
 
+    allowed = frozenset(decoders)
+
     def dec(v: Any, path: str) -> Any:
         if type(v) is not dict:
             raise DecodeError(f"{path}: expected a map, got {type(v).__name__}")
-        for k in v:
-            if k not in decoders:
-                raise DecodeError(f"{path}: unknown field {k!r}")
+        if not allowed.issuperset(v):
+            unknown = next(k for k in v if k not in allowed)
+            raise DecodeError(f"{path}: unknown field {unknown!r}")
         missing = required.difference(v)
         if missing:
             raise DecodeError(f"{path}: missing field {sorted(missing)[0]!r}")
-        return cls(**{k: decoders[k](x, f"{path}.{k}") for k, x in v.items()})
+        try:
+            kwargs = {k: decoders[k](x, path) for k, x in v.items()}
+        except DecodeError:
+            kwargs = {k: decoders[k](x, f"{path}.{k}") for k, x in v.items()}
+        return cls(**kwargs)
 
     return dec
 
@@ -159,11 +224,15 @@ def _target(v: Any, path: str) -> int:
     return rank
 
 
+# Built once: an enum lookup per decode cost more than the rest of ShutdownWithSave.
+_REASON_OF_BYTE: Final = tuple(m.SaveReason.from_byte(b) for b in range(256))
+
+
 def _save_reason(v: Any, path: str) -> m.SaveReason:
     byte = _u64(v, path)
     if byte > 255:
         raise DecodeError(f"{path}: SaveReason must be one byte, got {byte}")
-    return m.SaveReason.from_byte(byte)
+    return _REASON_OF_BYTE[byte]
 
 
 _INTENTS = {k.value: k for k in m.IntentKind}
@@ -179,8 +248,6 @@ def _intent(v: Any, path: str) -> m.IntentKind:
 _opt_f64 = _optional(_f64)
 _opt_str = _optional(_str)
 _opt_u64 = _optional(_u64)
-_u64s = _tuple_of(_u64)
-_f64s = _tuple_of(_f64)
 
 _plan = _record(
     m.EpochPlan,
@@ -205,7 +272,7 @@ _epoch_metrics = _record(
         "per_rank_samples": _u64s,
     },
 )
-_segments = _tuple_of(_pair(_u64, _tuple_of(_pair(_u64, _u64))))
+_segments = _tuple_of(_pair(_u64, _tuple_of(_u64_pair)))
 _scalar_sums = _map_of(_pair(_f64, _u64))
 
 
@@ -258,6 +325,8 @@ class _Spec:
     fields: tuple[tuple[str, Encoder | None, Decoder], ...]
     required: frozenset[str]
     allowed: frozenset[str]
+    #: (field, error path, decoder), paths formatted once here rather than per decode
+    decoders: tuple[tuple[str, str, Decoder], ...]
 
 
 _BY_NAME: dict[str, _Spec] = {}
@@ -275,6 +344,10 @@ def _spec(cls: type, channel: str, name: str | None = None, **decoders: Decoder)
     }
     for f in ("target_rank",):
         encoders[f] = _enc_target
+    # A field name alone does not fix its encoding: Reject.reason is free text, only
+    # ShutdownWithSave.reason is a SaveReason byte.
+    if decoders.get("reason") is not _save_reason:
+        del encoders["reason"]
     declared = {f.name: f for f in fields(cls)}
     if set(declared) != set(decoders):
         raise AssertionError(
@@ -290,6 +363,7 @@ def _spec(cls: type, channel: str, name: str | None = None, **decoders: Decoder)
         fields=tuple((n, encoders.get(n), decoders[n]) for n in declared),
         required=required,
         allowed=frozenset(declared) | {"v", "type"},
+        decoders=tuple((n, f"{name or cls.__name__}.{n}", decoders[n]) for n in declared),
     )
     _BY_NAME[spec.name] = spec
     _BY_CLASS[cls] = spec
@@ -439,7 +513,7 @@ def from_map(data: Any, channel: str | None = None) -> Any:
     if type(data) is not dict:
         raise DecodeError(f"body: expected a map, got {type(data).__name__}")
     version = data.get("v")
-    if version != SCHEMA_VERSION or type(version) is not int:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise DecodeError(f"body: unsupported schema version {version!r} (want {SCHEMA_VERSION})")
     name = data.get("type")
     spec = _BY_NAME.get(name) if type(name) is str else None
@@ -447,13 +521,13 @@ def from_map(data: Any, channel: str | None = None) -> Any:
         raise DecodeError(f"body: unknown message type {name!r}")
     if channel is not None and spec.channel != channel:
         raise DecodeError(f"body: {name} is a {spec.channel} message, not {channel}")
-    for k in data:
-        if k not in spec.allowed:
-            raise DecodeError(f"{name}: unknown field {k!r}")
+    if not spec.allowed.issuperset(data):
+        unknown = next(k for k in data if k not in spec.allowed)
+        raise DecodeError(f"{name}: unknown field {unknown!r}")
     kwargs: dict[str, Any] = {}
-    for fname, _, dec in spec.fields:
+    for fname, path, dec in spec.decoders:
         if fname in data:
-            kwargs[fname] = dec(data[fname], f"{name}.{fname}")
+            kwargs[fname] = dec(data[fname], path)
         elif fname in spec.required:
             raise DecodeError(f"{name}: missing field {fname!r}")
     return spec.cls(**kwargs)

@@ -1,0 +1,201 @@
+"""``flodl-bus bench codec``: what the wire costs per message, beside plain msgpack.
+
+For each wire variant the same map is timed two ways in the same run: through
+``wire.encode`` / ``wire.decode_*`` (named fields, schema version, full validation) and
+through bare ``msgpack.packb`` / ``msgpack.unpackb`` (the floor no codec can beat). The
+figure that matters is the ratio; absolute times depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+
+from flodl_bus.protocol import messages as m
+from flodl_bus.protocol import wire
+
+_NCCL_UID = bytes(range(128))  # an NCCL unique id is 128 bytes
+
+
+def sample_messages() -> dict[str, object]:
+    """One realistic message per wire type (4 ranks where a message is per-rank).
+
+    The tests reuse these as the valid corpus the fuzz loop mutates, so every field,
+    including optional and nested ones, is populated here.
+    """
+    plan = m.EpochPlan(epoch=3, partition_offset=1024, partition_size=512)
+    metrics = m.EpochMetrics(
+        epoch=3,
+        avg_loss=0.4213,
+        epoch_ms=5321.5,
+        scalars={"accuracy": 0.91, "grad_norm": 1.7},
+        per_rank=tuple({"accuracy": 0.9 + r / 100, "grad_norm": 1.5 + r} for r in range(4)),
+        per_rank_throughput=(101.5, 99.0, 97.25, 50.0),
+        per_rank_batch_share=(0.27, 0.26, 0.26, 0.21),
+        per_rank_share_complete_ms=(5100.0, 5200.0, 5250.0, 5321.5),
+        per_rank_compute_only_ms=(4800.0, 4850.0, 4900.0, 5000.0),
+        per_rank_data_starve_ms=(12.0, 15.5, 9.0, 30.25),
+        device_indices=(0, 1, 2, 3),
+        per_rank_loss=(0.41, 0.42, None, 0.43),
+        per_rank_samples=(4096, 4000, 3968, 3200),
+    )
+    msgs: list[object] = [
+        m.RequestParams(),
+        m.WireUpdate(version=17, next_plan=plan),
+        m.StageAdvisory(
+            counts=(120, 118, 121, 60),
+            segments=((3, ((0, 512), (2048, 256))), (4, ((512, 512),))),
+        ),
+        m.SyncNow(),
+        m.StartEpoch(plan=plan),
+        m.DeclareDead(rank=2),
+        m.NewNcclSession(uid_bytes=_NCCL_UID, new_rank=1, new_world_size=3),
+        m.RequestNewNcclId(),
+        m.ShutdownWithSave(reason=m.SaveReason.REDUCE_STALL),
+        m.ExtendPartition(partition_offset=4096, partition_size=256),
+        m.Throttle(),
+        m.SetGlobalStep(global_step=123_456),
+        m.Checkpoint(version=9, target_rank=0),
+        m.ExecuteEvalCallback(schedule_id=4, epoch=3, target_rank=1, adopt_consensus=True),
+        m.ArmConsensusEval(schedule_id=4, epoch=3, target_rank=1),
+        m.SetEpochCallbackRole(rank=0),
+        m.Shutdown(),
+        m.EpochAggregated(metrics=metrics),
+        m.EvalBroadcast(epoch=3, metric=0.9375),
+        m.SaveConsensusModel(target_rank=0),
+        m.CoordHeartbeat(),
+        m.Batch(
+            rank=1,
+            batch_ms=12.5,
+            data_ms=0.75,
+            step_count=4321,
+            batch_loss=0.3875,
+            param_norm=41.25,
+            sync_divergence=0.0125,
+        ),
+        m.SyncAck(rank=1, step_count=4321, divergence=0.01, post_norm=41.0, pre_norm=41.5),
+        m.Exiting(rank=1),
+        m.LrUpdate(rank=1, lr=0.0003),
+        m.Heartbeat(rank=1, step_count=4321),
+        m.Intent(rank=1, kind=m.IntentKind.CHECKPOINT_NOW),
+        m.SnapshotReady(rank=1),
+        m.NewNcclIdGenerated(rank=0, uid_bytes=_NCCL_UID),
+        m.EvalResult(
+            rank=1, schedule_id=4, epoch=3, metric=0.9375, elapsed_ms=812.5, error="eval oom"
+        ),
+        m.CheckpointResult(rank=0, version=9, elapsed_ms=230.0, error=None),
+        m.EpochFnElapsed(rank=0, epoch=3, elapsed_ms=15.5),
+        m.MetricsMsg(
+            rank=1,
+            epoch=3,
+            avg_loss=0.42,
+            batches_processed=128,
+            epoch_ms=5200.0,
+            samples_processed=4096,
+            share_complete_ms=5200.0,
+            compute_only_ms=4850.0,
+            data_starve_ms=15.5,
+            scalars={"accuracy": (115.2, 128), "grad_norm": (217.6, 128)},
+        ),
+        m.Hello(
+            worker_id="host-a:4121",
+            host="host-a",
+            dataset_sig="3f2a9c0e1b7d4a55",
+            device="cuda:0",
+            requested_rank=1,
+        ),
+        m.Assign(worker_id="host-a:4121", rank=1, world_size=4),
+        m.Reject(worker_id="host-b:77", reason="dataset signature 9e0c... != 3f2a..."),
+    ]
+    return {wire.type_name(msg): msg for msg in msgs}
+
+
+_DECODERS: dict[str, Callable[[bytes], Any]] = {
+    wire.CONTROL: wire.decode_control,
+    wire.UPSTREAM: wire.decode_upstream,
+    wire.JOIN: wire.decode_join,
+}
+
+
+def _per_call_ns(fn: Callable[[Any], Any], arg: Any, iterations: int) -> float:
+    clock = time.perf_counter_ns
+    start = clock()
+    for _ in range(iterations):
+        fn(arg)
+    return (clock() - start) / iterations
+
+
+def measure(msg: object, iterations: int, repeats: int) -> dict[str, float]:
+    """Median ns per call of wire encode/decode and the msgpack floor on the same map."""
+    body = wire.encode(msg)
+    as_map = wire.to_map(msg)
+    channel = wire.channel_of(wire.type_name(msg))
+    assert channel is not None
+    decode = _DECODERS[channel]
+    samples: dict[str, list[float]] = {"enc": [], "dec": [], "pack": [], "unpack": []}
+    # Interleave the four within each repeat so load from other processes hits all alike.
+    for _ in range(repeats):
+        samples["enc"].append(_per_call_ns(wire.encode, msg, iterations))
+        samples["pack"].append(_per_call_ns(msgpack.packb, as_map, iterations))
+        samples["dec"].append(_per_call_ns(decode, body, iterations))
+        samples["unpack"].append(_per_call_ns(msgpack.unpackb, body, iterations))
+    out = {k: statistics.median(v) for k, v in samples.items()}
+    out["bytes"] = float(len(body))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="flodl-bus bench codec",
+        description="Median encode/decode ns per message vs plain msgpack on the same map.",
+    )
+    parser.add_argument("--iterations", type=int, default=2000, help="calls per repeat")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats (median is taken)")
+    parser.add_argument("--only", nargs="*", default=None, help="wire type names to run")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.iterations < 1 or args.repeats < 1:
+        parser.error("--iterations and --repeats must be at least 1")
+
+    samples = sample_messages()
+    names = list(samples) if not args.only else args.only
+    unknown = [n for n in names if n not in samples]
+    if unknown:
+        parser.error(f"unknown wire type(s): {', '.join(unknown)}")
+
+    print(
+        f"codec bench: {args.iterations} iterations x {args.repeats} repeats, "
+        "median ns per message; floor = msgpack.packb/unpackb of the same map"
+    )
+    header = (
+        f"{'type':<22}{'bytes':>6}  {'encode':>8}{'packb':>8}{'ratio':>7}"
+        f"  {'decode':>8}{'unpackb':>8}{'ratio':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    enc_ratios: list[float] = []
+    dec_ratios: list[float] = []
+    for name in names:
+        r = measure(samples[name], args.iterations, args.repeats)
+        enc_ratio = r["enc"] / r["pack"]
+        dec_ratio = r["dec"] / r["unpack"]
+        enc_ratios.append(enc_ratio)
+        dec_ratios.append(dec_ratio)
+        print(
+            f"{name:<22}{int(r['bytes']):>6}  {r['enc']:>8.0f}{r['pack']:>8.0f}{enc_ratio:>6.1f}x"
+            f"  {r['dec']:>8.0f}{r['unpack']:>8.0f}{dec_ratio:>6.1f}x"
+        )
+    print(
+        f"summary: {len(names)} variants; median ratio vs msgpack: "
+        f"encode {statistics.median(enc_ratios):.2f}x (max {max(enc_ratios):.2f}x), "
+        f"decode {statistics.median(dec_ratios):.2f}x (max {max(dec_ratios):.2f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
