@@ -1,0 +1,452 @@
+"""``WorkerControl``: a rank's control-message state machine (seed 000, reference §3.5).
+
+Sans-IO in the h11 manner: every rule of the rank's protocol lives in this file and
+nowhere else. ``dispatch(msg)`` takes one decoded control message and returns a
+``Dispatched`` (upstream messages to publish, whether to stop, whether the rank is now
+throttled). Parameters are reached only through the injected ``ParamPort``; checkpoint,
+eval and save through ``ModelPort``; elapsed times through an injected ``clock``. No
+thread, socket, queue or ``time`` call lives here, so replaying the same messages against
+ports that answer from the record reproduces every decision.
+
+The blocking parts of flodl's state machine (the Throttle receive loop, waiting for a
+plan, draining at teardown) are expressed as state here (``throttled``,
+``pending_plan``) and driven by ``worker.loop``, which owns the queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import structlog
+
+from flodl_bus.params.port import ParamPort
+from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
+from flodl_bus.protocol.messages import (
+    ArmConsensusEval,
+    Batch,
+    Checkpoint,
+    CheckpointResult,
+    ControlMsg,
+    DeclareDead,
+    EpochAggregated,
+    EpochMetrics,
+    EpochPlan,
+    EvalBroadcast,
+    EvalResult,
+    ExecuteEvalCallback,
+    ExtendPartition,
+    LrUpdate,
+    NewNcclSession,
+    RequestNewNcclId,
+    RequestParams,
+    SaveConsensusModel,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+    Shutdown,
+    ShutdownWithSave,
+    StageAdvisory,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    Update,
+    UpstreamMsg,
+)
+from flodl_bus.worker.ports import ModelPort, Stager
+
+#: A Batch carries the L2 norm of the parameters when ``steps_since_avg`` is a multiple of
+#: this (flodl: every 10th step), so the coordinator sees drift without a norm per step.
+PARAM_NORM_EVERY: Final = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatched:
+    """What the runtime must do after one dispatch.
+
+    ``throttled`` is the state *after* the dispatch: while it is True the runtime must
+    block on its control queue and keep feeding ``dispatch`` (flodl's nested Throttle
+    receive loop), because a throttled rank must not train.
+    """
+
+    upstream: tuple[UpstreamMsg, ...] = ()
+    stop: bool = False
+    throttled: bool = False
+
+
+_NOTHING: Final = Dispatched()
+_STOP: Final = Dispatched(stop=True)
+
+
+class WorkerControl:
+    """One rank's protocol state and every rule that changes it."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        params: ParamPort,
+        batch_size: int,
+        pick_space: int,
+        clock: Callable[[], float],
+        model: ModelPort | None = None,
+        stager: Stager | None = None,
+        seed: int = SHUFFLE_BASE_SEED,
+        splits: int = 1,
+        logger: Any = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.rank = rank
+        self.params = params
+        self.model = model
+        self.stager = stager
+        self.batch_size = batch_size
+        self.pick_space = pick_space
+        self.seed = seed
+        self.splits = splits
+        self._clock = clock
+        self._log = logger if logger is not None else structlog.get_logger("flodl_bus.worker")
+
+        # Step accounting (reference §3.8).
+        self.local_step = 0
+        self.steps_since_avg = 0
+        self.steps_at_snapshot = 0
+        self.global_step = 0
+        self.current_version = 0
+
+        # The plan being trained and its expanded picks (grown by ExtendPartition).
+        self.current_epoch = 0
+        self.partition: list[int] = []
+        #: single-slot mailbox: one chunk in flight (reference §3.9)
+        self.pending_plan: EpochPlan | None = None
+        self.throttled = False
+
+        # Stored for the user / the main loop.
+        self.epoch_callback_role: int | None = None
+        self.aggregated_metrics: EpochMetrics | None = None
+        self.last_eval_broadcast: tuple[int, float] | None = None
+        self.pending_consensus_eval: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------------ dispatch
+
+    def dispatch(self, msg: ControlMsg) -> Dispatched:
+        """Apply one control message. Exceptions from the ports propagate (a failed
+        collective or a mismatched average is fatal to the rank, as in flodl)."""
+        if self.throttled:
+            return self._dispatch_throttled(msg)
+        if isinstance(msg, Throttle):
+            # Entering: the runtime now blocks and feeds us until a release.
+            self.throttled = True
+            return Dispatched(throttled=True)
+        return self._dispatch(msg)
+
+    def _dispatch_throttled(self, msg: ControlMsg) -> Dispatched:
+        # Throttle never nests. Everything else is serviced, so the reduce that will
+        # release us (RequestParams, a StartEpoch for the next chunk) can complete; only
+        # the end of an averaging round or a shutdown lets the rank train again.
+        if isinstance(msg, Throttle):
+            return Dispatched(throttled=True)
+        out = self._dispatch(msg)
+        if out.stop or isinstance(msg, (SyncNow, Update, Shutdown)):
+            self.throttled = False
+            return Dispatched(upstream=out.upstream, stop=out.stop, throttled=False)
+        return Dispatched(upstream=out.upstream, stop=False, throttled=True)
+
+    def channel_closed(self) -> Dispatched:
+        """The control channel is gone (reader dead): nothing can release us any more."""
+        self.throttled = False
+        return _STOP
+
+    def _dispatch(self, msg: ControlMsg) -> Dispatched:
+        if isinstance(msg, RequestParams):
+            # The matching Update subtracts exactly what this snapshot ships, so steps
+            # taken during the round trip keep their mass for the next round.
+            self.steps_at_snapshot = self.steps_since_avg
+            self.params.snapshot(self.steps_since_avg)
+            return _NOTHING
+
+        if isinstance(msg, Update):
+            self.params.load_averaged(msg.avg)
+            # Subtract, never zero: cpu-async overshoot steps survive the blend. The
+            # marker reset makes a duplicate Update subtract 0.
+            self.steps_since_avg = max(0, self.steps_since_avg - self.steps_at_snapshot)
+            self.steps_at_snapshot = 0
+            self.current_version = msg.avg.version
+            return _NOTHING
+
+        if isinstance(msg, SyncNow):
+            result = self.params.sync_now(self.steps_since_avg)
+            # The collective is synchronous: nothing stepped meanwhile, zero is exact.
+            self.steps_since_avg = 0
+            self.steps_at_snapshot = 0
+            # A SyncAck (never a Batch: a Batch would add a phantom step to the global
+            # step and run the LR schedule early) with a bumped step so the coordinator's
+            # `step_count > snapshot` ack rule holds even when no batch follows.
+            self.local_step += 1
+            ack = SyncAck(
+                rank=self.rank,
+                step_count=self.local_step,
+                divergence=result.divergence,
+                post_norm=result.post_norm,
+                pre_norm=result.pre_norm,
+            )
+            return Dispatched(upstream=(ack,))
+
+        if isinstance(msg, StartEpoch):
+            old = self.pending_plan
+            if old is not None:
+                # Overwriting an unconsumed plan strands a chunk the coordinator counts as
+                # in flight, wedging its reduce gate. Make it loud; keep the newer plan
+                # because the coordinator's bookkeeping tracks the newest dispatch.
+                self._log.error(
+                    "one_chunk_in_flight_violated",
+                    rank=self.rank,
+                    dropped_plan=_plan_fields(old),
+                    kept_plan=_plan_fields(msg.plan),
+                    detail="StartEpoch overwrote an unconsumed plan; a chunk was dropped",
+                )
+            self.pending_plan = msg.plan
+            return _NOTHING
+
+        if isinstance(msg, ExtendPartition):
+            # Same epoch, seed, pick space and splits as the plan's own expansion, so the
+            # appended picks line up with every other rank's view of the permutation.
+            self.partition.extend(
+                make_partition(
+                    msg.partition_offset,
+                    msg.partition_size,
+                    self.pick_space,
+                    self.current_epoch,
+                    self.seed,
+                    self.splits,
+                )
+            )
+            return _NOTHING
+
+        if isinstance(msg, (DeclareDead, NewNcclSession, RequestNewNcclId)):
+            # The runtime's reader consumes these; one that slips through has nothing to
+            # act on here.
+            return _NOTHING
+
+        if isinstance(msg, ShutdownWithSave):
+            self._save_bundle(msg)
+            return _STOP
+
+        if isinstance(msg, SetGlobalStep):
+            self.global_step = msg.global_step
+            return _NOTHING
+
+        if isinstance(msg, Checkpoint):
+            if msg.target_rank != self.rank:
+                return _NOTHING
+            return Dispatched(upstream=(self._checkpoint(msg.version),))
+
+        if isinstance(msg, ExecuteEvalCallback):
+            if msg.target_rank != self.rank or self.model is None or not self.model.has_eval_fn:
+                # Not the evaluator, or a rank without an eval callback: silent no-op.
+                return _NOTHING
+            return Dispatched(upstream=(self._evaluate(msg),))
+
+        if isinstance(msg, ArmConsensusEval):
+            if msg.target_rank == self.rank:
+                self.pending_consensus_eval = (msg.schedule_id, msg.epoch)
+            return _NOTHING
+
+        if isinstance(msg, SetEpochCallbackRole):
+            self.epoch_callback_role = msg.rank
+            return _NOTHING
+
+        if isinstance(msg, Shutdown):
+            return _STOP
+
+        if isinstance(msg, EpochAggregated):
+            self.aggregated_metrics = msg.metrics
+            return _NOTHING
+
+        if isinstance(msg, EvalBroadcast):
+            self.last_eval_broadcast = (msg.epoch, msg.metric)
+            return _NOTHING
+
+        if isinstance(msg, SaveConsensusModel):
+            if msg.target_rank == self.rank:
+                self._save_consensus()
+            return _NOTHING
+
+        if isinstance(msg, StageAdvisory):
+            if self.stager is not None:
+                self.stager.advise(msg)
+            return _NOTHING
+
+        raise TypeError(f"not a control message: {type(msg).__name__}")
+
+    # ------------------------------------------------------------- plan and steps
+
+    def take_pending_plan(self) -> EpochPlan | None:
+        plan, self.pending_plan = self.pending_plan, None
+        return plan
+
+    def begin_plan(self, plan: EpochPlan) -> list[int]:
+        """Expand ``plan`` into this rank's picks; ExtendPartition appends to them."""
+        self.current_epoch = plan.epoch
+        self.partition = make_partition(
+            plan.partition_offset,
+            plan.partition_size,
+            self.pick_space,
+            plan.epoch,
+            self.seed,
+            self.splits,
+        )
+        return self.partition
+
+    @property
+    def num_batches(self) -> int:
+        """Full batches in the live partition; re-read every iteration (ExtendPartition)."""
+        return len(self.partition) // self.batch_size
+
+    def batch_picks(self, index: int) -> list[int]:
+        bs = self.batch_size
+        return self.partition[index * bs : (index + 1) * bs]
+
+    @property
+    def lr_position(self) -> int:
+        """Where every rank's identical LR schedule is read (reference §3.13)."""
+        return self.global_step + self.steps_since_avg
+
+    def step_done(
+        self, batch_loss: float, batch_ms: float, data_ms: float, lr: float
+    ) -> tuple[Batch, LrUpdate]:
+        """Account one optimizer step and build its two reports."""
+        self.local_step += 1
+        self.steps_since_avg += 1
+        norm = self.params.param_norm() if self.steps_since_avg % PARAM_NORM_EVERY == 0 else None
+        return (
+            Batch(
+                rank=self.rank,
+                batch_ms=batch_ms,
+                data_ms=data_ms,
+                step_count=self.local_step,
+                batch_loss=batch_loss,
+                param_norm=norm,
+            ),
+            LrUpdate(rank=self.rank, lr=lr),
+        )
+
+    def state(self) -> dict[str, Any]:
+        """The fields a recorder logs before/after a dispatch."""
+        return {
+            "local_step": self.local_step,
+            "steps_since_avg": self.steps_since_avg,
+            "steps_at_snapshot": self.steps_at_snapshot,
+            "global_step": self.global_step,
+            "current_version": self.current_version,
+            "current_epoch": self.current_epoch,
+            "partition_len": len(self.partition),
+            "pending_plan": None if self.pending_plan is None else _plan_fields(self.pending_plan),
+            "throttled": self.throttled,
+            "epoch_callback_role": self.epoch_callback_role,
+        }
+
+    # ------------------------------------------------------------ model callbacks
+
+    def _checkpoint(self, version: int) -> CheckpointResult:
+        # The rank only reports; the coordinator decides retry or fail-over.
+        start = self._clock()
+        error: str | None
+        if self.model is None or not self.model.has_checkpoint_fn:
+            error = (
+                f"checkpoint dispatched to rank {self.rank} but no checkpoint_fn is set "
+                "(config bug or stale role assignment)"
+            )
+        else:
+            try:
+                self.model.checkpoint(version)
+                error = None
+            except Exception as exc:
+                error = _error_text(exc)
+        return CheckpointResult(
+            rank=self.rank,
+            version=version,
+            elapsed_ms=(self._clock() - start) * 1000.0,
+            error=error,
+        )
+
+    def _evaluate(self, msg: ExecuteEvalCallback) -> EvalResult:
+        model = self.model
+        assert model is not None  # checked by the caller
+        # The timed span covers the mode flips too: the coordinator subtracts it from
+        # this rank's window wall time.
+        start = self._clock()
+        metric = float("nan")
+        error: str | None = None
+        if not model.has_eval_dataset:
+            error = (
+                "eval_fn set without an eval dataset; give the Job an eval_data builder "
+                "(Job(eval_data=...))"
+            )
+        else:
+            model.eval_mode()
+            try:
+                metric = float(model.evaluate())
+            except Exception as exc:
+                error = _error_text(exc)
+            finally:
+                # Back to train mode even when the callback raised, or every later
+                # step would train with dropout/batch-norm frozen.
+                model.train_mode()
+        return EvalResult(
+            rank=self.rank,
+            schedule_id=msg.schedule_id,
+            epoch=msg.epoch,
+            metric=metric,
+            elapsed_ms=(self._clock() - start) * 1000.0,
+            error=error,
+        )
+
+    def _save_bundle(self, msg: ShutdownWithSave) -> None:
+        # A failed save is logged loudly but never blocks the exit: a stuck shutdown
+        # would hold the whole cluster.
+        if self.model is None or not self.model.has_save_path:
+            self._log.warning(
+                "shutdown_with_save_without_save_path",
+                rank=self.rank,
+                reason=msg.reason.snake,
+                detail="no save path set; exiting without saving",
+            )
+            return
+        try:
+            self.model.save_bundle(msg.reason)
+        except Exception as exc:
+            self._log.error(
+                "checkpoint_bundle_failed",
+                rank=self.rank,
+                reason=msg.reason.snake,
+                error=_error_text(exc),
+            )
+
+    def _save_consensus(self) -> None:
+        if self.model is None or not self.model.has_save_path:
+            self._log.warning(
+                "save_consensus_without_save_path",
+                rank=self.rank,
+                detail="no save path set; consensus model not written",
+            )
+            return
+        try:
+            self.model.save_consensus()
+        except Exception as exc:
+            self._log.error("save_consensus_failed", rank=self.rank, error=_error_text(exc))
+
+
+def _plan_fields(plan: EpochPlan) -> dict[str, int]:
+    return {
+        "epoch": plan.epoch,
+        "partition_offset": plan.partition_offset,
+        "partition_size": plan.partition_size,
+    }
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -1,0 +1,311 @@
+"""The training thread: the blocking half of the rank state machine and the train loop.
+
+``WorkerControl`` decides; this module owns the queue and the model. It feeds control
+messages to the core (non-blocking between batches, blocking while throttled or idle),
+publishes what the core returns, and trains the plans it is handed (reference §3.2-3.4).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+import torch
+from torch import nn
+
+from flodl_bus.job import ArrayDataset, Job
+from flodl_bus.protocol.messages import (
+    ControlMsg,
+    EpochFnElapsed,
+    EpochPlan,
+    Exiting,
+    MetricsMsg,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncNow,
+    Throttle,
+    UpstreamMsg,
+)
+from flodl_bus.worker.control import Dispatched, WorkerControl
+from flodl_bus.worker.inbox import Closed, Inbox
+
+_log = structlog.get_logger("flodl_bus.worker")
+
+#: The loop whose plan is running on this thread, so ``record_scalar`` called from user
+#: code (a loss function) lands in the right plan's metrics.
+_active = threading.local()
+
+
+def record_scalar(tag: str, value: float) -> None:
+    """Add ``value`` to ``tag``'s accumulator of the plan running on this thread.
+
+    The coordinator receives (sum, count) per tag in the plan's MetricsMsg and averages
+    across ranks. Outside a running loop the value is dropped.
+    """
+    loop: RankLoop | None = getattr(_active, "loop", None)
+    if loop is not None:
+        loop.record_scalar(tag, value)
+
+
+class RankLoop:
+    def __init__(
+        self,
+        *,
+        job: Job,
+        control: WorkerControl,
+        inbox: Inbox,
+        publish: Callable[[UpstreamMsg], None],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_data: ArrayDataset,
+        lr_scale: float = 1.0,
+        epoch_fn: Callable[[int], None] | None = None,
+        final_snapshot: Callable[[], None] | None = None,
+        on_dispatch: Callable[[ControlMsg, Dispatched], None] | None = None,
+    ) -> None:
+        self.job = job
+        self.control = control
+        self.inbox = inbox
+        self.publish = publish
+        self.model = model
+        self.optimizer = optimizer
+        self.train_data = train_data
+        self.lr_scale = lr_scale
+        self.epoch_fn = epoch_fn
+        self.final_snapshot = final_snapshot
+        self.on_dispatch = on_dispatch
+        self.rank = control.rank
+        self._scalars: dict[str, list[float]] = {}
+
+    # ------------------------------------------------------------------ control
+
+    def _dispatch(self, msg: ControlMsg) -> Dispatched:
+        out = self.control.dispatch(msg)
+        for up in out.upstream:
+            self.publish(up)
+        if self.on_dispatch is not None:
+            self.on_dispatch(msg, out)
+        return out
+
+    def service(self, msg: ControlMsg) -> bool:
+        """Dispatch ``msg``; if it throttles the rank, block feeding the core until a
+        release. True means stop."""
+        out = self._dispatch(msg)
+        while out.throttled and not out.stop:
+            nxt = self.inbox.get()
+            if nxt is None or isinstance(nxt, Closed):
+                # Nothing can ever release us: treat the dead channel as a shutdown.
+                return self.control.channel_closed().stop
+            out = self._dispatch(nxt)
+        return out.stop
+
+    def handle_control(self) -> bool:
+        """Dispatch every queued control message without blocking (unless one throttles
+        the rank). True on shutdown."""
+        inbox = self.inbox
+        while True:
+            msg = inbox.poll()
+            if msg is None:
+                return False
+            if self.service(msg):
+                return True
+
+    def wait_for_epoch_plan(self) -> EpochPlan | None:
+        """Block until there is a plan to train; service everything else meanwhile
+        (peers may be waiting on us in a collective). None means shut down."""
+        while True:
+            plan = self.control.take_pending_plan()
+            if plan is not None:
+                return plan
+            msg = self.inbox.get()
+            if msg is None or isinstance(msg, Closed):
+                return None
+            if isinstance(msg, StartEpoch):
+                return msg.plan
+            if isinstance(msg, Shutdown):
+                return None
+            if self.service(msg):
+                return None
+
+    def drain_until_shutdown(self) -> None:
+        """Block on control after training ended, until Shutdown or a closed channel.
+
+        SyncNow is skipped: peers may be gone, and entering the collective could wait
+        forever; the coordinator stops asking once it sees Exiting. Throttle is skipped
+        too (a deviation from flodl, whose nested loop would service a SyncNow): it only
+        pauses training, which is over.
+        """
+        while True:
+            msg = self.inbox.get()
+            if msg is None or isinstance(msg, Closed):
+                return
+            if isinstance(msg, (SyncNow, Throttle)):
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            try:
+                if self.service(msg):
+                    return
+            except Exception:
+                _log.exception("drain_dispatch_failed", rank=self.rank)
+                return
+
+    def drain_pending_shutdown(self) -> None:
+        """Teardown: act on a queued ShutdownWithSave (write the bundle) or Shutdown;
+        drop everything else. Never blocks."""
+        while True:
+            msg = self.inbox.poll()
+            if msg is None:
+                return
+            if isinstance(msg, (ShutdownWithSave, Shutdown)):
+                self._dispatch(msg)
+                return
+
+    # ----------------------------------------------------------------- training
+
+    def record_scalar(self, tag: str, value: float) -> None:
+        acc = self._scalars.get(tag)
+        if acc is None:
+            self._scalars[tag] = [float(value), 1.0]
+        else:
+            acc[0] += float(value)
+            acc[1] += 1.0
+
+    def _drain_scalars(self) -> dict[str, tuple[float, int]]:
+        out = {tag: (acc[0], int(acc[1])) for tag, acc in self._scalars.items()}
+        self._scalars = {}
+        return out
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def run_epoch_plan(self, plan: EpochPlan) -> bool:
+        """Train one plan (an epoch share or a chunk). True means shut down."""
+        start = time.perf_counter()
+        control = self.control
+        control.begin_plan(plan)
+        if control.num_batches == 0:
+            # The coordinator still has to see this plan complete.
+            self.publish(_zero_metrics(self.rank, plan.epoch, self._drain_scalars()))
+            return False
+
+        job = self.job
+        model, optimizer, data = self.model, self.optimizer, self.train_data
+        clip = job.max_grad_norm
+        publish = self.publish
+        model.train()
+        loss_sum = compute_ms_total = data_ms_total = 0.0
+        done = 0
+        _active.loop = self
+        try:
+            # The bound is re-read every iteration: ExtendPartition grows it mid-plan.
+            while done < control.num_batches:
+                t0 = time.perf_counter()
+                batch = data.batch(control.batch_picks(done))
+                t1 = time.perf_counter()
+                lr = job.lr_at(control.lr_position) * self.lr_scale
+                self._set_lr(lr)
+                optimizer.zero_grad(set_to_none=True)
+                loss = job.loss_fn(model, batch)
+                loss.backward()  # type: ignore[no-untyped-call]
+                if clip is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                loss_value = float(loss.detach())
+                t2 = time.perf_counter()
+                data_ms, compute_ms = (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
+                data_ms_total += data_ms
+                compute_ms_total += compute_ms
+                loss_sum += loss_value
+                done += 1
+                batch_msg, lr_msg = control.step_done(loss_value, compute_ms, data_ms, lr)
+                publish(batch_msg)
+                publish(lr_msg)
+                if self.handle_control():
+                    return True
+        finally:
+            _active.loop = None
+
+        n = control.num_batches
+        self.publish(
+            MetricsMsg(
+                rank=self.rank,
+                epoch=plan.epoch,
+                avg_loss=loss_sum / n,
+                batches_processed=n,
+                epoch_ms=(time.perf_counter() - start) * 1000.0,
+                samples_processed=n * control.batch_size,
+                share_complete_ms=compute_ms_total + data_ms_total,
+                compute_only_ms=compute_ms_total,
+                data_starve_ms=data_ms_total,
+                scalars=self._drain_scalars(),
+            )
+        )
+        return False
+
+    def _fire_epoch_fn(self, epoch: int) -> None:
+        if self.epoch_fn is None or self.control.epoch_callback_role != self.rank:
+            return
+        start = time.perf_counter()
+        self.epoch_fn(epoch)
+        self.publish(
+            EpochFnElapsed(
+                rank=self.rank, epoch=epoch, elapsed_ms=(time.perf_counter() - start) * 1000.0
+            )
+        )
+
+    def run_until_shutdown(self) -> bool:
+        """The rank's main loop (reference §3.2). True on a clean completion, the only
+        case that reports Exiting; an exception propagates after the teardown."""
+        clean = False
+        last_epoch_fired: int | None = None
+        try:
+            while True:
+                plan = self.wait_for_epoch_plan()
+                if plan is None:
+                    break
+                if plan.epoch != last_epoch_fired:
+                    # Once per epoch transition, not per chunk.
+                    last_epoch_fired = plan.epoch
+                    self._fire_epoch_fn(plan.epoch)
+                if self.run_epoch_plan(plan):
+                    break
+            clean = True
+        finally:
+            try:
+                self.drain_pending_shutdown()
+            except Exception:
+                _log.exception("teardown_drain_failed", rank=self.rank)
+            if not clean:
+                # An error exit may leave a collective in flight that peers are parked in.
+                try:
+                    self.control.params.abort()
+                except Exception:
+                    _log.exception("teardown_abort_failed", rank=self.rank)
+            if self.final_snapshot is not None:
+                try:
+                    self.final_snapshot()
+                except Exception:
+                    _log.exception("final_snapshot_failed", rank=self.rank)
+            if clean:
+                self.publish(Exiting(rank=self.rank))
+        return clean
+
+
+def _zero_metrics(rank: int, epoch: int, scalars: dict[str, tuple[float, int]]) -> MetricsMsg:
+    return MetricsMsg(
+        rank=rank,
+        epoch=epoch,
+        avg_loss=0.0,
+        batches_processed=0,
+        epoch_ms=0.0,
+        samples_processed=0,
+        share_complete_ms=0.0,
+        compute_only_ms=0.0,
+        data_starve_ms=0.0,
+        scalars=scalars,
+    )

@@ -1,0 +1,114 @@
+"""One rank, assembled: a job's model and data, the control core, the loop, the threads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from flodl_bus.bus.api import RankBus
+from flodl_bus.job import Job
+from flodl_bus.params.port import ParamPort
+from flodl_bus.partition import SHUFFLE_BASE_SEED
+from flodl_bus.protocol.messages import ControlMsg, UpstreamMsg
+from flodl_bus.worker.control import WorkerControl
+from flodl_bus.worker.inbox import Inbox
+from flodl_bus.worker.local_params import LocalParams
+from flodl_bus.worker.loop import RankLoop
+from flodl_bus.worker.model_port import TorchModelPort, checkpoint_to
+from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
+
+#: Builds the param plane for a rank: (model, inject into the control queue, publish).
+ParamsFactory = Callable[
+    [nn.Module, Callable[[ControlMsg], None], Callable[[UpstreamMsg], None]], ParamPort
+]
+
+
+#: The rank stopped in order because the coordinator fell silent (reference §3.12).
+EXIT_COORDINATOR_LOST = 3
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    world_size: int = 1
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    save_path: str | None = None
+    shuffle_seed: int = SHUFFLE_BASE_SEED
+    epoch_splits: int = 1
+    #: LR multiplier on top of the job's schedule (flodl's linear scaling is
+    #: ``1 + (world_size - 1) * ratio``; the job's schedule is used as given by default)
+    lr_scale: float = 1.0
+
+
+def run_rank(
+    job: Job,
+    bus: RankBus,
+    options: RankOptions,
+    params_factory: ParamsFactory | None = None,
+) -> int:
+    """Train ``job`` as ``bus.rank`` until the coordinator says stop.
+
+    Exit code: 0 on a clean completion (Exiting sent); ``EXIT_COORDINATOR_LOST`` when the
+    liveness escape hatch stopped the rank (an orderly teardown, but the run is lost);
+    1 when training failed.
+    """
+    rank = bus.rank
+    if params_factory is None and options.world_size != 1:
+        raise ValueError(
+            "a world of more than one rank needs a param plane; pass params_factory "
+            "(LocalParams only averages a world of one)"
+        )
+    torch.manual_seed(job.seed)
+    model = job.build_model()
+    optimizer = job.build_optimizer(model)
+    train_data = job.train_data()
+    eval_data = job.eval_data() if job.eval_data is not None else None
+
+    inbox = Inbox()
+    if params_factory is None:
+        params: ParamPort = LocalParams(model, rank=rank, inject=inbox.put, publish=bus.publish)
+    else:
+        params = params_factory(model, inbox.put, bus.publish)
+    model_port = TorchModelPort(
+        rank=rank,
+        model=model,
+        optimizer=optimizer,
+        eval_fn=job.eval_fn,
+        eval_data=eval_data,
+        checkpoint_fn=checkpoint_to(options.save_path) if options.save_path else None,
+        save_path=options.save_path,
+    )
+    control = WorkerControl(
+        rank=rank,
+        params=params,
+        batch_size=job.batch_size,
+        pick_space=len(train_data),
+        clock=time.perf_counter,
+        model=model_port,
+        seed=options.shuffle_seed,
+        splits=options.epoch_splits,
+    )
+    loop = RankLoop(
+        job=job,
+        control=control,
+        inbox=inbox,
+        publish=bus.publish,
+        model=model,
+        optimizer=optimizer,
+        train_data=train_data,
+        lr_scale=options.lr_scale,
+    )
+    runtime = RankRuntime(
+        bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
+    )
+    runtime.start()
+    try:
+        clean = loop.run_until_shutdown()
+    finally:
+        runtime.close()
+    if not clean:
+        return 1
+    return EXIT_COORDINATOR_LOST if runtime.coordinator_lost.is_set() else 0

@@ -1,0 +1,243 @@
+"""The threads around a rank's training loop (reference §3.12).
+
+* **reader**: reads merged control from ``RankBus.read_control``, absorbs what only the
+  runtime acts on (coordinator heartbeats, dead-rank notices, NCCL re-session requests,
+  the wire ``Update``'s next plan), puts everything else in the local ``Inbox`` and acks.
+  It also runs the coordinator-liveness escape hatch.
+* **heartbeat**: ``Heartbeat`` every second, independent of training, so a rank parked
+  in a collective still looks alive.
+* **session**: hands the latest ``NewNcclSession`` to the param plane off the reader
+  thread (forming a group blocks; the reader must keep reading).
+
+Publishing upstream is ``RankBus.publish`` (the transport owns the single writer).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from flodl_bus.bus.api import Delivery, RankBus
+from flodl_bus.params.port import ParamPort
+from flodl_bus.protocol import wire
+from flodl_bus.protocol.messages import (
+    CoordHeartbeat,
+    DeclareDead,
+    Heartbeat,
+    NewNcclIdGenerated,
+    NewNcclSession,
+    RequestNewNcclId,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    WireUpdate,
+)
+from flodl_bus.worker.inbox import Inbox
+
+_log = structlog.get_logger("flodl_bus.worker")
+
+#: Size of the uid a rank generates for a new collective session (the gloo/NCCL store
+#: key of the survivors' group; flodl's NCCL ids are 128 bytes, a key needs far fewer).
+NEW_SESSION_UID_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    heartbeat_interval: float = 1.0
+    #: no control entry (of any kind) for this long = the coordinator is gone
+    coord_liveness_timeout: float = 30.0
+    #: reader poll; must stay well under the transport's socket timeout
+    read_block_ms: int = 250
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0:
+            raise ValueError("heartbeat_interval must be positive")
+        if self.coord_liveness_timeout <= 0:
+            raise ValueError("coord_liveness_timeout must be positive")
+        if self.read_block_ms < 1:
+            raise ValueError("read_block_ms must be at least 1")
+
+
+class RankRuntime:
+    def __init__(
+        self,
+        *,
+        bus: RankBus,
+        inbox: Inbox,
+        params: ParamPort,
+        world_size: int,
+        config: RuntimeConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.bus = bus
+        self.rank = bus.rank
+        self.inbox = inbox
+        self.params = params
+        self.world_size = world_size
+        self.config = config or RuntimeConfig()
+        self._clock = clock
+        self._stop = threading.Event()
+        self._dead_lock = threading.Lock()
+        #: the worker-local dead-rank ledger
+        self.dead_ranks: set[int] = set()
+        self.shutdown_seen = False
+        #: set when the escape hatch fired (coordinator silent, or the reader failed)
+        self.coordinator_lost = threading.Event()
+        self._session_cond = threading.Condition()
+        self._session: NewNcclSession | None = None
+        self._heartbeats = 0
+        self._threads: list[threading.Thread] = []
+
+    # ------------------------------------------------------------------- life
+
+    def start(self) -> RankRuntime:
+        for name, target in (
+            ("reader", self._reader),
+            ("heartbeat", self._heartbeat),
+            ("session", self._session_worker),
+        ):
+            t = threading.Thread(target=target, name=f"rank{self.rank}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def close(self, flush_timeout: float = 5.0) -> None:
+        """Stop every thread, flush upstream, close the bus. Idempotent."""
+        self._stop.set()
+        with self._session_cond:
+            self._session_cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=max(2.0, 4 * self.config.read_block_ms / 1000.0))
+            if t.is_alive():
+                _log.error("thread_did_not_stop", rank=self.rank, thread=t.name)
+        self._threads = []
+        if not self.bus.flush(flush_timeout):
+            _log.error("upstream_flush_timeout", rank=self.rank, timeout_s=flush_timeout)
+        self.bus.close()
+
+    def __enter__(self) -> RankRuntime:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- reader
+
+    def _reader(self) -> None:
+        cfg = self.config
+        last_seen = self._clock()
+        try:
+            while not self._stop.is_set():
+                try:
+                    deliveries = self.bus.read_control(cfg.read_block_ms)
+                except Exception as exc:
+                    # The transport reconnects with backoff on its own; a persistent
+                    # failure ends up as silence, which the liveness clock handles.
+                    _log.warning("control_read_failed", rank=self.rank, error=repr(exc))
+                    self._stop.wait(cfg.read_block_ms / 1000.0)
+                    deliveries = ()
+                now = self._clock()
+                if deliveries:
+                    last_seen = now
+                    self._route(deliveries)
+                    self.bus.ack(deliveries)
+                elif not self.shutdown_seen and now - last_seen > cfg.coord_liveness_timeout:
+                    self._escape(f"no coordinator entry for {now - last_seen:.1f}s")
+                    return
+        except Exception as exc:
+            _log.exception("control_reader_failed", rank=self.rank)
+            if not self.shutdown_seen:
+                self._escape(f"control reader failed: {exc!r}")
+        finally:
+            # Nothing more can arrive: wake a training thread blocked on the inbox.
+            self.inbox.close()
+
+    def _route(self, deliveries: Sequence[Delivery]) -> None:
+        for d in deliveries:
+            msg = d.msg
+            if isinstance(msg, CoordHeartbeat):
+                continue  # liveness only: the read itself reset the clock
+            if isinstance(msg, DeclareDead):
+                self._declare_dead((msg.rank,))
+                continue
+            if isinstance(msg, RequestNewNcclId):
+                uid = secrets.token_bytes(NEW_SESSION_UID_BYTES)
+                self.bus.publish(NewNcclIdGenerated(rank=self.rank, uid_bytes=uid))
+                continue
+            if isinstance(msg, NewNcclSession):
+                with self._session_cond:
+                    self._session = msg  # latest wins
+                    self._session_cond.notify_all()
+                continue
+            if isinstance(msg, WireUpdate):
+                # The param plane queued Update(avg) before its SyncAck, and the
+                # coordinator sends this only after every SyncAck, so the core sees the
+                # averaged tensors before the next plan.
+                if msg.next_plan is not None:
+                    self.inbox.put(StartEpoch(msg.next_plan))
+                continue
+            try:
+                ctl = wire.control_wire_to_msg(msg)  # type: ignore[arg-type]
+            except Exception:
+                _log.error("control_not_convertible", rank=self.rank, entry_id=d.entry_id)
+                continue
+            if ctl is None:
+                continue
+            if isinstance(ctl, (Shutdown, ShutdownWithSave)):
+                self.shutdown_seen = True
+            self.inbox.put(ctl)
+
+    def _declare_dead(self, ranks: Sequence[int]) -> None:
+        with self._dead_lock:
+            new = [r for r in ranks if r != self.rank and r not in self.dead_ranks]
+            self.dead_ranks.update(new)
+        if new:
+            # A collective with a dead peer never completes; abort it so the training
+            # thread can wait for a new session instead.
+            _log.warning("ranks_declared_dead", rank=self.rank, dead=sorted(new))
+            try:
+                self.params.abort()
+            except Exception:
+                _log.exception("param_abort_failed", rank=self.rank)
+
+    def _escape(self, why: str) -> None:
+        # Losing the coordinator means losing the world: a rank parked in a collective
+        # never reads control, so mark every peer dead (aborting the collective) and
+        # stop the training thread.
+        _log.error("coordinator_lost", rank=self.rank, detail=why)
+        self.coordinator_lost.set()
+        self._declare_dead([r for r in range(self.world_size) if r != self.rank])
+        self.inbox.put(Shutdown())
+
+    # -------------------------------------------------------------- heartbeat
+
+    def _heartbeat(self) -> None:
+        interval = self.config.heartbeat_interval
+        while not self._stop.is_set():
+            self._heartbeats += 1
+            try:
+                self.bus.publish(Heartbeat(rank=self.rank, step_count=self._heartbeats))
+            except Exception as exc:
+                _log.warning("heartbeat_failed", rank=self.rank, error=repr(exc))
+            if self._stop.wait(interval):
+                return
+
+    # ---------------------------------------------------------------- session
+
+    def _session_worker(self) -> None:
+        while True:
+            with self._session_cond:
+                self._session_cond.wait_for(lambda: self._stop.is_set() or self._session)
+                if self._stop.is_set():
+                    return
+                session, self._session = self._session, None
+            assert session is not None
+            try:
+                self.params.new_session(session.uid_bytes, session.new_rank, session.new_world_size)
+            except Exception:
+                _log.exception("new_session_failed", rank=self.rank)
