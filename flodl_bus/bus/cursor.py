@@ -1,0 +1,116 @@
+"""Which ids a consumer-group reader asks for next, and which entries it may dispatch.
+
+Sans-IO: the transport runs XREADGROUP with ``request()`` and feeds the reply to
+``on_reply``; this core decides, so the rules below are unit-tested without Redis.
+
+Rules:
+
+- **Pending first.** A reader starts (and restarts after every lost connection) by
+  re-reading its own pending entries (explicit ids: "entries delivered to me after id X"),
+  then switches to ``>`` (never delivered). A lost XREADGROUP reply leaves entries in the
+  pending list that the reader never saw; reading only ``>`` would lose them.
+- **Never twice.** The highest id received per stream is kept; a redelivered entry at or
+  below it is dropped here (it is already dispatched or waiting in the buffer).
+- **One order across streams** (``ordered=True``, the rank's ``ctl:<r>`` + ``ctl:all``):
+  the coordinator numbers control entries from one increasing clock, so the send order is
+  the id order. One XREADGROUP reads both streams atomically, but COUNT may cut a stream
+  short: an entry is released only when no stream can still hide a smaller id, i.e. its id
+  is at or below the last id returned by every stream that filled its COUNT. Pending reads
+  say nothing about never-delivered entries, so nothing is released until the first ``>``
+  read after them.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from flodl_bus.bus.ids import ZERO, EntryId, format_id
+
+_INFINITE: Final[EntryId] = (2**64, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """An entry as read. ``fields`` is None when it was trimmed while pending."""
+
+    stream: str
+    entry_id: EntryId
+    fields: Mapping[bytes, bytes] | None
+
+
+Reply = Mapping[str, Sequence[tuple[EntryId, Mapping[bytes, bytes] | None]]]
+
+
+class GroupCursor:
+    def __init__(self, streams: Sequence[str], *, count: int, ordered: bool) -> None:
+        if count < 1:
+            raise ValueError("count must be >= 1")
+        self.streams: list[str] = list(streams)
+        self.count = count
+        self.ordered = ordered
+        self._last: dict[str, EntryId] = dict.fromkeys(self.streams, ZERO)
+        self._pending = True
+        self._heap: list[tuple[EntryId, str, Received]] = []
+
+    def add_stream(self, stream: str) -> None:
+        if stream in self._last:
+            return
+        self.streams.append(stream)
+        self._last[stream] = ZERO
+        self._pending = True
+
+    @property
+    def draining_pending(self) -> bool:
+        return self._pending
+
+    @property
+    def can_block(self) -> bool:
+        """Only a ``>`` read with nothing held back may wait for new entries."""
+        return not self._pending and not self._heap
+
+    def last_id(self, stream: str) -> EntryId:
+        return self._last[stream]
+
+    def request(self) -> dict[str, str]:
+        if self._pending:
+            return {s: format_id(self._last[s]) for s in self.streams}
+        return dict.fromkeys(self.streams, ">")
+
+    def on_lost(self) -> None:
+        self._pending = True
+
+    def on_reply(self, reply: Reply) -> list[Received]:
+        """Entries now safe to dispatch, in dispatch order."""
+        fresh: list[Received] = []
+        frontier = _INFINITE
+        filled = False
+        for stream, entries in reply.items():
+            last = self._last.get(stream)
+            if last is None:
+                continue  # not ours (cannot happen with our own request)
+            for eid, fields in entries:
+                if eid <= last:
+                    continue  # redelivered: already dispatched or held back
+                last = eid
+                fresh.append(Received(stream, eid, fields))
+            self._last[stream] = last
+            if len(entries) >= self.count:
+                filled = True
+                if entries:
+                    frontier = min(frontier, entries[-1][0])
+        was_pending = self._pending
+        if was_pending and not filled:
+            self._pending = False
+        if not self.ordered:
+            return fresh
+        for r in fresh:
+            heapq.heappush(self._heap, (r.entry_id, r.stream, r))
+        if was_pending:
+            return []
+        out: list[Received] = []
+        while self._heap and self._heap[0][0] <= frontier:
+            out.append(heapq.heappop(self._heap)[2])
+        return out

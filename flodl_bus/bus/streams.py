@@ -1,0 +1,642 @@
+"""``RankBus`` and ``CoordinatorBus`` on Redis Streams (DESIGN §3).
+
+Streams of a run (see ``keys``): ``ctl:<r>`` and ``ctl:all`` (coordinator → ranks),
+``up:<r>`` (rank r → coordinator), ``dlq`` (rejected entries).
+
+How each rule of DESIGN §3 is kept:
+
+1. Per-rank order: the coordinator writes every control entry under one lock with an
+   explicit id from one ``IdClock``; a rank reads ``ctl:<r>`` and ``ctl:all`` in ONE
+   XREADGROUP (atomic on the server) and ``GroupCursor`` releases them in id order.
+2. One upstream stream per rank, written only by the rank's publisher thread, in
+   ``publish()`` order (FIFO queue, one thread, pipelined batches in order).
+3. No duplicates, no loss: explicit ids make a retried XADD harmless (Redis refuses an id
+   at or below the stream top; a refused retry whose id is present in the stream landed
+   the first time). Consumer groups with XACK after dispatch; pending entries are re-read
+   first after every start and every lost connection; ``GroupCursor`` drops redeliveries.
+5. Bounded memory: every XADD trims with ``MAXLEN ~ maxlen``. The bound that keeps this
+   from losing control entries: a reader must stay less than ``maxlen`` entries (default
+   100,000) behind on a stream; in normal operation a rank holds a handful unread. A
+   pending entry trimmed away anyway is dead-lettered with that reason, never silently
+   dropped.
+6. Bounded waits: BLOCK is capped at ``MAX_BLOCK_MS`` (1 s) under a 10 s socket timeout;
+   ``Link`` reconnects with exponential backoff and logs one line per reconnect.
+7. Bad input: ``entries.parse`` names the reason; the entry goes to ``dlq`` with it, is
+   acked, is logged as one structured error, and reading goes on.
+8. Authentication: the MAC of every entry is checked with the run secret.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, get_args
+
+import redis
+import structlog
+
+from flodl_bus.bus import entries
+from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.connection import MAX_BLOCK_MS, Backoff, BusClosed, BusUnavailable, Link
+from flodl_bus.bus.cursor import GroupCursor, Received
+from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
+from flodl_bus.bus.keys import BROADCAST, RunKeys
+from flodl_bus.protocol import wire
+from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
+
+log = structlog.get_logger("flodl_bus.bus")
+
+COORDINATOR_GROUP: Final = "coordinator"
+DEFAULT_MAXLEN: Final = 100_000
+
+
+class BusError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class StreamsConfig:
+    #: ``MAXLEN ~`` of every stream (see rule 5 above for the bound it implies).
+    maxlen: int = DEFAULT_MAXLEN
+    #: COUNT of one XREADGROUP, per stream.
+    read_count: int = 512
+    #: Most upstream entries the publisher writes in one pipeline.
+    publish_batch: int = 512
+    max_block_ms: int = MAX_BLOCK_MS
+    backoff: Backoff = field(default_factory=Backoff)
+
+
+def rank_group(rank: int) -> str:
+    return f"rank{rank}"
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def _id_refused(exc: redis.exceptions.ResponseError) -> bool:
+    return "equal or smaller" in str(exc)
+
+
+def stream_top(client: redis.Redis, stream: str) -> EntryId:
+    """The last id ever generated in ``stream`` (survives trimming), ZERO if absent."""
+    try:
+        info = client.xinfo_stream(stream)
+    except redis.exceptions.ResponseError as exc:
+        if "no such key" in str(exc).lower():
+            return ZERO
+        raise
+    return parse_id(info["last-generated-id"])
+
+
+def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
+    """Create ``group`` on ``stream`` from the start (entries sent before a reader
+    started must reach it), creating the stream if needed; an existing group is kept."""
+    try:
+        client.xgroup_create(stream, group, id="0", mkstream=True)
+    except redis.exceptions.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+_CONTROL_TYPES: Final = wire.CONTROL_TYPES
+_UPSTREAM_CLASSES: Final[frozenset[type]] = frozenset(get_args(UpstreamMsg))
+
+
+def _require(msg: object, types: frozenset[str], what: str) -> None:
+    try:
+        name = wire.type_name(msg)
+    except TypeError:
+        raise TypeError(f"{type(msg).__name__} cannot travel on {what}") from None
+    if name not in types:
+        raise TypeError(f"{name} is not a {what} message")
+
+
+# ------------------------------------------------------------------- group reader
+
+
+class _GroupReader:
+    """XREADGROUP over some streams through a ``GroupCursor``, acks piggybacked on reads."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        streams: Sequence[str],
+        *,
+        group: str,
+        consumer: str,
+        ordered: bool,
+        config: StreamsConfig,
+        name: str,
+        where: str,
+        dlq: str,
+    ) -> None:
+        self.client = client
+        self.group = group
+        self.consumer = consumer
+        self.config = config
+        self.dlq = dlq
+        self.name = name
+        self.cursor = GroupCursor(streams, count=config.read_count, ordered=ordered)
+        self.link = Link(
+            client, name=name, where=where, backoff=config.backoff, on_lost=self._on_lost
+        )
+        self._groups: set[str] = set()
+        self._acks: dict[str, list[str]] = {}
+        self._ack_lock = threading.Lock()
+
+    def _on_lost(self) -> None:
+        self.cursor.on_lost()
+        # A server restarted without persistence lost the groups too.
+        self._groups.clear()
+
+    def add_stream(self, stream: str) -> None:
+        self.cursor.add_stream(stream)
+
+    def queue_acks(self, deliveries: Sequence[Delivery]) -> None:
+        with self._ack_lock:
+            for d in deliveries:
+                self._acks.setdefault(d.stream, []).append(d.entry_id)
+
+    def _take_acks(self) -> dict[str, list[str]]:
+        with self._ack_lock:
+            acks, self._acks = self._acks, {}
+        return acks
+
+    def _restore_acks(self, acks: dict[str, list[str]]) -> None:
+        with self._ack_lock:
+            for stream, ids in acks.items():
+                self._acks.setdefault(stream, [])[:0] = ids
+
+    def _ensure_groups(self) -> None:
+        for stream in self.cursor.streams:
+            if stream not in self._groups:
+                ensure_group(self.client, stream, self.group)
+                self._groups.add(stream)
+
+    def flush_acks(self, timeout: float = 2.0) -> None:
+        acks = self._take_acks()
+        if not acks:
+            return
+
+        def op(retry: bool) -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for stream, ids in acks.items():
+                pipe.xack(stream, self.group, *ids)
+            pipe.execute()
+
+        try:
+            self.link.call(op, deadline=time.monotonic() + timeout)
+        except (BusUnavailable, BusClosed):
+            self._restore_acks(acks)
+            raise
+
+    def read(self, block_ms: int) -> list[Received]:
+        if not self.cursor.streams:
+            time.sleep(max(0, block_ms) / 1000)
+            return []
+        block = min(block_ms, self.config.max_block_ms)
+        acks = self._take_acks()
+
+        def op(retry: bool) -> Any:
+            self._ensure_groups()
+            ids: dict[Any, Any] = dict(self.cursor.request())
+            wait = block if block > 0 and self.cursor.can_block else None
+            try:
+                if not acks:
+                    return self.client.xreadgroup(
+                        self.group, self.consumer, ids, count=self.config.read_count, block=wait
+                    )
+                pipe = self.client.pipeline(transaction=False)
+                for stream, entry_ids in acks.items():
+                    pipe.xack(stream, self.group, *entry_ids)
+                pipe.xreadgroup(
+                    self.group, self.consumer, ids, count=self.config.read_count, block=wait
+                )
+                return pipe.execute()[-1]
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # The stream or group vanished (server restarted without AOF, key
+                # deleted): recreate and re-read pending (nothing is pending any more).
+                self._groups.clear()
+                self.cursor.on_lost()
+                self._ensure_groups()
+                return None
+
+        try:
+            raw = self.link.call(op, deadline=time.monotonic() + max(block, 0) / 1000 + 0.05)
+        except BusUnavailable:
+            self._restore_acks(acks)
+            return []
+        except BaseException:
+            self._restore_acks(acks)
+            raise
+        reply: dict[str, list[tuple[EntryId, Any]]] = {}
+        for name, items in raw or ():
+            reply[name.decode()] = [(parse_id(eid), fields) for eid, fields in items]
+        return self.cursor.on_reply(reply)
+
+    def dead_letter(self, rejected: Sequence[tuple[Received, str]]) -> None:
+        """Every rejected entry to the dlq with its reason, acked, logged once."""
+        for r, reason in rejected:
+            log.error(
+                "bus_dead_letter",
+                reader=self.name,
+                stream=r.stream,
+                entry=format_id(r.entry_id),
+                type=(r.fields or {}).get(entries.F_TYPE, b"?").decode(errors="replace")[:64],
+                reason=reason,
+            )
+
+        def op(retry: bool) -> None:
+            # A retried dlq XADD may add a second dlq copy: harmless, the dlq is for humans.
+            pipe = self.client.pipeline(transaction=False)
+            for r, reason in rejected:
+                pipe.xadd(
+                    self.dlq,
+                    entries.dead_letter_fields(  # type: ignore[arg-type]
+                        r.stream, format_id(r.entry_id), reason, r.fields, self.name
+                    ),
+                    maxlen=self.config.maxlen,
+                    approximate=True,
+                )
+                pipe.xack(r.stream, self.group, format_id(r.entry_id))
+            pipe.execute()
+
+        self.link.call(op)
+
+    def close(self) -> None:
+        try:
+            self.flush_acks(timeout=1.0)
+        except (BusUnavailable, BusClosed, *(redis.exceptions.RedisError,)):
+            pass
+        self.link.close()
+
+
+# ------------------------------------------------------------------------- rank
+
+
+_STOP: Final = object()
+
+
+class _Publisher:
+    """The rank's sole writer of ``up:<r>``: a queue drained by one thread."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        rank: int,
+        secret: bytes,
+        config: StreamsConfig,
+        where: str,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.rank = rank
+        self.rank_field = str(rank)
+        self.secret = secret
+        self.config = config
+        self.link = Link(client, name=f"rank{rank}.publisher", where=where, backoff=config.backoff)
+        self.clock = IdClock()
+        self.seq = 0
+        self.error: BaseException | None = None
+        self.written = 0
+        self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name=f"flodl-bus-publisher-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, msg: object) -> None:
+        if self._closed:
+            raise BusClosed("publish after close")
+        if self.error is not None:
+            raise BusError(f"upstream publisher of rank {self.rank} failed: {self.error}")
+        self._q.put(msg)
+
+    def flush(self, timeout: float) -> bool:
+        if not self._thread.is_alive():
+            return self._q.empty()
+        done = threading.Event()
+        self._q.put(done)
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+        self.link.close()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        try:
+            self.link.call(
+                lambda retry: self.clock.raise_floor(stream_top(self.client, self.stream))
+            )
+        except BusClosed:
+            return
+        get = self._q.get
+        get_nowait = self._q.get_nowait
+        limit = self.config.publish_batch
+        while True:
+            batch = [get()]
+            while len(batch) < limit:
+                try:
+                    batch.append(get_nowait())
+                except queue.Empty:
+                    break
+            msgs: list[object] = []
+            for item in batch:
+                if item is _STOP:
+                    self._write(msgs)
+                    return
+                if isinstance(item, threading.Event):
+                    self._write(msgs)
+                    msgs = []
+                    item.set()
+                else:
+                    msgs.append(item)
+            self._write(msgs)
+
+    def _write(self, msgs: list[object]) -> None:
+        if not msgs or self.error is not None:
+            return
+        items: list[tuple[str, dict[bytes, bytes]]] = []
+        for msg in msgs:
+            self.seq += 1
+            try:
+                fields = entries.build(self.secret, self.stream, msg, self.rank_field, self.seq)
+            except (TypeError, ValueError) as exc:
+                log.error("bus_publish_dropped", rank=self.rank, error=str(exc)[:200])
+                continue
+            items.append((format_id(self.clock.next(_now_ms())), fields))
+        if not items:
+            return
+        try:
+            self.link.call(lambda retry: self._xadd_batch(items, retry))
+        except BusClosed:
+            log.error("bus_publish_unwritten", rank=self.rank, count=len(items))
+            return
+        except Exception as exc:
+            self.error = exc
+            log.error("bus_publisher_failed", rank=self.rank, error=str(exc)[:200])
+            return
+        self.written += len(items)
+
+    def _xadd_batch(self, items: list[tuple[str, dict[bytes, bytes]]], retry: bool) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for eid, fields in items:
+            pipe.xadd(
+                self.stream,
+                fields,  # type: ignore[arg-type]
+                id=eid,
+                maxlen=self.config.maxlen,
+                approximate=True,
+            )
+        results = pipe.execute(raise_on_error=False)
+        refused = []
+        for (eid, _), res in zip(items, results):
+            if isinstance(res, redis.exceptions.ResponseError):
+                if not _id_refused(res):
+                    raise res
+                refused.append(eid)
+            elif isinstance(res, Exception):
+                raise res
+        if not refused:
+            return
+        if not retry:
+            raise BusError(
+                f"{self.stream}: entry id {refused[0]} refused on a first attempt: another "
+                f"process is publishing as rank {self.rank}"
+            )
+        # A retry after a lost reply: refused ids must be the ones that landed then.
+        found: list[tuple[bytes, Any]] = self.client.xrange(  # type: ignore[assignment]
+            self.stream, min=refused[0], max=refused[-1]
+        )
+        present = {eid.decode() for eid, _ in found}
+        missing = [eid for eid in refused if eid not in present]
+        if missing:
+            raise BusError(f"{self.stream}: entries {missing[:3]} refused yet absent")
+
+
+class RedisRankBus:
+    """A rank's side of the bus (see ``RankBus``)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run: str | RunKeys,
+        rank: int,
+        secret: bytes,
+        *,
+        config: StreamsConfig | None = None,
+        where: str = "",
+    ) -> None:
+        self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
+        self.rank = rank
+        self.secret = secret
+        self.config = config or StreamsConfig()
+        self._ctl = self.keys.ctl(rank)
+        self._all = self.keys.ctl_all
+        self._reader = _GroupReader(
+            client,
+            [self._ctl, self._all],
+            group=rank_group(rank),
+            consumer=rank_group(rank),
+            ordered=True,
+            config=self.config,
+            name=f"rank{rank}.reader",
+            where=where,
+            dlq=self.keys.dlq,
+        )
+        self._publisher = _Publisher(client, self.keys.up(rank), rank, secret, self.config, where)
+
+    @property
+    def reconnects(self) -> int:
+        return self._reader.link.reconnects + self._publisher.link.reconnects
+
+    def read_control(self, block_ms: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        rejected: list[tuple[Received, str]] = []
+        for r in self._reader.read(block_ms):
+            rank_field = BROADCAST if r.stream == self._all else str(self.rank)
+            p = entries.parse(
+                self.secret, r.stream, r.fields, channel=wire.CONTROL, rank=rank_field
+            )
+            if isinstance(p, str):
+                rejected.append((r, p))
+            else:
+                out.append(Delivery(r.stream, format_id(r.entry_id), p.msg))
+        if rejected:
+            self._reader.dead_letter(rejected)
+        return out
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        """Queue the acks; they ride on the next read (or ``flush_acks``/``close``)."""
+        self._reader.queue_acks(deliveries)
+
+    def flush_acks(self) -> None:
+        self._reader.flush_acks()
+
+    def publish(self, msg: UpstreamMsg) -> None:
+        # Only a type check here: encoding and signing happen on the publisher thread,
+        # so the training thread pays a dict lookup and a queue put.
+        if type(msg) not in _UPSTREAM_CLASSES:
+            raise TypeError(f"{type(msg).__name__} is not an upstream message")
+        self._publisher.publish(msg)
+
+    def flush(self, timeout: float) -> bool:
+        return self._publisher.flush(timeout)
+
+    @property
+    def published_written(self) -> int:
+        return self._publisher.written
+
+    def close(self) -> None:
+        self._publisher.close()
+        self._reader.close()
+
+
+# ------------------------------------------------------------------ coordinator
+
+
+class RedisCoordinatorBus:
+    """The coordinator's side of the bus (see ``CoordinatorBus``)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        run: str | RunKeys,
+        secret: bytes,
+        *,
+        ranks: Iterable[int] = (),
+        config: StreamsConfig | None = None,
+        where: str = "",
+    ) -> None:
+        self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
+        self.client = client
+        self.secret = secret
+        self.config = config or StreamsConfig()
+        self._lock = threading.Lock()
+        self._clock = IdClock()
+        self._seq = itertools.count(1)
+        self._ranks: dict[str, str] = {}
+        self._link = Link(
+            client, name="coordinator.sender", where=where, backoff=self.config.backoff
+        )
+        self._reader = _GroupReader(
+            client,
+            [],
+            group=COORDINATOR_GROUP,
+            consumer=COORDINATOR_GROUP,
+            ordered=False,
+            config=self.config,
+            name="coordinator.reader",
+            where=where,
+            dlq=self.keys.dlq,
+        )
+        self._link.call(lambda retry: self._raise_floor(self.keys.ctl_all))
+        for rank in ranks:
+            self.add_rank(rank)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(int(r) for r in self._ranks.values())
+
+    def _raise_floor(self, stream: str) -> None:
+        self._clock.raise_floor(stream_top(self.client, stream))
+
+    def add_rank(self, rank: int) -> None:
+        """Start reading ``up:<rank>``; create the rank's groups so nothing sent before
+        its reader starts is missed; continue control ids above its stream's top."""
+        up = self.keys.up(rank)
+        if up in self._ranks:
+            return
+
+        def op(retry: bool) -> None:
+            ensure_group(self.client, self.keys.ctl(rank), rank_group(rank))
+            ensure_group(self.client, self.keys.ctl_all, rank_group(rank))
+            with self._lock:
+                self._raise_floor(self.keys.ctl(rank))
+
+        self._link.call(op)
+        self._ranks[up] = str(rank)
+        self._reader.add_stream(up)
+
+    def send(self, rank: int, msg: ControlWire) -> None:
+        self._write(self.keys.ctl(rank), str(rank), msg)
+
+    def broadcast(self, msg: ControlWire) -> None:
+        self._write(self.keys.ctl_all, BROADCAST, msg)
+
+    def _write(self, stream: str, rank_field: str, msg: object) -> None:
+        _require(msg, _CONTROL_TYPES, "a control stream")
+        with self._lock:
+            fields = entries.build(self.secret, stream, msg, rank_field, next(self._seq))
+            while True:
+                eid = format_id(self._clock.next(_now_ms()))
+
+                def attempt(retry: bool, eid: str = eid) -> bool:
+                    return self._xadd(stream, eid, fields, retry)
+
+                if self._link.call(attempt):
+                    return
+                # Refused on a first attempt: the stream's top is ahead of our clock
+                # (an earlier coordinator). Renumber above it; every id we hand out
+                # afterwards is larger still, so the send order is kept.
+                self._link.call(lambda retry: self._raise_floor(stream))
+
+    def _xadd(self, stream: str, eid: str, fields: dict[bytes, bytes], retry: bool) -> bool:
+        try:
+            self.client.xadd(
+                stream,
+                fields,  # type: ignore[arg-type]
+                id=eid,
+                maxlen=self.config.maxlen,
+                approximate=True,
+            )
+            return True
+        except redis.exceptions.ResponseError as exc:
+            if not _id_refused(exc):
+                raise
+        # A retry refused because its id is already there: the lost attempt landed.
+        return bool(retry and self.client.xrange(stream, min=eid, max=eid, count=1))
+
+    def read_upstream(self, block_ms: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        rejected: list[tuple[Received, str]] = []
+        parse = entries.parse
+        secret = self.secret
+        upstream = wire.UPSTREAM
+        for r in self._reader.read(block_ms):
+            p = parse(secret, r.stream, r.fields, channel=upstream, rank=self._ranks[r.stream])
+            if isinstance(p, str):
+                rejected.append((r, p))
+            else:
+                out.append(Delivery(r.stream, format_id(r.entry_id), p.msg))
+        if rejected:
+            self._reader.dead_letter(rejected)
+        return out
+
+    def ack(self, deliveries: Sequence[Delivery]) -> None:
+        self._reader.queue_acks(deliveries)
+
+    def flush_acks(self) -> None:
+        self._reader.flush_acks()
+
+    @property
+    def reconnects(self) -> int:
+        return self._link.reconnects + self._reader.link.reconnects
+
+    def close(self) -> None:
+        self._reader.close()
+        self._link.close()
