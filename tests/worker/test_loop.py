@@ -1,0 +1,351 @@
+"""The training thread on the real digits model (reference §3.2-3.4, §3.7)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from flodl_bus.examples import digits
+from flodl_bus.job import Job, classification_loss
+from flodl_bus.protocol.messages import (
+    Batch,
+    ControlMsg,
+    EpochFnElapsed,
+    EpochPlan,
+    Exiting,
+    ExtendPartition,
+    LrUpdate,
+    MetricsMsg,
+    RequestParams,
+    SaveReason,
+    SetEpochCallbackRole,
+    SetGlobalStep,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+    UpstreamMsg,
+)
+from flodl_bus.worker.control import WorkerControl
+from flodl_bus.worker.inbox import Inbox
+from flodl_bus.worker.loop import RankLoop, record_scalar
+from tests.worker.conftest import ObservedParams
+
+TRAIN = digits.train_data()
+BS = digits.job.batch_size
+EPOCH_SIZE = len(TRAIN)
+
+
+@dataclass
+class Rig:
+    loop: RankLoop
+    control: WorkerControl
+    inbox: Inbox
+    params: ObservedParams
+    model: nn.Module
+    published: list[UpstreamMsg]
+
+    def put(self, *msgs: ControlMsg) -> None:
+        for m in msgs:
+            self.inbox.put(m)
+
+    def of(self, cls: type) -> list[Any]:
+        return [m for m in self.published if isinstance(m, cls)]
+
+
+def make_rig(
+    job: Job = digits.job,
+    rank: int = 0,
+    after_metrics: list[list[ControlMsg]] | None = None,
+    **loop_kw: Any,
+) -> Rig:
+    """``after_metrics[i]`` is queued when the i-th MetricsMsg is published: a scripted
+    coordinator that hands out the next plan only when the previous one completed."""
+    torch.manual_seed(job.seed)
+    model = job.build_model()
+    inbox = Inbox()
+    published: list[UpstreamMsg] = []
+    script = list(after_metrics or [])
+
+    class Published(list[UpstreamMsg]):
+        def append(self, msg: UpstreamMsg) -> None:
+            super().append(msg)
+            if isinstance(msg, MetricsMsg) and script:
+                for m in script.pop(0):
+                    inbox.put(m)
+
+    published = Published()
+    params = ObservedParams(model, rank=rank, inject=inbox.put, publish=published.append)
+    control = WorkerControl(
+        rank=rank,
+        params=params,
+        batch_size=job.batch_size,
+        pick_space=EPOCH_SIZE,
+        clock=time.perf_counter,
+    )
+    loop = RankLoop(
+        job=job,
+        control=control,
+        inbox=inbox,
+        publish=published.append,
+        model=model,
+        optimizer=job.build_optimizer(model),
+        train_data=TRAIN,
+        **loop_kw,
+    )
+    return Rig(loop, control, inbox, params, model, published)
+
+
+# ------------------------------------------------------------------ draining
+
+
+def test_handle_control_dispatches_everything_queued_without_blocking() -> None:
+    rig = make_rig()
+    rig.put(SetGlobalStep(7), SetEpochCallbackRole(2))
+    assert rig.loop.handle_control() is False
+    assert (rig.control.global_step, rig.control.epoch_callback_role) == (7, 2)
+    assert len(rig.inbox) == 0
+    assert rig.loop.handle_control() is False  # empty queue returns at once
+
+
+def test_handle_control_stops_at_shutdown_and_leaves_the_rest_queued() -> None:
+    rig = make_rig()
+    rig.put(Shutdown(), SetGlobalStep(7))
+    assert rig.loop.handle_control() is True
+    assert rig.control.global_step == 0 and len(rig.inbox) == 1
+
+
+def test_a_throttle_blocks_until_a_release_arrives() -> None:
+    rig = make_rig()
+    plan = EpochPlan(0, 0, 64)
+    rig.put(Throttle(), SetGlobalStep(3), StartEpoch(plan), Throttle())
+    result: list[bool] = []
+    worker = threading.Thread(target=lambda: result.append(rig.loop.handle_control()))
+    worker.start()
+    worker.join(timeout=0.3)
+    # Parked, but what arrived meanwhile was serviced.
+    assert worker.is_alive() and result == []
+    assert rig.control.throttled
+    assert rig.control.global_step == 3 and rig.control.pending_plan == plan
+    rig.put(SyncNow())
+    worker.join(timeout=5)
+    assert result == [False]  # released: training goes on
+    assert not rig.control.throttled and len(rig.of(SyncAck)) == 1
+
+
+def test_the_update_of_a_snapshot_round_releases_a_throttle() -> None:
+    rig = make_rig()
+    # The world-of-one plane queues Update(avg) as soon as it snapshots.
+    rig.put(Throttle(), RequestParams())
+    assert rig.loop.handle_control() is False
+    assert rig.params.names() == ["snapshot", "load_averaged"]
+    assert not rig.control.throttled
+
+
+def test_a_throttle_with_a_closed_channel_stops() -> None:
+    rig = make_rig()
+    rig.put(Throttle())
+    rig.inbox.close()
+    assert rig.loop.handle_control() is True
+
+
+def test_drain_until_shutdown_skips_every_sync_now() -> None:
+    rig = make_rig()
+    rig.put(SyncNow(), SetGlobalStep(5), SyncNow(), Throttle(), SyncNow(), Shutdown())
+    rig.put(SetGlobalStep(99))  # after Shutdown: never reached
+    rig.loop.drain_until_shutdown()
+    assert "sync_now" not in rig.params.names()
+    assert rig.of(SyncAck) == []
+    assert rig.control.global_step == 5
+    assert len(rig.inbox) == 1
+
+
+def test_drain_until_shutdown_returns_when_the_channel_closes() -> None:
+    rig = make_rig()
+    rig.put(SyncNow())
+    rig.inbox.close()
+    rig.loop.drain_until_shutdown()
+    assert rig.params.calls == []
+
+
+def test_wait_for_epoch_plan_returns_a_pending_plan_first() -> None:
+    rig = make_rig()
+    pending = EpochPlan(0, 0, 64)
+    rig.control.dispatch(StartEpoch(pending))
+    rig.put(StartEpoch(EpochPlan(0, 64, 64)))
+    assert rig.loop.wait_for_epoch_plan() == pending
+    assert rig.loop.wait_for_epoch_plan() == EpochPlan(0, 64, 64)
+
+
+def test_wait_for_epoch_plan_services_other_messages_while_idle() -> None:
+    rig = make_rig()
+    plan = EpochPlan(1, 0, 64)
+    rig.put(SyncNow(), SetGlobalStep(3), Throttle(), StartEpoch(plan), SyncNow())
+    # The StartEpoch that arrives while throttled lands in the pending slot and is
+    # returned once the SyncNow releases the throttle.
+    assert rig.loop.wait_for_epoch_plan() == plan
+    assert rig.params.names() == ["sync_now", "sync_now"]
+    assert [a.step_count for a in rig.of(SyncAck)] == [1, 2]
+    assert rig.control.global_step == 3
+
+
+@pytest.mark.parametrize("ending", ["shutdown", "closed", "shutdown_with_save"])
+def test_wait_for_epoch_plan_returns_none_on_shutdown_or_closed_channel(ending: str) -> None:
+    rig = make_rig()
+    if ending == "shutdown":
+        rig.put(Shutdown())
+    elif ending == "shutdown_with_save":
+        rig.put(ShutdownWithSave(SaveReason.GRACEFUL_SHUTDOWN))
+    else:
+        rig.inbox.close()
+    assert rig.loop.wait_for_epoch_plan() is None
+
+
+# ------------------------------------------------------------------ training
+
+
+def test_run_epoch_plan_reports_a_batch_and_an_lr_update_per_step_and_one_metrics() -> None:
+    rig = make_rig()
+    plan = EpochPlan(0, 0, 10 * BS + 5)  # the sub-batch remainder is dropped
+    assert rig.loop.run_epoch_plan(plan) is False
+    kinds = [type(m) for m in rig.published]
+    assert kinds == [Batch, LrUpdate] * 10 + [MetricsMsg]
+    batches = rig.of(Batch)
+    assert [b.step_count for b in batches] == list(range(1, 11))
+    assert [b.param_norm is not None for b in batches] == [False] * 9 + [True]
+    (metrics,) = rig.of(MetricsMsg)
+    assert (metrics.rank, metrics.epoch) == (0, 0)
+    assert metrics.batches_processed == 10 and metrics.samples_processed == 10 * BS
+    assert metrics.avg_loss == pytest.approx(sum(b.batch_loss for b in batches) / 10)
+    assert metrics.compute_only_ms == pytest.approx(sum(b.batch_ms for b in batches))
+    assert metrics.data_starve_ms == pytest.approx(sum(b.data_ms for b in batches))
+    assert metrics.share_complete_ms == pytest.approx(
+        metrics.compute_only_ms + metrics.data_starve_ms
+    )
+    assert metrics.epoch_ms >= metrics.share_complete_ms
+    assert (rig.control.local_step, rig.control.steps_since_avg) == (10, 10)
+
+
+def test_a_plan_smaller_than_a_batch_reports_all_zero_metrics() -> None:
+    rig = make_rig()
+    assert rig.loop.run_epoch_plan(EpochPlan(4, 0, BS - 1)) is False
+    (metrics,) = rig.published
+    assert isinstance(metrics, MetricsMsg)
+    assert metrics.epoch == 4 and metrics.batches_processed == 0
+    assert metrics.avg_loss == metrics.epoch_ms == metrics.compute_only_ms == 0.0
+
+
+def test_shutdown_mid_epoch_stops_after_the_current_batch_without_metrics() -> None:
+    rig = make_rig()
+    rig.put(Shutdown())
+    assert rig.loop.run_epoch_plan(EpochPlan(0, 0, EPOCH_SIZE)) is True
+    assert [type(m) for m in rig.published] == [Batch, LrUpdate]
+
+
+def test_extend_partition_mid_plan_is_trained_before_the_plan_completes() -> None:
+    rig = make_rig()
+    rig.put(ExtendPartition(partition_offset=4 * BS, partition_size=3 * BS))
+    rig.loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS))
+    (metrics,) = rig.of(MetricsMsg)
+    assert metrics.batches_processed == 5
+    assert len(rig.of(Batch)) == 5
+
+
+def test_lr_is_read_at_global_step_plus_steps_since_avg() -> None:
+    job = dataclasses.replace(digits.job, lr_at=lambda step: 1e-3 * (1 + step))
+    rig = make_rig(job, lr_scale=2.0)
+    rig.put(SetGlobalStep(100))
+    rig.loop.handle_control()
+    rig.loop.run_epoch_plan(EpochPlan(0, 0, 3 * BS))
+    expected = [2.0 * 1e-3 * (1 + 100 + k) for k in range(3)]
+    assert [u.lr for u in rig.of(LrUpdate)] == pytest.approx(expected)
+    assert rig.loop.optimizer.param_groups[0]["lr"] == pytest.approx(expected[-1])
+
+
+def test_record_scalar_is_aggregated_per_plan_into_the_metrics() -> None:
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        record_scalar("batch_rows", float(len(batch[0])))
+        return classification_loss(model, batch)
+
+    rig = make_rig(dataclasses.replace(digits.job, loss_fn=loss_fn))
+    rig.loop.run_epoch_plan(EpochPlan(0, 0, 4 * BS))
+    rig.loop.run_epoch_plan(EpochPlan(1, 0, 2 * BS))
+    first, second = rig.of(MetricsMsg)
+    assert first.scalars == {"batch_rows": (4.0 * BS, 4)}
+    assert second.scalars == {"batch_rows": (2.0 * BS, 2)}
+
+
+def test_three_plans_give_three_metrics_for_epochs_0_1_2_then_exiting() -> None:
+    rig = make_rig(
+        after_metrics=[
+            [StartEpoch(EpochPlan(1, 0, EPOCH_SIZE))],
+            [StartEpoch(EpochPlan(2, 0, EPOCH_SIZE))],
+            [Shutdown()],
+        ]
+    )
+    rig.put(StartEpoch(EpochPlan(0, 0, EPOCH_SIZE)))
+    assert rig.loop.run_until_shutdown() is True
+    metrics = rig.of(MetricsMsg)
+    assert [m.epoch for m in metrics] == [0, 1, 2]
+    assert all(m.batches_processed == EPOCH_SIZE // BS for m in metrics)
+    assert rig.published[-1] == Exiting(rank=0)
+    # Training works: the loss falls epoch over epoch on the real data.
+    losses = [m.avg_loss for m in metrics]
+    assert losses[0] > losses[1] > losses[2]
+    assert losses[2] < 0.5 * losses[0]
+
+
+def test_epoch_fn_fires_once_per_epoch_on_the_role_rank_only() -> None:
+    fired: list[tuple[int, int]] = []
+    for rank in (0, 1):
+        rig = make_rig(
+            rank=rank,
+            epoch_fn=lambda e, r=rank: fired.append((r, e)),
+            # The second chunk of epoch 0 must not fire again.
+            after_metrics=[
+                [StartEpoch(EpochPlan(0, BS, BS))],
+                [StartEpoch(EpochPlan(1, 0, BS))],
+                [Shutdown()],
+            ],
+        )
+        rig.put(SetEpochCallbackRole(1), StartEpoch(EpochPlan(0, 0, BS)))
+        assert rig.loop.run_until_shutdown()
+        elapsed = rig.of(EpochFnElapsed)
+        assert [e.epoch for e in elapsed] == ([0, 1] if rank == 1 else [])
+    assert fired == [(1, 0), (1, 1)]
+
+
+def test_a_training_failure_aborts_the_params_and_never_reports_exiting() -> None:
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        raise RuntimeError("CUDA error: device-side assert")
+
+    snapshots: list[int] = []
+    rig = make_rig(
+        dataclasses.replace(digits.job, loss_fn=loss_fn), final_snapshot=lambda: snapshots.append(1)
+    )
+    rig.put(StartEpoch(EpochPlan(0, 0, EPOCH_SIZE)))
+    with pytest.raises(RuntimeError, match="device-side"):
+        rig.loop.run_until_shutdown()
+    assert rig.of(Exiting) == []
+    assert rig.params.names() == ["abort"]
+    assert snapshots == [1]
+
+
+def test_teardown_writes_a_queued_shutdown_with_save_bundle(tmp_path: Any) -> None:
+    from flodl_bus.worker.model_port import TorchModelPort
+
+    rig = make_rig()
+    rig.control.model = TorchModelPort(rank=0, model=rig.model, save_path=str(tmp_path / "s"))
+    rig.put(Shutdown(), ShutdownWithSave(SaveReason.MAX_FAILURE_EXCEEDED), SetGlobalStep(1))
+    assert rig.loop.run_until_shutdown() is True
+    assert (tmp_path / "s.model.pt").exists()
+    assert rig.published == [Exiting(rank=0)]
