@@ -1,0 +1,221 @@
+"""The ``cpu`` backend: snapshot into host staging, reduce over gloo in the background.
+
+Round (reference §5.3), per ``RequestParams``:
+
+1. training thread: copy params and f32 buffers into the host staging ``snap`` (on CUDA:
+   on a side stream that first waits for the compute stream, into pinned memory; the
+   compute stream then waits for the copy, so the next optimizer step cannot tear the
+   snapshot) and hand the round to the averaging thread; training goes on;
+2. averaging thread: wait for the copy, publish ``SnapshotReady``, all-reduce the counts
+   ``[n_eff, mover]`` and then ``snap * own/Σ`` into the staging ``cons``;
+3. outer optimizer step (replicated: every rank holds the same consensus bits), then the
+   divergence triple of ``snap`` against the adopted consensus;
+4. inject ``Update(AveragedParams)`` into the rank's control queue, *then* publish
+   ``SyncAck`` (the coordinator's wire ``Update`` follows all acks, so the tensors are
+   always ahead of it in the rank's queue).
+
+The staging buffers are allocated once and reused every round. The ``Update`` carries
+views of ``cons``; they stay valid until the next round writes ``cons``, which cannot
+happen before the rank dispatched that ``Update``: the next round needs the next
+``RequestParams``, which the coordinator sends only after every ``SyncAck``.
+
+Any error in a round (including a group that broke and no new session in time) injects
+``Shutdown``: the rank's core would otherwise wait forever for an ``Update``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from flodl_bus.params.averaging import (
+    OuterOptimizer,
+    divergence_triple,
+    gamma_mass,
+    is_realized,
+    mover_mass,
+    weight,
+)
+from flodl_bus.params.collective import averaged_buffers, scale_into_
+from flodl_bus.params.flat import FlatBuffers, FlatLayout
+from flodl_bus.params.groups import Group, SessionManager
+from flodl_bus.protocol.messages import AveragedParams, Shutdown, SnapshotReady, SyncAck, Update
+
+log = structlog.get_logger("flodl_bus.params")
+
+Inject = Callable[[Any], None]
+Publish = Callable[[Any], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Round:
+    steps_since_avg: int
+    copy_done: Any  # torch.cuda.Event | None
+    started: float
+
+
+@dataclass(frozen=True, slots=True)
+class RoundStats:
+    """What one finished round cost (bench and tests read it; never the cores)."""
+
+    version: int
+    realized: bool
+    total_s: float
+    reduce_s: float
+
+
+class CpuAverager:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        sessions: SessionManager,
+        *,
+        rank: int,
+        inject: Inject,
+        publish: Publish,
+        gamma: float = 1.0,
+        outer: OuterOptimizer | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        if not params:
+            raise ValueError("a model without parameters has nothing to average")
+        self.params = list(params)
+        self.buffers = averaged_buffers(buffers)
+        self.sessions = sessions
+        self.rank = rank
+        self.inject = inject
+        self.publish = publish
+        self.gamma = gamma
+        self.outer = outer
+        self.timeout = timeout
+        self.device = self.params[0].device
+        cuda = self.device.type == "cuda"
+        self._p_layout = FlatLayout(self.params)
+        self._b_layout = FlatLayout(self.buffers)
+        host = torch.device("cpu")
+        # Pinned memory only helps (and only exists) for copies to and from a GPU.
+        self.snap = FlatBuffers(self._p_layout, host, pin=cuda)
+        self.snap_b = FlatBuffers(self._b_layout, host, pin=cuda)
+        self.cons = FlatBuffers(self._p_layout, host, pin=cuda)
+        self.cons_b = FlatBuffers(self._b_layout, host, pin=cuda)
+        self._copy_stream: Any = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        self.version = 0
+        self.last: RoundStats | None = None
+        self._idle = threading.Event()
+        self._idle.set()
+        self._jobs: queue.Queue[_Round | None] = queue.Queue()
+        self._thread = threading.Thread(
+            target=self._loop, name=f"flodl-param-avg-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    # -- training thread ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def snapshot(self, steps_since_avg: int) -> None:
+        if not self._idle.is_set():
+            # The coordinator runs one CPU round at a time; a second snapshot would
+            # overwrite the staging under the running reduce.
+            raise RuntimeError("RequestParams while a CPU averaging round is in flight")
+        self._idle.clear()
+        started = time.monotonic()
+        copy_done = None
+        if self._copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            self._copy_stream.wait_stream(compute)
+            with torch.cuda.stream(self._copy_stream):
+                self.snap.load_from(self.params, non_blocking=True)
+                self.snap_b.load_from(self.buffers, non_blocking=True)
+                copy_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                copy_done.record(self._copy_stream)
+            compute.wait_event(copy_done)
+        else:
+            self.snap.load_from(self.params)
+            self.snap_b.load_from(self.buffers)
+        self._jobs.put(_Round(steps_since_avg, copy_done, started))
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once no round is in flight (tests, shutdown)."""
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    # -- averaging thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                update, ack = self._run_round(job)
+            except Exception as exc:
+                log.error("cpu_average_round_failed", rank=self.rank, error=repr(exc)[:500])
+                self._idle.set()
+                self.inject(Shutdown())
+                continue
+            # Idle before the ack leaves: the next RequestParams may follow it at once.
+            self._idle.set()
+            self.inject(update)
+            self.publish(ack)
+
+    @torch.no_grad()
+    def _run_round(self, job: _Round) -> tuple[Update, SyncAck]:
+        if job.copy_done is not None:
+            job.copy_done.synchronize()
+        self.publish(SnapshotReady(rank=self.rank))
+        n_eff = gamma_mass(job.steps_since_avg, self.gamma)
+        mover = mover_mass(job.steps_since_avg)
+        attempts = 0
+        reduce_started = time.monotonic()
+
+        def attempt(group: Group) -> bool:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:
+                # An abandoned gloo op of the failed attempt may still write ``cons``.
+                self.cons = FlatBuffers(self._p_layout, self.cons.device, pin=self.cons.pinned)
+                self.cons_b = FlatBuffers(self._b_layout, self.cons.device, pin=self.cons.pinned)
+            counts = torch.tensor([n_eff, mover], dtype=torch.float64)
+            group.all_reduce_sum_([counts], self.timeout)
+            total, movers = (float(x) for x in counts.tolist())
+            if not is_realized(total):
+                return False
+            scale_into_(self.cons, self.snap, weight(n_eff, total))
+            scale_into_(self.cons_b, self.snap_b, weight(mover, movers))
+            group.all_reduce_sum_([*self.cons.flats, *self.cons_b.flats], self.timeout)
+            return True
+
+        realized = self.sessions.run(attempt)
+        reduce_s = time.monotonic() - reduce_started
+        self.version += 1
+        if not realized:
+            # Keep local: the rank's own snapshot, flagged so load_averaged skips it.
+            avg = AveragedParams(
+                tuple(self.snap.views), tuple(self.snap_b.views), self.version, realized=False
+            )
+            ack = SyncAck(rank=self.rank, step_count=0)
+        else:
+            if self.outer is not None:
+                self.outer.step_(self.cons.flats)
+            triple = divergence_triple(self.snap.flats, self.cons.flats)
+            avg = AveragedParams(tuple(self.cons.views), tuple(self.cons_b.views), self.version)
+            ack = SyncAck(
+                rank=self.rank,
+                step_count=0,
+                divergence=triple.divergence,
+                post_norm=triple.post_norm,
+                pre_norm=triple.pre_norm,
+            )
+        self.last = RoundStats(self.version, realized, time.monotonic() - job.started, reduce_s)
+        return Update(avg), ack

@@ -1,0 +1,353 @@
+"""Process groups formed through the Redis store, with bounded waits and re-sessions.
+
+Groups are built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on a
+``RedisStore``), never through torch's global default group, so a re-session can build a
+fresh group beside an abandoned one. Each session has its own store prefix derived from
+its uid, so keys of an old session can never satisfy the rendezvous of a new one.
+
+Waits: every collective waits on its future in slices and checks an abort flag between
+slices, so ``abort()`` from another thread (a dead peer, a lost coordinator) releases a
+rank parked in a collective within one slice. gloo has no working abort of an in-flight
+op (its ``abort()`` returns but the op runs on until its own timeout), so an aborted
+gloo group is *abandoned*: parked in ``retired`` rather than destroyed (its destructor
+would join the op's thread and block up to the group timeout), and its buffers are never
+reused by the next attempt.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Final, TypeVar
+
+import redis
+import structlog
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from flodl_bus.params.store import RedisStore
+
+log = structlog.get_logger("flodl_bus.params")
+
+T = TypeVar("T")
+
+#: Attempts of one averaging cycle across re-sessions (reference §3.14).
+MAX_ATTEMPTS: Final = 32
+#: How often a parked waiter looks at the abort flag.
+ABORT_POLL_S: Final = 0.05
+INITIAL_UID: Final = b"initial"
+
+
+class CollectiveFailed(RuntimeError):
+    """The group is unusable (peer lost, aborted, timed out); a re-session may fix it."""
+
+
+class SessionTimeout(RuntimeError):
+    """No new session arrived within the mailbox cap after the group broke."""
+
+
+def new_session_uid() -> bytes:
+    """A fresh uid for ``NewNcclIdGenerated`` (any rank may be asked to generate one)."""
+    return os.urandom(16)
+
+
+def session_prefix(base: str, uid: bytes) -> str:
+    return f"{base}{uid.hex()}/"
+
+
+def store_base(run_id: str) -> str:
+    """Rendezvous keys share the run's hash tag with its streams (DESIGN §3)."""
+    return f"flodl:{{{run_id}}}:store:"
+
+
+def backend_for(device: torch.device) -> str:
+    """The ``nccl`` backend means "in-place collective": NCCL on CUDA, gloo on CPU."""
+    if device.type == "cuda" and getattr(dist, "ProcessGroupNCCL", None) is not None:
+        return "nccl"
+    return "gloo"
+
+
+def form_process_group(
+    store: Store,
+    rank: int,
+    world_size: int,
+    *,
+    backend: str,
+    timeout: timedelta,
+) -> Any:
+    """Build a group directly on ``store`` (returns the backend object, which has the
+    collective methods: ``allreduce``, ``abort``, ...)."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a world of {world_size}")
+    if backend == "nccl":
+        nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]
+        opts = nccl.Options()
+        opts._timeout = timeout
+        return nccl(store, rank, world_size, opts)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSpec:
+    uid: bytes
+    rank: int
+    world_size: int
+
+
+class Group:
+    """One formed session: a process group plus its abort flag."""
+
+    def __init__(self, spec: SessionSpec, pg: Any, backend: str, prefix: str) -> None:
+        self.spec = spec
+        self.pg = pg
+        self.backend = backend
+        self.prefix = prefix
+        self._aborted = threading.Event()
+        self.broken = False
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def abort(self) -> None:
+        if self._aborted.is_set():
+            return
+        self._aborted.set()
+        self.broken = True
+        if self.backend == "nccl":
+            # ncclCommAbort really releases kernels parked on a dead peer.
+            try:
+                self.pg.abort()
+            except Exception as exc:  # abort is best effort; the flag already releases us
+                log.warning("nccl_abort_failed", error=str(exc))
+
+    def all_reduce_sum_(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
+        """Sum each tensor across the group in place; bounded by ``timeout`` seconds.
+
+        Each tensor is its own op: gloo's multi-tensor form would also sum the list's
+        entries together (they are taken as one rank's per-device replicas).
+        """
+        if self._aborted.is_set():
+            raise CollectiveFailed("group was aborted")
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
+        try:
+            works = [self.pg.allreduce([t], opts) for t in tensors]
+        except RuntimeError as exc:
+            self.broken = True
+            raise CollectiveFailed(str(exc)) from exc
+        deadline = time.monotonic() + timeout
+        for work in works:
+            self._wait(work, deadline)
+
+    def _wait(self, work: Any, deadline: float) -> None:
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        while not done.wait(ABORT_POLL_S):
+            if self._aborted.is_set():
+                raise CollectiveFailed("collective aborted")
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise CollectiveFailed("collective did not finish within its timeout")
+        try:
+            work.wait()  # raises the op's error; on NCCL also orders the current stream
+        except RuntimeError as exc:
+            self.broken = True
+            raise CollectiveFailed(str(exc)) from exc
+
+
+class SessionManager:
+    """The rank's current group, the mailbox of the next session, and the retry loop.
+
+    Thread-safe: ``abort`` and ``offer`` come from the control reader while the training
+    thread (``nccl``) or the averaging thread (``cpu``) sits in ``run``.
+    """
+
+    def __init__(
+        self,
+        redis_client: redis.Redis | str,
+        base_prefix: str,
+        rank: int,
+        world_size: int,
+        *,
+        backend: str = "gloo",
+        timeout: float = 30.0,
+        mailbox_cap: float = 60.0,
+        max_attempts: int = MAX_ATTEMPTS,
+    ) -> None:
+        if isinstance(redis_client, str):
+            redis_client = redis.Redis.from_url(
+                redis_client, socket_timeout=5.0, socket_connect_timeout=5.0
+            )
+        self._redis = redis_client
+        self.base_prefix = base_prefix
+        self.backend = backend
+        self.timeout = timeout
+        self.mailbox_cap = mailbox_cap
+        self.max_attempts = max_attempts
+        self._cond = threading.Condition()
+        self._spec = SessionSpec(INITIAL_UID, rank, world_size)
+        self._pending: SessionSpec | None = None
+        self._group: Group | None = None
+        # uids of sessions that broke or failed to form: only a newer one may be formed.
+        self._failed: set[bytes] = set()
+        self._closed = False
+        self.retired: list[Group] = []
+        self.sessions_formed = 0
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def spec(self) -> SessionSpec:
+        with self._cond:
+            return self._spec
+
+    @property
+    def group(self) -> Group | None:
+        with self._cond:
+            return self._group
+
+    def abort(self) -> None:
+        """Abort the current group (idempotent; a no-op when none is formed)."""
+        with self._cond:
+            group = self._group
+            self._cond.notify_all()
+        if group is not None:
+            group.abort()
+
+    def offer(self, spec: SessionSpec) -> None:
+        """Deliver ``NewNcclSession``: the next group to form. The current one is aborted,
+        since the coordinator only re-sessions after a death."""
+        with self._cond:
+            self._pending = spec
+            group = self._group
+            self._cond.notify_all()
+        if group is not None and group.spec.uid != spec.uid:
+            group.abort()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            group, self._group = self._group, None
+            self._cond.notify_all()
+        if group is not None:
+            self.retired.append(group)
+
+    # -- forming --------------------------------------------------------------------------
+
+    def connect(self) -> Group:
+        """The usable group, formed now if needed (waits for a new session if broken)."""
+        with self._cond:
+            group = self._group
+            if group is not None and not group.broken:
+                return group
+            if group is not None:
+                self._failed.add(group.spec.uid)
+            # A session offered before the first one formed supersedes it.
+            need_new = bool(self._failed) or (group is None and self._pending is not None)
+            spec = self._take_pending_locked() if need_new else self._spec
+        try:
+            return self._form(spec)
+        except CollectiveFailed:
+            with self._cond:
+                self._failed.add(spec.uid)
+            raise
+
+    def _take_pending_locked(self) -> SessionSpec:
+        deadline = time.monotonic() + self.mailbox_cap
+        while True:
+            pending = self._pending
+            if pending is not None and pending.uid not in self._failed:
+                self._pending = None
+                return pending
+            if self._closed:
+                raise SessionTimeout("param plane closed while waiting for a new session")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SessionTimeout(
+                    f"no new session within {self.mailbox_cap:.1f}s after the group broke"
+                )
+            self._cond.wait(min(left, ABORT_POLL_S * 4))
+
+    def _form(self, spec: SessionSpec) -> Group:
+        prefix = session_prefix(self.base_prefix, spec.uid)
+        store = RedisStore(self._redis, prefix, timedelta(seconds=self.timeout))
+        started = time.monotonic()
+        try:
+            pg = form_process_group(
+                store,
+                spec.rank,
+                spec.world_size,
+                backend=self.backend,
+                timeout=timedelta(seconds=self.timeout),
+            )
+        except (RuntimeError, redis.RedisError) as exc:
+            raise CollectiveFailed(f"forming session {spec.uid.hex()} failed: {exc}") from exc
+        group = Group(spec, pg, self.backend, prefix)
+        with self._cond:
+            old, self._group, self._spec = self._group, group, spec
+            self.sessions_formed += 1
+        if old is not None:
+            self.retired.append(old)
+            if spec.rank == 0:
+                # Everyone formed the old session long ago; its keys are garbage now.
+                RedisStore(self._redis, old.prefix).clear()
+        log.info(
+            "param_session_formed",
+            uid=spec.uid.hex(),
+            rank=spec.rank,
+            world_size=spec.world_size,
+            backend=self.backend,
+            form_s=round(time.monotonic() - started, 4),
+        )
+        return group
+
+    # -- retry loop -----------------------------------------------------------------------
+
+    def run(self, op: Callable[[Group], T]) -> T:
+        """Run ``op`` on a usable group; after a collective failure wait (bounded) for a
+        new session of survivors and run it again there (reference §3.14).
+
+        ``op`` must be restartable: it rebuilds its inputs from a pre-sync copy and
+        commits nothing to the model until it returns.
+        """
+        last: Exception | None = None
+        for attempt in range(self.max_attempts):
+            try:
+                group = self.connect()
+            except CollectiveFailed as exc:  # formation failed: wait for yet another session
+                last = exc
+                continue
+            try:
+                return op(group)
+            except CollectiveFailed as exc:
+                last = exc
+                self._mark_broken(group)
+                log.warning(
+                    "param_collective_failed",
+                    attempt=attempt,
+                    uid=group.spec.uid.hex(),
+                    rank=group.rank,
+                    error=str(exc)[:300],
+                )
+        raise CollectiveFailed(f"gave up after {self.max_attempts} attempts: {last}")
+
+    def _mark_broken(self, group: Group) -> None:
+        with self._cond:
+            group.broken = True
+            self._failed.add(group.spec.uid)
