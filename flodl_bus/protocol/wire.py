@@ -295,7 +295,8 @@ def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:
         "avg_loss": e.avg_loss,
         "epoch_ms": e.epoch_ms,
         "scalars": dict(e.scalars),
-        "per_rank": [dict(r) for r in e.per_rank],
+        # A tuple like every other sequence here, so from_map(to_map(msg)) round-trips.
+        "per_rank": tuple(dict(r) for r in e.per_rank),
         "per_rank_throughput": e.per_rank_throughput,
         "per_rank_batch_share": e.per_rank_batch_share,
         "per_rank_share_complete_ms": e.per_rank_share_complete_ms,
