@@ -41,6 +41,16 @@ class Inbox:
             self._items.append(msg)
             self._cond.notify()
 
+    def put_many(self, msgs: list[ControlMsg]) -> None:
+        """Queue ``msgs`` at once: the consumer never sees part of one read."""
+        if not msgs:
+            return
+        with self._cond:
+            if self._closed:
+                return
+            self._items.extend(msgs)
+            self._cond.notify()
+
     def close(self) -> None:
         """No more messages will come; queued ones are still delivered first."""
         with self._cond:

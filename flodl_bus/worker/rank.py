@@ -109,6 +109,9 @@ def run_rank(
         clean = loop.run_until_shutdown()
     finally:
         runtime.close()
+        close_params = getattr(params, "close", None)
+        if callable(close_params):
+            close_params()
     if not clean:
         return 1
     return EXIT_COORDINATOR_LOST if runtime.coordinator_lost.is_set() else 0

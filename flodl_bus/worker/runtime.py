@@ -26,6 +26,7 @@ from flodl_bus.bus.api import Delivery, RankBus
 from flodl_bus.params.port import ParamPort
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import (
+    ControlMsg,
     CoordHeartbeat,
     DeclareDead,
     Heartbeat,
@@ -158,6 +159,15 @@ class RankRuntime:
             self.inbox.close()
 
     def _route(self, deliveries: Sequence[Delivery]) -> None:
+        # One read becomes visible to the training thread at once, so messages the
+        # coordinator sent together (a plan and a Throttle) are not split by a batch.
+        batch: list[ControlMsg] = []
+        try:
+            self._route_into(deliveries, batch)
+        finally:
+            self.inbox.put_many(batch)
+
+    def _route_into(self, deliveries: Sequence[Delivery], batch: list[ControlMsg]) -> None:
         for d in deliveries:
             msg = d.msg
             if isinstance(msg, CoordHeartbeat):
@@ -179,7 +189,7 @@ class RankRuntime:
                 # coordinator sends this only after every SyncAck, so the core sees the
                 # averaged tensors before the next plan.
                 if msg.next_plan is not None:
-                    self.inbox.put(StartEpoch(msg.next_plan))
+                    batch.append(StartEpoch(msg.next_plan))
                 continue
             try:
                 ctl = wire.control_wire_to_msg(msg)  # type: ignore[arg-type]
@@ -190,7 +200,7 @@ class RankRuntime:
                 continue
             if isinstance(ctl, (Shutdown, ShutdownWithSave)):
                 self.shutdown_seen = True
-            self.inbox.put(ctl)
+            batch.append(ctl)
 
     def _declare_dead(self, ranks: Sequence[int]) -> None:
         with self._dead_lock:

@@ -1,0 +1,250 @@
+"""A real rank process (``flodl-bus worker``) driven by a scripted coordinator over a real
+redis-server, training the digits model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.streams import RedisCoordinatorBus
+from flodl_bus.examples import digits
+from flodl_bus.protocol.messages import (
+    Batch,
+    Checkpoint,
+    CheckpointResult,
+    EpochPlan,
+    Exiting,
+    ExtendPartition,
+    Heartbeat,
+    LrUpdate,
+    MetricsMsg,
+    Shutdown,
+    StartEpoch,
+    SyncAck,
+    SyncNow,
+    Throttle,
+)
+from flodl_bus.protocol.signing import new_secret
+from flodl_bus.worker.rank import EXIT_COORDINATOR_LOST
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+BS = digits.job.batch_size
+
+
+class ScriptedCoordinator:
+    def __init__(self, client: redis.Redis, run: str, secret: bytes) -> None:
+        self.bus = RedisCoordinatorBus(client, run, secret, ranks=[0])
+        self.received: list[object] = []
+
+    def send(self, *msgs: object) -> None:
+        for m in msgs:
+            self.bus.send(0, m)  # type: ignore[arg-type]
+
+    def read(self, seconds: float) -> list[object]:
+        """Everything rank 0 published in the next ``seconds`` (heartbeats included)."""
+        got: list[object] = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            deliveries = self.bus.read_upstream(min(100, max(1, int(left * 1000))))
+            self.bus.ack(deliveries)
+            got += [d.msg for d in deliveries]
+        self.received += got
+        return got
+
+    def wait_for(self, cls: type, timeout: float = 60.0) -> object:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            deliveries = self.bus.read_upstream(100)
+            self.bus.ack(deliveries)
+            for d in deliveries:
+                self.received.append(d.msg)
+                if isinstance(d.msg, cls):
+                    return d.msg
+        raise AssertionError(f"no {cls.__name__} within {timeout}s; got {self.received[-5:]}")
+
+    def control_plane(self) -> list[object]:
+        return [m for m in self.received if not isinstance(m, Heartbeat)]
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"worker-it-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = connect(redis_url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def start_worker(redis_url: str, run: str, secret: bytes, *extra: str) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, FLODL_RUN_SECRET=secret.hex(), OMP_NUM_THREADS="1")
+    args = [
+        sys.executable,
+        "-m",
+        "flodl_bus.cli",
+        "worker",
+        "--run",
+        run,
+        "--rank",
+        "0",
+        "--world-size",
+        "1",
+        "--job",
+        "flodl_bus.examples.digits:job",
+        "--redis-url",
+        redis_url,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"worker did not exit:\n{out.decode()[-3000:]}") from None
+    return proc.returncode, out.decode()
+
+
+def test_a_rank_process_trains_through_throttle_sync_extend_checkpoint_and_shutdown(
+    redis_url: str, client: redis.Redis, run_id: str, tmp_path: Path
+) -> None:
+    secret = new_secret()
+    coord = ScriptedCoordinator(client, run_id, secret)
+    # Sent before the rank starts, so its first read carries both: it trains exactly one
+    # batch, then the Throttle parks it.
+    coord.send(StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=4 * BS)))
+    coord.send(Throttle())
+    stem = tmp_path / "ckpt"
+    proc = start_worker(
+        redis_url, run_id, secret, "--save-path", str(stem), "--heartbeat-interval", "0.2"
+    )
+    try:
+        first = coord.wait_for(Batch)
+        assert isinstance(first, Batch) and first.step_count == 1
+        # Throttled: heartbeats keep coming, batches do not.
+        quiet = coord.read(0.8)
+        assert not any(isinstance(m, Batch) for m in quiet)
+        assert any(isinstance(m, Heartbeat) for m in quiet)
+
+        # Serviced while throttled, without releasing it.
+        coord.send(ExtendPartition(partition_offset=4 * BS, partition_size=2 * BS))
+        coord.send(Checkpoint(version=1, target_rank=0))
+        result = coord.wait_for(CheckpointResult)
+        assert result == CheckpointResult(
+            rank=0,
+            version=1,
+            elapsed_ms=result.elapsed_ms,
+            error=None,  # type: ignore[attr-defined]
+        )
+        assert (tmp_path / "ckpt.v1.pt").exists()
+        assert not any(isinstance(m, Batch) for m in coord.read(0.3))
+
+        coord.send(SyncNow())  # releases the throttle
+        metrics = coord.wait_for(MetricsMsg)
+        coord.send(Shutdown())
+        coord.wait_for(Exiting)
+    finally:
+        rc, out = finish(proc)
+    assert rc == 0, out
+
+    flow = coord.control_plane()
+    kinds = [type(m) for m in flow]
+    assert kinds == (
+        [Batch, LrUpdate, CheckpointResult, SyncAck] + [Batch, LrUpdate] * 5 + [MetricsMsg, Exiting]
+    ), out
+    sync_ack = flow[3]
+    assert isinstance(sync_ack, SyncAck)
+    assert sync_ack.step_count == 2 and sync_ack.divergence == 0.0
+    assert [b.step_count for b in flow if isinstance(b, Batch)] == [1, 3, 4, 5, 6, 7]
+    assert isinstance(metrics, MetricsMsg)
+    # The extension was trained before the plan completed.
+    assert (metrics.epoch, metrics.batches_processed, metrics.samples_processed) == (
+        0,
+        6,
+        6 * BS,
+    )
+    assert 0.0 < metrics.avg_loss < 3.0
+
+
+def test_a_rank_whose_coordinator_falls_silent_stops_within_the_timeout(
+    redis_url: str, client: redis.Redis, run_id: str
+) -> None:
+    secret = new_secret()
+    coord = ScriptedCoordinator(client, run_id, secret)
+    coord.send(StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=2 * BS)))
+    proc = start_worker(
+        redis_url,
+        run_id,
+        secret,
+        "--coord-liveness-timeout",
+        "1.5",
+        "--heartbeat-interval",
+        "0.2",
+    )
+    try:
+        coord.wait_for(MetricsMsg)
+        silent_since = time.monotonic()
+        rc, out = finish(proc, timeout=10)
+        stopped_after = time.monotonic() - silent_since
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == EXIT_COORDINATOR_LOST, out
+    assert "coordinator_lost" in out
+    # 1.5 s of silence counted from the last control entry (sent before the plan ran),
+    # plus the orderly teardown.
+    assert stopped_after < 1.5 + 2.0, stopped_after
+    assert isinstance(coord.wait_for(Exiting, timeout=5), Exiting)
+    # The heartbeat thread stopped with the process.
+    beats = [m for m in coord.read(0.6) if isinstance(m, Heartbeat)]
+    assert beats == []
+
+
+@pytest.mark.parametrize(
+    ("argv", "fix"),
+    [
+        (["--run", "r", "--rank", "3", "--world-size", "2"], "use a rank in 0..1"),
+        (["--run", "bad run!", "--rank", "0", "--world-size", "1"], "--run"),
+        (["--run", "r", "--rank", "0", "--world-size", "1", "--job", "nosuch:job"], "nosuch"),
+        (
+            [
+                "--run",
+                "r",
+                "--rank",
+                "0",
+                "--world-size",
+                "1",
+                "--redis-url",
+                "redis://127.0.0.1:1/0",
+            ],
+            "fix --redis-url",
+        ),
+    ],
+)
+def test_bad_config_exits_with_one_line_naming_the_fix(
+    argv: list[str], fix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.worker.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flodl-bus worker: ") and fix in err
