@@ -1,0 +1,171 @@
+"""Static configuration of a coordinator (reference §4.1, Appendix A)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from flodl_bus.partition import SHUFFLE_BASE_SEED, split_bounds
+
+
+class Policy(enum.Enum):
+    SYNC = "sync"
+    CADENCE = "cadence"
+    ASYNC = "async"
+
+
+class Backend(enum.Enum):
+    NCCL = "nccl"
+    CPU = "cpu"
+
+
+MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
+
+
+def parse_mode(mode: str) -> tuple[Backend, Policy]:
+    """``"cpu-cadence"`` -> (CPU, CADENCE); ``nccl-async`` is refused with the fix named."""
+    if mode == "nccl-async":
+        raise ValueError(
+            "mode nccl-async is not supported (a fast rank cannot overshoot a blocking "
+            "collective); use cpu-async, or nccl-cadence for NCCL"
+        )
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    backend, _, policy = mode.partition("-")
+    return Backend(backend), Policy(policy)
+
+
+@dataclass(frozen=True, slots=True)
+class MaxFailure:
+    """``absolute`` dead ranks, or ``percent`` of the world (rounded up); §2.6."""
+
+    absolute: int | None = None
+    percent: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.absolute is None) == (self.percent is None):
+            raise ValueError("MaxFailure takes exactly one of absolute= or percent=")
+
+    def limit(self, world_size: int) -> int:
+        if self.absolute is not None:
+            return self.absolute
+        assert self.percent is not None
+        p = min(max(self.percent, 0.0), 1.0)
+        # The epsilon keeps 0.2 * 10 from rounding up to 3 through float noise.
+        return math.ceil(p * world_size - 1e-9) if world_size > 0 else 0
+
+    def breached(self, dead_count: int, world_size: int) -> bool:
+        return dead_count >= self.limit(world_size)
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    mode: str
+    world_size: int
+    total_samples: int
+    batch_size: int
+    num_epochs: int
+    epoch_splits: int = 1
+    augment: int = 1
+    seed: int = SHUFFLE_BASE_SEED
+    #: None = the mode's default (on for cadence/async, off for sync)
+    progressive: bool | None = None
+    heartbeat_timeout: float = 30.0
+    #: rendezvous retry timeout (seconds) before the next generator candidate
+    rendezvous_timeout: float = 5.0
+    #: None = the mode's default (1 for sync, 10 otherwise)
+    anchor: int | None = None
+    overhead_target: float = 0.05
+    max_anchor: int = 1000
+    min_anchor: int | None = None
+    max_batch_diff: int | None = None
+    #: None = auto-tuned (async only): 3, +1 per stable reduce up to 15
+    max_overshoot: int | None = None
+    #: None = 0.05, or 0.3 when EASGD blending is on (cpu-async)
+    trend_threshold: float | None = None
+    partition_ratios: tuple[float, ...] | None = None
+    eval_every: int | None = None
+    #: dispatch the final canonical eval before Shutdown (the job has an eval_fn)
+    final_eval: bool = False
+    checkpoint_every: int | None = None
+    save_path: str | None = None
+    max_failure: MaxFailure | None = None
+    #: None = "fastest" (0 until calibrated, then the fastest live rank); an int pins it
+    epoch_callback_rank: int | None = None
+    #: staleness sweep on (elastic death handling)
+    elastic: bool = True
+    coord_heartbeat_every: float = 1.0
+
+    def __post_init__(self) -> None:
+        parse_mode(self.mode)
+        if self.world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if self.num_epochs < 0:
+            raise ValueError("num_epochs must be >= 0")
+        if self.epoch_splits < 1:
+            raise ValueError("epoch_splits must be at least 1")
+        if self.augment < 1:
+            raise ValueError("augment must be at least 1")
+        if self.total_samples <= 0:
+            raise ValueError("total_samples must be positive (an empty dataset cannot train)")
+        if self.epoch_batches(0) == 0:
+            raise ValueError(
+                f"an epoch of {self.total_samples * self.augment // self.epoch_splits} "
+                f"samples is smaller than batch_size {self.batch_size}"
+            )
+        if self.partition_ratios is not None and len(self.partition_ratios) != self.world_size:
+            raise ValueError("partition_ratios needs one entry per rank")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def backend(self) -> Backend:
+        return parse_mode(self.mode)[0]
+
+    @property
+    def policy(self) -> Policy:
+        return parse_mode(self.mode)[1]
+
+    @property
+    def is_progressive(self) -> bool:
+        if self.progressive is not None:
+            return self.progressive
+        return self.policy is not Policy.SYNC
+
+    @property
+    def barrier_paced(self) -> bool:
+        return self.policy is not Policy.ASYNC
+
+    @property
+    def initial_anchor(self) -> int:
+        if self.anchor is not None:
+            return self.anchor
+        return 1 if self.policy is Policy.SYNC else 10
+
+    @property
+    def pick_space(self) -> int:
+        return self.total_samples * self.augment
+
+    @property
+    def easgd(self) -> bool:
+        return self.mode == "cpu-async"
+
+    @property
+    def guard_threshold(self) -> float:
+        if self.trend_threshold is not None:
+            return self.trend_threshold
+        return 0.3 if self.easgd else 0.05
+
+    @property
+    def stall_ceiling(self) -> float:
+        return max(10 * self.heartbeat_timeout, 300.0)
+
+    def epoch_samples(self, epoch: int) -> int:
+        start, end = split_bounds(self.pick_space, self.epoch_splits, epoch % self.epoch_splits)
+        return end - start
+
+    def epoch_batches(self, epoch: int) -> int:
+        """Batches of an epoch; the sub-batch tail of the span is never dispatched."""
+        return self.epoch_samples(epoch) // self.batch_size

@@ -1,0 +1,271 @@
+"""ElChe: per-rank window budgets and the anchor (reference §4.9).
+
+``anchor`` is how many batches the slowest rank runs per window; faster ranks get
+proportionally more so every rank reaches the reduce at about the same wall time.
+Anchor growth is only *proposed* by a window report; the reduce's verdict (divergence
+guard) commits it, vetoes it, or discards it and shrinks the anchor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flodl_bus.coordinator.guard import Verdict, VerdictKind
+
+MAX_SPEED_RATIO = 64.0
+TRUST_WINDOW = 5
+COUNTS_HISTORY = 10
+COHORT_BAND = 0.15
+DOMINANCE_MARGIN = 0.10
+DEAD_ZONE = 0.05
+GROWTH_STEP_CAP = 2.0
+WARMUP_MARGIN = 2.0
+REARM_AFTER = 5
+DEAD_WINDOW_ESCAPE = 5
+STABLE_AFTER = 5
+MATURE_AFTER = 20
+
+
+@dataclass(frozen=True, slots=True)
+class WindowReport:
+    """What one window looked like: per-rank ms per batch (None = no data)."""
+
+    ms_per_batch: tuple[float | None, ...]
+    #: wall time of the reduce itself
+    reduce_ms: float = 0.0
+    #: pipeline fill beyond a marginal batch (first batch of the window)
+    fill_ms: float = 0.0
+
+
+def _round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+class ElChe:
+    def __init__(
+        self,
+        world_size: int,
+        anchor: int = 10,
+        overhead_target: float = 0.05,
+        max_anchor: int = 1000,
+        min_anchor: int | None = None,
+        max_batch_diff: int | None = None,
+        window_cap: int | None = None,
+        growth: bool = True,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError("ElChe needs at least one rank")
+        if anchor < 1:
+            raise ValueError("anchor must be positive")
+        self.world_size = world_size
+        self.max_anchor = max(1, max_anchor)
+        self.anchor = min(anchor, self.max_anchor)
+        self.min_anchor = min(min_anchor if min_anchor is not None else self.anchor, self.anchor)
+        self.overhead_target = min(max(overhead_target, 0.01), 0.5)
+        self.max_batch_diff = max_batch_diff
+        self.window_cap = window_cap
+        self.growth = growth
+        self.counts = [self.anchor] * world_size
+        self.calibrations = 0
+        self.anchor_rank: int | None = None
+        self.pending_anchor: int | None = None
+        self.window_cap_binding = False
+        self.growth_armed = True
+        self._stable_streak = 0
+        self._rings: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(world_size)]
+        self._zero_windows = [0] * world_size
+        self._history: deque[tuple[int, ...]] = deque(maxlen=COUNTS_HISTORY)
+        self._apply_window_cap()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def calibrated(self) -> bool:
+        return self.calibrations > 0
+
+    @property
+    def phase(self) -> str:
+        if self.calibrations >= MATURE_AFTER:
+            return "mature"
+        if self.calibrations >= STABLE_AFTER:
+            return "stable"
+        if self.calibrations >= 1:
+            return "warmup"
+        return "probe"
+
+    def smoothed_ms(self, rank: int) -> float | None:
+        ring = self._rings[rank]
+        return sum(ring) / len(ring) if ring else None
+
+    def recent_batch_share(self) -> list[float]:
+        snaps = list(self._history) or [tuple(self.counts)]
+        shares = [0.0] * self.world_size
+        for snap in snaps:
+            total = sum(snap)
+            for r in range(self.world_size):
+                shares[r] += (snap[r] / total if total else 1.0 / self.world_size) / len(snaps)
+        return shares
+
+    def fastest(self, alive: Sequence[bool]) -> int | None:
+        """Alive rank with the lowest smoothed ms per batch (ties -> lowest rank)."""
+        best: tuple[float, int] | None = None
+        for r in range(self.world_size):
+            ms = self.smoothed_ms(r)
+            if alive[r] and ms is not None and (best is None or ms < best[0]):
+                best = (ms, r)
+        return best[1] if best else None
+
+    def clamp_total(self, remaining: int) -> list[int]:
+        """Counts scaled down to fit ``remaining`` batches, keeping their order (each >= 1)."""
+        total = sum(self.counts)
+        if total <= remaining or remaining <= 0:
+            return list(self.counts)
+        scaled = [max(1, c * remaining // total) for c in self.counts]
+        while sum(scaled) > remaining and max(scaled) > 1:
+            scaled[scaled.index(max(scaled))] -= 1
+        return scaled
+
+    # ------------------------------------------------------------------ updates
+    def report_window(self, report: WindowReport) -> None:
+        """Fold one window's timing in; recompute counts and maybe propose growth."""
+        seen = False
+        for r, ms in enumerate(report.ms_per_batch[: self.world_size]):
+            if ms is not None and ms > 0 and math.isfinite(ms):
+                self._rings[r].append(ms)
+                self._zero_windows[r] = 0
+                seen = True
+            else:
+                self._zero_windows[r] += 1
+        if not seen:
+            return
+        first = self.calibrations == 0
+        self.calibrations += 1
+        self._elect_anchor_rank()
+        self._recompute(first=first)
+        self.pending_anchor = self._growth_proposal(report)
+
+    def apply_verdict(self, verdict: Verdict) -> None:
+        """Commit (Stable), veto (SuppressGrowth) or discard-and-shrink (NudgeDown)."""
+        if verdict.kind is VerdictKind.STABLE:
+            self._stable_streak += 1
+            if not self.growth_armed and self._stable_streak >= REARM_AFTER:
+                self.growth_armed = True
+            if self.pending_anchor is not None and self.pending_anchor != self.anchor:
+                self.anchor = self.pending_anchor
+                self._recompute(first=False)
+        else:
+            self._stable_streak = 0
+            self.growth_armed = False
+            if verdict.kind is VerdictKind.NUDGE_DOWN:
+                self.pending_anchor = None
+                self.nudge_anchor_down(verdict.factor)
+        self.pending_anchor = None
+
+    def nudge_anchor_down(self, factor: float) -> None:
+        f = min(max(factor, 0.1), 1.0)
+        self.anchor = max(1, min(self.anchor, math.ceil(self.anchor * f)))
+        self._recompute(first=False)
+
+    # ------------------------------------------------------------------ internals
+    def _elect_anchor_rank(self) -> None:
+        ms = [self.smoothed_ms(r) for r in range(self.world_size)]
+        known = [(m, r) for r, m in enumerate(ms) if m is not None]
+        if not known:
+            return
+        cur = self.anchor_rank
+        if cur is not None and self._zero_windows[cur] >= DEAD_WINDOW_ESCAPE:
+            cur = None
+        if cur is not None and self.phase not in ("stable", "mature"):
+            return
+        slowest = max(m for m, _ in known)
+        if cur is not None:
+            cur_ms = ms[cur]
+            if cur_ms is not None and slowest <= cur_ms * (1 + DOMINANCE_MARGIN):
+                return
+        cohort = [r for m, r in known if m >= slowest * (1 - COHORT_BAND)]
+        self.anchor_rank = min(cohort)
+
+    def _recompute(self, first: bool) -> None:
+        slow = self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+        new = []
+        for r in range(self.world_size):
+            ms = self.smoothed_ms(r)
+            if r == self.anchor_rank or ms is None or slow is None:
+                target = self.anchor
+            else:
+                target = max(1, _round_half_up(self.anchor * min(slow / ms, MAX_SPEED_RATIO)))
+            old = self.counts[r]
+            if not first:
+                if old > 0 and abs(target - old) / old < DEAD_ZONE:
+                    target = old
+                elif self.max_batch_diff is not None:
+                    d = self.max_batch_diff
+                    target = min(max(target, old - d), old + d)
+                    target = max(target, 1)
+            new.append(target)
+        self.counts = new
+        self._apply_window_cap()
+        self._history.append(tuple(self.counts))
+
+    def _apply_window_cap(self) -> None:
+        cap = self.window_cap
+        total = sum(self.counts)
+        if cap is None or total <= cap:
+            self.window_cap_binding = False
+            return
+        self.window_cap_binding = True
+        scaled = [max(1, c * cap // total) for c in self.counts]
+        fastest = min(range(self.world_size), key=lambda r: (-self.counts[r], r))
+        while sum(scaled) < cap:
+            scaled[fastest] += 1
+        while sum(scaled) > cap and max(scaled) > 1:
+            scaled[scaled.index(max(scaled))] -= 1
+        self.counts = scaled
+
+    def _growth_proposal(self, report: WindowReport) -> int | None:
+        if not self.growth or not self.growth_armed or self.window_cap_binding:
+            return None
+        marginal = self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+        if marginal is None:
+            return None
+        cost = max(report.reduce_ms, 0.0) + max(report.fill_ms, 0.0)
+        denom = self.anchor * marginal + cost
+        if denom <= 0:
+            return None
+        overhead = cost / denom
+        if self.phase == "warmup":
+            if self.calibrations < 2 or overhead <= WARMUP_MARGIN * self.overhead_target:
+                return None
+        elif overhead <= self.overhead_target:
+            return None
+        step = min(overhead / self.overhead_target, GROWTH_STEP_CAP)
+        proposal = min(max(math.ceil(self.anchor * step), self.min_anchor), self.max_anchor)
+        return proposal if proposal > self.anchor else None
+
+    # ------------------------------------------------------------------ persistence
+    def state(self) -> dict[str, Any]:
+        return {
+            "anchor": self.anchor,
+            "counts": list(self.counts),
+            "smoothed_ms": [self.smoothed_ms(r) for r in range(self.world_size)],
+            "rings": [list(r) for r in self._rings],
+            "phase": self.phase,
+            "calibrations": self.calibrations,
+            "anchor_rank": self.anchor_rank,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.anchor = min(int(state["anchor"]), self.max_anchor)
+        counts = [int(c) for c in state["counts"]]
+        if len(counts) == self.world_size:
+            self.counts = counts
+        for r, ring in enumerate(state.get("rings", [])[: self.world_size]):
+            self._rings[r].clear()
+            self._rings[r].extend(float(x) for x in ring)
+        self.calibrations = int(state.get("calibrations", 0))
+        ar = state.get("anchor_rank")
+        self.anchor_rank = int(ar) if ar is not None else None
+        self._apply_window_cap()

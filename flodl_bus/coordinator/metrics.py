@@ -1,0 +1,105 @@
+"""Per-epoch metrics accumulation and the cross-rank aggregate (reference §4.11)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg
+
+
+@dataclass(slots=True)
+class RankAcc:
+    """One rank's sums over every plan (chunk) it reported for one epoch."""
+
+    batches: int = 0
+    samples: int = 0
+    epoch_ms: float = 0.0
+    share_ms: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+    loss_x_batches: float = 0.0
+    loss_batches: int = 0
+    scalars: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, m: MetricsMsg) -> None:
+        self.batches += m.batches_processed
+        self.samples += m.samples_processed
+        self.epoch_ms += m.epoch_ms
+        self.share_ms += m.share_complete_ms
+        self.compute_ms += m.compute_only_ms
+        self.data_ms += m.data_starve_ms
+        # A NaN loss of one chunk must not poison the epoch mean.
+        if m.batches_processed > 0 and math.isfinite(m.avg_loss):
+            self.loss_x_batches += m.avg_loss * m.batches_processed
+            self.loss_batches += m.batches_processed
+        for tag, (total, count) in m.scalars.items():
+            acc = self.scalars.setdefault(tag, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += count
+
+
+class EpochBuffer:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._epochs: dict[int, list[RankAcc]] = {}
+
+    def record(self, rank: int, msg: MetricsMsg) -> None:
+        accs = self._epochs.get(msg.epoch)
+        if accs is None:
+            accs = [RankAcc() for _ in range(self.world_size)]
+            self._epochs[msg.epoch] = accs
+        accs[rank].add(msg)
+
+    def samples(self, epoch: int) -> list[int]:
+        accs = self._epochs.get(epoch)
+        return [a.samples for a in accs] if accs else [0] * self.world_size
+
+    def pop(self, epoch: int) -> list[RankAcc]:
+        return self._epochs.pop(epoch, None) or [RankAcc() for _ in range(self.world_size)]
+
+
+def aggregate(
+    epoch: int,
+    accs: Sequence[RankAcc],
+    batch_share: Sequence[float],
+    epoch_ms: float | None = None,
+) -> EpochMetrics:
+    """Batch-weighted loss and scalars; ``epoch_ms`` defaults to the slowest rank's sum."""
+    total_b = sum(a.loss_batches for a in accs)
+    avg_loss = sum(a.loss_x_batches for a in accs) / total_b if total_b else math.nan
+    per_rank: list[dict[str, float]] = []
+    tags: list[str] = []
+    for a in accs:
+        means = {t: s / c for t, (s, c) in a.scalars.items() if c > 0}
+        per_rank.append(means)
+        tags += [t for t in means if t not in tags]
+    scalars: dict[str, float] = {}
+    for t in tags:
+        holders = [(pr[t], a.batches) for pr, a in zip(per_rank, accs) if t in pr]
+        weight = sum(b for _, b in holders)
+        if weight > 0:
+            scalars[t] = sum(v * b for v, b in holders) / weight
+        else:
+            scalars[t] = sum(v for v, _ in holders) / len(holders)
+    return EpochMetrics(
+        epoch=epoch,
+        avg_loss=avg_loss,
+        epoch_ms=epoch_ms if epoch_ms is not None else max((a.epoch_ms for a in accs), default=0),
+        scalars=scalars,
+        per_rank=tuple(per_rank),
+        per_rank_throughput=tuple(
+            a.samples / (a.share_ms or a.epoch_ms) if (a.share_ms or a.epoch_ms) > 0 else 0.0
+            for a in accs
+        ),
+        per_rank_batch_share=tuple(batch_share),
+        per_rank_share_complete_ms=tuple(a.share_ms for a in accs),
+        per_rank_compute_only_ms=tuple(a.compute_ms for a in accs),
+        per_rank_data_starve_ms=tuple(a.data_ms for a in accs),
+        device_indices=tuple(range(len(accs))),
+        per_rank_loss=tuple(
+            a.loss_x_batches / a.loss_batches if a.loss_batches else None for a in accs
+        ),
+        per_rank_samples=tuple(a.samples for a in accs),
+    )
