@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -89,16 +90,36 @@ def load_job(ref: str) -> Job:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"--job {ref!r}: expected MODULE:NAME, e.g. flodl_bus.examples.digits:job")
+    # A relative name ('.mod') makes import_module raise TypeError, not ImportError.
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SystemExit(f"--job {ref!r}: cannot import {module_name} ({exc})") from None
+    except (ImportError, TypeError) as exc:
+        raise SystemExit(
+            f"--job {ref!r}: cannot import {module_name} ({exc}); "
+            "use an absolute module name that is installed or on PYTHONPATH"
+        ) from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
-        raise SystemExit(f"--job {ref!r}: {module_name} has no attribute {attr!r}") from None
+        raise SystemExit(
+            f"--job {ref!r}: {module_name} has no attribute {attr!r}; "
+            "name a Job (or a zero-argument function returning one) defined there"
+        ) from None
     if callable(obj) and not isinstance(obj, Job):
+        # Calling a factory that needs arguments would escape as a bare TypeError.
+        try:
+            inspect.signature(obj).bind()
+        except TypeError:
+            raise SystemExit(
+                f"--job {ref!r}: {attr} takes arguments; "
+                "point --job at a Job or a zero-argument function returning one"
+            ) from None
+        except ValueError:
+            pass  # no introspectable signature: just call it
         obj = obj()
     if not isinstance(obj, Job):
-        raise SystemExit(f"--job {ref!r}: {attr} is a {type(obj).__name__}, not a flodl_bus Job")
+        raise SystemExit(
+            f"--job {ref!r}: {attr} is a {type(obj).__name__}, not a flodl_bus Job; "
+            "point --job at a Job or a zero-argument function returning one"
+        )
     return obj

@@ -39,6 +39,8 @@ def epoch_span(
     pick_space: int, epoch: int, seed: int = SHUFFLE_BASE_SEED, splits: int = 1
 ) -> npt.NDArray[np.int64]:
     """Every pick of ``epoch`` in shuffled order."""
+    if splits < 1:  # before divmod, which would raise ZeroDivisionError for 0
+        raise ValueError("epoch_splits must be at least 1")
     pass_, split = divmod(epoch, splits)
     start, end = split_bounds(pick_space, splits, split)
     return _permutation(pick_space, seed + pass_)[start:end]
