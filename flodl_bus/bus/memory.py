@@ -28,6 +28,10 @@ from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
 class _Lane:
     """One reader's entries (a rank's merged control, or the coordinator's upstream)."""
 
+    #: built on the hub's one lock; a write wakes only the reader of its own lane (a
+    #: rank's publish must not wake that rank's control reader: a needless GIL handoff
+    #: on the training thread's hot path)
+    cond: threading.Condition
     entries: list[Delivery] = field(default_factory=list)
     cursor: int = 0
     pending: dict[str, Delivery] = field(default_factory=dict)
@@ -63,10 +67,10 @@ class MemoryHub:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size = world_size
         self.roundtrip = roundtrip
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._seq = 0
-        self._control = [_Lane() for _ in range(world_size)]
-        self._upstream = _Lane()
+        self._control = [_Lane(threading.Condition(self._lock)) for _ in range(world_size)]
+        self._upstream = _Lane(threading.Condition(self._lock))
         self._up_seq = [0] * world_size
         #: (stream, reason) of every entry that failed to decode
         self.dlq: list[tuple[str, str]] = []
@@ -76,12 +80,12 @@ class MemoryHub:
     def rank_bus(self, rank: int) -> MemoryRankBus:
         """Attach a reader for ``rank``; a second attach re-delivers unacked entries."""
         self._check_rank(rank)
-        with self._cond:
+        with self._lock:
             self._control[rank].redeliver = True
         return MemoryRankBus(self, rank)
 
     def coordinator_bus(self) -> MemoryCoordinatorBus:
-        with self._cond:
+        with self._lock:
             self._upstream.redeliver = True
         return MemoryCoordinatorBus(self)
 
@@ -104,34 +108,35 @@ class MemoryHub:
 
     def _send_control(self, ranks: Sequence[int], stream: str, msg: ControlWire) -> None:
         carried = self._carry(msg, wire.CONTROL, stream)
-        with self._cond:
+        with self._lock:
             self._seq += 1
             entry_id = f"{self._seq}-0"
             if carried is not None:
                 for r in ranks:
-                    self._control[r].entries.append(Delivery(stream, entry_id, carried))
-            self._cond.notify_all()
+                    lane = self._control[r]
+                    lane.entries.append(Delivery(stream, entry_id, carried))
+                    lane.cond.notify()
 
     def _publish(self, rank: int, msg: UpstreamMsg) -> None:
         stream = f"up:{rank}"
         carried = self._carry(msg, wire.UPSTREAM, stream)
-        with self._cond:
+        with self._lock:
             self._up_seq[rank] += 1
             if carried is not None:
                 entry_id = f"{rank}:{self._up_seq[rank]}-0"
                 self._upstream.entries.append(Delivery(stream, entry_id, carried))
-            self._cond.notify_all()
+                self._upstream.cond.notify()
 
     # ------------------------------------------------------------------- reads
 
     def _read(self, lane: _Lane, block_ms: int) -> list[Delivery]:
-        with self._cond:
+        with self._lock:
             if not lane.ready() and block_ms > 0:
-                self._cond.wait_for(lane.ready, block_ms / 1000.0)
+                lane.cond.wait_for(lane.ready, block_ms / 1000.0)
             return lane.take()
 
     def _ack(self, lane: _Lane, deliveries: Sequence[Delivery]) -> None:
-        with self._cond:
+        with self._lock:
             lane.ack(deliveries)
 
 
