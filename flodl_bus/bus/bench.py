@@ -1,0 +1,310 @@
+"""``flodl-bus bench bus``: the bus measured beside the raw Redis round trip.
+
+Every figure is printed next to PING measured on the same server in the same run:
+
+- control dispatch latency, coordinator ``send``/``broadcast`` → rank ``read_control``
+  return, with 1, 8 and 32 rank processes (each its own connection); the send time
+  travels inside the message (``SetGlobalStep.global_step`` = ``perf_counter_ns``,
+  CLOCK_MONOTONIC, the same clock in every process);
+- coordinator upstream ingest (read + authenticate + decode + ack) with 8 and 32 ranks'
+  streams pre-filled, and with rank processes publishing concurrently;
+- cost of ``publish()`` on the sending (training) thread, in a burst and paced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from flodl_bus.bus import entries
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.ids import IdClock, format_id
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.server import RedisServer
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
+from flodl_bus.protocol import messages as m
+from flodl_bus.protocol.signing import new_secret
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _us(ns: float) -> str:
+    return f"{ns / 1000:8.1f} µs"
+
+
+def _batch(rank: int, i: int) -> m.Batch:
+    return m.Batch(rank=rank, batch_ms=12.5, data_ms=0.8, step_count=i, batch_loss=0.25)
+
+
+# ------------------------------------------------------------------ raw round trip
+
+
+def measure_ping(url: str, n: int) -> list[int]:
+    client = connect(url)
+    client.ping()
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        client.ping()
+        out.append(time.perf_counter_ns() - t0)
+    client.close()
+    return out
+
+
+# --------------------------------------------------------------- dispatch latency
+
+
+def _rank_proc(url: str, run: str, rank: int, secret: bytes, conn: Connection) -> None:
+    bus = RedisRankBus(connect(url), run, rank, secret)
+    bus.read_control(0)  # create groups, drain pending
+    conn.send("ready")
+    lat: list[int] = []
+    done = False
+    while not done:
+        got = bus.read_control(500)
+        now = time.perf_counter_ns()
+        for d in got:
+            if isinstance(d.msg, m.SetGlobalStep):
+                lat.append(now - d.msg.global_step)
+            elif isinstance(d.msg, m.Shutdown):
+                done = True
+        bus.ack(got)
+    bus.close()
+    conn.send(lat)
+    conn.close()
+
+
+def measure_dispatch(url: str, ranks: int, messages: int) -> list[int]:
+    """Latency of every delivery (ns)."""
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    secret = new_secret()
+    coord = RedisCoordinatorBus(connect(url), run, secret, ranks=range(ranks))
+    ctx = mp.get_context("fork")
+    pipes, procs = [], []
+    for r in range(ranks):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_rank_proc, args=(url, run, r, secret, child), daemon=True)
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    for parent in pipes:
+        parent.recv()
+    # Each message is sent once the previous one has had time to land everywhere, so
+    # the figure is latency, not queueing: ~0.5 ms plus the time `ranks` processes
+    # need to wake on two cores.
+    gap = 0.0005 + 0.00005 * ranks
+    unicast_sent = 0
+    for i in range(messages):
+        msg = m.SetGlobalStep(global_step=time.perf_counter_ns())
+        if i % 4 == 3:
+            coord.broadcast(msg)
+        else:
+            coord.send(unicast_sent % ranks, msg)
+            unicast_sent += 1
+        deadline = time.perf_counter() + gap
+        while time.perf_counter() < deadline:
+            time.sleep(0.0001)
+    coord.broadcast(m.Shutdown())
+    all_lat: list[int] = []
+    for parent in pipes:
+        all_lat += parent.recv()
+    for p in procs:
+        p.join(10)
+    coord.close()
+    bcast_n = messages // 4
+    expected = (messages - bcast_n) + bcast_n * ranks
+    if len(all_lat) != expected:
+        raise RuntimeError(f"dispatch bench lost messages: {len(all_lat)} != {expected}")
+    return all_lat
+
+
+# ------------------------------------------------------------------------- ingest
+
+
+def _prefill(url: str, keys: RunKeys, ranks: int, per_rank: int, secret: bytes) -> None:
+    client = connect(url)
+    for r in range(ranks):
+        stream = keys.up(r)
+        clock = IdClock()
+        pipe = client.pipeline(transaction=False)
+        for i in range(per_rank):
+            fields = entries.build(secret, stream, _batch(r, i), str(r), i + 1)
+            pipe.xadd(stream, fields, id=format_id(clock.next(1)))  # type: ignore[arg-type]
+            if len(pipe) >= 1000:
+                pipe.execute()
+        pipe.execute()
+    client.close()
+
+
+def _ingest(coord: RedisCoordinatorBus, total: int, timeout: float = 120.0) -> float:
+    got = 0
+    t0 = time.perf_counter()
+    while got < total:
+        ds = coord.read_upstream(200)
+        coord.ack(ds)
+        got += len(ds)
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"ingest bench stalled at {got}/{total}")
+    return time.perf_counter() - t0
+
+
+def measure_ingest_prefilled(url: str, ranks: int, total: int) -> float:
+    keys = RunKeys(f"bench-{uuid.uuid4().hex[:8]}")
+    secret = new_secret()
+    per_rank = total // ranks
+    _prefill(url, keys, ranks, per_rank, secret)
+    coord = RedisCoordinatorBus(connect(url), keys, secret, ranks=range(ranks))
+    elapsed = _ingest(coord, per_rank * ranks)
+    coord.close()
+    return per_rank * ranks / elapsed
+
+
+def _publisher_proc(url: str, run: str, rank: int, secret: bytes, n: int, conn: Connection) -> None:
+    bus = RedisRankBus(connect(url), run, rank, secret)
+    conn.send("ready")
+    conn.recv()
+    for i in range(n):
+        bus.publish(_batch(rank, i))
+    bus.flush(120)
+    bus.close()
+
+
+def measure_ingest_concurrent(url: str, ranks: int, total: int) -> float:
+    run = f"bench-{uuid.uuid4().hex[:8]}"
+    secret = new_secret()
+    per_rank = total // ranks
+    coord = RedisCoordinatorBus(connect(url), run, secret, ranks=range(ranks))
+    ctx = mp.get_context("fork")
+    pipes, procs = [], []
+    for r in range(ranks):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(
+            target=_publisher_proc, args=(url, run, r, secret, per_rank, child), daemon=True
+        )
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    for parent in pipes:
+        parent.recv()
+    for parent in pipes:
+        parent.send("go")
+    elapsed = _ingest(coord, per_rank * ranks)
+    for p in procs:
+        p.join(30)
+    coord.close()
+    return per_rank * ranks / elapsed
+
+
+# ---------------------------------------------------------------------- send cost
+
+
+def measure_send_cost(url: str, n: int) -> tuple[float, list[int]]:
+    """(burst mean ns per publish, paced per-call ns)."""
+    secret = new_secret()
+    bus = RedisRankBus(connect(url), f"bench-{uuid.uuid4().hex[:8]}", 0, secret)
+    msgs = [_batch(0, i) for i in range(n)]
+    t0 = time.perf_counter_ns()
+    for msg in msgs:
+        bus.publish(msg)
+    burst = (time.perf_counter_ns() - t0) / n
+    bus.flush(60)
+    paced = []
+    for msg in msgs[: n // 4]:
+        t0 = time.perf_counter_ns()
+        bus.publish(msg)
+        paced.append(time.perf_counter_ns() - t0)
+        spin = time.perf_counter_ns() + 100_000  # a "training step" of 100 µs
+        while time.perf_counter_ns() < spin:
+            pass
+    bus.flush(60)
+    bus.close()
+    return burst, paced
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="flodl-bus bench bus", description=__doc__.split("\n")[0])
+    ap.add_argument("--redis-url", help="use this server instead of starting one")
+    ap.add_argument("--ranks", default="1,8,32", help="rank counts for dispatch latency")
+    ap.add_argument("--ingest-ranks", default="8,32")
+    ap.add_argument("--messages", type=int, default=2000, help="control messages per config")
+    ap.add_argument("--ingest", type=int, default=100_000, help="upstream messages per config")
+    ap.add_argument("--publishes", type=int, default=20_000)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure (median taken)")
+    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+
+    server = None
+    url = args.redis_url
+    if url is None:
+        server = RedisServer().start()
+        url = server.url
+    try:
+        return _run(args, url)
+    finally:
+        if server is not None:
+            server.cleanup()
+
+
+def _run(args: Any, url: str) -> int:
+    print(f"flodl-bus bench bus  (pid {os.getpid()}, {os.cpu_count()} CPUs)")
+    pings = measure_ping(url, 3000)
+    rtt = statistics.median(pings)
+    print(f"raw PING round trip          p50 {_us(rtt)}   p99 {_us(_pct(pings, 0.99))}")
+    print()
+    print("control dispatch latency, coordinator send -> rank read_control (1 in 4 broadcast)")
+    for ranks in [int(x) for x in args.ranks.split(",") if x]:
+        p50s, p99s = [], []
+        for _ in range(args.repeats):
+            lat = measure_dispatch(url, ranks, args.messages)
+            p50s.append(_pct(lat, 0.5))
+            p99s.append(_pct(lat, 0.99))
+        p50 = statistics.median(p50s)
+        p99 = statistics.median(p99s)
+        print(
+            f"  {ranks:>3} rank(s)   p50 {_us(p50)} ({p50 / rtt:5.1f}x PING)   "
+            f"p99 {_us(p99)} ({p99 / rtt:5.1f}x PING)"
+        )
+    print("  target (8 ranks): p50 <= 10x PING, p99 < 2000 µs")
+    print()
+    print("coordinator upstream ingest (read + verify + decode + ack), msgs/s")
+    for ranks in [int(x) for x in args.ingest_ranks.split(",") if x]:
+        pre = statistics.median(
+            measure_ingest_prefilled(url, ranks, args.ingest) for _ in range(args.repeats)
+        )
+        conc = statistics.median(
+            measure_ingest_concurrent(url, ranks, args.ingest // 2)
+            for _ in range(max(1, args.repeats - 1))
+        )
+        print(
+            f"  {ranks:>3} ranks   pre-filled {pre:9.0f}/s ({1e9 / pre / rtt:5.3f} PING/msg)"
+            f"   with live publishers {conc:9.0f}/s"
+        )
+    print("  target: >= 50,000 msgs/s")
+    print()
+    bursts, paced_all = [], []
+    for _ in range(args.repeats):
+        burst, paced = measure_send_cost(url, args.publishes)
+        bursts.append(burst)
+        paced_all += paced
+    burst = statistics.median(bursts)
+    print("publish() cost on the sending thread")
+    print(f"  burst of {args.publishes}   mean {_us(burst)} ({burst / rtt:5.3f}x PING)")
+    print(
+        f"  paced (1 per 100 µs step)   p50 {_us(_pct(paced_all, 0.5))}   "
+        f"p99 {_us(_pct(paced_all, 0.99))}"
+    )
+    print("  target: <= 20 µs per message")
+    return 0

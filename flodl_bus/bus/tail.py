@@ -1,0 +1,196 @@
+"""``flodl-bus tail``: print a run's control and upstream entries live, one line each.
+
+An observer, not a consumer: plain XREAD (no consumer group, nothing acked), so tailing
+never takes an entry from a rank or the coordinator. It tracks the last id it printed
+per stream and asks for entries after exactly that id. A ``XREAD ... $`` loop would drop
+everything written between two calls; this does not, however large the burst.
+
+Streams appear as ranks start, so the key space is rescanned about once a second;
+a stream found after the tail started is printed from its beginning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import orjson
+import redis
+
+from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, MAX_BLOCK_MS, connect, redact_url
+from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
+from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.run_secret import META_FIELD, secret_from_env
+from flodl_bus.bus.streams import stream_top
+from flodl_bus.protocol import signing, wire
+
+RESCAN_S = 1.0
+READ_COUNT = 1000
+
+
+def _scan(client: redis.Redis, keys: RunKeys, rank: int | None) -> list[str]:
+    if rank is not None:
+        names = [keys.ctl(rank), keys.ctl_all, keys.up(rank), keys.dlq]
+        return [k for k in names if client.exists(k)]
+    found: set[str] = set()
+    for pattern in (keys.ctl_pattern, keys.up_pattern):
+        for k in client.scan_iter(match=pattern, count=1000, _type="stream"):
+            found.add(k.decode() if isinstance(k, bytes) else str(k))
+    if client.exists(keys.dlq):
+        found.add(keys.dlq)
+    return sorted(found)
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    raise TypeError
+
+
+def format_entry(
+    keys: RunKeys, stream: str, eid: EntryId, fields: dict[bytes, bytes], secret: bytes | None
+) -> str:
+    """``time  stream  id  type  rank=… seq=…  {decoded body fields}``."""
+    when = datetime.fromtimestamp(eid[0] / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
+    short = keys.short(stream)
+    if stream == keys.dlq:
+        reason = fields.get(b"reason", b"").decode(errors="replace")
+        origin = keys.short(fields.get(b"stream", b"?").decode(errors="replace"))
+        entry = fields.get(b"entry", b"?").decode(errors="replace")
+        return f"{when}  {short:<8} {format_id(eid):<16} DEAD  {origin} {entry}: {reason}"
+    type_ = fields.get(F_TYPE, b"?").decode(errors="replace")
+    rank = fields.get(F_RANK, b"?").decode(errors="replace")
+    seq = fields.get(F_SEQ, b"?").decode(errors="replace")
+    body = fields.get(F_BODY, b"")
+    note = ""
+    if secret is not None:
+        ok = signing.verify(
+            secret, fields.get(F_MAC, b""), stream, fields.get(F_TYPE, b""),
+            fields.get(F_RANK, b""), fields.get(F_SEQ, b""), body,
+        )  # fmt: skip
+        note = "" if ok else "  [BAD MAC]"
+    try:
+        data = wire.to_map(wire.decode(body))
+        data.pop("v", None)
+        data.pop("type", None)
+        data.pop("rank", None)
+        shown = orjson.dumps(data, default=_json_default).decode()
+    except (wire.DecodeError, TypeError) as exc:
+        shown = f"<undecodable: {exc}>"
+    return (
+        f"{when}  {short:<8} {format_id(eid):<16} {type_:<18} rank={rank} seq={seq}  {shown}{note}"
+    )
+
+
+def tail(
+    client: redis.Redis,
+    run: str,
+    *,
+    rank: int | None = None,
+    from_start: bool = False,
+    count: int | None = None,
+    out: TextIO | None = None,
+    secret: bytes | None = None,
+    duration: float | None = None,
+    block_ms: int = 500,
+) -> int:
+    """Print entries until ``count`` were printed or ``duration`` passed (else forever).
+
+    Returns the number of entries printed.
+    """
+    keys = RunKeys(run)
+    out = sys.stdout if out is None else out
+    last: dict[str, EntryId] = {}
+    first_scan = True
+    next_scan = 0.0
+    printed = 0
+    stop_at = None if duration is None else time.monotonic() + duration
+    block = min(block_ms, MAX_BLOCK_MS)
+    while count is None or printed < count:
+        now = time.monotonic()
+        if stop_at is not None and now >= stop_at:
+            break
+        if now >= next_scan:
+            for stream in _scan(client, keys, rank):
+                if stream not in last:
+                    # At start, begin at each stream's top unless --from-start; a
+                    # stream that appears later is new, so all of it is news.
+                    start_at_top = first_scan and not from_start
+                    last[stream] = stream_top(client, stream) if start_at_top else ZERO
+            first_scan = False
+            next_scan = now + RESCAN_S
+        if not last:
+            time.sleep(block / 1000)
+            continue
+        reply: Any = client.xread(
+            {s: format_id(i) for s, i in last.items()}, count=READ_COUNT, block=block
+        )
+        lines = []
+        for name, items in reply or ():
+            stream = name.decode()
+            for raw_id, fields in items:
+                eid = parse_id(raw_id)
+                last[stream] = eid
+                lines.append((eid, stream, format_entry(keys, stream, eid, fields, secret)))
+        lines.sort()
+        if count is not None:
+            lines = lines[: count - printed]
+        if lines:
+            out.write("".join(line + "\n" for _, _, line in lines))
+            out.flush()
+            printed += len(lines)
+    return printed
+
+
+def _secret(client: redis.Redis, keys: RunKeys) -> bytes | None:
+    env_secret = secret_from_env()
+    if env_secret is not None:
+        return env_secret
+    try:
+        stored = client.hget(keys.meta, META_FIELD)
+    except redis.exceptions.ResponseError:  # an observer ACL user may not read meta
+        return None
+    return bytes.fromhex(stored.decode()) if stored else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="flodl-bus tail", description="print a run's control and upstream entries live"
+    )
+    ap.add_argument("--run", required=True, help="run id")
+    ap.add_argument("--redis-url", default=os.environ.get(ENV_URL, DEFAULT_URL))
+    ap.add_argument("--rank", type=int, help="only ctl:<rank>, ctl:all and up:<rank>")
+    ap.add_argument("--from-start", action="store_true", help="print what is already there")
+    ap.add_argument("--count", type=int, help="exit after printing this many entries")
+    ap.add_argument("--duration", type=float, help="exit after this many seconds")
+    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        keys = RunKeys(args.run)
+        client = connect(args.redis_url, client_name="flodl-tail")
+        client.ping()
+    except (ValueError, redis.exceptions.RedisError) as exc:
+        print(f"flodl-bus tail: {exc} ({redact_url(args.redis_url)})", file=sys.stderr)
+        return 2
+    try:
+        tail(
+            client,
+            args.run,
+            rank=args.rank,
+            from_start=args.from_start,
+            count=args.count,
+            duration=args.duration,
+            secret=_secret(client, keys),
+        )
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        pass
+    finally:
+        client.close()
+    return 0

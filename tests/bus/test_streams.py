@@ -1,0 +1,481 @@
+"""The Redis Streams transport against fakeredis and a real redis-server (DESIGN §3)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+import redis
+import structlog
+
+from flodl_bus.bus import entries
+from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.server import RedisServer
+from flodl_bus.bus.streams import (
+    RedisCoordinatorBus,
+    RedisRankBus,
+    StreamsConfig,
+    rank_group,
+)
+from flodl_bus.protocol import messages as m
+from tests.bus.conftest import FAST, SECRET, Backend
+from tests.bus.faults import Faults, lossy_client
+
+
+def _steps(ds: Sequence[Delivery]) -> list[int]:
+    return [d.msg.global_step for d in ds if isinstance(d.msg, m.SetGlobalStep)]
+
+
+def collect(bus: RedisRankBus, n: int, timeout: float = 20.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        ds = bus.read_control(100)
+        bus.ack(ds)
+        got += ds
+    return got
+
+
+def collect_up(coord: RedisCoordinatorBus, n: int, timeout: float = 20.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        ds = coord.read_upstream(100)
+        coord.ack(ds)
+        got += ds
+    return got
+
+
+def _batch(rank: int, i: int) -> m.Batch:
+    return m.Batch(rank=rank, batch_ms=1.0, data_ms=0.1, step_count=i, batch_loss=0.5)
+
+
+def _run_traffic(
+    make: object,
+    run: str,
+    ranks: int,
+    control: int,
+    upstream: int,
+    disturb: object,
+    config: StreamsConfig = FAST,
+    pace: float = 0.0,
+) -> None:
+    """Control and upstream traffic in threads while ``disturb()`` runs; assert that
+    every rank saw exactly its control messages in send order, and the coordinator
+    every rank's upstream messages exactly once, in order."""
+    assert callable(make) and callable(disturb)
+    coord = RedisCoordinatorBus(make(), run, SECRET, ranks=range(ranks), config=config)
+    buses = [RedisRankBus(make(), run, r, SECRET, config=config) for r in range(ranks)]
+    rng = random.Random(7)
+    expected: dict[int, list[int]] = {r: [] for r in range(ranks)}
+    plan = []
+    for i in range(control):
+        if rng.random() < 0.3:
+            plan.append((None, i))
+            for r in range(ranks):
+                expected[r].append(i)
+        else:
+            r = rng.randrange(ranks)
+            plan.append((r, i))
+            expected[r].append(i)
+    got: dict[int, list[Delivery]] = {}
+    up_got: list[Delivery] = []
+
+    def send() -> None:
+        for target, i in plan:
+            msg = m.SetGlobalStep(global_step=i)
+            if target is None:
+                coord.broadcast(msg)
+            else:
+                coord.send(target, msg)
+            if pace:
+                time.sleep(pace)
+            elif i % 50 == 0:
+                time.sleep(0.002)
+
+    def rank_loop(r: int) -> None:
+        for i in range(upstream):
+            buses[r].publish(_batch(r, i))
+            if pace:
+                time.sleep(pace * 2)
+        got[r] = collect(buses[r], len(expected[r]), timeout=60)
+
+    def coord_loop() -> None:
+        up_got.extend(collect_up(coord, ranks * upstream, timeout=60))
+
+    threads = [threading.Thread(target=send), threading.Thread(target=coord_loop)]
+    threads += [threading.Thread(target=rank_loop, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    disturb()
+    for t in threads:
+        t.join(90)
+    try:
+        for r in range(ranks):
+            assert _steps(got[r]) == expected[r], f"rank {r}"
+        per_rank: dict[int, list[int]] = {r: [] for r in range(ranks)}
+        for d in up_got:
+            assert isinstance(d.msg, m.Batch)
+            per_rank[d.msg.rank].append(d.msg.step_count)
+        for r in range(ranks):
+            assert per_rank[r] == list(range(upstream)), f"upstream of rank {r}"
+        # Nothing more arrives later (no duplicate hiding behind the counts).
+        for b in buses:
+            assert b.read_control(50) == []
+        assert coord.read_upstream(50) == []
+    finally:
+        for b in buses:
+            b.close()
+        coord.close()
+
+
+# ------------------------------------------------------------------------- order
+
+
+def test_eight_ranks_dispatch_interleaved_unicast_and_broadcast_in_send_order(
+    backend: Backend,
+) -> None:
+    # A small COUNT makes single reads cut one stream short, which is when a naive
+    # merge would overtake.
+    config = StreamsConfig(read_count=5, backoff=FAST.backoff)
+    _run_traffic(backend.make, "order", 8, 400, 20, lambda: None, config)
+
+
+# ------------------------------------------------------------------------ faults
+
+
+def test_killed_connections_mid_stream_lose_nothing_and_duplicate_nothing(
+    backend: Backend,
+) -> None:
+    def kill_repeatedly() -> None:
+        for _ in range(6):
+            time.sleep(0.05)
+            backend.kill_connections()
+
+    with structlog.testing.capture_logs() as logs:
+        _run_traffic(backend.make, "kill", 3, 500, 150, kill_repeatedly, pace=0.001)
+    assert any(e["event"] == "redis_reconnected" for e in logs)
+
+
+@pytest.mark.redis
+def test_streams_continue_across_a_redis_restart_with_aof() -> None:
+    with RedisServer(appendonly=True) as server:
+
+        def restart() -> None:
+            time.sleep(0.15)
+            server.restart()
+
+        with structlog.testing.capture_logs() as logs:
+            _run_traffic(lambda: connect(server.url), "restart", 3, 500, 150, restart, pace=0.001)
+        reconnects = [e for e in logs if e["event"] == "redis_reconnected"]
+        assert reconnects, "the restart was not noticed"
+        # Exactly one line per link that lost its connection, not one per attempt.
+        assert len(reconnects) == len({e["link"] for e in reconnects})
+
+
+def test_producer_retry_after_a_lost_xadd_reply_creates_no_duplicate(backend: Backend) -> None:
+    faults = Faults("XADD", times=2)
+    lossy = (
+        lossy_client(faults, server=backend.fake_server)
+        if backend.fake_server is not None
+        else lossy_client(faults, url=backend.url)
+    )
+    keys = RunKeys("lost")
+    coord = RedisCoordinatorBus(lossy, keys, SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    for i in range(5):
+        coord.send(0, m.SetGlobalStep(global_step=i))
+    assert faults.lost == 2
+    assert backend.admin.xlen(keys.ctl(0)) == 5
+    assert _steps(collect(rank, 5)) == [0, 1, 2, 3, 4]
+
+    # The same XADD re-issued by hand (what redis-py's own retry would send): refused.
+    first = backend.admin.xrange(keys.ctl(0), count=1)[0]
+    with pytest.raises(redis.exceptions.ResponseError, match="equal or smaller"):
+        backend.admin.xadd(keys.ctl(0), first[1], id=first[0])
+    assert backend.admin.xlen(keys.ctl(0)) == 5
+    rank.close()
+    coord.close()
+
+
+def test_publisher_retry_after_a_lost_pipeline_reply_creates_no_duplicate(
+    backend: Backend,
+) -> None:
+    faults = Faults("XADD", times=1)
+    lossy = (
+        lossy_client(faults, server=backend.fake_server)
+        if backend.fake_server is not None
+        else lossy_client(faults, url=backend.url)
+    )
+    keys = RunKeys("lostup")
+    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(lossy, keys, 0, SECRET, config=FAST)
+    for i in range(200):
+        rank.publish(_batch(0, i))
+    assert rank.flush(10)
+    assert faults.lost == 1
+    assert backend.admin.xlen(keys.up(0)) == 200
+    got = collect_up(coord, 200)
+    assert [d.msg.step_count for d in got] == list(range(200))  # type: ignore[attr-defined]
+    rank.close()
+    coord.close()
+
+
+def test_a_lost_xreadgroup_reply_is_recovered_from_the_pending_list(backend: Backend) -> None:
+    faults = Faults("XREADGROUP", times=0)
+    lossy = (
+        lossy_client(faults, server=backend.fake_server)
+        if backend.fake_server is not None
+        else lossy_client(faults, url=backend.url)
+    )
+    keys = RunKeys("lostread")
+    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(lossy, keys, 0, SECRET, config=FAST)
+    assert rank.read_control(0) == []
+    for i in range(6):
+        coord.send(0, m.SetGlobalStep(global_step=i))
+    faults.times = 1  # the next read is delivered by Redis, but its reply never arrives
+    got = collect(rank, 6)
+    assert faults.lost == 1
+    assert _steps(got) == list(range(6))
+    rank.close()
+    coord.close()
+
+
+def test_restarted_reader_drains_its_pending_entries_first_and_never_redelivers_acked(
+    backend: Backend,
+) -> None:
+    keys = RunKeys("pending")
+    config = StreamsConfig(read_count=3, backoff=FAST.backoff)
+    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=config)
+    first = RedisRankBus(backend.make(), keys, 0, SECRET, config=config)
+    for i in range(10):
+        (coord.broadcast if i % 3 == 0 else lambda msg: coord.send(0, msg))(
+            m.SetGlobalStep(global_step=i)
+        )
+    seen: list[Delivery] = []
+    while len(seen) < 10:
+        seen += first.read_control(100)
+    first.ack(seen[:5])
+    first.flush_acks()
+    first._publisher.close()  # the process "dies": the other 5 stay unacked, pending
+    for i in range(10, 15):
+        coord.send(0, m.SetGlobalStep(global_step=i))
+
+    second = RedisRankBus(backend.make(), keys, 0, SECRET, config=config)
+    got = collect(second, 10)
+    assert _steps(got) == list(range(5, 15))
+    second.flush_acks()
+    for stream in (keys.ctl(0), keys.ctl_all):
+        assert backend.admin.xpending(stream, rank_group(0))["pending"] == 0
+    assert second.read_control(50) == []
+    second.close()
+    coord.close()
+
+
+# ------------------------------------------------------------------- bad entries
+
+
+def _resp(*args: bytes) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+def _malformed(keys: RunKeys, n: int) -> list[tuple[dict[bytes, bytes], str]]:
+    """``n`` bad entries for ``ctl:0`` with the reason each must be rejected for."""
+    stream = keys.ctl(0)
+    good = entries.build(SECRET, stream, m.SetGlobalStep(global_step=1), "0", 1)
+
+    def signed(type_: bytes, body: bytes, rank: bytes = b"0") -> dict[bytes, bytes]:
+        from flodl_bus.protocol.signing import entry_mac
+
+        mac = entry_mac(SECRET, stream, type_, rank, b"1", body)
+        return {b"type": type_, b"rank": rank, b"seq": b"1", b"body": body, b"mac": mac}
+
+    import msgpack
+
+    kinds = [
+        (signed(b"SetGlobalStep", b"\xc1\xff not msgpack"), "undecodable"),
+        ({b"type": b"SyncNow", b"body": b"x"}, "bad fields"),
+        ({**good, b"extra": b"1"}, "bad fields"),
+        ({**good, b"mac": b"0" * 32}, "authentication failed"),
+        (signed(b"Frobnicate", msgpack.packb({"v": 1, "type": "Frobnicate"})), "unknown type"),
+        (signed(b"Batch", good[b"body"]), "wrong channel"),
+        (signed(b"SyncNow", good[b"body"]), "type field"),
+        (signed(b"SetGlobalStep", good[b"body"], rank=b"3"), "rank field"),
+        (
+            signed(b"SetGlobalStep", msgpack.packb({"v": 9, "type": "SetGlobalStep"})),
+            "undecodable",
+        ),
+        (
+            signed(
+                b"SetGlobalStep",
+                msgpack.packb({"v": 1, "type": "SetGlobalStep", "global_step": -4}),
+            ),
+            "undecodable",
+        ),
+    ]
+    out = [kinds[i % len(kinds)] for i in range(n - 1)]
+    out.append((signed(b"SetGlobalStep", b"\x00" * (entries.MAX_BODY_BYTES + 1)), "oversized"))
+    return out
+
+
+def test_a_thousand_malformed_entries_go_to_the_dlq_and_valid_traffic_flows(
+    backend: Backend,
+) -> None:
+    keys = RunKeys("malformed")
+    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    bad = _malformed(keys, 1000)
+    for i in range(10):
+        coord.send(0, m.SetGlobalStep(global_step=i))
+    if backend.real:
+        # Raw entries written by redis-cli, as a person or a foreign tool would.
+        script = b"".join(
+            _resp(b"XADD", keys.ctl(0).encode(), b"*", *[x for kv in f.items() for x in kv])
+            for f, _ in bad
+        )
+        assert backend.url is not None
+        done = subprocess.run(
+            ["redis-cli", "-u", backend.url, "--pipe"], input=script, capture_output=True
+        )
+        assert done.returncode == 0, done.stderr
+    else:
+        for f, _ in bad:
+            backend.admin.xadd(keys.ctl(0), f)  # type: ignore[arg-type]
+    for i in range(10, 20):
+        (coord.broadcast if i % 2 else lambda msg: coord.send(0, msg))(
+            m.SetGlobalStep(global_step=i)
+        )
+    with structlog.testing.capture_logs() as logs:
+        got = collect(rank, 20)
+    assert _steps(got) == list(range(20))
+    assert backend.admin.xlen(keys.dlq) == 1000
+    dead = backend.admin.xrange(keys.dlq)
+    for (_, fields), (_, why) in zip(dead, bad):
+        assert fields[b"stream"] == keys.ctl(0).encode()
+        assert why in fields[b"reason"].decode(), (why, fields[b"reason"])
+    assert sum(e["event"] == "bus_dead_letter" and e["log_level"] == "error" for e in logs) == 1000
+    rank.flush_acks()
+    assert backend.admin.xpending(keys.ctl(0), rank_group(0))["pending"] == 0
+    rank.close()
+    coord.close()
+
+
+def test_forged_foreign_run_and_moved_entries_are_rejected(backend: Backend) -> None:
+    a = RunKeys("runa")
+    b = RunKeys("runb")
+    coord_a = RedisCoordinatorBus(backend.make(), a, SECRET, ranks=[0, 1], config=FAST)
+    rank_a = RedisRankBus(backend.make(), a, 0, SECRET, config=FAST)
+    other_secret = bytes(16)
+    coord_b = RedisCoordinatorBus(backend.make(), b, other_secret, ranks=[0], config=FAST)
+    coord_b.send(0, m.Shutdown())
+    same_secret_b = RedisCoordinatorBus(backend.make(), "runc", SECRET, ranks=[0], config=FAST)
+    same_secret_b.send(0, m.Shutdown())
+    coord_a.send(1, m.Shutdown())
+    admin = backend.admin
+    msg = m.Shutdown()
+    injected = [
+        entries.build(other_secret, a.ctl(0), msg, "0", 1),  # forged: wrong key
+        admin.xrange(b.ctl(0))[0][1],  # another run's entry, copied
+        admin.xrange(RunKeys("runc").ctl(0))[0][1],  # another run, same secret
+        admin.xrange(a.ctl(1))[0][1],  # rank 1's entry moved into rank 0's stream
+    ]
+    for f in injected:
+        admin.xadd(a.ctl(0), f)
+    admin.xadd(a.up(0), entries.build(other_secret, a.up(0), _batch(0, 1), "0", 1))  # type: ignore[arg-type]
+    coord_a.send(0, m.SetGlobalStep(global_step=42))
+    got = collect(rank_a, 1)
+    assert _steps(got) == [42]
+    assert collect_up(coord_a, 1, timeout=0.5) == []
+    reasons = [f[b"reason"].decode() for _, f in admin.xrange(a.dlq)]
+    assert len(reasons) == 5
+    assert all(r.startswith("authentication failed") for r in reasons)
+    for bus in (rank_a, coord_a, coord_b, same_secret_b):
+        bus.close()
+
+
+# ---------------------------------------------------------------------- plumbing
+
+
+def test_publish_returns_at_once_while_redis_is_down(backend: Backend) -> None:
+    if backend.fake_server is None:
+        pytest.skip("needs a server that can be made unreachable on demand")
+    keys = RunKeys("down")
+    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    assert rank.flush(5)
+    backend.fake_server.connected = False
+    t0 = time.perf_counter()
+    for i in range(100):
+        rank.publish(_batch(0, i))
+    assert time.perf_counter() - t0 < 0.5
+    assert not rank.flush(0.2)
+    backend.fake_server.connected = True
+    assert rank.flush(10)
+    assert [d.msg.step_count for d in collect_up(coord, 100)] == list(range(100))  # type: ignore[attr-defined]
+    rank.close()
+    coord.close()
+
+
+def test_publish_and_send_refuse_messages_of_the_wrong_direction(backend: Backend) -> None:
+    coord = RedisCoordinatorBus(backend.make(), "dirs", SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), "dirs", 0, SECRET, config=FAST)
+    with pytest.raises(TypeError):
+        rank.publish(m.SyncNow())  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        coord.send(0, _batch(0, 1))  # type: ignore[arg-type]
+    rank.close()
+    coord.close()
+
+
+def test_a_restarted_coordinator_continues_ids_above_the_last_ones(backend: Backend) -> None:
+    keys = RunKeys("coordrestart")
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    first = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    # An earlier incarnation whose clock ran far ahead left a high id behind.
+    far = entries.build(SECRET, keys.ctl(0), m.SetGlobalStep(global_step=0), "0", 1)
+    backend.admin.xadd(keys.ctl(0), far, id=f"{int(time.time() * 1000) + 3_600_000}-0")  # type: ignore[arg-type]
+    first.close()
+    second = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    for i in range(1, 4):
+        second.send(0, m.SetGlobalStep(global_step=i))
+    second.broadcast(m.SetGlobalStep(global_step=4))
+    assert _steps(collect(rank, 5)) == [0, 1, 2, 3, 4]
+    rank.close()
+    second.close()
+
+
+def test_streams_are_trimmed_to_about_maxlen(backend: Backend) -> None:
+    config = StreamsConfig(maxlen=100, backoff=FAST.backoff)
+    keys = RunKeys("trim")
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=config)
+    for i in range(2000):
+        rank.publish(_batch(0, i))
+    assert rank.flush(20)
+    # `MAXLEN ~` trims whole radix-tree nodes (100 entries by default): near, not exact.
+    assert 100 <= backend.admin.xlen(keys.up(0)) < 400
+    rank.close()
+
+
+def test_order_holds_when_a_read_is_cut_short_by_count(backend: Backend) -> None:
+    # Everything is written before the rank reads, so every read fills COUNT on one
+    # stream while the other stream already holds later ids.
+    config = StreamsConfig(read_count=4, backoff=FAST.backoff)
+    coord = RedisCoordinatorBus(backend.make(), "cut", SECRET, ranks=[0], config=config)
+    rank = RedisRankBus(backend.make(), "cut", 0, SECRET, config=config)
+    rng = random.Random(11)
+    for i in range(200):
+        msg = m.SetGlobalStep(global_step=i)
+        coord.broadcast(msg) if rng.random() < 0.5 else coord.send(0, msg)
+    assert _steps(collect(rank, 200)) == list(range(200))
+    rank.close()
+    coord.close()

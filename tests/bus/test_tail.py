@@ -1,0 +1,114 @@
+"""``flodl-bus tail`` and ``ops/tail.sh`` print every entry, one line each."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
+from flodl_bus.bus.tail import main, tail
+from flodl_bus.protocol import messages as m
+from tests.bus.conftest import FAST, SECRET, Backend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _batch(i: int) -> m.Batch:
+    return m.Batch(rank=0, batch_ms=1.0, data_ms=0.1, step_count=i, batch_loss=0.5)
+
+
+def test_tail_prints_every_entry_of_a_10000_entry_burst(backend: Backend) -> None:
+    keys = RunKeys("burst")
+    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0, 1], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    out = io.StringIO()
+    printed: list[int] = []
+    t = threading.Thread(
+        target=lambda: printed.append(
+            tail(backend.make(), keys.run, count=10_000, out=out, secret=SECRET, duration=60)
+        )
+    )
+    t.start()
+    time.sleep(0.3)  # the tail's first scan finds ctl:* already there, starts at their top
+    for i in range(4000):
+        rank.publish(_batch(i))
+    for i in range(6000):
+        msg = m.SetGlobalStep(global_step=i)
+        coord.broadcast(msg) if i % 3 == 0 else coord.send(i % 2, msg)
+    assert rank.flush(30)
+    t.join(60)
+    assert printed == [10_000]
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 10_000
+    seen = {(line.split()[1], line.split()[2]) for line in lines}
+    written = {
+        (keys.short(s), eid.decode())
+        for s in (keys.ctl(0), keys.ctl(1), keys.ctl_all, keys.up(0))
+        for eid, _ in backend.admin.xrange(s)
+    }
+    assert seen == written
+    assert "[BAD MAC]" not in out.getvalue()
+    assert sum("SetGlobalStep" in line for line in lines) == 6000
+    assert '{"global_step":5999}' in out.getvalue()
+    rank.close()
+    coord.close()
+
+
+@pytest.mark.redis
+def test_tail_main_decodes_from_the_start_and_exits_after_count(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.bus.connection import connect
+
+    admin = connect(redis_url)
+    admin.flushdb()
+    coord = RedisCoordinatorBus(connect(redis_url), "cli", SECRET, ranks=[0], config=FAST)
+    coord.send(0, m.StartEpoch(plan=m.EpochPlan(epoch=2, partition_offset=0, partition_size=9)))
+    coord.broadcast(m.Shutdown())
+    os.environ["FLODL_RUN_SECRET"] = SECRET.hex()
+    try:
+        rc = main(["--run", "cli", "--redis-url", redis_url, "--from-start", "--count", "2"])
+    finally:
+        del os.environ["FLODL_RUN_SECRET"]
+    lines = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert len(lines) == 2
+    assert "ctl:0" in lines[0] and "StartEpoch" in lines[0] and '"epoch":2' in lines[0]
+    assert "ctl:all" in lines[1] and "Shutdown" in lines[1]
+    assert main(["--run", "bad{run}", "--redis-url", redis_url]) == 2
+    coord.close()
+    admin.close()
+
+
+@pytest.mark.redis
+def test_ops_tail_script_prints_every_entry_with_plain_fields(redis_url: str) -> None:
+    from flodl_bus.bus.connection import connect
+
+    admin = connect(redis_url)
+    admin.flushdb()
+    coord = RedisCoordinatorBus(connect(redis_url), "sh", SECRET, ranks=[0, 1], config=FAST)
+    for i in range(1200):  # more than one 500-entry page per stream
+        coord.send(i % 2, m.SetGlobalStep(global_step=i))
+    coord.broadcast(m.Shutdown())
+    done = subprocess.run(
+        ["bash", str(ROOT / "ops" / "tail.sh"), "sh"],
+        env={**os.environ, "REDIS_URL": redis_url, "TAIL_ROUNDS": "1", "TAIL_FROM_START": "1"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1201
+    assert sum(line.startswith("ctl:0 ") for line in lines) == 600
+    assert any(line.startswith("ctl:all ") and "type=Shutdown" in line for line in lines)
+    assert all("rank=" in line and "seq=" in line for line in lines)
+    coord.close()
+    admin.close()
