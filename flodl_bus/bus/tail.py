@@ -156,7 +156,9 @@ def _secret(client: redis.Redis, keys: RunKeys) -> bytes | None:
         stored = client.hget(keys.meta, META_FIELD)
     except redis.exceptions.ResponseError:  # an observer ACL user may not read meta
         return None
-    return bytes.fromhex(stored.decode()) if stored else None
+    if not stored:
+        return None
+    return bytes.fromhex(stored.decode() if isinstance(stored, bytes) else stored)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
