@@ -390,7 +390,7 @@ class Coordinator:
             need = 1 if sync else counts[r]
             if s >= need:
                 continue
-            if self.progressive and self._quiesced(r):
+            if self._quiesced(r):
                 continue
             return False, f"rank {r} at {s}/{need} steps"
         if not any_mover:
@@ -657,7 +657,12 @@ class Coordinator:
         if self.nccl or d is None or self.active_count < self.ws or self.phase != TRAINING:
             return
         steps = self.ledger.steps
-        m = min(steps)
+        # The laggard is the slowest rank that still has work; an idle rank (its share
+        # done) is not behind, and holding peers to its pace would freeze the epoch.
+        working = [steps[r] for r in range(self.ws) if self._has_in_flight(r)]
+        if not working:
+            return
+        m = min(working)
         sync = self.policy is Policy.SYNC
         for r in range(self.ws):
             need = 1 if sync else self.elche.counts[r]
@@ -679,9 +684,15 @@ class Coordinator:
         return sum(p.in_flight(r) for p in self.pools.values())
 
     def _quiesced(self, r: int) -> bool:
-        """Nothing in flight and nothing this rank could be given in its epoch (§4.5)."""
+        """Nothing in flight and nothing this rank could be given in its epoch (§4.5).
+
+        Non-progressive too (flodl applies it to pools only): a rank that finished its
+        epoch share would otherwise hold the gate, and any Throttle, until the epoch ends.
+        """
         if self._has_in_flight(r):
             return False
+        if not self.progressive:
+            return not self.np_queue[r]
         pool = self.pools.get(self.rank_epoch[r])
         if pool is None or pool.remaining() == 0:
             return True

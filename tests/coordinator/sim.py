@@ -61,6 +61,7 @@ class SimRank:
     aggregated: list[m.EpochMetrics] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)
     saves: int = 0
+    sessions: list[tuple[int, int]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ control
     def dispatch(self, msg: object) -> None:
@@ -102,6 +103,10 @@ class SimRank:
         elif isinstance(msg, m.ArmConsensusEval):
             if msg.target_rank == self.rank:
                 self.armed_eval = (msg.schedule_id, msg.epoch)
+        elif isinstance(msg, m.RequestNewNcclId):
+            self.outbox.append(m.NewNcclIdGenerated(self.rank, bytes([self.rank]) * 128))
+        elif isinstance(msg, m.NewNcclSession):
+            self.sessions.append((msg.new_rank, msg.new_world_size))
         elif isinstance(msg, m.SetEpochCallbackRole):
             self.epoch_role = msg.rank
         elif isinstance(msg, m.SaveConsensusModel):
@@ -209,6 +214,7 @@ class Cluster:
         self.metas: list[dict[str, object]] = []
         self.finished: Finished | None = None
         self.kill_at: dict[int, int] = {}
+        self.heartbeat_every_ms = 1000
 
     @property
     def now(self) -> float:
@@ -267,8 +273,8 @@ class Cluster:
                 if rk.crashed:
                     rk.outbox.clear()
                     continue
-                if self.t % 1000 == 0 and not rk.exited:
-                    rk.outbox.append(m.Heartbeat(rk.rank, self.t // 1000))
+                if self.t % self.heartbeat_every_ms == 0 and not rk.exited:
+                    rk.outbox.append(m.Heartbeat(rk.rank, self.t))
                 msgs, rk.outbox = rk.outbox, []
                 for msg in msgs:
                     self.deliver(self.core.handle(rk.rank, msg, self.now))

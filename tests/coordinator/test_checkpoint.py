@@ -1,0 +1,95 @@
+"""Checkpoint meta with coverage and resume (reference §4.14.3-§4.14.4)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.effects import WriteMeta
+from flodl_bus.partition import make_partition
+from flodl_bus.protocol import messages as m
+from tests.coordinator.sim import Cluster
+
+
+def config(mode: str, **kw: object) -> CoordinatorConfig:
+    base: dict[str, object] = {
+        "world_size": 3,
+        "total_samples": 900,
+        "batch_size": 8,
+        "num_epochs": 4,
+        "checkpoint_every": 1,
+        "save_path": "/tmp/flodl-ckpt",
+    }
+    base.update(kw)
+    return CoordinatorConfig(mode=mode, **base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["nccl-sync", "cpu-cadence", "cpu-async"])
+def test_resume_trains_only_the_uncovered_samples(mode: str) -> None:
+    cfg = config(mode)
+    first = Cluster(cfg, [1, 2, 3])
+    first.run()
+    metas = [meta for meta in first.metas if meta["reason"] == "checkpoint"]
+    assert len(metas) >= 2
+    # The meta travels as JSON on disk.
+    meta = json.loads(json.dumps(metas[len(metas) // 2]))
+    cov = meta["coverage"]
+    assert cov["seed"] == 42 and cov["batch_size"] == 8
+
+    resumed = Cluster(cfg, [2, 1, 3], core=Coordinator.from_meta(cfg, meta))
+    resumed.run()
+    holes = {e["epoch"]: e["uncovered"] for e in cov["epochs"]}
+    trained = resumed.trained_by_epoch()
+    for e in range(cfg.num_epochs):
+        if e in holes:
+            want = [
+                p
+                for off, size in holes[e]
+                for p in make_partition(off, size, cfg.pick_space, e, cfg.seed, cfg.epoch_splits)
+            ]
+        elif e >= cov["next_epoch"]:
+            want = resumed.expected_epoch(e)
+        else:
+            want = []
+        assert sorted(trained.get(e, [])) == sorted(want), f"epoch {e}"
+    batches = sum(len(v) for v in trained.values()) // 8
+    assert resumed.core.global_step == meta["global_step"] + batches
+    assert resumed.count_sent(m.Shutdown) == 1
+
+
+def test_meta_written_on_shutdown_with_save_covers_in_flight_work() -> None:
+    cfg = config("cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=2)
+    core = Coordinator(cfg)
+    core.start(0.0)
+    out = core.tick(31.0)  # both ranks silent: every rank lost
+    metas = [o.meta for o in out if isinstance(o, WriteMeta)]
+    assert metas[0]["reason"] == "all_ranks_lost"
+    cov = metas[0]["coverage"]
+    assert cov["epochs"] == [{"epoch": 0, "uncovered": [[0, 100]]}]
+    assert cov["next_epoch"] == 1
+    resumed = Coordinator.from_meta(cfg, metas[0])
+    assert resumed.start_epoch == 0
+
+
+def test_resume_refuses_a_different_seed_or_schema() -> None:
+    cfg = config("cpu-cadence")
+    core = Coordinator(cfg)
+    core.start(0.0)
+    meta = next(o.meta for o in core.tick(31.0) if isinstance(o, WriteMeta))
+    with pytest.raises(ValueError, match="seed"):
+        Coordinator.from_meta(config("cpu-cadence", seed=7), meta)
+    with pytest.raises(ValueError, match="schema"):
+        Coordinator.from_meta(cfg, {**meta, "schema": 4})
+
+
+def test_resume_of_a_finished_run_shuts_down_at_once() -> None:
+    cfg = config("nccl-cadence", num_epochs=1)
+    first = Cluster(cfg, [1, 1, 1])
+    first.run()
+    final = first.metas[-1]
+    core = Coordinator.from_meta(cfg, final)
+    out = core.start(0.0)
+    assert [type(o).__name__ for o in out][-1] == "Finished"

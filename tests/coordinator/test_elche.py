@@ -1,0 +1,168 @@
+"""ElChe cadence cases (reference §7.7, newest rules of §4.9)."""
+
+from __future__ import annotations
+
+from flodl_bus.coordinator.elche import ElChe, WindowReport
+from flodl_bus.coordinator.guard import STABLE, SUPPRESS, Verdict, VerdictKind
+
+
+def report(*ms: float | None, reduce_ms: float = 0.0, fill_ms: float = 0.0) -> WindowReport:
+    return WindowReport(tuple(ms), reduce_ms=reduce_ms, fill_ms=fill_ms)
+
+
+def test_cadence_initial_equal() -> None:
+    assert ElChe(2).counts == [10, 10]
+
+
+def test_cadence_initial_three_devices() -> None:
+    assert ElChe(3, anchor=15).counts == [15, 15, 15]
+
+
+def test_cadence_ratio_discovery_2x() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [20, 10]
+    assert el.calibrated and el.phase == "warmup"
+
+
+def test_cadence_ratio_discovery_fbrl_like() -> None:
+    el = ElChe(2)
+    el.report_window(report(73.0, 164.0))
+    assert el.counts[1] == 10
+    assert el.counts[0] in (22, 23)
+
+
+def test_cadence_three_devices_mixed_speed() -> None:
+    el = ElChe(3)
+    el.report_window(report(10.0, 15.0, 30.0))
+    assert el.counts == [30, 20, 10]
+
+
+def test_speed_ratio_is_capped_at_64() -> None:
+    el = ElChe(2)
+    el.report_window(report(0.001, 1000.0))
+    assert el.counts == [640, 10]
+
+
+def test_cadence_anchor_auto_tune_grows_by_at_most_the_step_cap() -> None:
+    # overhead = 100 / (10 x 10 + 100) = 0.5, five times the 0.1 target.
+    el = ElChe(2, overhead_target=0.1)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    assert el.pending_anchor is None  # warm-up: never on the first calibration
+    el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    assert el.pending_anchor == 20  # x min(5, 2)
+    assert el.anchor == 10  # only proposed
+    el.apply_verdict(STABLE)
+    assert el.anchor == 20
+    assert el.counts == [20, 20]
+
+
+def test_cadence_anchor_capped_at_max() -> None:
+    el = ElChe(2, overhead_target=0.1, max_anchor=15)
+    for _ in range(3):
+        el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+        el.apply_verdict(STABLE)
+    assert el.anchor == 15
+
+
+def test_cadence_stable_when_overhead_low() -> None:
+    el = ElChe(2, overhead_target=0.1)
+    for _ in range(4):
+        el.report_window(report(10.0, 10.0, reduce_ms=1.0))
+        el.apply_verdict(STABLE)
+    assert el.anchor == 10
+
+
+def test_guard_veto_discards_the_growth_proposal() -> None:
+    el = ElChe(2, overhead_target=0.1)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    assert el.pending_anchor == 20
+    el.apply_verdict(SUPPRESS)
+    assert el.anchor == 10
+    assert el.pending_anchor is None
+
+
+def test_nudge_down_discards_the_proposal_and_shrinks() -> None:
+    el = ElChe(2, anchor=20, overhead_target=0.1)
+    el.report_window(report(10.0, 10.0, reduce_ms=400.0))
+    el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 10.0, reduce_ms=400.0))
+    assert el.pending_anchor == 40
+    el.apply_verdict(Verdict(VerdictKind.NUDGE_DOWN, 0.5))
+    assert el.anchor == 10
+
+
+def test_nudge_anchor_down() -> None:
+    el = ElChe(2, anchor=20)
+    el.nudge_anchor_down(0.5)
+    assert el.anchor == 10
+    assert el.counts == [10, 10]
+
+
+def test_nudge_anchor_down_clamped_to_one() -> None:
+    el = ElChe(2, anchor=1)
+    el.nudge_anchor_down(0.01)
+    assert el.anchor == 1
+
+
+def test_nudge_anchor_down_never_increases() -> None:
+    el = ElChe(2, anchor=10)
+    el.nudge_anchor_down(3.0)
+    assert el.anchor == 10
+
+
+def test_batch_count_clamped_to_max_diff_after_the_calibration_pass() -> None:
+    el = ElChe(2, max_batch_diff=5)
+    el.report_window(report(10.0, 50.0))
+    assert el.counts == [50, 10]  # the calibration pass is not clamped
+    el.report_window(report(1.0, 50.0))  # ring mean 5.5 ms -> target 91
+    assert el.counts == [55, 10]
+
+
+def test_dead_zone_keeps_counts_within_five_percent() -> None:
+    el = ElChe(2, anchor=100)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [200, 100]
+    el.report_window(report(10.4, 20.0))  # ring mean 10.2 -> target 196: -2 %, kept
+    assert el.counts == [200, 100]
+    el.report_window(report(12.0, 20.0))  # ring mean 10.8 -> target 185: -7.5 %, taken
+    assert el.counts == [185, 100]
+
+
+def test_window_cap_scales_counts_down_and_blocks_growth() -> None:
+    el = ElChe(2, window_cap=12, overhead_target=0.1)
+    el.report_window(report(10.0, 50.0, reduce_ms=1000.0))
+    assert sum(el.counts) == 12
+    assert el.counts[0] > el.counts[1] >= 1
+    assert el.window_cap_binding
+    el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 50.0, reduce_ms=1000.0))
+    assert el.pending_anchor is None
+
+
+def test_cadence_clamp_total_keeps_order() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    assert el.clamp_total(15) == [10, 5]
+    assert el.clamp_total(100) == [20, 10]
+
+
+def test_fastest_skips_dead_and_uncalibrated_ranks() -> None:
+    el = ElChe(3)
+    assert el.fastest([True, True, True]) is None
+    el.report_window(report(5.0, 3.0, 9.0))
+    assert el.fastest([True, True, True]) == 1
+    assert el.fastest([True, False, True]) == 0
+
+
+def test_state_round_trips() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    other = ElChe(2)
+    other.restore(el.state())
+    assert other.counts == el.counts
+    assert other.smoothed_ms(0) == el.smoothed_ms(0)
+    assert other.calibrated

@@ -1,0 +1,63 @@
+"""Epoch metrics aggregation (reference §4.11, §7.9)."""
+
+from __future__ import annotations
+
+import math
+
+from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
+from flodl_bus.protocol.messages import MetricsMsg
+
+
+def msg(rank: int, loss: float, batches: int, **kw: object) -> MetricsMsg:
+    base: dict[str, object] = {
+        "rank": rank,
+        "epoch": 0,
+        "avg_loss": loss,
+        "batches_processed": batches,
+        "epoch_ms": 100.0,
+        "samples_processed": batches * 4,
+        "share_complete_ms": 80.0,
+        "compute_only_ms": 60.0,
+        "data_starve_ms": 20.0,
+    }
+    base.update(kw)
+    return MetricsMsg(**base)  # type: ignore[arg-type]
+
+
+def test_loss_is_batch_weighted_across_ranks() -> None:
+    buf = EpochBuffer(2)
+    buf.record(0, msg(0, 0.5, 60))
+    buf.record(1, msg(1, 0.7, 40))
+    em = aggregate(0, buf.pop(0), [0.5, 0.5])
+    assert math.isclose(em.avg_loss, 0.58)
+    assert em.per_rank_samples == (240, 160)
+
+
+def test_chunks_of_one_rank_sum_and_epoch_ms_is_the_slowest_rank() -> None:
+    buf = EpochBuffer(2)
+    buf.record(0, msg(0, 1.0, 10, epoch_ms=700.0))
+    buf.record(0, msg(0, 2.0, 10, epoch_ms=500.0))
+    buf.record(1, msg(1, 1.0, 5, epoch_ms=1000.0))
+    em = aggregate(0, buf.pop(0), [0.5, 0.5])
+    assert em.epoch_ms == 1200.0
+    assert em.per_rank_loss[0] == 1.5
+    assert em.per_rank_throughput[0] == 80 / 160.0
+    assert aggregate(0, buf.pop(0), [0.5, 0.5], epoch_ms=42.0).epoch_ms == 42.0
+
+
+def test_scalars_are_batch_weighted_means_of_rank_means() -> None:
+    buf = EpochBuffer(2)
+    buf.record(0, msg(0, 1.0, 30, scalars={"acc": (3.0, 3)}))  # mean 1.0
+    buf.record(1, msg(1, 1.0, 10, scalars={"acc": (6.0, 2)}))  # mean 3.0
+    em = aggregate(0, buf.pop(0), [0.5, 0.5])
+    assert em.per_rank == ({"acc": 1.0}, {"acc": 3.0})
+    assert em.scalars["acc"] == (1.0 * 30 + 3.0 * 10) / 40
+
+
+def test_non_finite_loss_never_poisons_the_mean_and_silent_rank_is_none() -> None:
+    buf = EpochBuffer(3)
+    buf.record(0, msg(0, float("nan"), 10))
+    buf.record(1, msg(1, 0.4, 10))
+    em = aggregate(0, buf.pop(0), [1 / 3] * 3)
+    assert em.avg_loss == 0.4
+    assert em.per_rank_loss[2] is None
