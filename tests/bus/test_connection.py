@@ -1,0 +1,145 @@
+"""URLs, credentials, redaction, timeouts, and the reconnect policy."""
+
+from __future__ import annotations
+
+import threading
+
+import fakeredis
+import pytest
+import redis
+import structlog
+
+from flodl_bus.bus.connection import (
+    Backoff,
+    BadRedisUrl,
+    BusUnavailable,
+    Link,
+    connect,
+    parse_url,
+    redact_url,
+)
+from tests.bus.conftest import fake_client
+
+
+def test_urls_give_host_port_db_and_credentials() -> None:
+    t = parse_url("redis://alice:s%40cret@db.example:6390/3", env={})
+    assert (t.scheme, t.host, t.port, t.db) == ("redis", "db.example", 6390, 3)
+    assert (t.username, t.password) == ("alice", "s@cret")
+    assert "s@cret" not in repr(t) and "cret" not in t.redacted
+    assert parse_url("redis://h", env={}).port == 6379
+    u = parse_url("unix:///run/redis.sock?db=2", env={})
+    assert (u.path, u.db, u.host) == ("/run/redis.sock", 2, None)
+    s = parse_url("rediss://h:6380/0?ssl_cert_reqs=none&ssl_ca_certs=/ca.pem", env={})
+    assert s.scheme == "rediss" and dict(s.ssl_options)["ssl_cert_reqs"] == "none"
+
+
+def test_credentials_come_from_the_environment_when_the_url_has_none() -> None:
+    env = {"FLODL_REDIS_USERNAME": "worker", "FLODL_REDIS_PASSWORD": "pw"}
+    t = parse_url("redis://h:1/0", env=env)
+    assert (t.username, t.password) == ("worker", "pw")
+    assert parse_url("redis://me:mine@h:1/0", env=env).password == "mine"
+
+
+@pytest.mark.parametrize(
+    "bad", ["http://h", "redis://", "unix://", "redis://h/x", "redis://h?ssl_cert_reqs=none"]
+)
+def test_bad_urls_are_refused_clearly(bad: str) -> None:
+    with pytest.raises(BadRedisUrl):
+        parse_url(bad, env={})
+
+
+def test_redaction_hides_passwords_everywhere() -> None:
+    assert redact_url("redis://u:hunter2@h:1/0") == "redis://u:***@h:1/0"
+    assert redact_url("rediss://:hunter2@h") == "rediss://:***@h"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"
+    assert redact_url("not a url :hunter2@") == "not a url :hunter2@"  # no scheme: untouched
+    with pytest.raises(BadRedisUrl) as err:
+        parse_url("ftp://u:hunter2@h", env={})
+    assert "hunter2" not in str(err.value)
+
+
+def test_clients_have_an_explicit_socket_timeout_and_no_silent_retries() -> None:
+    client = connect("redis://127.0.0.1:1/0")
+    kw = client.connection_pool.connection_kwargs
+    assert kw["socket_timeout"] == 10.0
+    assert kw["retry"].get_retries() == 0
+    with pytest.raises(ValueError, match="socket_timeout"):
+        connect("redis://127.0.0.1:1/0", socket_timeout=1.0)
+
+
+def test_reconnect_backs_off_exponentially_and_logs_one_line_per_reconnect() -> None:
+    server = fakeredis.FakeServer()
+    client = fake_client(server)
+    sleeps: list[float] = []
+    lost = []
+
+    def sleep(s: float) -> None:
+        sleeps.append(s)
+        if len(sleeps) == 4:
+            server.connected = True  # back after the 4th wait
+
+    link = Link(
+        client,
+        name="t",
+        where=redact_url("redis://u:hunter2@h:1/0"),
+        backoff=Backoff(base_s=0.01, factor=2.0, cap_s=0.05),
+        sleep=sleep,
+        on_lost=lambda: lost.append(1),
+    )
+    server.connected = False
+    with structlog.testing.capture_logs() as logs:
+        assert link.call(lambda retry: (retry, client.ping())) == (True, True)
+        server.connected = False
+        sleeps.clear()
+        link.call(lambda retry: client.ping())
+    assert sleeps[:4] == [0.01, 0.02, 0.04, 0.05]  # capped
+    lines = [e for e in logs if e["event"] == "redis_reconnected"]
+    assert len(lines) == 2 and len(lost) == 2
+    assert lines[0]["attempts"] == 4 and lines[0]["link"] == "t"
+    assert "hunter2" not in repr(logs)
+
+
+def test_a_deadline_gives_up_waiting_but_keeps_the_backoff_position() -> None:
+    server = fakeredis.FakeServer()
+    client = fake_client(server)
+    link = Link(client, name="t", backoff=Backoff(base_s=0.01, cap_s=0.02))
+    server.connected = False
+    import time
+
+    with pytest.raises(BusUnavailable):
+        link.call(lambda retry: client.ping(), deadline=time.monotonic() + 0.05)
+    assert link.is_down
+    server.connected = True
+    with structlog.testing.capture_logs() as logs:
+        assert link.call(lambda retry: client.ping())
+    assert [e["event"] for e in logs] == ["redis_reconnected"]
+
+
+@pytest.mark.redis
+def test_a_killed_connection_is_reconnected_and_the_operation_rerun(redis_url: str) -> None:
+    client = connect(redis_url)
+    admin = connect(redis_url)
+    link = Link(client, name="k", where=redact_url(redis_url), backoff=Backoff(base_s=0.001))
+    client.client_setname("victim")
+    calls = []
+
+    def op(retry: bool) -> bool:
+        calls.append(retry)
+        if not retry:
+            # Kill while a blocking read is in flight (an idle pooled connection that
+            # died is replaced by redis-py before anything is sent, which is harmless).
+            kill = threading.Timer(
+                0.1, admin.execute_command, ("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            )
+            kill.start()
+        client.xread({"nothing-here": "$"}, block=500)
+        return True
+
+    with structlog.testing.capture_logs() as logs:
+        assert link.call(op)
+    assert calls == [False, True]
+    assert sum(e["event"] == "redis_reconnected" for e in logs) == 1
+    with pytest.raises(redis.exceptions.ResponseError):
+        link.call(lambda retry: client.execute_command("NOSUCHCOMMAND"))  # not retried
+    client.close()
+    admin.close()

@@ -1,0 +1,103 @@
+"""GroupCursor against a model of Redis consumer-group semantics."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flodl_bus.bus.cursor import GroupCursor
+from flodl_bus.bus.ids import EntryId, parse_id
+
+
+class GroupModel:
+    """XREADGROUP for one consumer: ``>`` delivers new entries into the pending list,
+    an explicit id re-reads the pending list after it; COUNT per stream."""
+
+    def __init__(self, streams: list[str]) -> None:
+        self.entries: dict[str, list[EntryId]] = {s: [] for s in streams}
+        self.delivered: dict[str, EntryId] = dict.fromkeys(streams, (0, 0))
+        self.pel: dict[str, set[EntryId]] = {s: set() for s in streams}
+        self.clock = 0
+
+    def add(self, stream: str) -> EntryId:
+        self.clock += 1
+        eid = (self.clock, 0)
+        self.entries[stream].append(eid)
+        return eid
+
+    def read(self, request: dict[str, str], count: int) -> dict[str, list[tuple[EntryId, dict]]]:
+        reply: dict[str, list[tuple[EntryId, dict]]] = {}
+        for s, start in request.items():
+            if start == ">":
+                new = [e for e in self.entries[s] if e > self.delivered[s]][:count]
+                if new:
+                    self.delivered[s] = new[-1]
+                    self.pel[s].update(new)
+            else:
+                after = parse_id(start)
+                new = sorted(e for e in self.pel[s] if e > after)[:count]
+            reply[s] = [(e, {b"v": b"1"}) for e in new]
+        return reply
+
+    def ack(self, stream: str, eid: EntryId) -> None:
+        self.pel[stream].discard(eid)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("send"), st.sampled_from(["ctl", "all"])),
+        st.tuples(st.just("read"), st.just("")),
+        st.tuples(st.just("lost"), st.just("")),
+    ),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, count=st.integers(min_value=1, max_value=6))
+def test_merged_reads_release_every_entry_once_in_global_id_order(
+    ops: list[tuple[str, str]], count: int
+) -> None:
+    model = GroupModel(["ctl", "all"])
+    cursor = GroupCursor(["ctl", "all"], count=count, ordered=True)
+    sent: list[EntryId] = []
+    released: list[EntryId] = []
+
+    def read(lose: bool) -> None:
+        reply = model.read(cursor.request(), count)
+        if lose:
+            cursor.on_lost()
+            return
+        for r in cursor.on_reply(reply):
+            released.append(r.entry_id)
+            model.ack(r.stream, r.entry_id)
+
+    for op, stream in ops:
+        if op == "send":
+            sent.append(model.add(stream))
+        else:
+            read(lose=op == "lost")
+        assert released == sorted(released)
+    for _ in range(4 * len(sent) + 4):
+        read(lose=False)
+    assert released == sent
+
+
+def test_a_pending_drain_releases_nothing_until_a_new_read_proves_order() -> None:
+    c = GroupCursor(["a", "b"], count=10, ordered=True)
+    assert c.request() == {"a": "0-0", "b": "0-0"}
+    assert c.on_reply({"a": [((5, 0), {})], "b": []}) == []
+    assert c.request() == {"a": ">", "b": ">"}
+    assert not c.can_block  # something is held back
+    out = c.on_reply({"a": [], "b": [((3, 0), {}), ((7, 0), {})]})
+    assert [r.entry_id for r in out] == [(3, 0), (5, 0), (7, 0)]
+    assert c.can_block
+
+
+def test_redelivered_entries_are_dropped() -> None:
+    c = GroupCursor(["up"], count=10, ordered=False)
+    first = c.on_reply({"up": [((1, 0), {}), ((2, 0), {})]})
+    assert [r.entry_id for r in first] == [(1, 0), (2, 0)]
+    c.on_lost()
+    assert c.request() == {"up": "2-0"}  # re-read pending only after what was seen
+    assert c.on_reply({"up": [((2, 0), {}), ((3, 0), {})]})[0].entry_id == (3, 0)
