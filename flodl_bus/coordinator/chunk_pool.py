@@ -42,6 +42,9 @@ class ChunkPool:
         self.dispatched = [0] * len(spans)
         self.completed = [0] * len(spans)
         self.total = sum(size for _, size in spans) + sum(s for _, s in self._reclaimed)
+        # Kept incrementally: dispatch asks for it per rank, and a sum over spans would
+        # make every reduce quadratic in the world size.
+        self._remaining = self.total
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -79,9 +82,7 @@ class ChunkPool:
 
     def remaining(self) -> int:
         """Samples not yet dispatched (span residues plus reclaimed ranges)."""
-        return sum(e - c for c, e in zip(self._cursor, self._end)) + sum(
-            s for _, s in self._reclaimed
-        )
+        return self._remaining
 
     def in_flight(self, rank: int) -> int:
         return sum(c.size for c in self._outstanding[rank])
@@ -134,6 +135,7 @@ class ChunkPool:
             got = (self._end[victim], take)
         self._outstanding[rank].append(_Chunk(got[0], got[1], own))
         self.dispatched[rank] += got[1]
+        self._remaining -= got[1]
         return got
 
     def mark_completed(self, rank: int, samples: int) -> int:
@@ -167,6 +169,7 @@ class ChunkPool:
             self._reclaimed.append((c.offset, c.size))
             moved += c.size
         self.dispatched[rank] -= moved
+        self._remaining += moved
         return moved
 
     def rollback_take(self, rank: int, offset: int, size: int) -> bool:
@@ -179,6 +182,7 @@ class ChunkPool:
         newest = idx == len(q) - 1
         del q[idx]
         self.dispatched[rank] -= size
+        self._remaining += size
         if newest and c.own and offset + size == self._cursor[rank]:
             self._cursor[rank] = offset
         else:

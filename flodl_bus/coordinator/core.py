@@ -135,8 +135,10 @@ class Ledger:
 
 @dataclass(slots=True)
 class _FinalWindow:
-    counts: tuple[int, ...]
+    #: (ElChe counts generation, liveness generation) the split was built from
+    key: tuple[int, int]
     slots: list[int]
+    total: int
 
 
 @dataclass(slots=True)
@@ -177,6 +179,8 @@ class Coordinator:
         self.last_step_count = [0] * ws
         self.nccl_sync_step = [0] * ws
         self.nccl_ack = [True] * ws
+        #: live ranks whose ack is missing (a counter: a per-ack scan is O(ws) per ack)
+        self._unacked = 0
         self.nccl_armed = False
         self.nccl_started_at = 0.0
         self.last_nccl_sync_ms = 0.0
@@ -209,6 +213,10 @@ class Coordinator:
         self.exited = [False] * ws
         self.dead = [False] * ws
         self.active_count = ws
+        self._alive = [True] * ws
+        self._alive_gen = 0
+        self._live_sum_key = (-1, -1)
+        self._live_sum = 0
         self.rendezvous = Rendezvous()
         self._last_coord_hb = 0.0
         # lifecycle (§4.16)
@@ -250,10 +258,21 @@ class Coordinator:
 
     # ================================================================= public surface
     def alive(self, r: int) -> bool:
-        return not self.dead[r] and not self.exited[r]
+        return self._alive[r]
 
     def alive_mask(self) -> list[bool]:
-        return [not d and not e for d, e in zip(self.dead, self.exited)]
+        return list(self._alive)
+
+    def _mark_gone(self, r: int) -> None:
+        self._alive[r] = False
+        self._alive_gen += 1
+
+    def _live_counts_sum(self) -> int:
+        key = (self.elche.generation, self._alive_gen)
+        if key != self._live_sum_key:
+            self._live_sum = sum(c for c, a in zip(self.elche.counts, self._alive) if a)
+            self._live_sum_key = key
+        return self._live_sum
 
     def start(self, now: float) -> list[Out]:
         """First dispatch: roles, then epoch ``start_epoch``'s plans or chunks."""
@@ -450,25 +469,32 @@ class Coordinator:
             self.cpu_acked[r] = True
 
     def _ack(self, r: int, now: float) -> None:
-        self.nccl_ack[r] = True
+        self._settle(r)
         if self.nccl_armed and self._all_acked():
             self.nccl_armed = False
             self.last_nccl_sync_ms = (now - self.nccl_started_at) * 1000.0
 
+    def _settle(self, r: int) -> None:
+        """Count ``r`` as acked (it acked, died or exited)."""
+        if not self.nccl_ack[r]:
+            self.nccl_ack[r] = True
+            self._unacked -= 1
+
     def _all_acked(self) -> bool:
-        return all(a or d or e for a, d, e in zip(self.nccl_ack, self.dead, self.exited))
+        return self._unacked == 0
 
     def _on_exiting(self, r: int, out: list[Out]) -> None:
         if self.exited[r]:
             return
         self.exited[r] = True
+        self._mark_gone(r)
         self.active_count = max(self.active_count - 1, 0)
         if self.nccl and self.nccl_armed and not self.nccl_ack[r]:
             # A rank that left mid-reduce strands its peers in the collective.
             out.append(Broadcast(DeclareDead(r)))
-            self.nccl_ack[r] = True
-            if self._all_acked():
-                self.nccl_armed = False
+        self._settle(r)
+        if self.nccl_armed and self._all_acked():
+            self.nccl_armed = False
 
     def _on_eval_result(self, r: int, msg: EvalResult, out: list[Out]) -> None:
         self.ledger.exclude(r, msg.elapsed_ms)
@@ -538,7 +564,8 @@ class Coordinator:
         armed = self._maybe_arm_save()
         if self.nccl:
             self.nccl_sync_step = list(self.last_step_count)
-            self.nccl_ack = [not self.alive(r) for r in range(self.ws)]
+            self.nccl_ack = [not a for a in self._alive]
+            self._unacked = self.active_count
             self.nccl_armed = True
             self.nccl_started_at = now
             out.append(Broadcast(SyncNow()))
@@ -767,7 +794,9 @@ class Coordinator:
             return None
         fw = self.final_windows.get(epoch)
         if fw is not None:
-            fw.slots[r] = max(fw.slots[r] - got[1] // self.bs, 0)
+            used = min(fw.slots[r], got[1] // self.bs)
+            fw.slots[r] -= used
+            fw.total -= used
         plan = EpochPlan(epoch, got[0], got[1])
         if not via_update:
             out.append(Send(r, StartEpoch(plan)))
@@ -783,7 +812,7 @@ class Coordinator:
                 return fw.slots[r]
         counts = self.elche.counts
         left = max(budget - self.ledger.steps[r], 1)
-        live_sum = sum(c for i, c in enumerate(counts) if self.alive(i))
+        live_sum = self._live_counts_sum()
         if remaining < live_sum or self.barrier_paced:
             return min(counts[r], remaining, left)
         if not self.elche.calibrated:
@@ -793,17 +822,16 @@ class Coordinator:
         return min(max(share, MIN_CHUNK), remaining, left)
 
     def _refresh_final_window(self, pool: ChunkPool, remaining: int) -> _FinalWindow | None:
-        alive = self.alive_mask()
-        counts = tuple(self.elche.counts)
+        key = (self.elche.generation, self._alive_gen)
         fw = self.final_windows.get(pool.epoch)
-        # A pinned split stays valid while the counts it was built from hold and its
-        # slots still sum to what is left; otherwise re-pin from the live remainder
-        # (a stale pin can leave a zero-slot rank the gate waits for, §6 #34).
-        if fw is not None and fw.counts == counts and sum(fw.slots) == remaining:
+        # A pinned split stays valid while the counts and liveness it was built from
+        # hold and its slots still sum to what is left; otherwise re-pin from the live
+        # remainder (a stale pin can leave a zero-slot rank the gate waits for, §6 #34).
+        if fw is not None and fw.key == key and fw.total == remaining:
             return fw
-        live_sum = sum(c for c, a in zip(counts, alive) if a)
-        if remaining < live_sum + sum(alive):
-            fw = _FinalWindow(counts, final_window_alloc(remaining, counts, alive))
+        if remaining < self._live_counts_sum() + self.active_count:
+            slots = final_window_alloc(remaining, self.elche.counts, self._alive)
+            fw = _FinalWindow(key, slots, remaining)
             self.final_windows[pool.epoch] = fw
             return fw
         self.final_windows.pop(pool.epoch, None)
@@ -1088,10 +1116,12 @@ class Coordinator:
             self.np_inflight[r] = []
             self.np_queue[r].clear()
         self.dead[r] = True
+        self._mark_gone(r)
         self.active_count = max(self.active_count - 1, 0)
         self.throttled[r] = False
         alive = self.alive_mask()
         self.roles.on_death(r, alive, self.elche.fastest(alive))
+        self._settle(r)
         if self.nccl:
             out.append(Broadcast(DeclareDead(r)))
             if self.nccl_armed and self._all_acked():

@@ -69,7 +69,9 @@ class ElChe:
         self.max_batch_diff = max_batch_diff
         self.window_cap = window_cap
         self.growth = growth
-        self.counts = [self.anchor] * world_size
+        #: bumped whenever ``counts`` is replaced, so callers can cache sums over it
+        self.generation = 0
+        self._counts = [self.anchor] * world_size
         self.calibrations = 0
         self.anchor_rank: int | None = None
         self.pending_anchor: int | None = None
@@ -82,6 +84,16 @@ class ElChe:
         self._apply_window_cap()
 
     # ------------------------------------------------------------------ queries
+    @property
+    def counts(self) -> list[int]:
+        """Per-rank window budgets (batches). Treat as read-only; assign a new list."""
+        return self._counts
+
+    @counts.setter
+    def counts(self, value: list[int]) -> None:
+        self._counts = value
+        self.generation += 1
+
     @property
     def calibrated(self) -> bool:
         return self.calibrations > 0
