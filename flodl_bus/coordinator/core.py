@@ -226,6 +226,7 @@ class Coordinator:
         self.final_eval_sent = False
         self.final_eval_done = False
         self.lost_sends = 0
+        self._redispatch: list[int] = []
         # callbacks and checkpoints (§4.13, §4.14)
         self._eval_due: int | None = None
         self._save_due = False
@@ -351,6 +352,11 @@ class Coordinator:
         self._check_rendezvous_timeout(now, out)
         if self.finished:
             return out
+        if self._redispatch and self.phase == TRAINING:
+            retry, self._redispatch = self._redispatch, []
+            for r in retry:
+                if not self._has_in_flight(r):
+                    self._dispatch_next_chunk(r, now, out)
         self._check_throttle(out)
         self._poll_cpu(now, out)
         self._poll_nccl_stall(now, out)
@@ -374,8 +380,16 @@ class Coordinator:
         if plan is not None:
             if self.progressive:
                 pool = self.pools.get(plan.epoch)
-                if pool is not None:
-                    pool.rollback_take(rank, plan.partition_offset, plan.partition_size)
+                if pool is not None and pool.rollback_take(
+                    rank, plan.partition_offset, plan.partition_size
+                ):
+                    fw = self.final_windows.get(plan.epoch)
+                    if fw is not None:
+                        fw.slots[rank] += plan.partition_size // self.bs
+                        fw.total += plan.partition_size // self.bs
+                    # Re-offered on the next tick (not here: a dead link would spin).
+                    if rank not in self._redispatch:
+                        self._redispatch.append(rank)
             elif plan.epoch == self.np_epoch:
                 rng = (plan.partition_offset, plan.partition_size)
                 if rng in self.np_inflight[rank]:

@@ -571,3 +571,60 @@ def test_state_summary_reports_why_the_gate_is_closed() -> None:
     assert s["gate"] == {"open": False, "why": "rank 0 at 3/10 steps"}
     assert s["steps"] == [3, 0] and s["version"] == 0
     assert s["in_flight"][0] > 0
+
+
+def test_failed_start_epoch_is_rolled_back_and_reoffered_on_the_next_tick() -> None:
+    core, out = started("nccl-cadence", total=1000)
+    lost = msgs(out, m.StartEpoch)[0]
+    core.send_failed(lost.rank, lost.msg, 0.0)
+    assert not core.pools[0].has_in_flight(lost.rank)
+    again = plans(core.tick(0.01))
+    assert again == {lost.rank: lost.msg.plan}  # the cursor was rewound: same chunk
+
+
+def test_async_overshoot_auto_tunes_and_a_user_value_pins_it() -> None:
+    core, _ = started("cpu-async")
+    assert core.max_overshoot == 3
+    for r in (0, 1):
+        feed(core, r, 10)
+    core.tick(0.01)
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0, 0.01, 1.0, 1.0), 0.02)
+    core.tick(0.02)
+    assert core.version == 1 and core.max_overshoot == 4
+    pinned, _ = started("cpu-async", max_overshoot=7)
+    for r in (0, 1):
+        feed(pinned, r, 10)
+    pinned.tick(0.01)
+    for r in (0, 1):
+        pinned.handle(r, m.SyncAck(r, 0), 0.02)
+    pinned.tick(0.02)
+    assert pinned.version == 1 and pinned.max_overshoot == 7
+
+
+def test_eval_intent_folds_into_the_next_nccl_epoch_dispatch() -> None:
+    core, out = started("nccl-sync", total=4, num_epochs=2)
+    core.handle(1, m.Intent(1, m.IntentKind.EVAL_NOW), 0.0)
+    for r in (0, 1):
+        feed(core, r, 2)
+        core.handle(r, metrics(r, 0, 2), 0.0)
+    out = core.tick(0.01)
+    evals = msgs(out, m.ExecuteEvalCallback)
+    assert [(o.rank, o.msg.epoch) for o in evals] == [(core.roles.eval, 1)]
+    order = types(out)
+    assert order.index("ExecuteEvalCallback") < order.index("StartEpoch")
+    assert not core.roles.pending_eval_intent
+
+
+def test_checkpoint_every_n_epochs_goes_to_the_checkpoint_role_only() -> None:
+    core, out = started("nccl-sync", total=4, num_epochs=3, checkpoint_every=2)
+    sent: list[tuple[int, m.Checkpoint]] = []
+    for epoch in range(3):
+        for r in (0, 1):
+            feed(core, r, 2)
+            core.handle(r, metrics(r, epoch, 2), 0.0)
+        out = core.tick(0.01 * (epoch + 1))
+        sent += [(o.rank, o.msg) for o in msgs(out, m.Checkpoint)]
+        for r in (0, 1):
+            core.handle(r, m.SyncAck(r, core.last_step_count[r] + 1), 0.0)
+    assert sent == [(core.roles.checkpoint, m.Checkpoint(2, core.roles.checkpoint))]
