@@ -182,6 +182,8 @@ def connect(
         # No silent retries: a lost reply must surface, so the bus can retry idempotently.
         "retry": Retry(NoBackoff(), 0),
         "client_name": client_name,
+        # The bus parses RESP2 reply shapes (XREADGROUP as a list of [stream, entries]).
+        "protocol": 2,
     }
     if t.scheme == "unix":
         return redis.Redis(unix_socket_path=t.path, **common)  # type: ignore[arg-type]

@@ -237,6 +237,8 @@ class _GroupReader:
             self._restore_acks(acks)
             raise
         reply: dict[str, list[tuple[EntryId, Any]]] = {}
+        if isinstance(raw, dict):  # a RESP3 client: {stream: [entries]}
+            raw = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in raw.items()]
         for name, items in raw or ():
             reply[name.decode()] = [(parse_id(eid), fields) for eid, fields in items]
         return self.cursor.on_reply(reply)
