@@ -165,10 +165,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 10 * PARAM_NORM_EVERY or args.repeats < 1:
         print("flodl-bus bench worker: use --steps >= 100 and --repeats >= 1", file=sys.stderr)
         return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # steadier step times on a shared machine
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
 
+
+def _run(args: argparse.Namespace) -> int:
     from flodl_bus.bus.memory import MemoryHub
 
-    torch.set_num_threads(1)  # steadier step times on a shared machine
     job = digits.job
     buses: list[tuple[str, Callable[[], RankBus]]] = [
         ("memory", lambda: MemoryHub(1, roundtrip=False).rank_bus(0))

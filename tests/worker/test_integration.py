@@ -63,13 +63,16 @@ class ScriptedCoordinator:
 
     def wait_for(self, cls: type, timeout: float = 60.0) -> object:
         deadline = time.monotonic() + timeout
+        seen = len(self.received)
         while time.monotonic() < deadline:
+            for m in self.received[seen:]:
+                if isinstance(m, cls):
+                    return m
+            seen = len(self.received)
             deliveries = self.bus.read_upstream(100)
             self.bus.ack(deliveries)
-            for d in deliveries:
-                self.received.append(d.msg)
-                if isinstance(d.msg, cls):
-                    return d.msg
+            # Keep the whole read: what follows the awaited message is part of the flow.
+            self.received += [d.msg for d in deliveries]
         raise AssertionError(f"no {cls.__name__} within {timeout}s; got {self.received[-5:]}")
 
     def control_plane(self) -> list[object]:
@@ -203,17 +206,18 @@ def test_a_rank_whose_coordinator_falls_silent_stops_within_the_timeout(
     try:
         coord.wait_for(MetricsMsg)
         silent_since = time.monotonic()
-        rc, out = finish(proc, timeout=10)
+        # Exiting is published once the training loop has stopped, before the teardown.
+        coord.wait_for(Exiting, timeout=10)
         stopped_after = time.monotonic() - silent_since
+        rc, out = finish(proc, timeout=15)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert rc == EXIT_COORDINATOR_LOST, out
     assert "coordinator_lost" in out
-    # 1.5 s of silence counted from the last control entry (sent before the plan ran),
-    # plus the orderly teardown.
-    assert stopped_after < 1.5 + 2.0, stopped_after
-    assert isinstance(coord.wait_for(Exiting, timeout=5), Exiting)
+    # The silence is counted from the rank's last control entry, which came before the
+    # plan ran, so the loop stops at most 1.5 s after the Metrics (plus scheduling slack).
+    assert stopped_after < 1.5 + 1.5, stopped_after
     # The heartbeat thread stopped with the process.
     beats = [m for m in coord.read(0.6) if isinstance(m, Heartbeat)]
     assert beats == []
