@@ -16,8 +16,10 @@ reused by the next attempt.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
+import weakref
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -124,12 +126,18 @@ class Group:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
+    def destroy(self) -> None:
+        """Drop the process group now (its destructor joins gloo's threads)."""
+        self._aborted.set()
+        self.broken = True
+        self.pg = None
+
     def abort(self) -> None:
         if self._aborted.is_set():
             return
         self._aborted.set()
         self.broken = True
-        if self.backend == "nccl":
+        if self.backend == "nccl" and self.pg is not None:
             # ncclCommAbort really releases kernels parked on a dead peer.
             try:
                 self.pg.abort()
@@ -171,6 +179,16 @@ class Group:
             raise CollectiveFailed(str(exc)) from exc
 
 
+#: Managers whose groups are still alive; closed at exit (see ``SessionManager.close``).
+_LIVE: weakref.WeakSet[SessionManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for manager in list(_LIVE):
+        manager.close()
+
+
 class SessionManager:
     """The rank's current group, the mailbox of the next session, and the retry loop.
 
@@ -209,6 +227,7 @@ class SessionManager:
         self._closed = False
         self.retired: list[Group] = []
         self.sessions_formed = 0
+        _LIVE.add(self)
 
     # -- state ----------------------------------------------------------------------------
 
@@ -241,12 +260,20 @@ class SessionManager:
             group.abort()
 
     def close(self) -> None:
+        """Destroy every group this rank formed. Idempotent.
+
+        Groups must be destroyed before the interpreter exits: a gloo group still alive
+        when the process tears down its C++ statics ends in ``std::terminate``. Destroying
+        an abandoned group waits for its in-flight op, which its own timeout bounds.
+        """
         with self._cond:
             self._closed = True
             group, self._group = self._group, None
+            retired, self.retired = self.retired, []
             self._cond.notify_all()
-        if group is not None:
-            self.retired.append(group)
+        for g in [*retired, *([group] if group is not None else [])]:
+            g.destroy()
+        _LIVE.discard(self)
 
     # -- forming --------------------------------------------------------------------------
 

@@ -213,10 +213,10 @@ class RedisStore(Store):
 
     # torch's trampoline looks some overrides up by their C++ names (PrefixStore and the
     # backends call these), so the snake_case methods are exposed under both.
-    def getNumKeys(self) -> int:  # noqa: N802
+    def getNumKeys(self) -> int:
         return self.num_keys()
 
-    def deleteKey(self, key: str) -> bool:  # noqa: N802
+    def deleteKey(self, key: str) -> bool:
         return self.delete_key(key)
 
     # -- helpers --------------------------------------------------------------------------

@@ -141,9 +141,7 @@ def scenario_cpu(
         )
     bad = [len(msg.avg.params) + 1]
     try:
-        port.load_averaged(
-            AveragedParams(tuple(torch.zeros(1) for _ in range(bad[0])), (), 99)
-        )
+        port.load_averaged(AveragedParams(tuple(torch.zeros(1) for _ in range(bad[0])), (), 99))
         wrong_count = "accepted"
     except ValueError:
         wrong_count = "ValueError"
@@ -151,22 +149,44 @@ def scenario_cpu(
 
 
 def scenario_rounds(
-    port: TorchParamPort, model: Toy, rank: int, args: dict[str, Any], r: redis.Redis, run_id: str
+    port: TorchParamPort,
+    model: Toy,
+    rank: int,
+    args: dict[str, Any],
+    r: redis.Redis,
+    run_id: str,
+    control: queue.Queue[Any],
 ) -> Any:
-    """Sync every ``pause`` seconds; the parent kills or stops a peer meanwhile."""
-    durations = []
+    """Average every ``pause`` seconds; the parent kills or stops a peer meanwhile.
+
+    ``nccl``: ``sync_now``; ``cpu``: ``snapshot`` then the injected ``Update`` (or
+    ``Shutdown``). A failure ends the loop and is reported with how long it took.
+    """
+    durations: list[float] = []
     worlds = []
+    error = None
     for rnd in range(args["rounds"]):
         set_values(model, {"w": [float(rank + 1) * (rnd + 1)] * 3})
         t0 = time.monotonic()
-        port.sync_now(1)
+        try:
+            if port.cpu is None:
+                port.sync_now(1)
+            else:
+                port.snapshot(1)
+                msg = control.get(timeout=120)
+                if isinstance(msg, Shutdown):
+                    raise RuntimeError("Shutdown injected")
+                port.load_averaged(msg.avg)
+        except Exception as exc:
+            error = {"type": type(exc).__name__, "after_s": time.monotonic() - t0}
+            break
         durations.append(time.monotonic() - t0)
         group = port.sessions.group
         assert group is not None
         worlds.append([group.rank, group.world_size, group.prefix])
         r.set(f"test:{run_id}:progress:{rank}", rnd + 1)
         time.sleep(args["pause"])
-    return {"durations": durations, "worlds": worlds, "final": observe(model)}
+    return {"durations": durations, "worlds": worlds, "final": observe(model), "error": error}
 
 
 def main() -> None:
@@ -210,24 +230,22 @@ def main() -> None:
         inject=inject,
         publish=publish,
     )
-    threading.Thread(
-        target=control_thread, args=(r, run_id, rank, port), daemon=True
-    ).start()
+    threading.Thread(target=control_thread, args=(r, run_id, rank, port), daemon=True).start()
     result: Any
     if scenario == "sync":
         result = scenario_sync(port, model, rank, args)
     elif scenario == "cpu":
         result = scenario_cpu(port, model, rank, args, control, events)
     elif scenario == "rounds":
-        result = scenario_rounds(port, model, rank, args, r, run_id)
+        result = scenario_rounds(port, model, rank, args, r, run_id, control)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    if any(isinstance(m, Shutdown) for m in list(control.queue)):
-        result = {"error": "Shutdown injected", "result": result}
     print(json.dumps({"rank": rank, "result": result}), flush=True)
-    # An abandoned gloo group's destructor would wait out its in-flight op; the test
-    # has what it needs, so leave without running destructors.
-    os._exit(0)
+    if args.get("fast_exit"):
+        # A group abandoned mid-op (frozen peer) is only destroyed once the op times
+        # out; the test has what it needs and need not wait for that.
+        os._exit(0)
+    port.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+"""``SyncNow`` (the in-place path) across two real rank processes on gloo."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from flodl_bus.params.averaging import divergence_triple
+from tests.params.procs import start_ranks
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+NAN = float("nan")
+
+CASES: dict[str, dict[str, Any]] = {
+    "equal": {"ranks": [{"w": [1, 2, 3], "steps": 1}, {"w": [3, 4, 5], "steps": 1}]},
+    "masses": {
+        "ranks": [
+            {"w": [1, 1, 1], "b": [1.0], "steps": 3, "running": [2.0], "count": [7]},
+            {"w": [5, 5, 5], "b": [5.0], "steps": 1, "running": [4.0], "count": [9]},
+        ]
+    },
+    "idle_nan": {
+        "ranks": [
+            {"w": [1, 2, 3], "steps": 2, "running": [6.0]},
+            {"w": [NAN] * 3, "b": [NAN], "steps": 0, "running": [NAN]},
+        ]
+    },
+    "zero_mass": {"ranks": [{"w": [1, 2, 3], "steps": 0}, {"w": [7, 8, 9], "steps": 0}]},
+    "gamma2": {
+        "gamma": 2.0,
+        "ranks": [{"w": [1, 1, 1], "steps": 3}, {"w": [5, 5, 5], "steps": 1}],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def synced(redis_url: str) -> Iterator[dict[str, list[dict[str, Any]]]]:
+    """Every case run once, in order, on the same two ranks and group."""
+    ranks = start_ranks(redis_url, "sync", 2, {"cases": list(CASES.values())})
+    try:
+        per_rank = ranks.results()
+    finally:
+        ranks.kill()
+    yield {name: [per_rank[r][i] for r in range(2)] for i, name in enumerate(CASES)}
+
+
+def test_equal_masses_give_the_plain_mean_on_every_rank(synced: Any) -> None:
+    for rank in synced["equal"]:
+        assert rank["post"]["w"] == [2.0, 3.0, 4.0]
+
+
+def test_params_are_weighted_by_steps_since_the_last_average(synced: Any) -> None:
+    # (3*1 + 1*5) / 4 = 2
+    for rank in synced["masses"]:
+        assert rank["post"]["w"] == [2.0, 2.0, 2.0]
+        assert rank["post"]["b"] == [2.0]
+
+
+def test_f32_buffers_are_averaged_equally_over_movers_and_int_buffers_stay_local(
+    synced: Any,
+) -> None:
+    r0, r1 = synced["masses"]
+    assert r0["post"]["running"] == r1["post"]["running"] == [3.0]  # (2 + 4) / 2, not 2.5
+    assert (r0["post"]["count"], r1["post"]["count"]) == ([7], [9])
+
+
+def test_an_idle_rank_cannot_change_the_consensus_even_with_nan_params(synced: Any) -> None:
+    for rank in synced["idle_nan"]:
+        assert rank["post"]["w"] == [1.0, 2.0, 3.0]
+        assert rank["post"]["running"] == [6.0]  # the idle rank did not move: no buffer vote
+
+
+def test_zero_total_mass_leaves_every_rank_unchanged_and_reports_no_triple(
+    synced: Any,
+) -> None:
+    for rank in synced["zero_mass"]:
+        assert rank["post"] == rank["pre"]
+        assert rank["triple"] == [None, None, None]
+
+
+def test_gamma_exponent_reweights_the_masses(synced: Any) -> None:
+    # masses 3**2 = 9 and 1**2 = 1: (9*1 + 1*5) / 10 = 1.4
+    for rank in synced["gamma2"]:
+        assert rank["post"]["w"] == pytest.approx([1.4] * 3)
+
+
+def _params(obs: dict[str, Any]) -> list[torch.Tensor]:
+    return [
+        torch.tensor([float(x) for x in obs["w"]]),
+        torch.tensor([float(x) for x in obs["b"]]),
+    ]
+
+
+def test_each_rank_reports_the_triple_of_its_own_pre_sync_params(synced: Any) -> None:
+    for name in ("equal", "masses"):
+        for rank in synced[name]:
+            direct = divergence_triple(_params(rank["pre"]), _params(rank["post"]))
+            got = rank["triple"]
+            assert got == pytest.approx([direct.divergence, direct.post_norm, direct.pre_norm])
+    # by hand for rank 0 of "equal": pre (1,2,3,0), post (2,3,4,0)
+    div, post, pre = synced["equal"][0]["triple"]
+    assert pre == pytest.approx(math.sqrt(14))
+    assert post == pytest.approx(math.sqrt(29))
+    assert div == pytest.approx(math.sqrt(3) / math.sqrt(29))
+
+
+def test_outer_nesterov_step_is_replicated_identically_on_every_rank(redis_url: str) -> None:
+    windows = [
+        {"ranks": [{"w": [9, 9, 9], "steps": 1}, {"w": [11, 11, 11], "steps": 1}]},  # c = 10
+        {"ranks": [{"w": [7, 7, 7], "steps": 1}, {"w": [9, 9, 9], "steps": 1}]},  # c = 8
+    ]
+    ranks = start_ranks(redis_url, "sync", 2, {"cases": windows, "outer": "nesterov"})
+    try:
+        r0, r1 = ranks.results()
+    finally:
+        ranks.kill()
+    assert r0[0]["post"]["w"] == r1[0]["post"]["w"] == [10.0] * 3  # first window: no step
+    # g = 10 - 8 = 2, v = 2: new = 10 - 0.7 * (0.9 * 2 + 2) = 7.34
+    assert r0[1]["post"]["w"] == pytest.approx([7.34] * 3)
+    assert r0[1]["post"]["w"] == r1[1]["post"]["w"]
+    # the divergence is measured against the consensus, before the outer step
+    assert r0[1]["triple"][1] == pytest.approx(math.sqrt(3 * 64))
