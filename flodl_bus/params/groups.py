@@ -19,8 +19,8 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-import weakref
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta

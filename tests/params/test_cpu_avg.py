@@ -96,14 +96,12 @@ def test_cpu_async_easgd_blends_the_current_local_params_toward_the_consensus(
 def test_update_is_injected_before_the_sync_ack_is_published(rounds: Any) -> None:
     for r in rounds:
         events = [e.split(" ")[0] for e in r["events"]]
-        assert events == ["publish:SnapshotReady", "inject:Update", "publish:SyncAck"] * len(
-            CASES
-        )
+        assert events == ["publish:SnapshotReady", "inject:Update", "publish:SyncAck"] * len(CASES)
 
 
 def test_sync_ack_carries_rank_zero_step_count_and_the_triple(rounds: Any) -> None:
     for rank, r in enumerate(rounds):
-        div, post, pre, ack_rank, step_count = r["cases"][list(CASES).index("masses")]["ack"]
+        _div, post, _pre, ack_rank, step_count = r["cases"][list(CASES).index("masses")]["ack"]
         assert (ack_rank, step_count) == (rank, 0)
         assert post == pytest.approx(12**0.5)  # consensus (2,2,2,0)
     div0, _, pre0, _, _ = case(rounds, "masses")[0]["ack"]
