@@ -1,55 +1,117 @@
 """The record of one process: what it read, what its core decided, what it emitted.
 
-One JSON object per line in ``runs/<run>/coordinator.jsonl`` or ``runs/<run>/rank<r>.jsonl``:
+One JSON object per line in ``runs/<run>/coordinator.jsonl`` or ``runs/<run>/rank<r>.jsonl``
+(``.jsonl.gz`` is read too). Every core-facing event carries ``i``, numbered from one
+counter per process in the order the events happened; replay walks them in ``i``.
 
-``{"event": "run", ...}``
-    first line: everything needed to rebuild the core (config, world size, mode, job).
+Common to both roles:
+
+``{"event": "run", "role", "rank", "run", ...}``
+    first line: everything needed to rebuild the core (config, world size, mode, job,
+    model-port capabilities). Never a secret.
 ``{"event": "dispatch", "i", "stream", "id", "sender", "msg", "now", "before", "after", "out"}``
     one decoded entry handed to the core. ``msg`` and the messages inside ``out`` are wire
     maps (``flodl_bus.protocol.wire.to_map``); ``before``/``after`` are the core's
-    decision-relevant state; ``now`` is the clock reading the core acted on.
-``{"event": "tick", "i", "now", "before", "after", "out"}``
-    a coordinator tick that emitted something or changed state.
-``{"event": "port", "i", "call", "args", "result"}``
-    what a port answered (divergence triple, realized mass, eval metric...), so a replay
-    needs no model.
+    decision-relevant state (``Coordinator.state_summary()``, ``WorkerControl.state()``);
+    ``now`` is the clock reading the core acted on. A rank's dispatch adds ``stop``,
+    ``throttled``, ``calls`` (every port call made during it, with its answer), ``logs``
+    (warnings/errors the core logged, e.g. ``one_chunk_in_flight_violated``) and ``raised``
+    when the core raised. ``stream``/``id`` are None for a message that did not come from
+    a stream (the param plane's in-process ``Update``, whose ``msg`` is
+    ``{"type": "Update", "local": true, "version", "realized", "tensors"}``).
 ``{"event": <other>, ...}``
     free-form runtime events (membership, reconnects, alerts); replay ignores them.
 
-``i`` numbers the core-facing events of the process in order; replay walks them in ``i``.
+Coordinator only:
+
+``{"event": "start", "i", "now", "before", "after", "out"}``
+    ``Coordinator.start(now)``.
+``{"event": "tick", "i", "now", "before", "after", "out"}``
+    a tick that emitted something or changed state.
+``{"event": "send_failed", "i", "rank", "msg", "now", "before", "after", "out"}``
+    ``Coordinator.send_failed``: the runtime could not deliver ``msg``.
+``{"event": "declare_dead", "i", "rank", "now", "before", "after", "out"}``
+    ``Coordinator.declare_dead``: a death reported from outside the sweep.
+``{"event": "port", "i", "call", "args", "result"}``
+    what a port answered (kept for runtimes that consult one outside a dispatch).
+
+Rank only (the training loop's side of the state machine, so a replay needs no model):
+
+``{"event": "read", "i", "now", "entries": [{"stream", "id", "msg"}, ...]}``
+    one read of the control streams by the reader thread: the input of the rank.
+``{"event": "take", "i", "stream", "id", "msg", "why"}``
+    a message the loop consumed without dispatching it (``plan``: a StartEpoch taken
+    while idle; ``shutdown``; ``skip``: SyncNow/Throttle after training; ``drop``:
+    discarded at teardown).
+``{"event": "plan", "i", "source", "plan", "now", "partition_len", "after"}``
+    ``begin_plan``; ``source`` is ``pending`` (the core's mailbox) or ``taken``.
+``{"event": "step", "i", "args": [loss, batch_ms, data_ms, lr], "calls", "out", "after"}``
+    one optimizer step (``step_done``): its measured values are inputs of the record.
+``{"event": "closed", "i", "out"}``
+    ``channel_closed``: the reader died while the rank was throttled.
+
+Recording is synchronous and runs on the thread that dispatched: arguments may be
+mutated right after the call returns.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, get_args
 
 from flodl_bus.protocol import wire
+from flodl_bus.protocol.messages import Update, WireMsg
 from flodl_bus.record.log import Recorder
+
+_WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
+_PLAIN: Final = (bool, int, float, str, bytes)
+
+
+def local_update(msg: Update) -> dict[str, Any]:
+    """The in-process Update without its tensors: what a replay needs of it."""
+    avg = msg.avg
+    return {
+        "type": "Update",
+        "local": True,
+        "version": avg.version,
+        "realized": avg.realized,
+        "tensors": [len(avg.params), len(avg.buffers)],
+    }
 
 
 def record_value(value: Any) -> Any:
     """A JSON-ready form of a message, an effect, or plain data."""
-    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+    t = type(value)
+    if value is None or t in _PLAIN:
         return value
+    if t is dict:
+        return {str(k): record_value(v) for k, v in value.items()}
+    if t is list or t is tuple:
+        return [record_value(v) for v in value]
+    if t in _WIRE_CLASSES:
+        return wire.to_map(value)
+    if t is Update:
+        return local_update(value)
     if isinstance(value, enum.Enum):
         return value.value
-    try:
-        return wire.to_map(value)
-    except TypeError:
-        pass
+    if isinstance(value, _PLAIN):
+        return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out: dict[str, Any] = {"kind": type(value).__name__}
+        out: dict[str, Any] = {"kind": t.__name__}
         for f in dataclasses.fields(value):
             out[f.name] = record_value(getattr(value, f.name))
         return out
     if isinstance(value, Mapping):
         return {str(k): record_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
+    if isinstance(value, (list, tuple)):
         return [record_value(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(record_value(v) for v in value)
     return repr(value)
 
 
@@ -59,14 +121,36 @@ def record_path(run_dir: str | Path, role: str, rank: int | None = None) -> Path
 
 
 class DispatchRecorder:
-    """Thin, allocation-light writer of the events above for one process."""
+    """Thin, allocation-light writer of the events above for one process.
 
-    def __init__(self, run_dir: str | Path, role: str, rank: int | None = None) -> None:
+    ``flush_every`` (seconds) starts a daemon thread that flushes the file buffer, so a
+    hung or killed process leaves a record that ends at most that long before it stopped.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        role: str,
+        rank: int | None = None,
+        *,
+        flush_every: float | None = None,
+    ) -> None:
         self.role = role
         self.rank = rank
         self.path = record_path(run_dir, role, rank)
         self._rec = Recorder(self.path)
-        self._i = 0
+        # next() on itertools.count is atomic under the GIL: the reader and the training
+        # thread of a rank share the numbering without a lock.
+        self._counter = itertools.count()
+        self._stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        if flush_every is not None:
+            self._flusher = threading.Thread(
+                target=self._flush_loop, args=(flush_every,), name="record-flush", daemon=True
+            )
+            self._flusher.start()
+
+    # ------------------------------------------------------------------ both roles
 
     def header(self, **config: Any) -> None:
         self._rec.record("run", role=self.role, rank=self.rank, **record_value(config))
@@ -74,18 +158,19 @@ class DispatchRecorder:
     def dispatch(
         self,
         *,
-        stream: str,
-        entry_id: str,
+        stream: str | None,
+        entry_id: str | None,
         msg: object,
         now: float,
         before: Mapping[str, Any],
         after: Mapping[str, Any],
         out: Sequence[object],
         sender: int | None = None,
+        **extra: Any,
     ) -> None:
-        self._rec.record(
+        self._rec.record_core(
             "dispatch",
-            i=self._next(),
+            i=next(self._counter),
             stream=stream,
             id=entry_id,
             sender=sender,
@@ -94,7 +179,23 @@ class DispatchRecorder:
             before=record_value(before),
             after=record_value(after),
             out=[record_value(o) for o in out],
+            **{k: record_value(v) for k, v in extra.items()},
         )
+
+    def event(self, name: str, **fields: Any) -> None:
+        self._rec.record(name, **record_value(fields))
+
+    # ------------------------------------------------------------------ coordinator
+
+    def start(
+        self,
+        *,
+        now: float,
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+        out: Sequence[object],
+    ) -> None:
+        self._core_call("start", now, before, after, out)
 
     def tick(
         self,
@@ -104,30 +205,137 @@ class DispatchRecorder:
         after: Mapping[str, Any],
         out: Sequence[object],
     ) -> None:
-        self._rec.record(
-            "tick",
-            i=self._next(),
+        self._core_call("tick", now, before, after, out)
+
+    def send_failed(
+        self,
+        *,
+        rank: int,
+        msg: object,
+        now: float,
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+        out: Sequence[object],
+    ) -> None:
+        self._core_call("send_failed", now, before, after, out, rank=rank, msg=record_value(msg))
+
+    def declare_dead(
+        self,
+        *,
+        rank: int,
+        now: float,
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+        out: Sequence[object],
+    ) -> None:
+        self._core_call("declare_dead", now, before, after, out, rank=rank)
+
+    def port(self, *, call: str, args: Mapping[str, Any], result: Any) -> None:
+        self._rec.record_core(
+            "port",
+            i=next(self._counter),
+            call=call,
+            args=record_value(args),
+            result=record_value(result),
+        )
+
+    def _core_call(
+        self,
+        event: str,
+        now: float,
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+        out: Sequence[object],
+        **extra: Any,
+    ) -> None:
+        self._rec.record_core(
+            event,
+            i=next(self._counter),
             now=now,
             before=record_value(before),
             after=record_value(after),
             out=[record_value(o) for o in out],
+            **extra,
         )
 
-    def port(self, *, call: str, args: Mapping[str, Any], result: Any) -> None:
-        self._rec.record(
-            "port", i=self._next(), call=call, args=record_value(args), result=record_value(result)
+    # ------------------------------------------------------------------ rank
+
+    def read(self, *, now: float, entries: Sequence[tuple[str, str, object]]) -> None:
+        self._rec.record_core(
+            "read",
+            i=next(self._counter),
+            now=now,
+            entries=[{"stream": s, "id": e, "msg": record_value(m)} for s, e, m in entries],
         )
 
-    def event(self, name: str, **fields: Any) -> None:
-        self._rec.record(name, **record_value(fields))
+    def take(self, *, stream: str | None, entry_id: str | None, msg: object, why: str) -> None:
+        self._rec.record_core(
+            "take",
+            i=next(self._counter),
+            stream=stream,
+            id=entry_id,
+            msg=record_value(msg),
+            why=why,
+        )
+
+    def plan(
+        self,
+        *,
+        source: str,
+        plan: object,
+        now: float,
+        partition_len: int,
+        after: Mapping[str, Any],
+    ) -> None:
+        self._rec.record_core(
+            "plan",
+            i=next(self._counter),
+            source=source,
+            plan=record_value(plan),
+            now=now,
+            partition_len=partition_len,
+            after=record_value(after),
+        )
+
+    def step(
+        self,
+        *,
+        args: tuple[float, float, float, float],
+        calls: Sequence[object],
+        out: Sequence[object],
+        after: Mapping[str, Any],
+    ) -> None:
+        self._rec.record_core(
+            "step",
+            i=next(self._counter),
+            args=args,
+            calls=record_value(calls),
+            out=[record_value(o) for o in out],
+            after=record_value(after),
+        )
+
+    def closed(self, *, out: object, after: Mapping[str, Any]) -> None:
+        self._rec.record_core(
+            "closed", i=next(self._counter), out=record_value(out), after=record_value(after)
+        )
 
     def _next(self) -> int:
-        i = self._i
-        self._i += 1
-        return i
+        return next(self._counter)
+
+    # ------------------------------------------------------------------ file
+
+    def _flush_loop(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self._rec.flush()
+            except ValueError:  # closed under us
+                return
 
     def flush(self) -> None:
         self._rec.flush()
 
     def close(self) -> None:
+        self._stop.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=2.0)
         self._rec.close()
