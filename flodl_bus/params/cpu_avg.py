@@ -8,11 +8,12 @@ Round (reference §5.3), per ``RequestParams``:
    snapshot) and hand the round to the averaging thread; training goes on;
 2. averaging thread: wait for the copy, publish ``SnapshotReady``, all-reduce the counts
    ``[n_eff, mover]`` and then ``snap * own/Σ`` into the staging ``cons``;
-3. outer optimizer step (replicated: every rank holds the same consensus bits), then the
-   divergence triple of ``snap`` against the adopted consensus;
-4. inject ``Update(AveragedParams)`` into the rank's control queue, *then* publish
-   ``SyncAck`` (the coordinator's wire ``Update`` follows all acks, so the tensors are
-   always ahead of it in the rank's queue).
+3. outer optimizer step (replicated: every rank holds the same consensus bits); the
+   divergence triple is taken of ``snap`` against this adopted consensus;
+4. inject ``Update(AveragedParams)`` into the rank's control queue, then compute the
+   divergence triple (reads only) and *then* publish ``SyncAck`` (the coordinator's wire
+   ``Update`` follows all acks, so the tensors are always ahead of it in the rank's
+   queue).
 
 The staging buffers are allocated once and reused every round. The ``Update`` carries
 views of ``cons``; they stay valid until the next round writes ``cons``, which cannot
@@ -67,7 +68,11 @@ class RoundStats:
 
     version: int
     realized: bool
-    total_s: float
+    #: ``snapshot()`` to the ``Update`` injected (the consensus is adoptable).
+    update_s: float
+    #: ``snapshot()`` to the ``SyncAck`` ready (the triple computed).
+    ack_s: float
+    #: count + params all-reduces, across any re-session.
     reduce_s: float
 
 
@@ -158,19 +163,30 @@ class CpuAverager:
             if job is None:
                 return
             try:
-                update, ack = self._run_round(job)
+                update, reduce_s = self._reduce(job)
+                update_s = time.monotonic() - job.started
+                # The consensus reaches the training thread first; the triple (a full
+                # pass over snap and cons, read-only) is off the path that unblocks it.
+                self.inject(update)
+                ack = self._ack(update.avg.realized)
             except Exception as exc:
                 log.error("cpu_average_round_failed", rank=self.rank, error=repr(exc)[:500])
                 self._idle.set()
                 self.inject(Shutdown())
                 continue
+            self.last = RoundStats(
+                self.version,
+                update.avg.realized,
+                update_s,
+                time.monotonic() - job.started,
+                reduce_s,
+            )
             # Idle before the ack leaves: the next RequestParams may follow it at once.
             self._idle.set()
-            self.inject(update)
             self.publish(ack)
 
     @torch.no_grad()
-    def _run_round(self, job: _Round) -> tuple[Update, SyncAck]:
+    def _reduce(self, job: _Round) -> tuple[Update, float]:
         if job.copy_done is not None:
             job.copy_done.synchronize()
         self.publish(SnapshotReady(rank=self.rank))
@@ -204,18 +220,21 @@ class CpuAverager:
             avg = AveragedParams(
                 tuple(self.snap.views), tuple(self.snap_b.views), self.version, realized=False
             )
-            ack = SyncAck(rank=self.rank, step_count=0)
-        else:
-            if self.outer is not None:
-                self.outer.step_(self.cons.flats)
-            triple = divergence_triple(self.snap.flats, self.cons.flats)
-            avg = AveragedParams(tuple(self.cons.views), tuple(self.cons_b.views), self.version)
-            ack = SyncAck(
-                rank=self.rank,
-                step_count=0,
-                divergence=triple.divergence,
-                post_norm=triple.post_norm,
-                pre_norm=triple.pre_norm,
-            )
-        self.last = RoundStats(self.version, realized, time.monotonic() - job.started, reduce_s)
-        return Update(avg), ack
+            return Update(avg), reduce_s
+        if self.outer is not None:
+            self.outer.step_(self.cons.flats)
+        avg = AveragedParams(tuple(self.cons.views), tuple(self.cons_b.views), self.version)
+        return Update(avg), reduce_s
+
+    @torch.no_grad()
+    def _ack(self, realized: bool) -> SyncAck:
+        if not realized:
+            return SyncAck(rank=self.rank, step_count=0)
+        triple = divergence_triple(self.snap.flats, self.cons.flats)
+        return SyncAck(
+            rank=self.rank,
+            step_count=0,
+            divergence=triple.divergence,
+            post_norm=triple.post_norm,
+            pre_norm=triple.pre_norm,
+        )

@@ -119,6 +119,11 @@ def scenario_cpu(
         assert isinstance(msg, Update), msg
         before_load = observe(model)
         port.load_averaged(msg.avg)
+        # the ack follows the Update (the triple is computed after the injection)
+        deadline = time.monotonic() + 30
+        while sum(e.startswith("publish:SyncAck") for e in events) <= len(out):
+            assert time.monotonic() < deadline, "no SyncAck after the Update"
+            time.sleep(0.005)
         ack = next(e for e in reversed(events) if e.startswith("publish:SyncAck"))
         out.append(
             {
@@ -177,6 +182,7 @@ def scenario_rounds(
                 if isinstance(msg, Shutdown):
                     raise RuntimeError("Shutdown injected")
                 port.load_averaged(msg.avg)
+                assert port.cpu.wait_idle(30)
         except Exception as exc:
             error = {"type": type(exc).__name__, "after_s": time.monotonic() - t0}
             break
