@@ -1,0 +1,1 @@
+"""``flodl-bus up``: a whole run on one machine, watched through its control plane."""

@@ -1,0 +1,447 @@
+"""``flodl-bus up``: Redis (embedded unless given), a coordinator and N workers, watched.
+
+    flodl-bus up [--job MODULE:NAME] [--workers N] [--mode MODE] [--redis-url URL]
+                 [--epochs N] [--run RUN] [--run-dir DIR] [--save-path STEM] [--resume STEM]
+
+The launcher is an observer: it reads the run's streams with plain XREAD (it never
+takes an entry from the coordinator or a rank) and draws progress, the epoch table and
+the summary from what crosses the control plane. The processes write their own records
+under the run directory; the launcher adds ``up.jsonl`` (what it saw and did), the logs
+of each child, ``plot.png`` and, when the coordinator left none, ``metrics.csv``.
+
+Exit status: 0 when the run finished (and reached the job's target, if it has one and
+``--require-target`` is given), 130 after Ctrl-C, 2 for a configuration error, else the
+first failing child's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import signal
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from flodl_bus.bus.connection import connect, redact_url
+from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.bus.run_secret import ENV_SECRET
+from flodl_bus.launch.display import Progress, Summary
+from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
+from flodl_bus.launch.view import EpochRow, RunView
+from flodl_bus.launch.watch import Seen, StreamWatcher
+from flodl_bus.protocol.signing import new_secret
+from flodl_bus.record.log import Recorder
+
+if TYPE_CHECKING:
+    from flodl_bus.job import Job
+
+MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
+DEFAULT_JOB = "flodl_bus.examples.digits:job"
+#: how long ranks may take to exit on their own once the coordinator is done
+WORKER_EXIT_GRACE_S = 10.0
+EXIT_INTERRUPTED = 130
+
+
+class _Stop(Exception):
+    """SIGTERM to the launcher: shut down as for Ctrl-C."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flodl-bus up",
+        description="Start Redis (embedded unless --redis-url), a coordinator and N workers "
+        "on this machine, and watch the run.",
+    )
+    p.add_argument("--job", default=DEFAULT_JOB, help=f"MODULE:NAME (default {DEFAULT_JOB})")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--mode", choices=MODES, default="cpu-cadence", help="default cpu-cadence")
+    p.add_argument("--redis-url", help="use this Redis instead of starting one")
+    p.add_argument("--epochs", type=int, help="override the job's number of epochs")
+    p.add_argument("--run", help="run id (default up-<date>-<time>-<random>)")
+    p.add_argument("--run-dir", help="where the record goes (default runs/<run>)")
+    p.add_argument("--save-path", help="checkpoint stem (a Ctrl-C then leaves a resumable one)")
+    p.add_argument("--resume", help="resume from this checkpoint stem")
+    p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no bars (the table still shows)")
+    p.add_argument("--no-plot", action="store_true", help="skip plot.png")
+    p.add_argument(
+        "--require-target",
+        action="store_true",
+        help="exit 1 when the final metric misses the job's target_metric",
+    )
+    p.add_argument("--log-level", default="info", help="children's console log level")
+    return p
+
+
+def _default_run_id() -> str:
+    return f"up-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "flodl_bus.cli", *args]
+
+
+def coordinator_argv(args: argparse.Namespace, run: str, url: str, run_dir: Path) -> list[str]:
+    argv = _cli(
+        "coordinator",
+        "--run", run,
+        "--redis-url", url,
+        "--job", args.job,
+        "--mode", args.mode,
+        "--world-size", str(args.workers),
+        "--run-dir", str(run_dir),
+        "--eval-every", str(args.eval_every),
+    )  # fmt: skip
+    if args.epochs is not None:
+        argv += ["--epochs", str(args.epochs)]
+    if args.save_path:
+        argv += ["--save-path", args.save_path]
+    if args.resume:
+        argv += ["--resume", args.resume]
+    return argv
+
+
+def worker_argv(args: argparse.Namespace, run: str, url: str, rank: int) -> list[str]:
+    argv = _cli(
+        "worker",
+        "--run", run,
+        "--redis-url", url,
+        "--job", args.job,
+        "--mode", args.mode,
+        "--rank", str(rank),
+        "--world-size", str(args.workers),
+        "--log-level", args.log_level,
+    )  # fmt: skip
+    if args.save_path:
+        argv += ["--save-path", args.save_path]
+    return argv
+
+
+def _batches_per_rank(job: Job, epochs: int, workers: int) -> int | None:
+    """A rank's fair share of the run's batches (a bar's total; fast ranks overshoot it)."""
+    try:
+        n = len(job.train_data())
+    except Exception:
+        return None
+    per_epoch = -(-n // job.batch_size)
+    return -(-per_epoch * epochs // workers)
+
+
+@contextlib.contextmanager
+def _sigterm_as_stop() -> Iterator[None]:
+    def on_term(_sig: int, _frame: FrameType | None) -> None:
+        raise _Stop
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Launcher:
+    """One ``flodl-bus up`` run: its processes, its observer, its record."""
+
+    def __init__(self, args: argparse.Namespace, run: str, job: Job, started: float) -> None:
+        self.args = args
+        self.run = run
+        self.keys = RunKeys(run)
+        self.job = job
+        self.started = started
+        self.epochs: int = args.epochs or job.num_epochs
+        self.run_dir = Path(args.run_dir or os.path.join("runs", run))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.record = Recorder(self.run_dir / "up.jsonl", role="up")
+        self.secret = new_secret()
+        self.view = RunView(args.workers, started)
+        self.rows: list[EpochRow] = []
+        self.children: list[Child] = []
+        self.coordinator: Child | None = None
+        self.progress: Progress | None = None
+        self.watcher: StreamWatcher | None = None
+        self.server: Any = None
+        self.client: Any = None
+        self.interrupted = False
+        self.failed_rc: int | None = None
+
+    # ------------------------------------------------------------------ run
+    def run_all(self) -> int:
+        try:
+            with _sigterm_as_stop():
+                rc = self._start()
+                if rc is not None:
+                    return rc
+                self.failed_rc = self._watch()
+        except (KeyboardInterrupt, _Stop):
+            self.interrupted = True
+            self.record.record("interrupted", at=time.monotonic() - self.started)
+        finally:
+            # A second Ctrl-C must not cut the shutdown short and leave orphans; the
+            # stop stages are bounded, so nothing hangs here.
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                self._stop()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+        return self._finish(time.monotonic() - self.started)
+
+    def _start(self) -> int | None:
+        args = self.args
+        url = args.redis_url
+        if url is None:
+            from flodl_bus.bus.server import RedisServer, RedisServerError
+
+            try:
+                self.server = RedisServer().start()
+            except RedisServerError as exc:
+                print(f"flodl-bus up: {exc}", file=sys.stderr)
+                return 2
+            url = self.server.url
+        self.record.record(
+            "up",
+            run=self.run,
+            job=args.job,
+            mode=args.mode,
+            workers=args.workers,
+            epochs=self.epochs,
+            redis_url=redact_url(url),
+            embedded=self.server is not None,
+            started_at=time.time(),
+        )
+        try:
+            self.client = connect(url, client_name="flodl-up")
+            self.client.ping()
+        except Exception as exc:
+            print(
+                f"flodl-bus up: cannot reach Redis at {redact_url(url)} "
+                f"({type(exc).__name__}: {exc})",
+                file=sys.stderr,
+            )
+            return 2
+        self.watcher = StreamWatcher(self.client, self.keys, args.workers, self.secret)
+        base_env = {**os.environ, ENV_SECRET: self.secret.hex(), "PYTHONUNBUFFERED": "1"}
+        threads = threads_per_worker(args.workers)
+        self.coordinator = spawn(
+            "coordinator",
+            coordinator_argv(args, self.run, url, self.run_dir),
+            thread_env(base_env, 1),
+            self.run_dir / "coordinator.log",
+        )
+        self.children.append(self.coordinator)
+        for r in range(args.workers):
+            self.children.append(
+                spawn(
+                    f"rank{r}",
+                    worker_argv(args, self.run, url, r),
+                    thread_env(base_env, threads),
+                    self.run_dir / f"rank{r}.log",
+                )
+            )
+        where = f"embedded at {redact_url(url)}" if self.server else redact_url(url)
+        print(
+            f"flodl-bus up: run {self.run}: {self.job.name}, {args.workers} workers x "
+            f"{threads} thread(s), {args.mode}, {self.epochs} epochs, Redis {where}\n"
+            f"  record: {self.run_dir}/   watch: flodl-bus tail --run {self.run} "
+            f"--redis-url {redact_url(url)}",
+            flush=True,
+        )
+        bars = not args.no_progress and sys.stderr.isatty()
+        total = _batches_per_rank(self.job, self.epochs, args.workers)
+        self.progress = Progress(args.workers, total, bars=bars)
+        return None
+
+    def _apply(self, seen: Seen) -> None:
+        now = time.monotonic()
+        if seen.upstream:
+            assert seen.rank is not None
+            self.view.on_upstream(seen.rank, seen.msg, now)
+        else:
+            self.view.on_control(seen.rank, seen.msg, now)
+
+    def _show_rows(self, final: bool) -> None:
+        assert self.progress is not None
+        for row in self.view.rows_ready(final=final):
+            self.progress.rows([row])
+            self.rows.append(row)
+            self.record.record("epoch", **_row_fields(row))
+
+    def _note_exits(self, reported: set[str]) -> None:
+        assert self.progress is not None
+        for c in self.children:
+            rc = c.returncode
+            if rc is None or c.name in reported:
+                continue
+            reported.add(c.name)
+            self.record.record("exit", child=c.name, rc=rc)
+            if rc != 0:
+                self.progress.write(f"  {c.name} exited with status {rc} (log: {c.log_path})")
+                if self.failed_rc is None:
+                    self.failed_rc = rc
+
+    def _watch(self) -> int | None:
+        """Follow the run until every child exited; the first failure's status, if any."""
+        assert self.watcher is not None and self.progress is not None
+        assert self.coordinator is not None
+        coordinator, view, progress = self.coordinator, self.view, self.progress
+        workers = [c for c in self.children if c is not coordinator]
+        first_step_logged = False
+        quiet_since: float | None = None
+        reported: set[str] = set()
+        while True:
+            for seen in self.watcher.poll(block_ms=200):
+                self._apply(seen)
+            if not first_step_logged and view.first_step_at is not None:
+                first_step_logged = True
+                t = view.time_to_first_step()
+                self.record.record("first_step", after_s=t)
+                progress.write(f"  first training step after {t:.2f}s")
+            progress.update(view)
+            self._show_rows(final=False)
+            self._note_exits(reported)
+            now = time.monotonic()
+            coord_rc = coordinator.returncode
+            if coord_rc is not None and coord_rc != 0:
+                return coord_rc
+            if coord_rc == 0 and all(c.returncode is not None for c in workers):
+                return self.failed_rc
+            if coord_rc is None and any(c.returncode is None for c in workers):
+                quiet_since = None
+                continue
+            # Either the coordinator finished and ranks linger, or every rank is gone
+            # and the coordinator waits for heartbeats that will not come.
+            if quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since > WORKER_EXIT_GRACE_S:
+                who = "workers" if coord_rc == 0 else "the coordinator"
+                progress.write(f"  {who} still running after the others finished: stopping")
+                return self.failed_rc if self.failed_rc is not None else 1
+
+    def _stop(self) -> None:
+        if self.children:
+            stages = stop_all(self.children, self.coordinator)
+            if stages:
+                self.record.record("stopped", stages=stages)
+            if self.progress is not None:
+                self._note_exits(set())
+        if self.watcher is not None:
+            with contextlib.suppress(Exception):
+                self.watcher.drain(self._apply)
+        if self.progress is not None:
+            self.progress.update(self.view)
+            self.progress.close()
+            self._show_rows(final=True)
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.close()
+        if self.server is not None:
+            self.server.cleanup()
+
+    # -------------------------------------------------------------- closing
+    def _finish(self, wall: float) -> int:
+        args, view, run_dir = self.args, self.view, self.run_dir
+        if self.rows and not (run_dir / "metrics.csv").exists():
+            from flodl_bus.launch.plot import write_rows_csv
+
+            write_rows_csv(run_dir / "metrics.csv", self.rows, view.world_size)
+        if not args.no_plot and (self.rows or view.total_batches):
+            from flodl_bus.launch.plot import write_plot
+
+            title = f"{self.run}: {self.job.name} ({args.mode})"
+            try:
+                write_plot(run_dir / "plot.png", view, self.rows, title)
+            except Exception as exc:  # a plot must never turn a good run into a failed one
+                print(f"flodl-bus up: plot not written ({type(exc).__name__}: {exc})")
+        workers = [c for c in self.children if c is not self.coordinator]
+        summary = Summary(
+            run=self.run,
+            run_dir=str(run_dir),
+            job=self.job.name,
+            mode=args.mode,
+            workers=args.workers,
+            interrupted=self.interrupted,
+            coordinator_rc=None if self.coordinator is None else self.coordinator.returncode,
+            worker_rcs=tuple(c.returncode for c in workers),
+            final_metric=view.last_metric,
+            target_metric=self.job.target_metric,
+            wall_s=wall,
+            first_step_s=view.time_to_first_step(),
+            syncs=view.syncs,
+            batches=view.total_batches,
+            files=tuple(sorted(p.name for p in run_dir.iterdir() if p.is_file())),
+        )
+        self.record.record(
+            "summary",
+            interrupted=self.interrupted,
+            final_metric=summary.final_metric,
+            target_metric=summary.target_metric,
+            reached_target=summary.reached_target,
+            wall_s=wall,
+            first_step_s=summary.first_step_s,
+            syncs=summary.syncs,
+            batches=summary.batches,
+            coordinator_rc=summary.coordinator_rc,
+            worker_rcs=list(summary.worker_rcs),
+            rejected_entries=0 if self.watcher is None else self.watcher.rejected,
+        )
+        self.record.close()
+        print("\n".join(summary.lines()), flush=True)
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        if self.failed_rc is not None:
+            return self.failed_rc
+        if summary.coordinator_rc not in (0, None):
+            return int(summary.coordinator_rc)
+        if args.require_target and summary.reached_target is False:
+            return 1
+        return 0
+
+
+def _row_fields(row: EpochRow) -> dict[str, Any]:
+    return {
+        "epoch": row.epoch,
+        "loss": row.loss,
+        "metric": row.metric,
+        "throughput": list(row.throughput),
+        "syncs": row.syncs,
+        "syncs_total": row.syncs_total,
+        "anchor": row.anchor,
+        "epoch_s": row.epoch_s,
+        "at": row.at,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    started = time.monotonic()
+    if args.workers < 1:
+        print("flodl-bus up: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.epochs is not None and args.epochs < 1:
+        print("flodl-bus up: --epochs must be at least 1", file=sys.stderr)
+        return 2
+    run = args.run or _default_run_id()
+    try:
+        RunKeys(run)
+    except InvalidRunId as exc:
+        print(f"flodl-bus up: --run: {exc}", file=sys.stderr)
+        return 2
+    # The job is loaded here only for its name, epochs, target and data size; torch in
+    # this process stays on one thread so the workers get the cores.
+    import torch
+
+    from flodl_bus.job import load_job
+
+    torch.set_num_threads(1)
+    try:
+        job = load_job(args.job)
+    except SystemExit as exc:
+        print(f"flodl-bus up: {exc}", file=sys.stderr)
+        return 2
+    return Launcher(args, run, job, started).run_all()

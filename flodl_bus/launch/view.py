@@ -1,0 +1,190 @@
+"""What an observer of a run's streams knows about it (sans-IO: messages and ``now`` in).
+
+``flodl-bus up`` does not ask the coordinator or the ranks how training goes: it reads
+the same control plane they use (``up:<r>``, ``ctl:<r>``, ``ctl:all``) and folds every
+message into this view. Everything shown (progress, the epoch table, the summary, the
+plot) is derived here, so it is unit-testable without processes or Redis.
+
+Syncs and the anchor are not fields of any message; they are read off the wire:
+
+* an averaging round reaches every rank as ``SyncNow`` (nccl) or ``RequestParams``
+  (cpu) on its own ``ctl:<r>``; the run's round count is the most any rank received.
+* the anchor is the number of batches the slowest moving rank ran between two rounds
+  (ElChe's definition); it is reported for the last closed window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from flodl_bus.protocol.messages import (
+    Batch,
+    EpochAggregated,
+    EpochMetrics,
+    EvalBroadcast,
+    EvalResult,
+    Exiting,
+    RequestParams,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+    SyncNow,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EpochRow:
+    """One line of the epoch table."""
+
+    epoch: int
+    loss: float
+    #: the eval metric scored for this epoch (None: not evaluated, or not yet)
+    metric: float | None
+    #: samples per second of each rank over the epoch
+    throughput: tuple[float, ...]
+    #: averaging rounds during this epoch, and in the whole run so far
+    syncs: int
+    syncs_total: int
+    anchor: int | None
+    epoch_s: float
+    #: seconds since the launch when the aggregate was seen
+    at: float
+
+
+@dataclass(slots=True)
+class RankView:
+    batches: int = 0
+    epoch: int = -1
+    loss: float = math.nan
+    since_round: int = 0
+    rounds: int = 0
+    exited: bool = False
+    #: (seconds since launch, loss) of every batch, for the plot
+    losses: list[tuple[float, float]] = field(default_factory=list)
+
+
+class RunView:
+    """Folds a run's messages, in stream order per rank, into progress and results."""
+
+    def __init__(self, world_size: int, started_at: float) -> None:
+        self.world_size = world_size
+        self.started_at = started_at
+        self.ranks = [RankView() for _ in range(world_size)]
+        self.first_step_at: float | None = None
+        self.anchor: int | None = None
+        self.metrics: dict[int, EpochMetrics] = {}
+        self.evals: dict[int, float] = {}
+        #: the last eval metric in arrival order (the final eval comes last)
+        self.last_metric: float | None = None
+        self.shutdown_seen = False
+        self.save_requested = False
+        self._syncs_at: dict[int, int] = {}
+        self._anchor_at: dict[int, int | None] = {}
+        self._rows_out: set[int] = set()
+        self._last_row_syncs = 0
+        self._seen_at: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ input
+    def on_control(self, rank: int | None, msg: object, now: float) -> None:
+        """A control entry read from ``ctl:<rank>`` (``rank`` None for ``ctl:all``)."""
+        if rank is not None and 0 <= rank < self.world_size:
+            rv = self.ranks[rank]
+            if isinstance(msg, (SyncNow, RequestParams)):
+                rv.rounds += 1
+                self._close_window(rank)
+            elif isinstance(msg, StartEpoch):
+                rv.epoch = max(rv.epoch, msg.plan.epoch)
+            elif isinstance(msg, ShutdownWithSave):
+                self.save_requested = True
+        if isinstance(msg, EpochAggregated):
+            e = msg.metrics.epoch
+            self.metrics[e] = msg.metrics
+            self._syncs_at[e] = self.syncs
+            self._anchor_at[e] = self.anchor
+            self._seen_at[e] = now - self.started_at
+        elif isinstance(msg, EvalBroadcast):
+            self._eval(msg.epoch, msg.metric)
+        elif isinstance(msg, Shutdown):
+            self.shutdown_seen = True
+
+    def on_upstream(self, rank: int, msg: object, now: float) -> None:
+        if not 0 <= rank < self.world_size:
+            return
+        rv = self.ranks[rank]
+        if isinstance(msg, Batch):
+            if self.first_step_at is None:
+                self.first_step_at = now
+            rv.batches += 1
+            rv.since_round += 1
+            rv.loss = msg.batch_loss
+            rv.losses.append((now - self.started_at, msg.batch_loss))
+        elif isinstance(msg, EvalResult) and msg.error is None:
+            self._eval(msg.epoch, msg.metric)
+        elif isinstance(msg, Exiting):
+            rv.exited = True
+
+    def _eval(self, epoch: int, metric: float) -> None:
+        if math.isfinite(metric):
+            self.evals[epoch] = metric
+            self.last_metric = metric
+
+    def _close_window(self, rank: int) -> None:
+        # A round closes every rank's window at once, but each rank learns it from its
+        # own stream; the window closes when the lagging rank's copy arrives.
+        rv = self.ranks[rank]
+        lagging = min(r.rounds for r in self.ranks)
+        if rv.rounds != lagging:
+            return
+        moved = [r.since_round for r in self.ranks if r.since_round > 0]
+        if moved:
+            self.anchor = min(moved)
+        for r in self.ranks:
+            if r.rounds == lagging:
+                r.since_round = 0
+
+    # ----------------------------------------------------------------- output
+    @property
+    def syncs(self) -> int:
+        return max((r.rounds for r in self.ranks), default=0)
+
+    @property
+    def total_batches(self) -> int:
+        return sum(r.batches for r in self.ranks)
+
+    def time_to_first_step(self) -> float | None:
+        return None if self.first_step_at is None else self.first_step_at - self.started_at
+
+    def rows_ready(self, final: bool = False) -> list[EpochRow]:
+        """Epoch rows not shown yet, in epoch order.
+
+        A row waits for its epoch's eval (the consensus is scored after the round that
+        follows the epoch) until the next epoch is aggregated, or the run ends.
+        """
+        out: list[EpochRow] = []
+        for e in sorted(self.metrics):
+            if e in self._rows_out:
+                continue
+            later = any(k > e for k in self.metrics)
+            if e not in self.evals and not later and not final:
+                break
+            out.append(self._row(e))
+            self._rows_out.add(e)
+        return out
+
+    def _row(self, e: int) -> EpochRow:
+        m = self.metrics[e]
+        total = self._syncs_at.get(e, self.syncs)
+        syncs = total - self._last_row_syncs
+        self._last_row_syncs = total
+        return EpochRow(
+            epoch=e,
+            loss=m.avg_loss,
+            metric=self.evals.get(e),
+            throughput=tuple(t * 1000.0 for t in m.per_rank_throughput),
+            syncs=syncs,
+            syncs_total=total,
+            anchor=self._anchor_at.get(e, self.anchor),
+            epoch_s=m.epoch_ms / 1000.0,
+            at=self._seen_at.get(e, 0.0),
+        )
