@@ -1,0 +1,36 @@
+#!/bin/sh
+# The coordinator of a compose run. Configuration comes from the environment so the
+# command line holds no credentials (they are read from FLODL_REDIS_USERNAME and
+# FLODL_REDIS_PASSWORD by the process itself):
+#
+#   FLODL_RUN            run id (required)
+#   FLODL_REDIS_URL      redis://redis:6379/0 in compose
+#   FLODL_JOB            MODULE:NAME (default: the digits example)
+#   FLODL_MODE           cpu-cadence | cpu-sync | cpu-async | nccl-cadence | nccl-sync
+#   FLODL_WORLD_SIZE     form the world when this many workers joined; when unset, form
+#                        it with everyone who joined within FLODL_JOIN_TIMEOUT seconds
+#                        (at least FLODL_MIN_WORKERS), which is what --scale needs
+#   FLODL_EPOCHS, FLODL_SAVE_PATH, FLODL_RESUME, FLODL_EVAL_EVERY, FLODL_RUN_DIR
+#   FLODL_COORDINATOR_ARGS   extra flags, appended as is
+set -eu
+
+: "${FLODL_RUN:?set FLODL_RUN to the run id}"
+
+set -- flodl-bus coordinator \
+  --run "$FLODL_RUN" \
+  --job "${FLODL_JOB:-flodl_bus.examples.digits:job}" \
+  --mode "${FLODL_MODE:-cpu-cadence}" \
+  --run-dir "${FLODL_RUN_DIR:-runs/$FLODL_RUN}" \
+  --eval-every "${FLODL_EVAL_EVERY:-1}"
+
+if [ -n "${FLODL_WORLD_SIZE:-}" ]; then
+  set -- "$@" --world-size "$FLODL_WORLD_SIZE"
+else
+  set -- "$@" --min-workers "${FLODL_MIN_WORKERS:-1}" --join-timeout "${FLODL_JOIN_TIMEOUT:-20}"
+fi
+if [ -n "${FLODL_EPOCHS:-}" ]; then set -- "$@" --epochs "$FLODL_EPOCHS"; fi
+if [ -n "${FLODL_SAVE_PATH:-}" ]; then set -- "$@" --save-path "$FLODL_SAVE_PATH"; fi
+if [ -n "${FLODL_RESUME:-}" ]; then set -- "$@" --resume "$FLODL_RESUME"; fi
+
+# shellcheck disable=SC2086  # FLODL_COORDINATOR_ARGS is a list of flags
+exec "$@" ${FLODL_COORDINATOR_ARGS:-}
