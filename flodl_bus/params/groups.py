@@ -280,6 +280,8 @@ class SessionManager:
     def connect(self) -> Group:
         """The usable group, formed now if needed (waits for a new session if broken)."""
         with self._cond:
+            if self._closed:
+                raise RuntimeError("the param plane is closed")
             group = self._group
             if group is not None and not group.broken:
                 return group

@@ -3,6 +3,17 @@
 It owns the rank's session manager (group, mailbox, re-session) and one averaging path:
 ``nccl`` (``SyncNow``: in-place collective; NCCL on CUDA, gloo on CPU) or ``cpu``
 (``RequestParams``: host staging + background gloo reduce).
+
+Wiring in the rank runtime (the core never sees these three):
+
+- ``DeclareDead`` -> ``port.abort()`` (releases a rank parked in a collective);
+- ``RequestNewNcclId`` -> publish ``NewNcclIdGenerated(rank, groups.new_session_uid())``;
+- ``NewNcclSession`` -> ``port.new_session(uid, new_rank, new_world_size)``.
+
+Both paths re-session: gloo also breaks when a peer dies (its sockets close), so the
+coordinator must run the re-rendezvous for the ``cpu`` modes too, not only for ``nccl``.
+A rank whose group broke waits ``mailbox_cap`` seconds for the new session, then gives
+up (``sync_now`` raises; the ``cpu`` path injects ``Shutdown``).
 """
 
 from __future__ import annotations

@@ -124,3 +124,72 @@ def test_without_a_new_session_a_survivor_gives_up_within_the_mailbox_cap(
     expected = "SessionTimeout" if backend == "nccl" else "RuntimeError"
     assert r0["error"]["type"] == expected
     assert cap <= r0["error"]["after_s"] < cap + 5.0
+
+
+# --------------------------------------------------------------- one process, world of one
+
+
+def _manager(redis_url: str, cap: float = 0.3) -> Any:
+    from flodl_bus.params.groups import SessionManager, store_base
+
+    run = f"solo-{new_session_uid().hex()[:8]}"
+    return SessionManager(redis_url, store_base(run), 0, 1, timeout=5.0, mailbox_cap=cap)
+
+
+def test_abort_without_a_group_is_a_no_op_and_idempotent(redis_url: str) -> None:
+    manager = _manager(redis_url)
+    try:
+        manager.abort()
+        manager.abort()
+        assert manager.group is None
+        group = manager.connect()  # the initial session still forms
+        assert group.world_size == 1
+    finally:
+        manager.close()
+
+
+def test_an_aborted_group_is_not_reused_and_the_wait_for_a_new_one_is_bounded(
+    redis_url: str,
+) -> None:
+    import torch
+
+    from flodl_bus.params.groups import SessionTimeout
+
+    manager = _manager(redis_url, cap=0.3)
+    try:
+        assert manager.run(lambda g: g.world_size) == 1
+        manager.abort()
+        manager.abort()
+        started = time.monotonic()
+        with pytest.raises(SessionTimeout):
+            manager.run(lambda g: g.all_reduce_sum_([torch.ones(1)], 5.0))
+        assert 0.3 <= time.monotonic() - started < 3.0
+    finally:
+        manager.close()
+
+
+def test_an_offered_session_replaces_the_group_under_its_uid_prefix(redis_url: str) -> None:
+    import torch
+
+    from flodl_bus.params.groups import SessionSpec
+
+    manager = _manager(redis_url)
+    try:
+        first = manager.connect()
+        uid = new_session_uid()
+        manager.offer(SessionSpec(uid, 0, 1))
+        assert first.aborted  # the old group is given up at once
+
+        def reduce(group: Any) -> Any:
+            t = torch.full((2,), 3.0)
+            group.all_reduce_sum_([t], 5.0)
+            return group.prefix, t.tolist()
+
+        prefix, values = manager.run(reduce)
+        assert prefix.endswith(f":store:{uid.hex()}/")
+        assert values == [3.0, 3.0]
+        assert manager.sessions_formed == 2
+    finally:
+        manager.close()
+    with pytest.raises(RuntimeError):
+        manager.connect()
