@@ -50,10 +50,16 @@ def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     return nn.functional.cross_entropy(model(x), y)
 
 
-def accuracy(model: nn.Module, data: ArrayDataset) -> float:
+def accuracy(model: nn.Module, data: ArrayDataset, chunk: int = 1024) -> float:
+    """Top-1 accuracy, evaluated on the model's own device in chunks."""
+    device = next(model.parameters()).device
+    correct = 0
     with torch.no_grad():
-        pred = model(data.x).argmax(dim=1)
-        return float((pred == data.y).float().mean().item())
+        for start in range(0, len(data), chunk):
+            x = data.x[start : start + chunk].to(device, non_blocking=True)
+            y = data.y[start : start + chunk].to(device, non_blocking=True)
+            correct += int((model(x).argmax(dim=1) == y).sum().item())
+    return correct / max(len(data), 1)
 
 
 def constant_lr(lr: float) -> Callable[[int], float]:
