@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any, Final, get_args
 
 from flodl_bus.protocol import wire
-from flodl_bus.protocol.messages import Update, WireMsg
+from flodl_bus.protocol.messages import EpochPlan, Update, WireMsg
 from flodl_bus.record.log import Recorder
 
 _WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
@@ -97,6 +97,12 @@ def record_value(value: Any) -> Any:
         return wire.to_map(value)
     if t is Update:
         return local_update(value)
+    if t is EpochPlan:
+        return {
+            "epoch": value.epoch,
+            "partition_offset": value.partition_offset,
+            "partition_size": value.partition_size,
+        }
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, _PLAIN):

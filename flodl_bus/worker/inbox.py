@@ -5,15 +5,24 @@ microsecond: ``poll`` reads the deque without taking the lock (``len`` and ``pop
 on a deque are atomic under the GIL and there is one consumer). Blocking waits use the
 condition. ``close`` is how a dead reader wakes a training thread that would otherwise
 wait for a message that can never come.
+
+Each message may carry its ``Origin`` (the stream and entry id it was read from; None for
+one injected in process, like the param plane's ``Update``). ``last_origin`` is the
+origin of the message the consumer took last, so the recorder can name where a dispatched
+message came from; there is one consumer, so it is never another thread's.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Final, final
 
 from flodl_bus.protocol.messages import ControlMsg
+
+#: (stream key, entry id) a message was read from.
+Origin = tuple[str, str]
 
 
 @final
@@ -30,25 +39,31 @@ CLOSED: Final = Closed()
 
 class Inbox:
     def __init__(self) -> None:
-        self._items: deque[ControlMsg] = deque()
+        # (message, origin) pairs: one deque append/popleft keeps the pair atomic.
+        self._items: deque[tuple[ControlMsg, Origin | None]] = deque()
         self._cond = threading.Condition()
         self._closed = False
+        #: origin of the message most recently returned by ``poll``/``get``
+        self.last_origin: Origin | None = None
 
-    def put(self, msg: ControlMsg) -> None:
+    def put(self, msg: ControlMsg, origin: Origin | None = None) -> None:
         with self._cond:
             if self._closed:
                 return
-            self._items.append(msg)
+            self._items.append((msg, origin))
             self._cond.notify()
 
-    def put_many(self, msgs: list[ControlMsg]) -> None:
+    def put_many(
+        self, msgs: list[ControlMsg], origins: Sequence[Origin | None] | None = None
+    ) -> None:
         """Queue ``msgs`` at once: the consumer never sees part of one read."""
         if not msgs:
             return
+        pairs = list(zip(msgs, origins)) if origins is not None else [(m, None) for m in msgs]
         with self._cond:
             if self._closed:
                 return
-            self._items.extend(msgs)
+            self._items.extend(pairs)
             self._cond.notify()
 
     def close(self) -> None:
@@ -66,7 +81,8 @@ class Inbox:
         items = self._items
         if not items:
             return None
-        return items.popleft()
+        msg, self.last_origin = items.popleft()
+        return msg
 
     def get(self, timeout: float | None = None) -> ControlMsg | Closed | None:
         """Block for the next message; CLOSED once closed and drained; None on timeout."""
@@ -74,7 +90,8 @@ class Inbox:
             if not self._cond.wait_for(lambda: self._items or self._closed, timeout):
                 return None
             if self._items:
-                return self._items.popleft()
+                msg, self.last_origin = self._items.popleft()
+                return msg
             return CLOSED
 
     def __len__(self) -> int:

@@ -65,6 +65,7 @@ class RankLoop:
         epoch_fn: Callable[[int], None] | None = None,
         final_snapshot: Callable[[], None] | None = None,
         on_dispatch: Callable[[ControlMsg, Dispatched], None] | None = None,
+        on_take: Callable[[ControlMsg, str], None] | None = None,
     ) -> None:
         self.job = job
         self.control = control
@@ -77,6 +78,9 @@ class RankLoop:
         self.epoch_fn = epoch_fn
         self.final_snapshot = final_snapshot
         self.on_dispatch = on_dispatch
+        #: called with (msg, why) for a message the loop consumes without dispatching it
+        #: (``plan``, ``shutdown``, ``skip``, ``drop``), so a recorder sees every input
+        self.on_take = on_take
         self.rank = control.rank
         self._scalars: dict[str, list[float]] = {}
 
@@ -124,11 +128,17 @@ class RankLoop:
             if msg is None or isinstance(msg, Closed):
                 return None
             if isinstance(msg, StartEpoch):
+                self._took(msg, "plan")
                 return msg.plan
             if isinstance(msg, Shutdown):
+                self._took(msg, "shutdown")
                 return None
             if self.service(msg):
                 return None
+
+    def _took(self, msg: ControlMsg, why: str) -> None:
+        if self.on_take is not None:
+            self.on_take(msg, why)
 
     def drain_until_shutdown(self) -> None:
         """Block on control after training ended, until Shutdown or a closed channel.
@@ -143,8 +153,10 @@ class RankLoop:
             if msg is None or isinstance(msg, Closed):
                 return
             if isinstance(msg, (SyncNow, Throttle)):
+                self._took(msg, "skip")
                 continue
             if isinstance(msg, Shutdown):
+                self._took(msg, "shutdown")
                 return
             try:
                 if self.service(msg):
@@ -163,6 +175,7 @@ class RankLoop:
             if isinstance(msg, (ShutdownWithSave, Shutdown)):
                 self._dispatch(msg)
                 return
+            self._took(msg, "drop")
 
     # ----------------------------------------------------------------- training
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+import structlog
 import torch
 from torch import nn
 
@@ -19,6 +21,7 @@ from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
 from flodl_bus.worker.model_port import TorchModelPort, checkpoint_to
+from flodl_bus.worker.ports import ModelPort
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 
 #: Builds the param plane for a rank: (model, inject into the control queue, publish).
@@ -41,6 +44,11 @@ class RankOptions:
     #: LR multiplier on top of the job's schedule (flodl's linear scaling is
     #: ``1 + (world_size - 1) * ratio``; the job's schedule is used as given by default)
     lr_scale: float = 1.0
+    #: the run's record directory (``runs/<run>``): every dispatch of this rank goes to
+    #: ``<record_dir>/rank<r>.jsonl`` (None: not recorded)
+    record_dir: str | None = None
+    #: extra fields of the record's header (run id, mode, job...)
+    record_header: Mapping[str, Any] = field(default_factory=dict)
 
 
 def run_rank(
@@ -67,12 +75,19 @@ def run_rank(
     train_data = job.train_data()
     eval_data = job.eval_data() if job.eval_data is not None else None
 
+    recording = None
+    if options.record_dir is not None:
+        from flodl_bus.record.rank import RankRecording
+
+        recording = RankRecording(options.record_dir, rank)
+        bus = recording.bus(bus)
+
     inbox = Inbox()
     if params_factory is None:
         params: ParamPort = LocalParams(model, rank=rank, inject=inbox.put, publish=bus.publish)
     else:
         params = params_factory(model, inbox.put, bus.publish)
-    model_port = TorchModelPort(
+    model_port: ModelPort = TorchModelPort(
         rank=rank,
         model=model,
         optimizer=optimizer,
@@ -81,16 +96,45 @@ def run_rank(
         checkpoint_fn=checkpoint_to(options.save_path) if options.save_path else None,
         save_path=options.save_path,
     )
-    control = WorkerControl(
-        rank=rank,
-        params=params,
-        batch_size=job.batch_size,
-        pick_space=len(train_data),
-        clock=time.perf_counter,
-        model=model_port,
-        seed=options.shuffle_seed,
-        splits=options.epoch_splits,
-    )
+    clock: Callable[[], float] = time.perf_counter
+    on_take = None
+    if recording is None:
+        control = WorkerControl(
+            rank=rank,
+            params=params,
+            batch_size=job.batch_size,
+            pick_space=len(train_data),
+            clock=clock,
+            model=model_port,
+            seed=options.shuffle_seed,
+            splits=options.epoch_splits,
+        )
+    else:
+        recorded_model = recording.model(model_port)
+        recording.header(
+            **dict(options.record_header),
+            world_size=options.world_size,
+            batch_size=job.batch_size,
+            pick_space=len(train_data),
+            seed=options.shuffle_seed,
+            splits=options.epoch_splits,
+            model=recorded_model.capabilities(),
+        )
+        params = recording.params(params)
+        recorded = recording.control(
+            inbox=inbox,
+            rank=rank,
+            params=params,
+            batch_size=job.batch_size,
+            pick_space=len(train_data),
+            clock=recording.clock(clock),
+            model=recorded_model,
+            seed=options.shuffle_seed,
+            splits=options.epoch_splits,
+            logger=recording.logger(structlog.get_logger("flodl_bus.worker")),
+        )
+        on_take = recorded.took
+        control = recorded
     loop = RankLoop(
         job=job,
         control=control,
@@ -100,6 +144,7 @@ def run_rank(
         optimizer=optimizer,
         train_data=train_data,
         lr_scale=options.lr_scale,
+        on_take=on_take,
     )
     runtime = RankRuntime(
         bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
@@ -112,6 +157,8 @@ def run_rank(
         close_params = getattr(params, "close", None)
         if callable(close_params):
             close_params()
+        if recording is not None:
+            recording.close()
     if not clean:
         return 1
     return EXIT_COORDINATOR_LOST if runtime.coordinator_lost.is_set() else 0

@@ -38,7 +38,7 @@ from flodl_bus.protocol.messages import (
     StartEpoch,
     WireUpdate,
 )
-from flodl_bus.worker.inbox import Inbox
+from flodl_bus.worker.inbox import Inbox, Origin
 
 _log = structlog.get_logger("flodl_bus.worker")
 
@@ -162,12 +162,18 @@ class RankRuntime:
         # One read becomes visible to the training thread at once, so messages the
         # coordinator sent together (a plan and a Throttle) are not split by a batch.
         batch: list[ControlMsg] = []
+        origins: list[Origin | None] = []
         try:
-            self._route_into(deliveries, batch)
+            self._route_into(deliveries, batch, origins)
         finally:
-            self.inbox.put_many(batch)
+            self.inbox.put_many(batch, origins)
 
-    def _route_into(self, deliveries: Sequence[Delivery], batch: list[ControlMsg]) -> None:
+    def _route_into(
+        self,
+        deliveries: Sequence[Delivery],
+        batch: list[ControlMsg],
+        origins: list[Origin | None] | None = None,
+    ) -> None:
         for d in deliveries:
             msg = d.msg
             if isinstance(msg, CoordHeartbeat):
@@ -190,6 +196,8 @@ class RankRuntime:
                 # averaged tensors before the next plan.
                 if msg.next_plan is not None:
                     batch.append(StartEpoch(msg.next_plan))
+                    if origins is not None:
+                        origins.append((d.stream, d.entry_id))
                 continue
             try:
                 ctl = wire.control_wire_to_msg(msg)  # type: ignore[arg-type]
@@ -201,6 +209,8 @@ class RankRuntime:
             if isinstance(ctl, (Shutdown, ShutdownWithSave)):
                 self.shutdown_seen = True
             batch.append(ctl)
+            if origins is not None:
+                origins.append((d.stream, d.entry_id))
 
     def _declare_dead(self, ranks: Sequence[int]) -> None:
         with self._dead_lock:
