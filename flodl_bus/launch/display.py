@@ -26,7 +26,7 @@ def _num(value: float | None, fmt: str, width: int) -> str:
 
 def table_header(world_size: int) -> str:
     thru = " ".join(f"r{r} smp/s".rjust(10) for r in range(world_size))
-    return f"{'epoch':>5} {'loss':>8} {'metric':>7} {thru} {'syncs':>6} {'anchor':>6} {'time':>7}"
+    return f"{'epoch':>5} {'loss':>8} {'metric':>7} {thru} {'syncs':>6} {'anchor':>6} {'at':>7}"
 
 
 def format_row(row: EpochRow) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import os
 import secrets
 import signal
@@ -149,13 +150,15 @@ def _sigterm_as_stop() -> Iterator[None]:
 class Launcher:
     """One ``flodl-bus up`` run: its processes, its observer, its record."""
 
-    def __init__(self, args: argparse.Namespace, run: str, job: Job, started: float) -> None:
+    def __init__(
+        self, args: argparse.Namespace, run: str, started: float, started_wall: float
+    ) -> None:
         self.args = args
         self.run = run
         self.keys = RunKeys(run)
-        self.job = job
+        self.job: Job | None = None
         self.started = started
-        self.epochs: int = args.epochs or job.num_epochs
+        self.started_wall = started_wall
         self.run_dir = Path(args.run_dir or os.path.join("runs", run))
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.record = Recorder(self.run_dir / "up.jsonl", role="up")
@@ -170,6 +173,8 @@ class Launcher:
         self.client: Any = None
         self.interrupted = False
         self.failed_rc: int | None = None
+        self._reported: set[str] = set()
+        self._csv_mtime = -1
 
     # ------------------------------------------------------------------ run
     def run_all(self) -> int:
@@ -210,10 +215,10 @@ class Launcher:
             job=args.job,
             mode=args.mode,
             workers=args.workers,
-            epochs=self.epochs,
+            epochs=args.epochs,
             redis_url=redact_url(url),
             embedded=self.server is not None,
-            started_at=time.time(),
+            started_at=self.started_wall,
         )
         try:
             self.client = connect(url, client_name="flodl-up")
@@ -244,44 +249,87 @@ class Launcher:
                     self.run_dir / f"rank{r}.log",
                 )
             )
+        # The job is loaded here only for its name, epochs, target and data size, and
+        # only once the children are starting: they import torch meanwhile. torch in
+        # this process stays on one thread so the workers get the cores.
+        import torch
+
+        from flodl_bus.job import load_job
+
+        torch.set_num_threads(1)
+        try:
+            self.job = job = load_job(args.job)
+        except SystemExit as exc:
+            print(f"flodl-bus up: {exc}", file=sys.stderr)
+            return 2
+        epochs = args.epochs or job.num_epochs
         where = f"embedded at {redact_url(url)}" if self.server else redact_url(url)
         print(
-            f"flodl-bus up: run {self.run}: {self.job.name}, {args.workers} workers x "
-            f"{threads} thread(s), {args.mode}, {self.epochs} epochs, Redis {where}\n"
+            f"flodl-bus up: run {self.run}: {job.name}, {args.workers} workers x "
+            f"{threads} thread(s), {args.mode}, {epochs} epochs, Redis {where}\n"
             f"  record: {self.run_dir}/   watch: flodl-bus tail --run {self.run} "
             f"--redis-url {redact_url(url)}",
             flush=True,
         )
         bars = not args.no_progress and sys.stderr.isatty()
-        total = _batches_per_rank(self.job, self.epochs, args.workers)
+        total = _batches_per_rank(job, epochs, args.workers)
         self.progress = Progress(args.workers, total, bars=bars)
         return None
 
+    def _say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.write(line)
+        else:
+            print(line, flush=True)
+
     def _apply(self, seen: Seen) -> None:
-        now = time.monotonic()
+        # An entry id is the writer's wall clock in ms: when the step happened, not
+        # when this poll saw it. Mapped onto the launch's monotonic clock (and never
+        # later than now, should the writer's clock run ahead).
+        now = min(time.monotonic(), self.started + seen.entry_id[0] / 1000 - self.started_wall)
         if seen.upstream:
             assert seen.rank is not None
             self.view.on_upstream(seen.rank, seen.msg, now)
         else:
             self.view.on_control(seen.rank, seen.msg, now)
 
+    def _read_anchors(self) -> None:
+        """The coordinator's anchor per epoch, from its metrics.csv (when it changed)."""
+        path = self.run_dir / "metrics.csv"
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            return
+        if mtime == self._csv_mtime:
+            return
+        self._csv_mtime = mtime
+        try:
+            with open(path, newline="") as f:
+                for line in csv.DictReader(f):
+                    epoch, anchor = line.get("epoch"), line.get("anchor")
+                    if epoch and anchor:
+                        self.view.note_anchor(int(epoch), int(anchor))
+        except (OSError, ValueError, csv.Error):
+            return  # a half-written file; the next change brings a whole one
+
     def _show_rows(self, final: bool) -> None:
         assert self.progress is not None
+        if self.view.rows_pending():
+            self._read_anchors()
         for row in self.view.rows_ready(final=final):
             self.progress.rows([row])
             self.rows.append(row)
             self.record.record("epoch", **_row_fields(row))
 
-    def _note_exits(self, reported: set[str]) -> None:
-        assert self.progress is not None
+    def _note_exits(self) -> None:
         for c in self.children:
             rc = c.returncode
-            if rc is None or c.name in reported:
+            if rc is None or c.name in self._reported:
                 continue
-            reported.add(c.name)
+            self._reported.add(c.name)
             self.record.record("exit", child=c.name, rc=rc)
             if rc != 0:
-                self.progress.write(f"  {c.name} exited with status {rc} (log: {c.log_path})")
+                self._say(f"  {c.name} exited with status {rc} (log: {c.log_path})")
                 if self.failed_rc is None:
                     self.failed_rc = rc
 
@@ -293,7 +341,6 @@ class Launcher:
         workers = [c for c in self.children if c is not coordinator]
         first_step_logged = False
         quiet_since: float | None = None
-        reported: set[str] = set()
         while True:
             for seen in self.watcher.poll(block_ms=200):
                 self._apply(seen)
@@ -304,7 +351,7 @@ class Launcher:
                 progress.write(f"  first training step after {t:.2f}s")
             progress.update(view)
             self._show_rows(final=False)
-            self._note_exits(reported)
+            self._note_exits()
             now = time.monotonic()
             coord_rc = coordinator.returncode
             if coord_rc is not None and coord_rc != 0:
@@ -328,8 +375,7 @@ class Launcher:
             stages = stop_all(self.children, self.coordinator)
             if stages:
                 self.record.record("stopped", stages=stages)
-            if self.progress is not None:
-                self._note_exits(set())
+            self._note_exits()
         if self.watcher is not None:
             with contextlib.suppress(Exception):
                 self.watcher.drain(self._apply)
@@ -353,7 +399,7 @@ class Launcher:
         if not args.no_plot and (self.rows or view.total_batches):
             from flodl_bus.launch.plot import write_plot
 
-            title = f"{self.run}: {self.job.name} ({args.mode})"
+            title = f"{self.run}: {args.job} ({args.mode})"
             try:
                 write_plot(run_dir / "plot.png", view, self.rows, title)
             except Exception as exc:  # a plot must never turn a good run into a failed one
@@ -362,14 +408,14 @@ class Launcher:
         summary = Summary(
             run=self.run,
             run_dir=str(run_dir),
-            job=self.job.name,
+            job=args.job if self.job is None else self.job.name,
             mode=args.mode,
             workers=args.workers,
             interrupted=self.interrupted,
             coordinator_rc=None if self.coordinator is None else self.coordinator.returncode,
             worker_rcs=tuple(c.returncode for c in workers),
             final_metric=view.last_metric,
-            target_metric=self.job.target_metric,
+            target_metric=None if self.job is None else self.job.target_metric,
             wall_s=wall,
             first_step_s=view.time_to_first_step(),
             syncs=view.syncs,
@@ -419,7 +465,7 @@ def _row_fields(row: EpochRow) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     if args.workers < 1:
         print("flodl-bus up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -432,16 +478,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidRunId as exc:
         print(f"flodl-bus up: --run: {exc}", file=sys.stderr)
         return 2
-    # The job is loaded here only for its name, epochs, target and data size; torch in
-    # this process stays on one thread so the workers get the cores.
-    import torch
-
-    from flodl_bus.job import load_job
-
-    torch.set_num_threads(1)
-    try:
-        job = load_job(args.job)
-    except SystemExit as exc:
-        print(f"flodl-bus up: {exc}", file=sys.stderr)
-        return 2
-    return Launcher(args, run, job, started).run_all()
+    return Launcher(args, run, started, started_wall).run_all()

@@ -5,12 +5,11 @@ the same control plane they use (``up:<r>``, ``ctl:<r>``, ``ctl:all``) and folds
 message into this view. Everything shown (progress, the epoch table, the summary, the
 plot) is derived here, so it is unit-testable without processes or Redis.
 
-Syncs and the anchor are not fields of any message; they are read off the wire:
-
-* an averaging round reaches every rank as ``SyncNow`` (nccl) or ``RequestParams``
-  (cpu) on its own ``ctl:<r>``; the run's round count is the most any rank received.
-* the anchor is the number of batches the slowest moving rank ran between two rounds
-  (ElChe's definition); it is reported for the last closed window.
+Syncs are read off the wire: a CPU averaging round is over when its ``Update`` (which
+carries the round's version) reaches the ranks; an NCCL round is one ``SyncNow``,
+broadcast on ``ctl:all`` or sent on each ``ctl:<r>``. The anchor (ElChe's window of the
+slowest rank) is no field of any message; the launcher hands it in from the
+coordinator's ``metrics.csv`` (``note_anchor``).
 """
 
 from __future__ import annotations
@@ -25,11 +24,11 @@ from flodl_bus.protocol.messages import (
     EvalBroadcast,
     EvalResult,
     Exiting,
-    RequestParams,
     Shutdown,
     ShutdownWithSave,
     StartEpoch,
     SyncNow,
+    WireUpdate,
 )
 
 
@@ -57,8 +56,7 @@ class RankView:
     batches: int = 0
     epoch: int = -1
     loss: float = math.nan
-    since_round: int = 0
-    rounds: int = 0
+    sync_now: int = 0
     exited: bool = False
     #: (seconds since launch, loss) of every batch, for the plot
     losses: list[tuple[float, float]] = field(default_factory=list)
@@ -72,15 +70,19 @@ class RunView:
         self.started_at = started_at
         self.ranks = [RankView() for _ in range(world_size)]
         self.first_step_at: float | None = None
-        self.anchor: int | None = None
+        self._version = 0
+        self._anchors: dict[int, int | None] = {}
         self.metrics: dict[int, EpochMetrics] = {}
+        #: eval metric by the number of epochs the scored model had trained: the eval
+        #: tagged ``k`` runs when epoch ``k`` begins, on the consensus after epochs 0..k-1,
+        #: so it belongs to the row of epoch ``k - 1`` (the final eval is tagged with the
+        #: number of epochs)
         self.evals: dict[int, float] = {}
         #: the last eval metric in arrival order (the final eval comes last)
         self.last_metric: float | None = None
         self.shutdown_seen = False
         self.save_requested = False
         self._syncs_at: dict[int, int] = {}
-        self._anchor_at: dict[int, int | None] = {}
         self._rows_out: set[int] = set()
         self._last_row_syncs = 0
         self._seen_at: dict[int, float] = {}
@@ -88,20 +90,23 @@ class RunView:
     # ------------------------------------------------------------------ input
     def on_control(self, rank: int | None, msg: object, now: float) -> None:
         """A control entry read from ``ctl:<rank>`` (``rank`` None for ``ctl:all``)."""
-        if rank is not None and 0 <= rank < self.world_size:
+        if isinstance(msg, SyncNow):
+            if rank is None:
+                for rv in self.ranks:
+                    rv.sync_now += 1
+            elif 0 <= rank < self.world_size:
+                self.ranks[rank].sync_now += 1
+        elif isinstance(msg, WireUpdate):
+            self._version = max(self._version, msg.version)
+        elif isinstance(msg, StartEpoch) and rank is not None and 0 <= rank < self.world_size:
             rv = self.ranks[rank]
-            if isinstance(msg, (SyncNow, RequestParams)):
-                rv.rounds += 1
-                self._close_window(rank)
-            elif isinstance(msg, StartEpoch):
-                rv.epoch = max(rv.epoch, msg.plan.epoch)
-            elif isinstance(msg, ShutdownWithSave):
-                self.save_requested = True
-        if isinstance(msg, EpochAggregated):
+            rv.epoch = max(rv.epoch, msg.plan.epoch)
+        elif isinstance(msg, ShutdownWithSave):
+            self.save_requested = True
+        elif isinstance(msg, EpochAggregated):
             e = msg.metrics.epoch
             self.metrics[e] = msg.metrics
             self._syncs_at[e] = self.syncs
-            self._anchor_at[e] = self.anchor
             self._seen_at[e] = now - self.started_at
         elif isinstance(msg, EvalBroadcast):
             self._eval(msg.epoch, msg.metric)
@@ -116,7 +121,6 @@ class RunView:
             if self.first_step_at is None:
                 self.first_step_at = now
             rv.batches += 1
-            rv.since_round += 1
             rv.loss = msg.batch_loss
             rv.losses.append((now - self.started_at, msg.batch_loss))
         elif isinstance(msg, EvalResult) and msg.error is None:
@@ -129,24 +133,14 @@ class RunView:
             self.evals[epoch] = metric
             self.last_metric = metric
 
-    def _close_window(self, rank: int) -> None:
-        # A round closes every rank's window at once, but each rank learns it from its
-        # own stream; the window closes when the lagging rank's copy arrives.
-        rv = self.ranks[rank]
-        lagging = min(r.rounds for r in self.ranks)
-        if rv.rounds != lagging:
-            return
-        moved = [r.since_round for r in self.ranks if r.since_round > 0]
-        if moved:
-            self.anchor = min(moved)
-        for r in self.ranks:
-            if r.rounds == lagging:
-                r.since_round = 0
+    def note_anchor(self, epoch: int, anchor: int | None) -> None:
+        self._anchors[epoch] = anchor
 
     # ----------------------------------------------------------------- output
     @property
     def syncs(self) -> int:
-        return max((r.rounds for r in self.ranks), default=0)
+        """Averaging rounds completed so far."""
+        return max(self._version, max((r.sync_now for r in self.ranks), default=0))
 
     @property
     def total_batches(self) -> int:
@@ -154,6 +148,9 @@ class RunView:
 
     def time_to_first_step(self) -> float | None:
         return None if self.first_step_at is None else self.first_step_at - self.started_at
+
+    def rows_pending(self) -> bool:
+        return any(e not in self._rows_out for e in self.metrics)
 
     def rows_ready(self, final: bool = False) -> list[EpochRow]:
         """Epoch rows not shown yet, in epoch order.
@@ -166,7 +163,7 @@ class RunView:
             if e in self._rows_out:
                 continue
             later = any(k > e for k in self.metrics)
-            if e not in self.evals and not later and not final:
+            if e + 1 not in self.evals and not later and not final:
                 break
             out.append(self._row(e))
             self._rows_out.add(e)
@@ -180,11 +177,11 @@ class RunView:
         return EpochRow(
             epoch=e,
             loss=m.avg_loss,
-            metric=self.evals.get(e),
+            metric=self.evals.get(e + 1),
             throughput=tuple(t * 1000.0 for t in m.per_rank_throughput),
             syncs=syncs,
             syncs_total=total,
-            anchor=self._anchor_at.get(e, self.anchor),
+            anchor=self._anchors.get(e),
             epoch_s=m.epoch_ms / 1000.0,
             at=self._seen_at.get(e, 0.0),
         )

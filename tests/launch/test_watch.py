@@ -1,0 +1,131 @@
+"""StreamWatcher on a real redis-server: an observer that sees everything, takes nothing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from flodl_bus.bus import entries
+from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
+from flodl_bus.launch.watch import Seen, StreamWatcher
+from flodl_bus.protocol.messages import Batch, EvalBroadcast, Heartbeat, SyncNow, WireUpdate
+from flodl_bus.protocol.signing import new_secret
+
+pytestmark = pytest.mark.redis
+
+
+def _batch(rank: int, step: int) -> Batch:
+    return Batch(rank=rank, batch_ms=1.0, data_ms=0.0, step_count=step, batch_loss=0.1)
+
+
+def _collect(watcher: StreamWatcher, want: int, timeout: float = 5.0) -> list[Seen]:
+    got: list[Seen] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        got += watcher.poll(block_ms=100)
+    return got
+
+
+def _read(read: Callable[[], list[Delivery]], want: int) -> list[Delivery]:
+    # A group reader's first call drains its own pending entries (none): read until
+    # the entries arrive or the deadline passes.
+    got: list[Delivery] = []
+    deadline = time.monotonic() + 5.0
+    while len(got) < want and time.monotonic() < deadline:
+        got += read()
+    return got
+
+
+def test_the_watcher_sees_a_burst_of_upstream_entries_in_order(
+    real_redis: redis.Redis, redis_url: str
+) -> None:
+    secret = new_secret()
+    client = connect(redis_url)
+    rank_bus = RedisRankBus(client, "w1", 0, secret)
+    try:
+        watcher = StreamWatcher(connect(redis_url), RunKeys("w1"), 1, secret)
+        for step in range(1, 2501):  # more than one XREAD COUNT
+            rank_bus.publish(_batch(0, step))
+        assert rank_bus.flush(5.0)
+        seen = _collect(watcher, 2500)
+        steps = [s.msg.step_count for s in seen if isinstance(s.msg, Batch)]  # type: ignore[attr-defined]
+        assert steps == list(range(1, 2501))
+        assert all(s.upstream and s.rank == 0 for s in seen)
+    finally:
+        rank_bus.close()
+        client.close()
+
+
+def test_watching_takes_no_entry_from_the_consumer_groups(
+    real_redis: redis.Redis, redis_url: str
+) -> None:
+    secret = new_secret()
+    client = connect(redis_url)
+    coord = RedisCoordinatorBus(client, "w2", secret, ranks=[0, 1])
+    ranks = [RedisRankBus(connect(redis_url), "w2", r, secret) for r in (0, 1)]
+    try:
+        watcher = StreamWatcher(connect(redis_url), RunKeys("w2"), 2, secret)
+        coord.send(0, SyncNow())
+        coord.send(1, WireUpdate(version=3))
+        coord.broadcast(EvalBroadcast(epoch=1, metric=0.5))
+        ranks[1].publish(Heartbeat(rank=1, step_count=4))
+        assert ranks[1].flush(5.0)
+        seen = _collect(watcher, 4)
+        kinds = {(s.upstream, s.rank, type(s.msg).__name__) for s in seen}
+        assert len(seen) == 4
+        assert kinds == {
+            (False, 0, "SyncNow"),
+            (False, 1, "WireUpdate"),
+            (False, None, "EvalBroadcast"),
+            (True, 1, "Heartbeat"),
+        }
+        # The runtimes still get every entry through their groups.
+        got_0 = _read(lambda: ranks[0].read_control(200), 2)
+        got_1 = _read(lambda: ranks[1].read_control(200), 2)
+        up = _read(lambda: coord.read_upstream(200), 1)
+        assert [type(d.msg).__name__ for d in got_0] == ["SyncNow", "EvalBroadcast"]
+        assert [type(d.msg).__name__ for d in got_1] == ["WireUpdate", "EvalBroadcast"]
+        assert [type(d.msg).__name__ for d in up] == ["Heartbeat"]
+    finally:
+        for rb in ranks:
+            rb.close()
+        coord.close()
+        client.close()
+
+
+def test_entries_that_fail_authentication_are_counted_not_shown(
+    real_redis: redis.Redis, redis_url: str
+) -> None:
+    secret, other = new_secret(), new_secret()
+    keys = RunKeys("w3")
+    watcher = StreamWatcher(connect(redis_url), keys, 1, secret)
+    stream = keys.up(0)
+    real_redis.xadd(stream, entries.build(other, stream, _batch(0, 1), "0", 1))  # type: ignore[arg-type]
+    real_redis.xadd(stream, entries.build(secret, stream, _batch(0, 2), "0", 2))  # type: ignore[arg-type]
+    real_redis.xadd(stream, {b"type": b"Batch", b"junk": b"1"})
+    seen = _collect(watcher, 1)
+    time.sleep(0.1)
+    seen += watcher.poll(block_ms=None)
+    assert [s.msg.step_count for s in seen] == [2]  # type: ignore[attr-defined]
+    assert watcher.rejected == 2
+
+
+def test_drain_reads_what_is_left_without_blocking(real_redis: redis.Redis, redis_url: str) -> None:
+    secret = new_secret()
+    keys = RunKeys("w4")
+    watcher = StreamWatcher(connect(redis_url), keys, 2, secret)
+    for step in range(1, 4):
+        stream = keys.up(1)
+        real_redis.xadd(stream, entries.build(secret, stream, _batch(1, step), "1", step))  # type: ignore[arg-type]
+    got: list[Seen] = []
+    t0 = time.monotonic()
+    watcher.drain(got.append)
+    watcher.drain(got.append)  # nothing left: returns at once
+    assert time.monotonic() - t0 < 0.5
+    assert len(got) == 3
