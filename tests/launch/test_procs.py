@@ -22,7 +22,14 @@ from flodl_bus.launch.procs import (
 FAST = StopPlan(coordinator_s=1.0, interrupt_s=1.0, terminate_s=1.0)
 
 # Each script writes "ready" once its signal handlers are in place.
-EXITS_ON_SIGINT = "import time\nprint('ready', flush=True)\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('clean', flush=True)\n"
+EXITS_ON_SIGINT = (
+    "import time\n"
+    "print('ready', flush=True)\n"
+    "try:\n"
+    "    time.sleep(60)\n"
+    "except KeyboardInterrupt:\n"
+    "    print('clean', flush=True)\n"
+)
 STUBBORN = (
     "import signal, time\n"
     "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
