@@ -69,6 +69,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="where the record goes (default runs/<run>)")
     p.add_argument("--save-path", help="checkpoint stem (a Ctrl-C then leaves a resumable one)")
     p.add_argument("--resume", help="resume from this checkpoint stem")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=1,
+        help="with --save-path: checkpoint every N epochs (default 1), so a Ctrl-C "
+        "leaves one to --resume from",
+    )
     p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no bars (the table still shows)")
     p.add_argument("--no-plot", action="store_true", help="skip plot.png")
@@ -104,6 +111,8 @@ def coordinator_argv(args: argparse.Namespace, run: str, url: str, run_dir: Path
         argv += ["--epochs", str(args.epochs)]
     if args.save_path:
         argv += ["--save-path", args.save_path]
+        if args.checkpoint_every > 0:
+            argv += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
         argv += ["--resume", args.resume]
     return argv

@@ -1,0 +1,165 @@
+"""``flodl-bus up`` end to end: a real embedded redis-server, coordinator and workers.
+
+Every process the launcher starts inherits a marker in its environment; after the
+launcher is gone, no process carrying the marker may remain (found by scanning /proc,
+so a child that escaped its process group would be found too).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from flodl_bus.examples import digits
+from flodl_bus.record.log import read_records
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+MARK = "FLODL_TEST_MARK"
+
+
+def marked_pids(mark: str) -> list[int]:
+    """Pids of live processes whose environment carries ``MARK=mark``."""
+    needle = f"{MARK}={mark}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def mark() -> Iterator[str]:
+    token = uuid.uuid4().hex
+    yield token
+    # Whatever the test's outcome, leave nothing running.
+    for pid in marked_pids(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _up(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, MARK: mark}
+    env.pop("FLODL_RUN_SECRET", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flodl_bus.cli", "up", "--no-progress", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _records_closed(run_dir: Path) -> None:
+    """Every JSONL record ends with a whole line (nothing torn, nothing buffered)."""
+    files = sorted(run_dir.glob("*.jsonl"))
+    assert files, f"no records in {run_dir}"
+    for path in files:
+        data = path.read_bytes()
+        assert data.endswith(b"\n"), f"{path.name} ends mid-line"
+        for line in data.splitlines():
+            orjson.loads(line)
+
+
+def _summary(run_dir: Path) -> dict[str, object]:
+    records = read_records(run_dir / "up.jsonl")
+    assert records[-1]["event"] == "summary"
+    return records[-1]
+
+
+def test_up_trains_the_default_example_past_its_target_and_leaves_nothing_running(
+    tmp_path: Path, mark: str
+) -> None:
+    proc = _up(tmp_path, mark, "--run", "e2e", "--require-target")
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "runs" / "e2e"
+    for name in ("coordinator.jsonl", "up.jsonl", "metrics.csv", "plot.png"):
+        assert (run_dir / name).is_file(), f"{name} missing; run dir has {os.listdir(run_dir)}"
+    summary = _summary(run_dir)
+    assert digits.job.target_metric is not None
+    assert isinstance(summary["final_metric"], float)
+    assert summary["final_metric"] >= digits.job.target_metric
+    assert summary["interrupted"] is False
+    assert summary["coordinator_rc"] == 0 and summary["worker_rcs"] == [0, 0]
+    assert isinstance(summary["syncs"], int) and summary["syncs"] > 0
+    assert summary["rejected_entries"] == 0
+    assert "first training step after" in out and "final metric" in out
+    _records_closed(run_dir)
+    assert (run_dir / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert marked_pids(mark) == []
+    print(  # the numbers for the closing note (pytest -s shows them)
+        f"\nflodl-bus up: first step after {summary['first_step_s']:.2f}s, "
+        f"wall {summary['wall_s']:.2f}s, metric {summary['final_metric']:.4f}"
+    )
+
+
+def test_ctrl_c_mid_run_stops_every_process_closes_the_record_and_leaves_a_resumable_checkpoint(
+    tmp_path: Path, mark: str
+) -> None:
+    stem = tmp_path / "ckpt" / "run"
+    stem.parent.mkdir()
+    proc = _up(tmp_path, mark, "--run", "intr", "--epochs", "400", "--save-path", str(stem))
+    run_dir = tmp_path / "runs" / "intr"
+    deadline = time.monotonic() + 90
+    # Interrupt once training is under way (three epochs aggregated).
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "no epoch was aggregated in time"
+        metrics = run_dir / "metrics.csv"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.1)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    stopped_after = time.monotonic() - sent
+    assert proc.returncode == 130, out
+    assert stopped_after < 15, f"stopping took {stopped_after:.1f}s"
+    assert marked_pids(mark) == []
+    _records_closed(run_dir)
+    summary = _summary(run_dir)
+    assert summary["interrupted"] is True
+    assert "interrupted" in out
+    meta = Path(f"{stem}.meta.json")
+    assert meta.is_file(), f"no checkpoint meta; {sorted(os.listdir(stem.parent))}"
+
+    # The checkpoint is resumable: a new run picks it up and finishes.
+    resumed = _up(tmp_path, mark, "--run", "resumed", "--epochs", "400", "--resume", str(stem))
+    try:
+        # Resuming a 400-epoch run would take long; stop it once it has trained from
+        # the checkpoint, which is what this test pins.
+        deadline = time.monotonic() + 90
+        resumed_dir = tmp_path / "runs" / "resumed"
+        while True:
+            assert resumed.poll() is None, resumed.communicate()[0]
+            assert time.monotonic() < deadline, "the resumed run never trained"
+            if (resumed_dir / "metrics.csv").exists():
+                break
+            time.sleep(0.1)
+    finally:
+        resumed.send_signal(signal.SIGINT)
+        out2, _ = resumed.communicate(timeout=30)
+    records = read_records(resumed_dir / "coordinator.jsonl")
+    assert records[0]["resume_meta"] is not None, out2
+    assert marked_pids(mark) == []
