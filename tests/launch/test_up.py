@@ -7,6 +7,7 @@ so a child that escaped its process group would be found too).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -51,10 +52,8 @@ def mark() -> Iterator[str]:
     yield token
     # Whatever the test's outcome, leave nothing running.
     for pid in marked_pids(token):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _up(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
