@@ -591,12 +591,16 @@ class Coordinator:
             self._common_tail(now, out)
             return
         self._maybe_arm_eval(out)
-        out.append(Broadcast(RequestParams()))
         if not self.progressive:
             # Hard barrier: a rank training on while the reduce runs would have that work
-            # overwritten by the Update.
+            # overwritten by the Update. Throttle goes *before* RequestParams: the param
+            # plane hands the rank its Update in process, which can overtake a Throttle
+            # sent after the request (flodl's Update shared the control channel), and
+            # an Update dispatched before its Throttle leaves the rank throttled with
+            # nothing left to release it.
             out.append(Broadcast(Throttle()))
             self.throttled = [True] * self.ws
+        out.append(Broadcast(RequestParams()))
         self.cpu_started_at = now
         self.cpu_acked = [False] * self.ws
         self.upload_ms = [None] * self.ws

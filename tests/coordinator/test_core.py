@@ -87,7 +87,7 @@ def test_cpu_rearm_is_independent_of_nccl_ack() -> None:
     feed(core, 0, 1)
     feed(core, 1, 1)
     out = core.tick(0.01)
-    assert types(out)[:2] == ["RequestParams", "Throttle"]
+    assert types(out)[:2] == ["Throttle", "RequestParams"]
     # A bridge SyncAck carrying a sentinel step count must not poison later re-arms.
     for r in (0, 1):
         core.handle(r, m.SyncAck(r, 2**62, 0.01, 1.0, 1.0), 0.02)
@@ -113,7 +113,7 @@ def test_cpu_gate_blocks_while_a_cycle_is_in_flight() -> None:
     order = types(core.tick(0.04))
     # the round closes, and the steps taken during it open the next one at once
     assert order[:3] == ["WireUpdate", "WireUpdate", "SetGlobalStep"]
-    assert order[3:5] == ["RequestParams", "Throttle"]
+    assert order[3:5] == ["Throttle", "RequestParams"]
 
 
 def test_quiesced_zero_step_tail_rank_does_not_block_reduce() -> None:
@@ -214,7 +214,7 @@ def test_set_global_step_after_reduce_is_the_sum_of_window_steps() -> None:
     assert core.version == 1 and core.ledger.steps == [0, 0]
 
 
-def test_cpu_sync_wire_order_request_params_throttle_update_set_global_step() -> None:
+def test_cpu_sync_wire_order_throttle_request_params_update_set_global_step() -> None:
     core, _ = started("cpu-sync")
     feed(core, 0, 2)
     feed(core, 1, 1)
@@ -222,7 +222,8 @@ def test_cpu_sync_wire_order_request_params_throttle_update_set_global_step() ->
     for r in (0, 1):
         core.handle(r, m.SyncAck(r, 0), 0.02)
     order += types(core.tick(0.02))
-    assert order == ["RequestParams", "Throttle", "WireUpdate", "WireUpdate", "SetGlobalStep"]
+    # Throttle first: the in-process Update must never reach a rank before its Throttle.
+    assert order == ["Throttle", "RequestParams", "WireUpdate", "WireUpdate", "SetGlobalStep"]
     assert core.global_step == 3
 
 
