@@ -98,7 +98,10 @@ class TorchModelPort:
         if self.rank == PRIMARY_RANK:
             _atomic_save(self.model.state_dict(), stem.with_name(stem.name + ".model.pt"))
             meta = {"reason": reason.snake, "writer_rank": self.rank}
-            stem.with_name(stem.name + ".meta.json").write_text(json.dumps(meta))
+            # Not ``.meta.json``: that is the coordinator's checkpoint meta (coverage,
+            # counters), written just before ShutdownWithSave; overwriting it here
+            # would make the run impossible to resume.
+            stem.with_name(stem.name + ".bundle.json").write_text(json.dumps(meta))
         if self.optimizer is not None:
             path = stem.with_name(f"{stem.name}.rank{self.rank}.optim.pt")
             _atomic_save(self.optimizer.state_dict(), path)

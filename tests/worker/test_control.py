@@ -385,7 +385,9 @@ def test_shutdown_with_save_writes_the_bundle_and_stops(tmp_path: Path) -> None:
     assert out.stop
     assert (tmp_path / "final.model.pt").exists()
     assert (tmp_path / "final.rank0.optim.pt").exists()
-    assert '"single_survivor"' in (tmp_path / "final.meta.json").read_text()
+    assert '"single_survivor"' in (tmp_path / "final.bundle.json").read_text()
+    # the coordinator's checkpoint meta (resume coverage) is left alone
+    assert not (tmp_path / "final.meta.json").exists()
 
 
 def test_shutdown_with_save_without_a_save_path_logs_and_stops(core: Core) -> None:
