@@ -37,6 +37,7 @@ import orjson
 
 from flodl_bus.bus import entries as bus_entries
 from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.ids import EntryId, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
@@ -44,7 +45,7 @@ from flodl_bus.coordinator.config import CoordinatorConfig, MaxFailure
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Broadcast, Out, Send
 from flodl_bus.partition import SHUFFLE_BASE_SEED
-from flodl_bus.protocol import wire
+from flodl_bus.protocol import signing, wire
 from flodl_bus.protocol.messages import (
     AveragedParams,
     ControlMsg,
@@ -98,17 +99,26 @@ class Recording:
 
 
 def recording_from_records(key: str, records: Iterable[dict[str, Any]]) -> Recording:
+    """Split a process's records into header, core events and the rest.
+
+    A rank's events are ordered by ``i`` (its reader and training threads share the
+    counter but race to the file). The coordinator is one thread, so its file order is
+    the order of events, and core calls it logged as free-form events (a ``start`` or
+    ``send_failed`` without ``i``) keep their place.
+    """
     header: dict[str, Any] = {}
     events: list[dict[str, Any]] = []
     other: list[dict[str, Any]] = []
+    coordinator = key == "coordinator"
     for r in records:
         if r.get("event") == "run" and not header:
             header = r
-        elif "i" in r:
+        elif "i" in r or (coordinator and r.get("event") in COORD_CORE):
             events.append(r)
         else:
             other.append(r)
-    events.sort(key=lambda e: e["i"])
+    if not coordinator:
+        events.sort(key=lambda e: e["i"])
     return Recording(key=key, header=header, events=events, other=other)
 
 
@@ -246,11 +256,21 @@ def _seed(
             fields = bus_entries.build(REPLAY_KEY, stream, _msg_of(entry["msg"]), rank_field, seq)
             corrupt = entry.get("corrupt")
             if corrupt == "mac":
-                fields[bus_entries.F_MAC] = b"0" * len(fields[bus_entries.F_MAC])
-            elif corrupt == "body":
-                fields[bus_entries.F_BODY] = b"\xc1" + fields[bus_entries.F_BODY][1:]
+                fields[F_MAC] = b"0" * len(fields[F_MAC])
             elif corrupt is not None:
-                fields[bus_entries.F_TYPE] = str(corrupt).encode()
+                # Damaged but correctly signed, so the reader rejects it for the damage.
+                if corrupt == "body":
+                    fields[F_BODY] = b"\xc1" + fields[F_BODY][1:]
+                else:
+                    fields[F_TYPE] = str(corrupt).encode()
+                fields[F_MAC] = signing.entry_mac(
+                    REPLAY_KEY,
+                    stream,
+                    fields[F_TYPE],
+                    fields[F_RANK],
+                    fields[F_SEQ],
+                    fields[F_BODY],
+                )
             pipe.xadd(stream, fields, id=f"{eid[0]}-{eid[1]}")  # type: ignore[arg-type]
         pipe.execute()
 
@@ -312,8 +332,8 @@ class _Replay:
         if ev.get("synthetic"):
             return
         for f in fields:
-            if f not in ev and f not in actual:
-                continue
+            if f not in ev:
+                continue  # the record did not keep it: nothing to hold the replay to
             exp, act = ev.get(f), norm(actual.get(f))
             if exp != act:
                 self.diverge(ev, f, exp, act)
@@ -583,7 +603,7 @@ class CoordinatorReplay(_Replay):
         super().__init__(rec, explore=explore)
         h = rec.header
         self.config = config_from_header(h)
-        meta = h.get("resume")
+        meta = h.get("resume_meta", h.get("resume"))
         self.core = (
             Coordinator.from_meta(self.config, meta)
             if isinstance(meta, Mapping)
