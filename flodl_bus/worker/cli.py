@@ -1,6 +1,14 @@
 """``flodl-bus worker``: run one rank of a run over Redis.
 
     flodl-bus worker --run RUN --rank R --world-size N --job MODULE:NAME --redis-url URL
+    flodl-bus worker --run RUN --redis-url URL          (dial in: the coordinator assigns)
+
+Without ``--rank`` the worker joins: it says a signed ``Hello`` (its id, host, device and
+the signature of its training data) on the run's ``join`` stream and waits for its
+``Assign`` (rank and world size); mode, job, save path and shuffle seed default to what
+the coordinator put in the run's ``meta`` hash. A ``Reject`` (e.g. a dataset signature
+mismatch) exits with status 2 and the coordinator's reason. With ``--rank`` the worker
+still says Hello (so the coordinator knows it is up) but does not wait for an answer.
 
 Bad configuration exits with status 2 and one line naming the fix.
 """
@@ -8,20 +16,30 @@ Bad configuration exits with status 2 and one line naming the fix.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import socket
 import sys
-from collections.abc import Callable, Sequence
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from torch import nn
 
 from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, BadRedisUrl, connect, redact_url
+from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.job import Job
 from flodl_bus.params.port import ParamPort
-from flodl_bus.protocol.messages import ControlMsg, UpstreamMsg
+from flodl_bus.partition import SHUFFLE_BASE_SEED
+from flodl_bus.protocol.messages import Assign, ControlMsg, Hello, Reject, UpstreamMsg
 from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
 
 MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
+DEFAULT_MODE = "nccl-cadence"
+DEFAULT_JOB = "flodl_bus.examples.digits:job"
 
 
 class ConfigError(Exception):
@@ -31,12 +49,14 @@ class ConfigError(Exception):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flodl-bus worker", description="Run one rank of a run.")
     p.add_argument("--run", required=True, help="run id shared with the coordinator")
-    p.add_argument("--rank", type=int, help="this rank (0..world_size-1)")
-    p.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    p.add_argument(
+        "--rank", type=int, help="this rank (0..world_size-1); omit to dial in and be assigned"
+    )
+    p.add_argument("--world-size", type=int, help="number of ranks (required with --rank)")
     p.add_argument(
         "--job",
-        default="flodl_bus.examples.digits:job",
-        help="MODULE:NAME of the flodl_bus Job to train (default: the digits example)",
+        help="MODULE:NAME of the flodl_bus Job to train (default: the coordinator's job, "
+        "else the digits example)",
     )
     p.add_argument(
         "--redis-url",
@@ -46,10 +66,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mode",
         choices=MODES,
-        default="nccl-cadence",
-        help="averaging mode; must match the coordinator's (default nccl-cadence)",
+        help=f"averaging mode; must match the coordinator's (default: the coordinator's, "
+        f"else {DEFAULT_MODE})",
     )
-    p.add_argument("--save-path", help="checkpoint stem (bundle, consensus and Checkpoint files)")
+    p.add_argument(
+        "--save-path",
+        help="checkpoint stem (bundle, consensus and Checkpoint files; default: the coordinator's)",
+    )
+    p.add_argument(
+        "--resume",
+        help="start from the consensus model <STEM>.model.pt (default: the coordinator's --resume)",
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the coordinator's answer when dialing in (default 300)",
+    )
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds (default 1)")
     p.add_argument(
         "--coord-liveness-timeout",
@@ -68,18 +101,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.world_size < 1:
+    if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
-    if args.rank is None:
-        raise ConfigError(
-            "--rank is required: dial-in membership (joining without a rank) is not "
-            "available in this build"
-        )
-    if not 0 <= args.rank < args.world_size:
+    if args.rank is not None and args.world_size is None:
+        raise ConfigError("--rank needs --world-size N (or omit --rank to dial in)")
+    if args.rank is not None and not 0 <= args.rank < args.world_size:
         raise ConfigError(
             f"--rank {args.rank} is outside --world-size {args.world_size}: "
             f"use a rank in 0..{args.world_size - 1}"
         )
+    if args.join_timeout <= 0:
+        raise ConfigError("--join-timeout must be positive")
     if args.heartbeat_interval <= 0:
         raise ConfigError("--heartbeat-interval must be positive")
     if args.coord_liveness_timeout <= args.heartbeat_interval:
@@ -93,18 +125,17 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--run: {exc}") from None
 
 
-def _params_factory(args: argparse.Namespace) -> ParamsFactory | None:
-    if args.world_size == 1:
+def _params_factory(url: str, run: str, rank: int, world: int, mode: str) -> ParamsFactory | None:
+    if world == 1:
         return None  # a world of one: LocalParams is the exact average
     try:
         from flodl_bus.params.plane import ParamConfig, TorchParamPort
     except ImportError as exc:
         raise ConfigError(
-            f"--world-size {args.world_size} needs the param plane (flodl_bus.params.plane), "
+            f"--world-size {world} needs the param plane (flodl_bus.params.plane), "
             f"which is not available here ({exc}); run with --world-size 1"
         ) from None
-    config = ParamConfig.for_mode(args.mode)
-    url, run, rank, world = args.redis_url, args.run, args.rank, args.world_size
+    config = ParamConfig.for_mode(mode)
 
     def build(
         model: nn.Module,
@@ -126,20 +157,92 @@ def _params_factory(args: argparse.Namespace) -> ParamsFactory | None:
     return build
 
 
+def _load_job(ref: str) -> Job:
+    from flodl_bus.job import load_job
+
+    try:
+        return load_job(ref)
+    except SystemExit as exc:  # load_job's one-line errors
+        raise ConfigError(str(exc)) from None
+
+
+def _run_meta(raw: Mapping[bytes, bytes]) -> dict[str, str]:
+    out = {}
+    for k, v in raw.items():
+        key = k.decode(errors="replace")
+        if key != "secret":  # never carried around, never logged
+            out[key] = v.decode(errors="replace")
+    return out
+
+
+def _resolve_mode(given: str | None, meta: Mapping[str, str]) -> str:
+    theirs = meta.get("mode") or None
+    if given is not None and theirs is not None and given != theirs:
+        raise ConfigError(
+            f"--mode {given} does not match the coordinator's mode {theirs}: "
+            "drop --mode or pass the same one"
+        )
+    return given or theirs or DEFAULT_MODE
+
+
+def _with_resumed_model(job: Job, stem: str) -> Job:
+    """The job, its model starting from the consensus a checkpoint saved."""
+    import torch
+
+    path = Path(f"{stem}.model.pt")
+    if not path.exists():
+        raise ConfigError(
+            f"no consensus model at {path} to resume from: pass the --save-path stem of "
+            "a run that checkpointed"
+        )
+    build = job.build_model
+
+    def build_resumed() -> nn.Module:
+        model = build()
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        return model
+
+    return dataclasses.replace(job, build_model=build_resumed)
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _join(join: JoinStream, hello: Hello, run: str, timeout: float) -> Assign:
+    """Say Hello and wait for the coordinator's Assign (or its Reject)."""
+    cursor = join.post(hello)
+    deadline = time.monotonic() + timeout
+    while True:
+        got, cursor = join.read(cursor, 1000)
+        for _, msg in got:
+            if isinstance(msg, Assign) and msg.worker_id == hello.worker_id:
+                return msg
+            if isinstance(msg, Reject) and msg.worker_id == hello.worker_id:
+                raise ConfigError(f"refused by the coordinator of run {run!r}: {msg.reason}")
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"no answer to Hello within {timeout:.0f}s: is the coordinator of run "
+                f"{run!r} up and still admitting workers? (or raise --join-timeout)"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from flodl_bus.bus.run_secret import SecretError, fetch_run_secret
     from flodl_bus.bus.streams import RedisRankBus
-    from flodl_bus.job import load_job
     from flodl_bus.record.log import configure_console
 
     try:
         _check(args)
-        job = load_job(args.job)
-        factory = _params_factory(args)
+        # An explicit job is checked before Redis is reached: its error is the useful one.
+        job = _load_job(args.job) if args.job else None
         keys = RunKeys(args.run)
+        who = f"rank{args.rank}" if args.rank is not None else "joiner"
         try:
-            client = connect(args.redis_url, client_name=f"flodl-rank{args.rank}")
+            client = connect(args.redis_url, client_name=f"flodl-{who}")
             client.ping()
         except BadRedisUrl as exc:
             raise ConfigError(f"--redis-url: {exc}") from None
@@ -152,22 +255,47 @@ def main(argv: Sequence[str] | None = None) -> int:
             secret = fetch_run_secret(client, keys, timeout=args.secret_timeout)
         except SecretError as exc:
             raise ConfigError(str(exc)) from None
+        meta = _run_meta(client.hgetall(keys.meta))  # type: ignore[arg-type]
+        mode = _resolve_mode(args.mode, meta)
+        if job is None:
+            job = _load_job(meta.get("job") or DEFAULT_JOB)
+        save_path = args.save_path or meta.get("save_path") or None
+        resume = args.resume or meta.get("resume") or None
+        if resume:
+            job = _with_resumed_model(job, resume)
+        seed = int(meta.get("seed") or SHUFFLE_BASE_SEED)
+        splits = int(meta.get("epoch_splits") or 1)
+        join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
+        hello = Hello(
+            worker_id=f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            host=socket.gethostname(),
+            dataset_sig=job.train_data().signature(),
+            device=_device(),
+            requested_rank=args.rank,
+        )
+        if args.rank is None:
+            assign = _join(join, hello, args.run, args.join_timeout)
+            rank, world = assign.rank, assign.world_size
+        else:
+            join.post(hello)  # no wait: a scripted coordinator need not answer
+            rank, world = args.rank, args.world_size
+        join.close()
+        factory = _params_factory(args.redis_url, args.run, rank, world, mode)
     except ConfigError as exc:
-        print(f"flodl-bus worker: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # load_job's one-line errors
         print(f"flodl-bus worker: {exc}", file=sys.stderr)
         return 2
 
     configure_console(args.log_level)
-    bus = RedisRankBus(client, keys, args.rank, secret, where=f"rank{args.rank}")
+    bus = RedisRankBus(client, keys, rank, secret, where=f"rank{rank}")
     options = RankOptions(
-        world_size=args.world_size,
+        world_size=world,
         runtime=RuntimeConfig(
             heartbeat_interval=args.heartbeat_interval,
             coord_liveness_timeout=args.coord_liveness_timeout,
         ),
-        save_path=args.save_path,
+        save_path=save_path,
+        shuffle_seed=seed,
+        epoch_splits=splits,
     )
     try:
         return run_rank(job, bus, options, factory)

@@ -1,0 +1,124 @@
+"""The ``join`` stream: dial-in membership entries (Hello, Assign, Reject).
+
+One stream per run, written by both sides: workers post ``Hello``, the coordinator
+posts ``Assign`` / ``Reject`` addressed by ``worker_id``. Every entry is signed like the
+control and upstream streams (rank field ``join``), so a process of another run cannot
+claim a rank. No consumer groups: the coordinator reads the whole stream from the
+start (a worker may say Hello before the coordinator reads), a worker reads from its
+own Hello on (answers always follow the Hello they answer).
+
+A retried XADD (lost reply) may post a second copy of an entry; both sides dedupe by
+``worker_id``, so that is harmless.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+import redis
+import structlog
+
+from flodl_bus.bus import entries
+from flodl_bus.bus.connection import MAX_BLOCK_MS, BusUnavailable, Link
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.protocol import wire
+from flodl_bus.protocol.messages import JoinMsg
+
+log = structlog.get_logger("flodl_bus.bus")
+
+#: The ``rank`` field of every join entry (the sender has no rank yet).
+JOIN_RANK: Final = "join"
+#: Entries of one XREAD.
+READ_COUNT: Final = 256
+#: ``MAXLEN ~`` of the join stream: one Hello and one answer per worker.
+JOIN_MAXLEN: Final = 10_000
+
+
+class JoinStream:
+    """Post and read signed membership entries of one run."""
+
+    def __init__(
+        self, client: redis.Redis, run: str | RunKeys, secret: bytes, *, where: str = ""
+    ) -> None:
+        self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
+        self.client = client
+        self.secret = secret
+        self.stream = self.keys.join
+        self._seq = itertools.count(1)
+        self._link = Link(client, name="join", where=where)
+
+    def post(self, msg: JoinMsg) -> str:
+        """Append ``msg``; returns its entry id (a reader of answers starts there)."""
+        fields = entries.build(self.secret, self.stream, msg, JOIN_RANK, next(self._seq))
+
+        def op(retry: bool) -> str:
+            eid = self.client.xadd(
+                self.stream,
+                fields,  # type: ignore[arg-type]
+                maxlen=JOIN_MAXLEN,
+                approximate=True,
+            )
+            return eid.decode() if isinstance(eid, bytes) else str(eid)
+
+        return self._link.call(op)
+
+    def read(self, after: str, block_ms: int | None) -> tuple[list[tuple[str, JoinMsg]], str]:
+        """Entries after id ``after`` (``"0"`` = from the start) and the new cursor.
+
+        ``block_ms`` None polls without blocking. Entries that fail to authenticate or
+        decode go to the dlq with the reason and are skipped.
+        """
+        block = None if block_ms is None else max(1, min(block_ms, MAX_BLOCK_MS))
+
+        def op(retry: bool) -> Any:
+            return self.client.xread({self.stream: after}, count=READ_COUNT, block=block)
+
+        deadline = time.monotonic() + (block or 0) / 1000 + 0.05
+        try:
+            raw = self._link.call(op, deadline=deadline)
+        except BusUnavailable:
+            return [], after
+        out: list[tuple[str, JoinMsg]] = []
+        rejected: list[tuple[str, dict[bytes, bytes], str]] = []
+        cursor = after
+        if isinstance(raw, dict):  # a RESP3 client: {stream: [entries]}
+            raw = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in raw.items()]
+        for _name, items in raw or ():
+            for eid_raw, fields in items:
+                eid = eid_raw.decode() if isinstance(eid_raw, bytes) else str(eid_raw)
+                cursor = eid
+                parsed = entries.parse(
+                    self.secret, self.stream, fields, channel=wire.JOIN, rank=JOIN_RANK
+                )
+                if isinstance(parsed, str):
+                    rejected.append((eid, fields, parsed))
+                else:
+                    out.append((eid, parsed.msg))  # type: ignore[arg-type]
+        if rejected:
+            self._dead_letter(rejected)
+        return out, cursor
+
+    def _dead_letter(self, rejected: Sequence[tuple[str, dict[bytes, bytes], str]]) -> None:
+        for eid, _fields, reason in rejected:
+            log.error("join_dead_letter", stream=self.stream, entry=eid, reason=reason)
+
+        def op(retry: bool) -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for eid, fields, reason in rejected:
+                pipe.xadd(
+                    self.keys.dlq,
+                    entries.dead_letter_fields(  # type: ignore[arg-type]
+                        self.stream, eid, reason, fields, "join"
+                    ),
+                    maxlen=JOIN_MAXLEN,
+                    approximate=True,
+                )
+            pipe.execute()
+
+        self._link.call(op)
+
+    def close(self) -> None:
+        self._link.close()

@@ -1,0 +1,341 @@
+"""``flodl-bus coordinator``: schedule one run over Redis.
+
+    flodl-bus coordinator --run RUN --redis-url URL --job MODULE:NAME --mode MODE \\
+        (--world-size N | --min-workers M [--join-timeout S]) [--epochs N] \\
+        [--save-path STEM] [--resume STEM] [--run-dir DIR] [--heartbeat-timeout S] \\
+        [--eval-every N] [--checkpoint-every N]
+
+Workers join on the run's ``join`` stream (``flodl-bus worker`` with or without
+``--rank``); the run's config goes into its ``meta`` hash so joining workers can read it.
+The record goes to ``<run-dir>/coordinator.jsonl``, per-epoch metrics to
+``<run-dir>/metrics.csv``.
+
+Bad configuration exits with status 2 and one line naming the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn
+
+from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, BadRedisUrl, connect, redact_url
+from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.coordinator.config import MODES, CoordinatorConfig, parse_mode
+from flodl_bus.partition import SHUFFLE_BASE_SEED
+
+PROG = "flodl-bus coordinator"
+
+
+class ConfigError(Exception):
+    """A configuration mistake; the message names the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block: the line names the fix.
+        print(f"{PROG}: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Run the coordinator of a run.")
+    p.add_argument("--run", required=True, help="run id shared with the workers")
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get(ENV_URL, DEFAULT_URL),
+        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
+    )
+    p.add_argument(
+        "--job", help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job)"
+    )
+    p.add_argument("--mode", default="nccl-cadence", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--world-size", type=int, help="form the world when this many workers joined")
+    p.add_argument(
+        "--min-workers",
+        type=int,
+        help="form the world with at least this many workers once --join-timeout passed",
+    )
+    p.add_argument("--join-timeout", type=float, default=60.0, help="seconds (default 60)")
+    p.add_argument("--epochs", type=int, help="epochs to train (default: the job's)")
+    p.add_argument("--save-path", help="checkpoint stem: <stem>.meta.json, <stem>.model.pt")
+    p.add_argument("--resume", help="resume from <STEM>.meta.json, training only uncovered samples")
+    p.add_argument("--run-dir", help="record and metrics directory (default runs/<run>)")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds (default 30)")
+    p.add_argument("--eval-every", type=int, help="evaluate every N epochs")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
+    p.add_argument(
+        "--no-final-eval", action="store_true", help="skip the final eval before Shutdown"
+    )
+    p.add_argument(
+        "--exit-grace",
+        type=float,
+        default=30.0,
+        help="seconds to wait for every rank's Exiting after Shutdown (default 30)",
+    )
+    p.add_argument("--log-level", default="info", help="console log level (default info)")
+    return p
+
+
+def _positive(name: str, value: int | float | None, *, zero_ok: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name} must be {'>= 0' if zero_ok else 'positive'}, got {value}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    try:
+        RunKeys(args.run)
+    except InvalidRunId as exc:
+        raise ConfigError(f"--run: {exc}") from None
+    if not args.job:
+        raise ConfigError(
+            "--job is required: name the Job to train as MODULE:NAME, "
+            "e.g. --job flodl_bus.examples.digits:job"
+        )
+    try:
+        parse_mode(args.mode)
+    except ValueError as exc:
+        raise ConfigError(f"--mode: {exc}") from None
+    if args.world_size is None and args.min_workers is None:
+        raise ConfigError("give --world-size N (or --min-workers M with --join-timeout S)")
+    _positive("--world-size", args.world_size)
+    _positive("--min-workers", args.min_workers)
+    if (
+        args.world_size is not None
+        and args.min_workers is not None
+        and args.min_workers > args.world_size
+    ):
+        raise ConfigError(
+            f"--min-workers {args.min_workers} exceeds --world-size {args.world_size}"
+        )
+    _positive("--join-timeout", args.join_timeout, zero_ok=True)
+    _positive("--epochs", args.epochs, zero_ok=True)
+    _positive("--heartbeat-timeout", args.heartbeat_timeout)
+    _positive("--eval-every", args.eval_every)
+    _positive("--checkpoint-every", args.checkpoint_every)
+    _positive("--exit-grace", args.exit_grace, zero_ok=True)
+    if args.checkpoint_every and not (args.save_path or args.resume):
+        raise ConfigError("--checkpoint-every needs --save-path STEM (where checkpoints go)")
+
+
+def _read_resume(stem: str) -> dict[str, Any]:
+    path = Path(f"{stem}.meta.json")
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"--resume: no checkpoint meta at {path}; pass the --save-path stem of the run "
+            "to resume"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--resume: cannot read {path} ({exc})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"--resume: {path} is not a checkpoint meta object")
+    return meta
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _main(args)
+    except ConfigError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    from flodl_bus.bus.join import JoinStream
+    from flodl_bus.bus.run_secret import SecretError, ensure_run_secret
+    from flodl_bus.bus.streams import RedisCoordinatorBus
+    from flodl_bus.coordinator.checkpoint import read_meta
+    from flodl_bus.coordinator.core import Coordinator
+    from flodl_bus.coordinator.membership import Admission
+    from flodl_bus.coordinator.runtime import (
+        EXIT_INTERRUPTED,
+        CoordinatorLoop,
+        Interrupted,
+        LoopOptions,
+        MetricsTable,
+        form_world,
+    )
+    from flodl_bus.job import load_job
+    from flodl_bus.record.dispatch import DispatchRecorder
+    from flodl_bus.record.log import configure_console
+
+    _check(args)
+    try:
+        job = load_job(args.job)
+    except SystemExit as exc:  # load_job's one-line errors
+        raise ConfigError(str(exc)) from None
+    train = job.train_data()
+    epochs = job.num_epochs if args.epochs is None else args.epochs
+    save_path = args.save_path or args.resume
+    final_eval = not args.no_final_eval and job.eval_fn is not None and job.eval_data is not None
+
+    def make_config(world_size: int) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            mode=args.mode,
+            world_size=world_size,
+            total_samples=len(train),
+            batch_size=job.batch_size,
+            num_epochs=epochs,
+            seed=SHUFFLE_BASE_SEED,
+            heartbeat_timeout=args.heartbeat_timeout,
+            eval_every=args.eval_every,
+            final_eval=final_eval,
+            checkpoint_every=args.checkpoint_every,
+            save_path=save_path,
+        )
+
+    # Validate the config now, not after the world formed (a bad batch size or resume
+    # meta must not cost the workers their wait).
+    probe_ws = args.world_size if args.world_size is not None else args.min_workers
+    try:
+        probe = make_config(probe_ws)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    resume_meta: dict[str, Any] | None = None
+    if args.resume:
+        resume_meta = _read_resume(args.resume)
+        try:
+            read_meta(probe, resume_meta)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"--resume: {exc}") from None
+
+    keys = RunKeys(args.run)
+    try:
+        client = connect(args.redis_url, client_name="flodl-coordinator")
+        client.ping()
+    except BadRedisUrl as exc:
+        raise ConfigError(f"--redis-url: {exc}") from None
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot reach Redis at {redact_url(args.redis_url)} ({type(exc).__name__}): "
+            "start it or fix --redis-url"
+        ) from None
+
+    configure_console(args.log_level)
+    import structlog
+
+    log = structlog.get_logger("flodl_bus.coordinator")
+    sig = train.signature()
+    run_fields: dict[str, str] = {
+        "mode": args.mode,
+        "job": args.job,
+        "batch_size": str(job.batch_size),
+        "epochs": str(epochs),
+        "seed": str(SHUFFLE_BASE_SEED),
+        "epoch_splits": str(probe.epoch_splits),
+        "dataset_sig": sig,
+        "world_size": "" if args.world_size is None else str(args.world_size),
+        "save_path": save_path or "",
+        "resume": args.resume or "",
+        "status": "joining",
+    }
+    try:
+        # The config first: a worker that sees the secret can rely on the config too.
+        client.hset(keys.meta, mapping=run_fields)  # type: ignore[arg-type]
+        secret = ensure_run_secret(client, keys)
+    except SecretError as exc:
+        raise ConfigError(str(exc)) from None
+
+    # One event for both phases: the join wait and the loop (which gets it below).
+    stopping = threading.Event()
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, on_signal)
+
+    join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
+    admission = Admission(
+        dataset_sig=sig,
+        world_size=args.world_size,
+        min_workers=args.min_workers,
+        join_timeout=args.join_timeout,
+    )
+    log.info(
+        "coordinator_up",
+        run=args.run,
+        mode=args.mode,
+        job=args.job,
+        world_size=args.world_size,
+        min_workers=args.min_workers,
+        epochs=epochs,
+        dataset_sig=sig,
+        resume=args.resume,
+        redis=redact_url(args.redis_url),
+    )
+    try:
+        cursor = form_world(join, admission, stop=stopping)
+    except Interrupted:
+        client.hset(keys.meta, "status", "interrupted")
+        return EXIT_INTERRUPTED
+    ws = admission.world_size
+    assert ws is not None
+    config = make_config(ws)
+    try:
+        core = (
+            Coordinator.from_meta(config, resume_meta)
+            if resume_meta is not None
+            else Coordinator(config)
+        )
+    except ValueError as exc:
+        raise ConfigError(f"--resume: {exc}") from None
+    client.hset(keys.meta, mapping={"world_size": str(ws), "status": "running"})
+
+    run_dir = Path(args.run_dir or Path("runs") / args.run)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recorder = DispatchRecorder(run_dir, "coordinator")
+    recorder.header(
+        run=args.run,
+        config=dataclasses.asdict(config),
+        job=args.job,
+        dataset_sig=sig,
+        resume_meta=resume_meta,
+        members=[dataclasses.asdict(m) for m in admission.members],
+        clock="time.monotonic",
+        started_wall=time.time(),
+        replay_note="core = Coordinator.from_meta(config, resume_meta) if resume_meta "
+        "else Coordinator(config); then core.start(now) at the 'start' event",
+    )
+    bus = RedisCoordinatorBus(
+        client, keys, secret, ranks=range(ws), where=redact_url(args.redis_url)
+    )
+    loop = CoordinatorLoop(
+        core,
+        bus,
+        recorder=recorder,
+        metrics=MetricsTable(run_dir / "metrics.csv", ws),
+        options=LoopOptions(exit_grace=args.exit_grace),
+        rank_of=keys.rank_of,
+        join=join,
+        admission=admission,
+        join_cursor=cursor,
+    )
+    loop.stop = stopping
+    try:
+        code = loop.run()
+    finally:
+        recorder.close()
+        bus.close()
+        join.close()
+    status = {0: "finished", EXIT_INTERRUPTED: "interrupted"}.get(code, "saved")
+    try:
+        client.hset(keys.meta, "status", status)
+    finally:
+        client.close()
+    log.info("coordinator_exit", code=code, status=status, record=str(recorder.path))
+    return code

@@ -1,0 +1,535 @@
+"""The coordinator's IO loop around the sans-IO core (DESIGN §2, §6).
+
+Two phases:
+
+1. ``form_world``: admit workers from the ``join`` stream (``membership.Admission``)
+   until the world forms, posting their Assign / Reject answers.
+2. ``CoordinatorLoop.run``: read every rank's upstream in one blocking call, hand each
+   delivery to ``core.handle`` in order, apply what it returns in that order, ack, then
+   ``core.tick`` once per read batch. Every dispatch, and every tick that emits
+   something or changes the core's state, is one record line (``DispatchRecorder``);
+   ``metrics.csv`` gets one row per ``EpochAggregated``.
+
+Ordering: effects are applied strictly in the order the core returned them, across
+``Send`` and ``Broadcast``, because the bus numbers control entries from one clock in
+call order and per-rank order is what the ranks rely on (arm-eval before the snapshot
+request, the final reduce before Shutdown).
+
+The core never sees a clock: ``now`` is read once per dispatch (and once per tick) here.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Protocol
+
+import structlog
+
+from flodl_bus.bus.api import CoordinatorBus, Delivery
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
+from flodl_bus.coordinator.membership import Admission, Answer
+from flodl_bus.protocol.messages import (
+    DeclareDead,
+    EpochAggregated,
+    EpochMetrics,
+    EvalBroadcast,
+    Hello,
+    JoinMsg,
+    Reject,
+    Shutdown,
+)
+from flodl_bus.record.dispatch import DispatchRecorder
+
+log = structlog.get_logger("flodl_bus.coordinator")
+
+#: The loop exited because every live rank said Exiting after a clean Shutdown.
+EXIT_OK: Final = 0
+#: The run ended with ShutdownWithSave (max failure, all ranks lost, a stalled reduce).
+EXIT_SAVED: Final = 1
+#: Stopped from outside (SIGINT/SIGTERM) before the run finished.
+EXIT_INTERRUPTED: Final = 130
+
+
+class Interrupted(Exception):
+    """A stop was requested while the world was still forming."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoopOptions:
+    #: BLOCK of one upstream read; bounds how late a tick can run (staleness sweeps,
+    #: coordinator heartbeats) and stays far below the bus's socket timeout.
+    block_ms: int = 100
+    #: After Finished, how long to wait for every live rank's Exiting.
+    exit_grace: float = 30.0
+    #: Before ``core.start``: how long to wait for every rank's first upstream entry.
+    #: Heartbeat staleness counts from ``start``, so a rank still importing torch when
+    #: the world formed is not declared dead for being slow to boot.
+    first_contact: float = 30.0
+    #: How often the join stream is polled for late Hellos once the world formed.
+    join_poll_every: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.block_ms < 1:
+            raise ValueError("block_ms must be at least 1")
+        if self.exit_grace < 0 or self.first_contact < 0:
+            raise ValueError("exit_grace and first_contact must be >= 0")
+
+
+class JoinPort(Protocol):
+    """The join stream as the runtime uses it (``bus.join.JoinStream``)."""
+
+    def post(self, msg: JoinMsg) -> str: ...
+
+    def read(self, after: str, block_ms: int | None) -> tuple[list[tuple[str, JoinMsg]], str]: ...
+
+
+# ----------------------------------------------------------------------- membership
+
+
+def answer_joins(
+    join: JoinPort,
+    admission: Admission,
+    got: Sequence[tuple[str, JoinMsg]],
+    now: float,
+    recorder: Callable[..., None] | None = None,
+) -> list[Answer]:
+    """Feed Hellos to ``admission``, post its answers (Assign / Reject) in order."""
+    answers: list[Answer] = []
+    for eid, msg in got:
+        if not isinstance(msg, Hello):
+            continue  # our own answers, read back from the same stream
+        log.info(
+            "worker_hello",
+            worker=msg.worker_id,
+            host=msg.host,
+            device=msg.device,
+            requested_rank=msg.requested_rank,
+        )
+        if recorder is not None:
+            recorder("hello", entry=eid, msg=msg, now=now)
+        answers += admission.hello(msg, now)
+    answers += admission.poll(now)
+    for a in answers:
+        join.post(a)
+        if isinstance(a, Reject):
+            log.warning("worker_rejected", worker=a.worker_id, reason=a.reason)
+        else:
+            log.info("worker_admitted", worker=a.worker_id, rank=a.rank, world_size=a.world_size)
+        if recorder is not None:
+            recorder("join_answer", msg=a, now=now)
+    return answers
+
+
+def form_world(
+    join: JoinPort,
+    admission: Admission,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    stop: threading.Event | None = None,
+    block_ms: int = 200,
+) -> str:
+    """Admit workers until the world forms; returns the join cursor to go on from."""
+    cursor = "0"  # from the start: a worker may have said Hello before we read
+    admission.open(clock())
+    last_note = clock()
+    while not admission.formed:
+        if stop is not None and stop.is_set():
+            raise Interrupted("stopped while the world was forming")
+        got, cursor = join.read(cursor, block_ms)
+        now = clock()
+        answer_joins(join, admission, got, now)
+        if not admission.formed and now - last_note >= 10.0:
+            last_note = now
+            log.info(
+                "waiting_for_workers",
+                joined=admission.joined,
+                world_size=admission.target,
+                min_workers=admission.min_workers,
+            )
+    log.info("world_formed", world_size=admission.world_size)
+    return cursor
+
+
+# ------------------------------------------------------------------------- outputs
+
+
+def write_meta_file(save_path: str, meta: Mapping[str, Any]) -> Path:
+    """``<save_path>.meta.json``, atomically: a resume never reads a torn file."""
+    path = Path(f"{save_path}.meta.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True, allow_nan=False))
+    os.replace(tmp, path)
+    return path
+
+
+def _num(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return ""
+    return f"{x:.6g}"
+
+
+class MetricsTable:
+    """``metrics.csv``: one row per aggregated epoch, the eval metric merged in.
+
+    An eval scheduled at the transition into epoch ``e`` (and the final eval, scheduled
+    as epoch ``num_epochs``) scores the model after epoch ``e - 1``, so its metric lands
+    on row ``e - 1`` (it may arrive before that row: async epochs overlap). The file is
+    rewritten atomically on every change; it is a few hundred rows at most.
+    """
+
+    def __init__(self, path: str | Path, world_size: int) -> None:
+        self.path = Path(path)
+        self.ws = world_size
+        self.rows: dict[int, dict[str, str]] = {}
+        self.evals: dict[int, float] = {}
+
+    @property
+    def columns(self) -> list[str]:
+        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "version", "syncs", "global_step"]
+        cols += ["anchor"]
+        for r in range(self.ws):
+            cols += [f"samples_r{r}", f"throughput_r{r}", f"batch_share_r{r}", f"loss_r{r}"]
+        return [*cols, "eval_metric"]
+
+    def on_epoch(
+        self, em: EpochMetrics, *, version: int, syncs: int, step: int, anchor: int
+    ) -> None:
+        def at(seq: Sequence[Any], r: int) -> Any:
+            return seq[r] if r < len(seq) else None
+
+        row = {
+            "epoch": str(em.epoch),
+            "avg_loss": _num(em.avg_loss),
+            "epoch_ms": _num(em.epoch_ms),
+            "samples": str(sum(em.per_rank_samples)),
+            "version": str(version),
+            "syncs": str(syncs),
+            "global_step": str(step),
+            "anchor": str(anchor),
+        }
+        for r in range(self.ws):
+            samples = at(em.per_rank_samples, r)
+            row[f"samples_r{r}"] = "" if samples is None else str(samples)
+            row[f"throughput_r{r}"] = _num(at(em.per_rank_throughput, r))
+            row[f"batch_share_r{r}"] = _num(at(em.per_rank_batch_share, r))
+            row[f"loss_r{r}"] = _num(at(em.per_rank_loss, r))
+        row["eval_metric"] = _num(self.evals.get(em.epoch))
+        self.rows[em.epoch] = row
+        self.write()
+
+    def on_eval(self, scheduled_epoch: int, metric: float) -> None:
+        row_epoch = scheduled_epoch - 1
+        self.evals[row_epoch] = metric
+        row = self.rows.get(row_epoch)
+        if row is not None:
+            row["eval_metric"] = _num(metric)
+        self.write()
+
+    def write(self) -> None:
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=self.columns, lineterminator="\n")
+        w.writeheader()
+        for e in sorted(self.rows):
+            w.writerow(self.rows[e])
+        for e in sorted(set(self.evals) - set(self.rows)):
+            # An eval of an epoch never aggregated (a resumed run's first eval).
+            w.writerow({"epoch": str(e), "eval_metric": _num(self.evals[e])})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(buf.getvalue())
+        os.replace(tmp, self.path)
+
+
+# ---------------------------------------------------------------------------- loop
+
+
+def _default_rank_of(stream: str) -> int | None:
+    tail = stream.rsplit(":", 1)[-1]
+    return int(tail) if tail.isascii() and tail.isdigit() else None
+
+
+class CoordinatorLoop:
+    """Drive ``core`` over ``bus`` until the run is over (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: Coordinator,
+        bus: CoordinatorBus,
+        *,
+        recorder: DispatchRecorder | None = None,
+        metrics: MetricsTable | None = None,
+        options: LoopOptions | None = None,
+        rank_of: Callable[[str], int | None] = _default_rank_of,
+        clock: Callable[[], float] = time.monotonic,
+        join: JoinPort | None = None,
+        admission: Admission | None = None,
+        join_cursor: str = "0",
+    ) -> None:
+        self.core = core
+        self.bus = bus
+        self.rec = recorder
+        self.metrics = metrics
+        self.options = options or LoopOptions()
+        self.rank_of = rank_of
+        self.clock = clock
+        self.join = join
+        self.admission = admission
+        self._join_cursor = join_cursor
+        self._next_join_poll = 0.0
+        self.stop = threading.Event()
+        self.finished: Finished | None = None
+        self.finished_at: float | None = None
+        self.dispatches = 0
+        self.sends_failed = 0
+        self.evals: list[tuple[int, float]] = []
+        self._save_path = core.config.save_path
+
+    # ------------------------------------------------------------------ public
+
+    def run(self) -> int:
+        core = self.core
+        early = self._await_first_contact()
+        now = self.clock()
+        outs = core.start(now)
+        if self.rec is not None:
+            self.rec.event("start", now=now, after=core.state_summary(), out=outs)
+        self._apply(outs, now)
+        log.info(
+            "run_started",
+            mode=core.config.mode,
+            world_size=core.ws,
+            epochs=core.config.num_epochs,
+            start_epoch=core.start_epoch,
+        )
+        if early:
+            self._dispatch_all(early)
+        interrupted = False
+        while True:
+            if self.stop.is_set() and not interrupted and self.finished is None:
+                interrupted = True
+                self._interrupt()
+            if self._done():
+                break
+            deliveries = self.bus.read_upstream(self.options.block_ms)
+            if deliveries:
+                self._dispatch_all(deliveries)
+            if self.finished is None:
+                self._tick()
+            self._poll_join()
+        if self.rec is not None:
+            self.rec.event(
+                "end",
+                now=self.clock(),
+                reason=None if self.finished is None else self.finished.reason,
+                exited=[r for r in range(core.ws) if core.exited[r]],
+                dead=[r for r in range(core.ws) if core.dead[r]],
+                dispatches=self.dispatches,
+            )
+            self.rec.flush()
+        if interrupted:
+            return EXIT_INTERRUPTED
+        if self.finished is not None and self.finished.reason is not None:
+            return EXIT_SAVED
+        return EXIT_OK
+
+    # --------------------------------------------------------------- internals
+
+    def _await_first_contact(self) -> list[Delivery]:
+        """Buffer upstream until every rank has been heard from (bounded)."""
+        ws = self.core.ws
+        heard = [False] * ws
+        early: list[Delivery] = []
+        deadline = self.clock() + self.options.first_contact
+        while not all(heard) and self.clock() < deadline and not self.stop.is_set():
+            got = self.bus.read_upstream(self.options.block_ms)
+            for d in got:
+                r = self.rank_of(d.stream)
+                if r is not None and 0 <= r < ws:
+                    heard[r] = True
+            early += got
+            self._poll_join()
+        if not all(heard):
+            log.warning(
+                "ranks_silent_at_start",
+                silent=[r for r in range(ws) if not heard[r]],
+                waited_s=self.options.first_contact,
+            )
+        return early
+
+    def _dispatch_all(self, deliveries: Sequence[Delivery]) -> None:
+        core = self.core
+        rec = self.rec
+        for d in deliveries:
+            rank = self.rank_of(d.stream)
+            if rank is None:
+                log.error("upstream_from_unknown_stream", stream=d.stream, entry=d.entry_id)
+                continue
+            now = self.clock()
+            before = core.state_summary() if rec is not None else None
+            outs = core.handle(rank, d.msg, now)
+            self.dispatches += 1
+            if rec is not None:
+                assert before is not None
+                rec.dispatch(
+                    stream=d.stream,
+                    entry_id=d.entry_id,
+                    msg=d.msg,
+                    now=now,
+                    before=before,
+                    after=core.state_summary(),
+                    out=outs,
+                    sender=rank,
+                )
+            self._apply(outs, now)
+        self.bus.ack(deliveries)
+
+    def _tick(self) -> None:
+        core = self.core
+        now = self.clock()
+        if self.rec is None:
+            self._apply(core.tick(now), now)
+            return
+        before = core.state_summary()
+        outs = core.tick(now)
+        after = core.state_summary()
+        if outs or after != before:
+            self.rec.tick(now=now, before=before, after=after, out=outs)
+        self._apply(outs, now)
+
+    def _apply(self, outs: Sequence[Out], now: float) -> None:
+        pending = list(outs)
+        i = 0
+        while i < len(pending):
+            o = pending[i]
+            i += 1
+            if isinstance(o, Send):
+                try:
+                    self.bus.send(o.rank, o.msg)
+                except Exception as exc:
+                    self.sends_failed += 1
+                    log.error(
+                        "send_failed", rank=o.rank, msg=type(o.msg).__name__, error=repr(exc)[:300]
+                    )
+                    more = self.core.send_failed(o.rank, o.msg, now)
+                    if self.rec is not None:
+                        self.rec.event("send_failed", rank=o.rank, msg=o.msg, now=now, out=more)
+                    # Applied after this batch, in order (the rollback re-offers on a tick).
+                    pending += more
+                    continue
+                self._observe(o.msg)
+            elif isinstance(o, Broadcast):
+                self.bus.broadcast(o.msg)
+                self._observe(o.msg)
+            elif isinstance(o, WriteMeta):
+                self._write_meta(o)
+            elif isinstance(o, Alert):
+                level = o.level if o.level in ("debug", "info", "warning", "error") else None
+                if level is None:
+                    level = "critical" if o.level == "critical" else "warning"
+                getattr(log, level)(o.event, detail=o.detail)
+            elif isinstance(o, Finished) and self.finished is None:
+                self.finished = o
+                self.finished_at = now
+                log.info(
+                    "run_finished",
+                    reason=None if o.reason is None else o.reason.snake,
+                    epochs=self.core.last_aggregated + 1,
+                    version=self.core.version,
+                    global_step=self.core.global_step,
+                )
+
+    def _observe(self, msg: object) -> None:
+        """Console progress and metrics.csv from what the core broadcast."""
+        core = self.core
+        if isinstance(msg, EpochAggregated):
+            em = msg.metrics
+            if self.metrics is not None:
+                self.metrics.on_epoch(
+                    em,
+                    version=core.version,
+                    syncs=core.avg_count,
+                    step=core.global_step,
+                    anchor=core.elche.anchor,
+                )
+            log.info(
+                "epoch_aggregated",
+                epoch=em.epoch,
+                avg_loss=round(em.avg_loss, 5) if math.isfinite(em.avg_loss) else None,
+                epoch_ms=round(em.epoch_ms, 1),
+                samples=list(em.per_rank_samples),
+                version=core.version,
+                anchor=core.elche.anchor,
+            )
+        elif isinstance(msg, EvalBroadcast):
+            self.evals.append((msg.epoch, msg.metric))
+            if self.metrics is not None:
+                self.metrics.on_eval(msg.epoch, msg.metric)
+            log.info("eval", epoch=msg.epoch, metric=round(msg.metric, 5))
+        elif isinstance(msg, DeclareDead):
+            log.warning("rank_declared_dead", rank=msg.rank)
+
+    def _write_meta(self, o: WriteMeta) -> None:
+        if self._save_path is None:
+            log.warning("meta_without_save_path", reason=o.meta.get("reason"))
+            return
+        try:
+            path = write_meta_file(self._save_path, o.meta)
+        except OSError as exc:
+            # The run goes on: a missing checkpoint meta costs a resume, not the run.
+            log.error("meta_write_failed", path=f"{self._save_path}.meta.json", error=repr(exc))
+            return
+        log.info(
+            "checkpoint_meta",
+            path=str(path),
+            reason=o.meta.get("reason"),
+            version=o.meta.get("version"),
+            epoch=o.meta.get("epoch"),
+        )
+
+    def _done(self) -> bool:
+        if self.finished is None:
+            return False
+        core = self.core
+        waiting = [r for r in range(core.ws) if not core.exited[r] and not core.dead[r]]
+        if not waiting:
+            return True
+        assert self.finished_at is not None
+        if self.clock() - self.finished_at > self.options.exit_grace:
+            log.warning(
+                "exit_grace_expired", still_running=waiting, grace_s=self.options.exit_grace
+            )
+            return True
+        return False
+
+    def _interrupt(self) -> None:
+        """Stop from outside: tell every rank to shut down, then wait for Exiting."""
+        now = self.clock()
+        log.warning("interrupted", detail="broadcasting Shutdown")
+        if self.rec is not None:
+            self.rec.event("interrupted", now=now, state=self.core.state_summary())
+        self.bus.broadcast(Shutdown())
+        self.finished = Finished(None)
+        self.finished_at = now
+
+    def _poll_join(self) -> None:
+        if self.join is None or self.admission is None:
+            return
+        now = self.clock()
+        if now < self._next_join_poll:
+            return
+        self._next_join_poll = now + self.options.join_poll_every
+        got, self._join_cursor = self.join.read(self._join_cursor, None)
+        if got:
+            recorder = self.rec.event if self.rec is not None else None
+            answer_joins(self.join, self.admission, got, now, recorder)
