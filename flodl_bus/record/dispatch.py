@@ -59,14 +59,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, get_args
 
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import EpochPlan, Update, WireMsg
-from flodl_bus.record.log import Recorder
+from flodl_bus.record.log import Recorder, set_object_encoder
 
 _WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
 _PLAIN: Final = (bool, int, float, str, bytes)
@@ -121,6 +120,9 @@ def record_value(value: Any) -> Any:
     return repr(value)
 
 
+set_object_encoder(record_value)
+
+
 def record_path(run_dir: str | Path, role: str, rank: int | None = None) -> Path:
     name = "coordinator" if role == "coordinator" else f"rank{rank}"
     return Path(run_dir) / f"{name}.jsonl"
@@ -129,18 +131,12 @@ def record_path(run_dir: str | Path, role: str, rank: int | None = None) -> Path
 class DispatchRecorder:
     """Thin, allocation-light writer of the events above for one process.
 
-    ``flush_every`` (seconds) starts a daemon thread that flushes the file buffer, so a
-    hung or killed process leaves a record that ends at most that long before it stopped.
+    Every line reaches the OS as it is written (structlog's ``BytesLogger`` flushes per
+    line), so a process that hangs, crashes or is killed leaves its record up to its last
+    core call: that is the run a replay reproduces.
     """
 
-    def __init__(
-        self,
-        run_dir: str | Path,
-        role: str,
-        rank: int | None = None,
-        *,
-        flush_every: float | None = None,
-    ) -> None:
+    def __init__(self, run_dir: str | Path, role: str, rank: int | None = None) -> None:
         self.role = role
         self.rank = rank
         self.path = record_path(run_dir, role, rank)
@@ -148,13 +144,6 @@ class DispatchRecorder:
         # next() on itertools.count is atomic under the GIL: the reader and the training
         # thread of a rank share the numbering without a lock.
         self._counter = itertools.count()
-        self._stop = threading.Event()
-        self._flusher: threading.Thread | None = None
-        if flush_every is not None:
-            self._flusher = threading.Thread(
-                target=self._flush_loop, args=(flush_every,), name="record-flush", daemon=True
-            )
-            self._flusher.start()
 
     # ------------------------------------------------------------------ both roles
 
@@ -180,12 +169,12 @@ class DispatchRecorder:
             stream=stream,
             id=entry_id,
             sender=sender,
-            msg=record_value(msg),
+            msg=msg,
             now=now,
-            before=record_value(before),
-            after=record_value(after),
-            out=[record_value(o) for o in out],
-            **{k: record_value(v) for k, v in extra.items()},
+            before=before,
+            after=after,
+            out=out,
+            **extra,
         )
 
     def event(self, name: str, **fields: Any) -> None:
@@ -223,7 +212,7 @@ class DispatchRecorder:
         after: Mapping[str, Any],
         out: Sequence[object],
     ) -> None:
-        self._core_call("send_failed", now, before, after, out, rank=rank, msg=record_value(msg))
+        self._core_call("send_failed", now, before, after, out, rank=rank, msg=msg)
 
     def declare_dead(
         self,
@@ -241,8 +230,8 @@ class DispatchRecorder:
             "port",
             i=next(self._counter),
             call=call,
-            args=record_value(args),
-            result=record_value(result),
+            args=args,
+            result=result,
         )
 
     def _core_call(
@@ -258,9 +247,9 @@ class DispatchRecorder:
             event,
             i=next(self._counter),
             now=now,
-            before=record_value(before),
-            after=record_value(after),
-            out=[record_value(o) for o in out],
+            before=before,
+            after=after,
+            out=out,
             **extra,
         )
 
@@ -271,7 +260,7 @@ class DispatchRecorder:
             "read",
             i=next(self._counter),
             now=now,
-            entries=[{"stream": s, "id": e, "msg": record_value(m)} for s, e, m in entries],
+            entries=[{"stream": s, "id": e, "msg": m} for s, e, m in entries],
         )
 
     def take(self, *, stream: str | None, entry_id: str | None, msg: object, why: str) -> None:
@@ -280,7 +269,7 @@ class DispatchRecorder:
             i=next(self._counter),
             stream=stream,
             id=entry_id,
-            msg=record_value(msg),
+            msg=msg,
             why=why,
         )
 
@@ -297,10 +286,10 @@ class DispatchRecorder:
             "plan",
             i=next(self._counter),
             source=source,
-            plan=record_value(plan),
+            plan=plan,
             now=now,
             partition_len=partition_len,
-            after=record_value(after),
+            after=after,
         )
 
     def step(
@@ -315,33 +304,21 @@ class DispatchRecorder:
             "step",
             i=next(self._counter),
             args=args,
-            calls=record_value(calls),
-            out=[record_value(o) for o in out],
-            after=record_value(after),
+            calls=calls,
+            out=out,
+            after=after,
         )
 
     def closed(self, *, out: object, after: Mapping[str, Any]) -> None:
-        self._rec.record_core(
-            "closed", i=next(self._counter), out=record_value(out), after=record_value(after)
-        )
+        self._rec.record_core("closed", i=next(self._counter), out=out, after=after)
 
     def _next(self) -> int:
         return next(self._counter)
 
     # ------------------------------------------------------------------ file
 
-    def _flush_loop(self, every: float) -> None:
-        while not self._stop.wait(every):
-            try:
-                self._rec.flush()
-            except ValueError:  # closed under us
-                return
-
     def flush(self) -> None:
         self._rec.flush()
 
     def close(self) -> None:
-        self._stop.set()
-        if self._flusher is not None:
-            self._flusher.join(timeout=2.0)
         self._rec.close()

@@ -54,7 +54,7 @@ from flodl_bus.protocol.messages import (
     SyncAck,
     Update,
 )
-from flodl_bus.record.dispatch import record_value
+from flodl_bus.record import dispatch as _dispatch  # noqa: F401  (installs the encoder)
 from flodl_bus.record.log import _dumps, read_records, unjson
 from flodl_bus.record.ports import RecordedClock, RecordedModel, RecordedParams, Script
 from flodl_bus.record.rank import Capture, CaptureLogger
@@ -170,7 +170,7 @@ def save_run(run: Mapping[str, Recording], run_dir: str | Path, *, gzip: bool = 
 
 def norm(value: Any) -> Any:
     """The JSON form of a value as a record holds it (tuples -> lists, NaN -> null)."""
-    return orjson.loads(_dumps(record_value(value)))
+    return orjson.loads(_dumps(value))
 
 
 def brief(msg: Any) -> str:

@@ -1,0 +1,262 @@
+"""``flodl-bus bench record``: what recording costs the dispatching thread, and how fast
+a record replays.
+
+Recording cost is measured as the difference between a recorded and a plain core call,
+each on the same message sequence and core state, median over ``--repeats`` runs:
+
+* rank: ``RecordedControl.dispatch`` (state before/after, the record line) vs
+  ``WorkerControl.dispatch``; and a recorded training step vs a plain ``step_done``;
+* coordinator: ``handle`` + two ``state_summary`` + ``DispatchRecorder.dispatch`` (what the
+  coordinator runtime does per entry) vs ``handle`` alone.
+
+Each figure is printed beside the core's own cost (the reference, same run). Replay speed
+is core calls per second of ``replay`` on the records written here (fakeredis transport
+included), or on ``--run-dir`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.params.port import SyncResult
+from flodl_bus.protocol.messages import (
+    AveragedParams,
+    Batch,
+    ControlMsg,
+    EpochPlan,
+    EvalBroadcast,
+    ExtendPartition,
+    Heartbeat,
+    LrUpdate,
+    SetGlobalStep,
+    StartEpoch,
+)
+from flodl_bus.record.dispatch import DispatchRecorder
+from flodl_bus.record.rank import RankRecording
+from flodl_bus.record.replay import load_run, replay
+from flodl_bus.worker.control import WorkerControl
+from flodl_bus.worker.inbox import Inbox
+
+
+class _Params:
+    """A param port with constant answers: the bench times the recorder, not torch."""
+
+    def sync_now(self, steps_since_avg: int) -> SyncResult:
+        return SyncResult(0.0, 1.0, 1.0)
+
+    def snapshot(self, steps_since_avg: int) -> None:
+        return None
+
+    def load_averaged(self, avg: AveragedParams) -> None:
+        return None
+
+    def param_norm(self) -> float:
+        return 1.0
+
+    def abort(self) -> None:
+        return None
+
+    def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
+        return None
+
+
+def _messages(n: int) -> list[ControlMsg]:
+    cycle: list[ControlMsg] = [
+        SetGlobalStep(7),
+        StartEpoch(EpochPlan(0, 0, 640)),
+        ExtendPartition(640, 64),
+        EvalBroadcast(0, 0.5),
+    ]
+    return [cycle[k % len(cycle)] for k in range(n)]
+
+
+def _median_us(samples: list[int]) -> float:
+    return statistics.median(samples) / 1000.0
+
+
+def _time_calls(fn: Callable[[ControlMsg], object], msgs: Sequence[ControlMsg]) -> list[int]:
+    out = []
+    clock = time.perf_counter_ns
+    for msg in msgs:
+        t0 = clock()
+        fn(msg)
+        out.append(clock() - t0)
+    return out
+
+
+def bench_rank(n: int, run_dir: Path) -> tuple[float, float, float, float]:
+    """(plain dispatch, recorded dispatch, plain step, recorded step) medians in us."""
+    msgs = _messages(n)
+    stream = "flodl:{bench}:ctl:0"
+    inbox = Inbox()
+    plain = WorkerControl(
+        rank=0, params=_Params(), batch_size=32, pick_space=4096, clock=time.perf_counter
+    )
+    recording = RankRecording(run_dir, 0)
+    recording.header(run="bench", world_size=1, batch_size=32, pick_space=4096, splits=1)
+    recorded = recording.control(
+        inbox=inbox,
+        rank=0,
+        params=recording.params(_Params()),
+        batch_size=32,
+        pick_space=4096,
+        clock=recording.clock(time.perf_counter),
+    )
+    # The recorded side reads its messages through an inbox with origins, as in a run.
+    entries = [(stream, f"1-{k}", m) for k, m in enumerate(msgs)]
+    recording.recorder.read(now=0.0, entries=entries)
+    inbox.put_many(list(msgs), [(s, e) for s, e, _ in entries])
+
+    def fed(msg: ControlMsg) -> object:
+        return recorded.dispatch(msg)
+
+    def plain_call(msg: ControlMsg) -> object:
+        out = plain.dispatch(msg)
+        plain.take_pending_plan()
+        return out
+
+    plain_us = _time_calls(plain_call, msgs)
+    rec_samples: list[int] = []
+    clock = time.perf_counter_ns
+    for _ in msgs:
+        msg = inbox.poll()
+        assert msg is not None
+        t0 = clock()
+        recorded.dispatch(msg)
+        rec_samples.append(clock() - t0)
+        plan = recorded.take_pending_plan()
+        if plan is not None:
+            recorded.begin_plan(plan)
+    steps = n
+    plain_steps = []
+    rec_steps = []
+    for _ in range(steps):
+        t0 = clock()
+        plain.step_done(0.5, 1.0, 0.1, 0.01)
+        t1 = clock()
+        recorded.step_done(0.5, 1.0, 0.1, 0.01)
+        t2 = clock()
+        plain_steps.append(t1 - t0)
+        rec_steps.append(t2 - t1)
+    recording.close()
+    return (
+        _median_us(plain_us),
+        _median_us(rec_samples),
+        _median_us(plain_steps),
+        _median_us(rec_steps),
+    )
+
+
+def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
+    """(plain handle, recorded handle) medians in us, on Batch/LrUpdate/Heartbeat."""
+    ws = 4
+    cfg = CoordinatorConfig(
+        mode="cpu-cadence", world_size=ws, total_samples=1 << 20, batch_size=1, num_epochs=1
+    )
+    plain, recorded = Coordinator(cfg), Coordinator(cfg)
+    rec = DispatchRecorder(run_dir, "coordinator")
+    rec.header(run="bench", config=dataclasses.asdict(cfg))
+    now = 1000.0
+    plain.start(now)
+    before = recorded.state_summary()
+    out = recorded.start(now)
+    rec.start(now=now, before=before, after=recorded.state_summary(), out=out)
+    step = [0] * ws
+    plain_ns: list[int] = []
+    rec_ns: list[int] = []
+    clock = time.perf_counter_ns
+    for k in range(n):
+        r = k % ws
+        step[r] += 1
+        kind = (k // ws) % 3
+        msg: object
+        if kind == 0:
+            msg = Batch(rank=r, batch_ms=1.0 + r, data_ms=0.1, step_count=step[r], batch_loss=0.5)
+        elif kind == 1:
+            msg = LrUpdate(rank=r, lr=0.01)
+        else:
+            msg = Heartbeat(rank=r, step_count=k)
+        now += 0.0005
+        t0 = clock()
+        plain.handle(r, msg, now)
+        t1 = clock()
+        b = recorded.state_summary()
+        outs = recorded.handle(r, msg, now)
+        rec.dispatch(
+            stream=f"flodl:{{bench}}:up:{r}",
+            entry_id=f"{1 + k // ws}-{k % ws}",
+            msg=msg,
+            now=now,
+            before=b,
+            after=recorded.state_summary(),
+            out=outs,
+            sender=r,
+        )
+        t2 = clock()
+        plain_ns.append(t1 - t0)
+        rec_ns.append(t2 - t1)
+    rec.close()
+    return _median_us(plain_ns), _median_us(rec_ns)
+
+
+def replay_rate(run_dir: Path) -> list[tuple[str, int, float]]:
+    out = []
+    for key, rec in load_run(run_dir).items():
+        t0 = time.perf_counter()
+        result = replay(rec)
+        dt = time.perf_counter() - t0
+        if not result.identical:
+            raise SystemExit(f"bench record: {key} did not replay identically: {result.summary()}")
+        out.append((key, result.replayed, result.replayed / dt))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flodl-bus bench record", description=__doc__)
+    p.add_argument("--dispatches", type=int, default=4000, help="per run (default 4000)")
+    p.add_argument("--repeats", type=int, default=5, help="runs; medians of medians (default 5)")
+    p.add_argument("--run-dir", help="also measure replay speed on this recorded run")
+    args = p.parse_args(argv)
+
+    from flodl_bus.record.log import configure_console
+
+    configure_console("warning")
+    rank_rows: list[tuple[float, float, float, float]] = []
+    coord_rows: list[tuple[float, float]] = []
+    rates: list[list[tuple[str, int, float]]] = []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            rank_rows.append(bench_rank(args.dispatches, Path(tmp)))
+            coord_rows.append(bench_coordinator(args.dispatches, Path(tmp)))
+            rates.append(replay_rate(Path(tmp)))
+
+    def med(rows: Sequence[Sequence[float]], k: int) -> float:
+        return statistics.median(r[k] for r in rows)
+
+    pd, rd, ps, rs = (med(rank_rows, k) for k in range(4))
+    ph, rh = med(coord_rows, 0), med(coord_rows, 1)
+    print(f"recording cost on the dispatching thread (median of {args.repeats} runs)")
+    print(f"  rank dispatch:        {rd - pd:6.2f} us   (core dispatch itself {pd:5.2f} us)")
+    print(f"  rank training step:   {rs - ps:6.2f} us   (core step_done itself {ps:5.2f} us)")
+    print(f"  coordinator dispatch: {rh - ph:6.2f} us   (core handle itself {ph:5.2f} us)")
+    print("  target: <= 15 us per dispatch")
+    print("replay speed (fresh core, fakeredis transport, compare included)")
+    for k, (key, n, _rate) in enumerate(rates[0]):
+        rate = statistics.median(r[k][2] for r in rates)
+        print(f"  {key:<12} {rate:10.0f} dispatches/s   ({n} per replay)")
+    if args.run_dir:
+        for key, n, rate in replay_rate(Path(args.run_dir)):
+            print(f"  {args.run_dir} {key}: {rate:10.0f} dispatches/s   ({n} dispatches)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
