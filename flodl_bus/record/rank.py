@@ -370,9 +370,9 @@ class RecordedControl(WorkerControl):
 class RankRecording:
     """Everything a rank needs to record itself, in one place for ``run_rank``."""
 
-    def __init__(self, run_dir: str | Path, rank: int, *, flush_every: float | None = 0.5) -> None:
+    def __init__(self, run_dir: str | Path, rank: int) -> None:
         self.rank = rank
-        self.recorder = DispatchRecorder(run_dir, "rank", rank, flush_every=flush_every)
+        self.recorder = DispatchRecorder(run_dir, "rank", rank)
         self.capture = Capture()
         self.t0 = time.perf_counter()
 
