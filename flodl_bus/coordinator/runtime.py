@@ -301,9 +301,11 @@ class CoordinatorLoop:
         core = self.core
         early = self._await_first_contact()
         now = self.clock()
+        before = core.state_summary() if self.rec is not None else None
         outs = core.start(now)
         if self.rec is not None:
-            self.rec.event("start", now=now, after=core.state_summary(), out=outs)
+            assert before is not None
+            self.rec.start(now=now, before=before, after=core.state_summary(), out=outs)
         self._apply(outs, now)
         log.info(
             "run_started",
@@ -421,9 +423,18 @@ class CoordinatorLoop:
                     log.error(
                         "send_failed", rank=o.rank, msg=type(o.msg).__name__, error=repr(exc)[:300]
                     )
+                    before = self.core.state_summary() if self.rec is not None else None
                     more = self.core.send_failed(o.rank, o.msg, now)
                     if self.rec is not None:
-                        self.rec.event("send_failed", rank=o.rank, msg=o.msg, now=now, out=more)
+                        assert before is not None
+                        self.rec.send_failed(
+                            rank=o.rank,
+                            msg=o.msg,
+                            now=now,
+                            before=before,
+                            after=self.core.state_summary(),
+                            out=more,
+                        )
                     # Applied after this batch, in order (the rollback re-offers on a tick).
                     pending += more
                     continue

@@ -96,6 +96,12 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to wait for the coordinator to publish the run secret (default 30)",
     )
+    p.add_argument(
+        "--run-dir",
+        help="record every dispatch to RUN_DIR/rank<r>.jsonl (default runs/<run>, "
+        "beside the coordinator's record when they share a disk)",
+    )
+    p.add_argument("--no-record", action="store_true", help="do not record dispatches")
     p.add_argument("--log-level", default="info", help="console log level (default info)")
     return p
 
@@ -296,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         save_path=save_path,
         shuffle_seed=seed,
         epoch_splits=splits,
+        record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
+        record_header={"run": args.run, "mode": mode, "job": args.job or meta.get("job")},
     )
     try:
         return run_rank(job, bus, options, factory)
