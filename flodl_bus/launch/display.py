@@ -111,6 +111,11 @@ class Progress:
                 for r in range(world_size)
             ]
 
+    def set_total(self, total: int | None) -> None:
+        for bar in self.bars:
+            bar.total = total
+            bar.refresh()
+
     def write(self, line: str) -> None:
         if self.bars:
             tqdm.write(line, file=self.out)

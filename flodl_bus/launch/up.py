@@ -19,16 +19,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import importlib.util
+import math
 import os
 import secrets
 import signal
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from flodl_bus.bus.connection import connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
@@ -134,14 +139,39 @@ def worker_argv(args: argparse.Namespace, run: str, url: str, rank: int) -> list
     return argv
 
 
-def _batches_per_rank(job: Job, epochs: int, workers: int) -> int | None:
-    """A rank's fair share of the run's batches (a bar's total; fast ranks overshoot it)."""
+def check_job_ref(ref: str) -> str | None:
+    """Why ``MODULE:NAME`` cannot name a job, found without importing the module (so a
+    typo fails in a moment, not after three processes imported torch); None if it may."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        return f"--job {ref!r}: expected MODULE:NAME, e.g. {DEFAULT_JOB}"
     try:
-        n = len(job.train_data())
-    except Exception:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:
+        spec, why = None, f" ({exc})"
+    else:
+        why = ""
+    if spec is None:
+        return (
+            f"--job {ref!r}: no module {module_name}{why}; use an absolute module name that "
+            "is installed or on PYTHONPATH"
+        )
+    return None
+
+
+def batches_per_rank(run_header: Mapping[str, Any]) -> int | None:
+    """A rank's fair share of the run's batches (a bar's total; fast ranks overshoot it),
+    from the ``run`` line of the coordinator's record."""
+    try:
+        cfg = run_header["config"]
+        samples, batch = int(cfg["total_samples"]), int(cfg["batch_size"])
+        epochs, world = int(cfg["num_epochs"]), int(cfg["world_size"])
+    except (KeyError, TypeError, ValueError):
         return None
-    per_epoch = -(-n // job.batch_size)
-    return -(-per_epoch * epochs // workers)
+    if min(samples, batch, epochs, world) < 1:
+        return None
+    per_epoch = math.ceil(samples / batch)
+    return math.ceil(per_epoch * epochs / world)
 
 
 @contextlib.contextmanager
@@ -184,6 +214,8 @@ class Launcher:
         self.failed_rc: int | None = None
         self._reported: set[str] = set()
         self._csv_mtime = -1
+        self._job_error: str | None = None
+        self._job_loader: threading.Thread | None = None
 
     # ------------------------------------------------------------------ run
     def run_all(self) -> int:
@@ -258,32 +290,59 @@ class Launcher:
                     self.run_dir / f"rank{r}.log",
                 )
             )
-        # The job is loaded here only for its name, epochs, target and data size, and
-        # only once the children are starting: they import torch meanwhile. torch in
-        # this process stays on one thread so the workers get the cores.
-        import torch
-
-        from flodl_bus.job import load_job
-
-        torch.set_num_threads(1)
-        try:
-            self.job = job = load_job(args.job)
-        except SystemExit as exc:
-            print(f"flodl-bus up: {exc}", file=sys.stderr)
-            return 2
-        epochs = args.epochs or job.num_epochs
         where = f"embedded at {redact_url(url)}" if self.server else redact_url(url)
+        epochs = args.epochs or "the job's"
         print(
-            f"flodl-bus up: run {self.run}: {job.name}, {args.workers} workers x "
+            f"flodl-bus up: run {self.run}: {args.job}, {args.workers} workers x "
             f"{threads} thread(s), {args.mode}, {epochs} epochs, Redis {where}\n"
             f"  record: {self.run_dir}/   watch: flodl-bus tail --run {self.run} "
             f"--redis-url {redact_url(url)}",
             flush=True,
         )
         bars = not args.no_progress and sys.stderr.isatty()
-        total = _batches_per_rank(job, epochs, args.workers)
-        self.progress = Progress(args.workers, total, bars=bars)
+        self.progress = Progress(args.workers, None, bars=bars)
         return None
+
+    def _after_first_step(self) -> None:
+        # What only the launcher needs (the job's name and target, the bars' totals) is
+        # loaded once training runs: before, every CPU second went to the children's
+        # start (on two cores, importing torch here delayed the first step by a second).
+        header = self._coordinator_header()
+        if header is not None and self.progress is not None:
+            self.progress.set_total(batches_per_rank(header))
+        self._start_job_loader()
+
+    def _coordinator_header(self) -> dict[str, Any] | None:
+        try:
+            with open(self.run_dir / "coordinator.jsonl", "rb") as f:
+                first = f.readline()
+            header = orjson.loads(first)
+        except (OSError, orjson.JSONDecodeError):
+            return None
+        return header if isinstance(header, dict) and header.get("event") == "run" else None
+
+    def _start_job_loader(self) -> None:
+        # On a thread, because Ctrl-C raises in the main thread only: a KeyboardInterrupt
+        # in the middle of importing torch leaves it half-initialised, and the next
+        # touch of it can crash the interpreter.
+        if self._job_loader is None:
+            self._job_loader = threading.Thread(
+                target=self._load_job, name="flodl-up-job", daemon=True
+            )
+            self._job_loader.start()
+
+    def _load_job(self) -> None:
+        import torch
+
+        from flodl_bus.job import load_job
+
+        torch.set_num_threads(1)  # the workers get the cores
+        try:
+            self.job = load_job(self.args.job)
+        except SystemExit as exc:  # the children report it too; the launcher goes on
+            self._job_error = str(exc)
+        except Exception as exc:
+            self._job_error = f"{type(exc).__name__}: {exc}"
 
     def _say(self, line: str) -> None:
         if self.progress is not None:
@@ -358,6 +417,7 @@ class Launcher:
                 t = view.time_to_first_step()
                 self.record.record("first_step", after_s=t)
                 progress.write(f"  first training step after {t:.2f}s")
+                self._after_first_step()
             progress.update(view)
             self._show_rows(final=False)
             self._note_exits()
@@ -401,6 +461,11 @@ class Launcher:
     # -------------------------------------------------------------- closing
     def _finish(self, wall: float) -> int:
         args, view, run_dir = self.args, self.view, self.run_dir
+        self._start_job_loader()
+        assert self._job_loader is not None
+        self._job_loader.join(timeout=60)
+        if self._job_error is not None:
+            print(f"flodl-bus up: {self._job_error}", flush=True)
         if self.rows and not (run_dir / "metrics.csv").exists():
             from flodl_bus.launch.plot import write_rows_csv
 
@@ -480,6 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.epochs is not None and args.epochs < 1:
         print("flodl-bus up: --epochs must be at least 1", file=sys.stderr)
+        return 2
+    bad_job = check_job_ref(args.job)
+    if bad_job is not None:
+        print(f"flodl-bus up: {bad_job}", file=sys.stderr)
         return 2
     run = args.run or _default_run_id()
     try:

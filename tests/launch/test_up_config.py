@@ -1,0 +1,42 @@
+"""``flodl-bus up`` refuses bad configuration at once, before starting anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flodl_bus.launch.up import batches_per_rank, check_job_ref, main
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--job", "no_such_module_xyz:job"], "no module no_such_module_xyz"),
+        (["--job", "flodl_bus.examples"], "expected MODULE:NAME"),
+        (["--workers", "0"], "--workers must be at least 1"),
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--run", "bad{run}"], "invalid run id"),
+    ],
+)
+def test_bad_configuration_exits_2_naming_the_fix_and_starts_nothing(
+    argv: list[str], says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_job_reference_is_checked_without_importing_it() -> None:
+    assert check_job_ref("flodl_bus.examples.charrnn:job") is None
+    assert check_job_ref("flodl_bus.nothing_here:job") is not None
+
+
+def test_a_ranks_bar_total_is_its_fair_share_of_the_runs_batches() -> None:
+    header = {"config": {"total_samples": 1000, "batch_size": 32, "num_epochs": 3,
+                         "world_size": 2}}  # fmt: skip
+    assert batches_per_rank(header) == 48  # ceil(1000/32)=32 per epoch, 96 over 2 ranks
+    assert batches_per_rank({"config": {}}) is None
+    assert batches_per_rank({}) is None
