@@ -192,3 +192,26 @@ def test_three_ranked_less_workers_join_train_and_stop_as_compose_starts_them(
     assert not any(m["requested"] for m in members)  # ranks were assigned, not asked for
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 2  # header + one row per epoch
+
+
+@pytest.mark.redis
+def test_the_observer_user_tails_with_ops_tail_sh_and_cannot_write(acl_redis: RedisServer) -> None:
+    writer = redis.Redis(port=acl_redis.port, username="coordinator",
+                         password="flodl-coordinator-dev", socket_timeout=5)  # fmt: skip
+    for i in range(3):
+        writer.xadd("flodl:{obs}:ctl:all", {"type": "Shutdown", "rank": "all", "seq": str(i),
+                                            "body": b"\x80", "mac": "00"})  # fmt: skip
+    writer.close()
+    url = f"redis://observer:flodl-observer-dev@127.0.0.1:{acl_redis.port}/0"
+    env = {**os.environ, "REDIS_URL": url, "TAIL_ROUNDS": "1", "TAIL_FROM_START": "1"}
+    out = subprocess.run(["bash", str(ROOT / "ops" / "tail.sh"), "obs"], env=env,
+                         capture_output=True, text=True, timeout=30)  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if "type=Shutdown" in line]
+    assert len(lines) == 3, out.stdout + out.stderr
+    observer = redis.Redis.from_url(url, socket_timeout=5)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        observer.xadd("flodl:{obs}:ctl:all", {"type": "x"})
+    with pytest.raises(redis.exceptions.ResponseError):
+        observer.eval_ro("return redis.call('DEL', KEYS[1])", 1, "flodl:{obs}:ctl:all")
+    assert observer.xlen("flodl:{obs}:ctl:all") == 3
+    observer.close()
