@@ -259,6 +259,7 @@ class Launcher:
             epochs=args.epochs,
             redis_url=redact_url(url),
             embedded=self.server is not None,
+            redis_binary=None if self.server is None else self.server.binary,
             started_at=self.started_wall,
         )
         try:

