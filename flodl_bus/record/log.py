@@ -48,6 +48,17 @@ def redact(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> Mutab
     return event
 
 
+class _Stderr:
+    """Whatever ``sys.stderr`` is at write time: a test runner swaps it per test, and a
+    logger bound to the first one would write to a closed file afterwards."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_console(level: str = "info") -> None:
     """Human-readable structured logs on stderr. Idempotent; cheap when filtered out."""
     global _configured
@@ -63,7 +74,7 @@ def configure_console(level: str = "info") -> None:
                 structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
             ],
             wrapper_class=structlog.make_filtering_bound_logger(level),
-            logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+            logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
             cache_logger_on_first_use=True,
         )
         _configured = True

@@ -797,6 +797,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from flodl_bus.record.log import configure_console
+
+    # Transport log lines (a dead-lettered entry) go to stderr: stdout is the report,
+    # and it must read the same on every replay.
+    configure_console("warning")
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         print(f"flodl-bus replay: {run_dir} is not a run directory", file=sys.stderr)

@@ -69,30 +69,71 @@ def _coordinator(run: Mapping[str, Recording]) -> Recording:
 
 
 def drop_upstream(
-    run: Run, rank: int, after: float, *, tick_every: float = 0.25, margin: float = 2.0
+    run: Run,
+    rank: int,
+    after: float,
+    *,
+    tick_every: float = 0.25,
+    heartbeat_every: float = 1.0,
+    margin: float = 2.0,
 ) -> dict[str, Recording]:
-    """Rank ``rank`` says nothing more after ``after`` seconds (run time): its upstream
-    entries are removed from the coordinator's input, and synthetic ticks continue the
-    timeline until ``heartbeat_timeout + margin`` past the last thing it said."""
+    """Rank ``rank`` says nothing more after ``after`` seconds (run time).
+
+    Its later upstream entries are removed from the coordinator's input, and the run
+    stalls right there for ``heartbeat_timeout + margin`` seconds: synthetic ticks every
+    ``tick_every`` and synthetic heartbeats of every other rank every ``heartbeat_every``
+    fill the gap (the survivors are alive, only waiting), then the rest of the record
+    follows, shifted by the gap. The staleness sweep therefore finds exactly ``rank``
+    silent while the others still have work to be given.
+    """
     out = _copy(run)
     rec = _coordinator(out)
     t0 = _t0(rec)
     cut = t0 + after
-    kept = [
-        ev
-        for ev in rec.events
-        if not (ev.get("event") == "dispatch" and _sender(ev) == rank and ev["now"] > cut)
-    ]
-    heard = [e["now"] for e in kept if e.get("event") == "dispatch" and _sender(e) == rank]
-    last_heard = max(heard, default=t0)
-    rec.events = kept
     timeout = float(rec.header.get("config", {}).get("heartbeat_timeout", 30.0))
-    last = max((e["now"] for e in kept if "now" in e), default=cut)
-    end = max(last, last_heard + timeout + margin)
-    now = last + tick_every
-    while now <= end + 1e-9:
-        rec.events.append({"event": "tick", "now": now, "synthetic": True})
-        now += tick_every
+    gap = timeout + margin
+    before = [e for e in rec.events if float(e.get("now", t0)) <= cut]
+    later = [
+        e
+        for e in rec.events[len(before) :]
+        if not (e.get("event") == "dispatch" and _sender(e) == rank)
+    ]
+    # Ids: room after every entry for the synthetic heartbeats.
+    per_stream_last: dict[str, tuple[int, int]] = {}
+    room = 1 + int(gap / heartbeat_every) + 1
+    for e in rec.events:
+        if e.get("stream") and e.get("id"):
+            ms, seq = parse_id(e["id"])
+            e["id"] = format_id((ms, seq * room))
+    for e in before:
+        if e.get("stream"):
+            per_stream_last[e["stream"]] = parse_id(e["id"])
+    streams = {_sender(e): e["stream"] for e in rec.events if e.get("event") == "dispatch"}
+    filler: list[dict[str, Any]] = []
+    for k in range(1, int(gap / tick_every) + 1):
+        filler.append({"event": "tick", "now": cut + k * tick_every, "synthetic": True})
+    for s in sorted(r for r in streams if r is not None and r != rank):
+        stream = streams[s]
+        base = per_stream_last.get(stream)
+        if base is None:
+            continue
+        for k in range(1, int(gap / heartbeat_every) + 1):
+            filler.append(
+                {
+                    "event": "dispatch",
+                    "stream": stream,
+                    "id": format_id((base[0], base[1] + k)),
+                    "sender": s,
+                    "msg": {"v": 1, "type": "Heartbeat", "rank": s, "step_count": 10**6 + k},
+                    "now": cut + k * heartbeat_every - 1e-6,
+                    "synthetic": True,
+                }
+            )
+    filler.sort(key=lambda e: e["now"])
+    for e in later:
+        if "now" in e:
+            e["now"] = float(e["now"]) + gap
+    rec.events = before + filler + later
     return out
 
 
@@ -105,38 +146,57 @@ def _double_ids(rec: Recording) -> None:
         ref["id"] = format_id((ms, 2 * seq))
 
 
-def duplicate_start_epoch(run: Run, rank: int, nth: int = 0) -> dict[str, Recording]:
-    """Rank ``rank`` receives its ``nth`` dispatched StartEpoch twice in a row."""
+def duplicate_start_epoch(
+    run: Run, rank: int, nth: int = 0, *, copies: int = 1
+) -> dict[str, Recording]:
+    """Rank ``rank`` receives its ``nth`` StartEpoch ``1 + copies`` times in a row.
+
+    One copy of a plan the rank dispatched while training overwrites its one-plan
+    mailbox; a plan it took while idle needs two (the first copy fills the mailbox)."""
+    if not copies >= 1:
+        raise ValueError("copies must be at least 1")
     out = _copy(run)
     key = f"rank:{rank}"
     rec = out[key]
     starts = [
         ev
         for ev in rec.events
-        if ev.get("event") == "dispatch"
+        if ev.get("event") in ("dispatch", "take")
         and ev.get("stream")
         and (ev.get("msg") or {}).get("type") == "StartEpoch"
     ]
     if len(starts) <= nth:
-        raise ValueError(f"{key} dispatched {len(starts)} StartEpoch(s); no index {nth}")
+        raise ValueError(f"{key} received {len(starts)} StartEpoch(s); no index {nth}")
     _double_ids(rec)
     orig = starts[nth]
     ms, seq = parse_id(orig["id"])
-    dup = {"stream": orig["stream"], "id": format_id((ms, seq + 1)), "msg": orig["msg"]}
-    # The duplicate is part of the same read as the original.
+    if copies > 1:
+        # Room for more than one id after each entry.
+        for ref in _entry_refs(rec):
+            m, q = parse_id(ref["id"])
+            ref["id"] = format_id((m, q * copies))
+        ms, seq = parse_id(orig["id"])
+    dups = [
+        {"stream": orig["stream"], "id": format_id((ms, seq + k)), "msg": orig["msg"]}
+        for k in range(1, copies + 1)
+    ]
+    # The copies are part of the same read as the original.
     for ev in rec.events:
-        if ev.get("event") == "read" and any(
-            e["stream"] == orig["stream"] and e["id"] == orig["id"] for e in ev["entries"]
-        ):
-            pos = next(
+        if ev.get("event") != "read":
+            continue
+        pos = next(
+            (
                 k
                 for k, e in enumerate(ev["entries"])
                 if e["stream"] == orig["stream"] and e["id"] == orig["id"]
-            )
-            ev["entries"].insert(pos + 1, dup)
+            ),
+            None,
+        )
+        if pos is not None:
+            ev["entries"][pos + 1 : pos + 1] = dups
             break
     else:
-        rec.events.insert(0, {"event": "read", "i": -1, "now": 0.0, "entries": [dup]})
+        rec.events.insert(0, {"event": "read", "i": -1, "now": 0.0, "entries": dups})
     return out
 
 

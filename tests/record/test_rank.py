@@ -196,7 +196,7 @@ def test_a_changed_entry_diverges_at_its_dispatch_and_the_cli_exits_1(
 def test_a_duplicated_start_epoch_replays_into_the_one_chunk_in_flight_error(
     rank_run: Path,
 ) -> None:
-    run = surgery.duplicate_start_epoch(load_run(rank_run), 0)
+    run = surgery.duplicate_start_epoch(load_run(rank_run), 0, nth=1)
     assert not replay(run["rank:0"]).identical
     result = replay(run["rank:0"], explore=True)
     errors = logged(result, "one_chunk_in_flight_violated")
