@@ -25,7 +25,7 @@ class ParamPort(Protocol):
     def sync_now(self, steps_since_avg: int) -> SyncResult:
         """In-place work-weighted all-reduce (the ``nccl`` backend; gloo on CPU).
 
-        Blocks until the collective is done; weights by ``steps_since_avg`` (γ mass),
+        Blocks until the collective is done; weights by ``steps_since_avg`` (gamma mass),
         an idle rank contributes weight 0, a zero-mass round changes nothing.
         """
         ...
