@@ -396,7 +396,7 @@ class Launcher:
             if rc is None or c.name in self._reported:
                 continue
             self._reported.add(c.name)
-            self.record.record("exit", child=c.name, rc=rc)
+            self.record.record("exit", child=c.name, rc=rc, at=time.monotonic() - self.started)
             if rc != 0:
                 self._say(f"  {c.name} exited with status {rc} (log: {c.log_path})")
                 if self.failed_rc is None:
@@ -444,7 +444,7 @@ class Launcher:
         if self.children:
             stages = stop_all(self.children, self.coordinator)
             if stages:
-                self.record.record("stopped", stages=stages)
+                self.record.record("stopped", stages=stages, at=time.monotonic() - self.started)
             self._note_exits()
         if self.watcher is not None:
             with contextlib.suppress(Exception):
