@@ -565,7 +565,8 @@ class Coordinator:
             return
         survivors = [s for s in range(self.ws) if self.alive(s)]
         self.rendezvous.reset()
-        if len(survivors) < 2:
+        # A cpu world of one still trains (its "group" of one averages with itself).
+        if len(survivors) < (2 if self.nccl else 1):
             self._shutdown_with_save(SaveReason.SINGLE_SURVIVOR, out)
             return
         for i, s in enumerate(survivors):
@@ -1102,7 +1103,7 @@ class Coordinator:
         reason = self._unrecoverable_reason()
         if reason is not None:
             self._shutdown_with_save(reason, out)
-        elif self.nccl:
+        else:
             self.rendezvous.reset()
             self._next_generator(now, out)
 
@@ -1115,7 +1116,7 @@ class Coordinator:
         reason = self._unrecoverable_reason()
         if reason is not None:
             self._shutdown_with_save(reason, out)
-        elif self.nccl:
+        else:
             self.rendezvous.reset()
             self._next_generator(now, out)
         return out
@@ -1140,10 +1141,12 @@ class Coordinator:
         alive = self.alive_mask()
         self.roles.on_death(r, alive, self.elche.fastest(alive))
         self._settle(r)
-        if self.nccl:
-            out.append(Broadcast(DeclareDead(r)))
-            if self.nccl_armed and self._all_acked():
-                self.nccl_armed = False
+        # Both backends average through one collective group of the ranks (the cpu
+        # backend's background reduce too, DESIGN §5): the survivors must abort it and
+        # re-form without r, or their next reduce waits on a dead peer until it fails.
+        out.append(Broadcast(DeclareDead(r)))
+        if self.nccl and self.nccl_armed and self._all_acked():
+            self.nccl_armed = False
         if self.phase != TRAINING:
             return
         if self.progressive:

@@ -425,6 +425,29 @@ def test_nccl_death_broadcasts_declare_dead_then_resessions_survivors() -> None:
     assert sessions == [(0, 0, 2), (1, 1, 2)]
 
 
+def test_cpu_death_also_resessions_survivors_whose_reduce_group_held_the_dead_rank() -> None:
+    # The cpu backend reduces over a gloo group of the ranks: without DeclareDead and a
+    # new session the survivors' next round waits on the dead peer until it fails.
+    core, _ = started("cpu-cadence", ws=3)
+    beat(core, [0, 1], 31.0)
+    out = core.tick(31.0)
+    assert [o.msg for o in msgs(out, m.DeclareDead)] == [m.DeclareDead(2)]
+    assert [o.rank for o in msgs(out, m.RequestNewNcclId)] == [0]
+    out = core.handle(0, m.NewNcclIdGenerated(0, b"u" * 32), 31.5)
+    sessions = [(o.rank, o.msg.new_rank, o.msg.new_world_size) for o in msgs(out, m.NewNcclSession)]
+    assert sessions == [(0, 0, 2), (1, 1, 2)]
+
+
+def test_a_single_cpu_survivor_gets_a_session_of_one_and_trains_on() -> None:
+    core, _ = started("cpu-sync", ws=2)
+    beat(core, [0], 31.0)
+    out = core.tick(31.0)
+    assert core.finish_reason is None
+    out = core.handle(0, m.NewNcclIdGenerated(0, b"u" * 32), 31.5)
+    assert [(o.rank, o.msg.new_world_size) for o in msgs(out, m.NewNcclSession)] == [(0, 1)]
+    assert not core.finished
+
+
 def test_rendezvous_retry_picks_next_survivor_on_generator_death() -> None:
     core, _ = started("nccl-sync", ws=4, heartbeat_timeout=10.0)
     beat(core, [0, 1, 2], 11.0)
