@@ -98,6 +98,10 @@ class RunView:
                 self.ranks[rank].sync_now += 1
         elif isinstance(msg, WireUpdate):
             self._version = max(self._version, msg.version)
+            # Cadence hands the next chunk over with the Update ("atomic dispatch").
+            if msg.next_plan is not None and rank is not None and 0 <= rank < self.world_size:
+                rv = self.ranks[rank]
+                rv.epoch = max(rv.epoch, msg.next_plan.epoch)
         elif isinstance(msg, StartEpoch) and rank is not None and 0 <= rank < self.world_size:
             rv = self.ranks[rank]
             rv.epoch = max(rv.epoch, msg.plan.epoch)

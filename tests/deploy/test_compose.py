@@ -94,8 +94,10 @@ def test_docker_compose_accepts_the_file(profile: list[str]) -> None:
 # ---------------------------------------------------------------------------- processes
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def acl_redis() -> Iterator[RedisServer]:
+    # One per module: with the default user off, the start-up probe's failed AUTH costs
+    # redis-py seconds. The tests use runs of their own names.
     server = RedisServer(extra_args=["--aclfile", str(ACL)]).start()
     try:
         yield server

@@ -50,6 +50,14 @@ def test_batches_count_per_rank_and_keep_the_last_loss() -> None:
     assert view.ranks[1].batches == 0
 
 
+def test_a_ranks_epoch_follows_plans_sent_alone_or_with_an_update() -> None:
+    view = RunView(1, started_at=0.0)
+    view.on_control(0, StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=8)), 1.0)
+    assert view.ranks[0].epoch == 0
+    view.on_control(0, WireUpdate(version=1, next_plan=EpochPlan(1, 8, 8)), 2.0)
+    assert view.ranks[0].epoch == 1
+
+
 def test_cpu_syncs_are_the_highest_update_version_seen() -> None:
     view = RunView(2, started_at=0.0)
     view.on_control(0, WireUpdate(version=1), 1.0)
