@@ -39,6 +39,7 @@ from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.membership import Admission, Answer
 from flodl_bus.protocol.messages import (
+    CoordHeartbeat,
     DeclareDead,
     EpochAggregated,
     EpochMetrics,
@@ -353,7 +354,13 @@ class CoordinatorLoop:
         heard = [False] * ws
         early: list[Delivery] = []
         deadline = self.clock() + self.options.first_contact
+        next_beat = self.clock()
         while not all(heard) and self.clock() < deadline and not self.stop.is_set():
+            if self.clock() >= next_beat:
+                # Ranks already up count our silence against their liveness escape
+                # hatch; the core's own heartbeats only start with ``core.start``.
+                next_beat = self.clock() + self.core.config.coord_heartbeat_every
+                self.bus.broadcast(CoordHeartbeat())
             got = self.bus.read_upstream(self.options.block_ms)
             for d in got:
                 r = self.rank_of(d.stream)

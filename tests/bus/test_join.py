@@ -1,0 +1,37 @@
+"""The join stream: signed membership entries, read back in order; bad ones dead-lettered."""
+
+from __future__ import annotations
+
+import redis
+
+from flodl_bus.bus.join import JoinStream
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.protocol.messages import Assign, Hello, Reject
+from flodl_bus.protocol.signing import new_secret
+
+
+def test_entries_read_back_in_post_order_from_any_cursor(any_redis: redis.Redis) -> None:
+    js = JoinStream(any_redis, "run-j", new_secret())
+    first = js.post(Hello("w1", "host", "sig", requested_rank=2))
+    js.post(Assign("w1", 2, 4))
+    js.post(Reject("w9", "dataset signature x does not match y"))
+    got, cursor = js.read("0", None)
+    assert [m for _, m in got] == [
+        Hello("w1", "host", "sig", requested_rank=2),
+        Assign("w1", 2, 4),
+        Reject("w9", "dataset signature x does not match y"),
+    ]
+    after_first, _ = js.read(first, None)
+    assert [m for _, m in after_first] == [m for _, m in got[1:]]
+    assert js.read(cursor, 10) == ([], cursor)
+
+
+def test_a_hello_signed_with_another_runs_secret_is_dead_lettered(any_redis: redis.Redis) -> None:
+    keys = RunKeys("run-j2")
+    stranger = JoinStream(any_redis, keys, new_secret())
+    stranger.post(Hello("intruder", "h", "sig"))
+    ours = JoinStream(any_redis, keys, new_secret())
+    got, _ = ours.read("0", None)
+    assert got == []
+    (entry,) = any_redis.xrange(keys.dlq)
+    assert b"authentication failed" in entry[1][b"reason"]

@@ -1,0 +1,52 @@
+"""``flodl-bus coordinator``: a bad configuration exits 2 with one line naming the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flodl_bus.coordinator.cli import main
+
+BASE = ["--run", "r1", "--job", "flodl_bus.examples.digits:job", "--world-size", "2"]
+DEAD_REDIS = "redis://127.0.0.1:1/0"
+
+
+@pytest.mark.parametrize(
+    ("argv", "fix"),
+    [
+        ([*BASE, "--mode", "nccl-async"], "use cpu-async, or nccl-cadence"),
+        ([*BASE, "--mode", "gpu-sync"], "expected one of"),
+        (["--run", "r1", "--world-size", "2"], "--job is required"),
+        (["--run", "r1", "--job", "flodl_bus.examples.digits:job"], "give --world-size N"),
+        (["--run", "bad run!", *BASE[2:]], "--run"),
+        ([*BASE, "--min-workers", "3"], "exceeds --world-size"),
+        ([*BASE, "--checkpoint-every", "1"], "needs --save-path"),
+        ([*BASE, "--heartbeat-timeout", "0"], "--heartbeat-timeout must be positive"),
+        ([*BASE, "--bogus"], "unrecognized arguments: --bogus"),
+        (["--run", "r1", "--job", "nosuch.module:job", "--world-size", "2"], "nosuch"),
+        ([*BASE, "--redis-url", DEAD_REDIS], "start it or fix --redis-url"),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_naming_the_fix(
+    argv: list[str], fix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(argv))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flodl-bus coordinator: "), err
+    assert fix in err, err
+
+
+def test_resume_from_a_missing_or_foreign_meta_is_refused_before_redis_is_touched(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stem = tmp_path / "ckpt"
+    argv = [*BASE, "--redis-url", DEAD_REDIS, "--resume", str(stem)]
+    assert main(argv) == 2
+    assert "no checkpoint meta at" in capsys.readouterr().err
+    Path(f"{stem}.meta.json").write_text('{"schema": 5, "coverage": {"batch_size": 64}}')
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "resume with the same" in err, err

@@ -1,0 +1,247 @@
+"""The coordinator's IO loop, in process: a real rank (``run_rank`` training digits) on
+the in-memory bus, the loop on the other end, and what the loop leaves behind."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import fakeredis
+import pytest
+
+from flodl_bus.bus.join import JoinStream
+from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
+from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.membership import Admission
+from flodl_bus.coordinator.runtime import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    CoordinatorLoop,
+    LoopOptions,
+    MetricsTable,
+    form_world,
+    write_meta_file,
+)
+from flodl_bus.examples import digits
+from flodl_bus.protocol.messages import (
+    Assign,
+    ControlWire,
+    EpochMetrics,
+    Hello,
+    Reject,
+    Shutdown,
+    StartEpoch,
+)
+from flodl_bus.protocol.signing import new_secret
+from flodl_bus.record.dispatch import DispatchRecorder
+from flodl_bus.record.log import read_records
+from flodl_bus.worker.rank import RankOptions, run_rank
+
+pytestmark = pytest.mark.slow
+
+BS = digits.job.batch_size
+N = len(digits.train_data())
+EPOCH = (N // BS) * BS
+
+
+def config(mode: str, epochs: int = 2, **kw: object) -> CoordinatorConfig:
+    fields: dict[str, object] = {"final_eval": True, **kw}
+    return CoordinatorConfig(
+        mode=mode,
+        world_size=1,
+        total_samples=N,
+        batch_size=BS,
+        num_epochs=epochs,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+class FailingBus(MemoryCoordinatorBus):
+    """Refuses the first ``StartEpoch`` it is asked to send (a write Redis rejected)."""
+
+    def __init__(self, hub: MemoryHub) -> None:
+        super().__init__(hub)
+        self.refused: list[ControlWire] = []
+
+    def send(self, rank: int, msg: ControlWire) -> None:
+        if isinstance(msg, StartEpoch) and not self.refused:
+            self.refused.append(msg)
+            raise ConnectionError("refused once")
+        super().send(rank, msg)
+
+
+@dataclass
+class World:
+    hub: MemoryHub
+    thread: threading.Thread
+    result: list[int]
+
+
+def start_rank(hub: MemoryHub) -> World:
+    result: list[int] = []
+
+    def body() -> None:
+        result.append(run_rank(digits.job, hub.rank_bus(0), RankOptions(world_size=1)))
+
+    t = threading.Thread(target=body, name="rank0", daemon=True)
+    t.start()
+    return World(hub, t, result)
+
+
+def run_loop(
+    core: Coordinator, bus: MemoryCoordinatorBus, run_dir: Path, **opts: float
+) -> tuple[int, CoordinatorLoop]:
+    rec = DispatchRecorder(run_dir, "coordinator")
+    loop = CoordinatorLoop(
+        core,
+        bus,
+        recorder=rec,
+        metrics=MetricsTable(run_dir / "metrics.csv", core.ws),
+        options=LoopOptions(**opts),  # type: ignore[arg-type]
+    )
+    try:
+        return loop.run(), loop
+    finally:
+        rec.close()
+
+
+def test_loop_trains_a_rank_to_the_end_recording_every_dispatch_and_the_metrics(
+    tmp_path: Path,
+) -> None:
+    stem = tmp_path / "ckpt" / "run"
+    core = Coordinator(config("cpu-cadence", save_path=str(stem)))
+    hub = MemoryHub(1)
+    world = start_rank(hub)
+    code, loop = run_loop(core, MemoryCoordinatorBus(hub), tmp_path)
+    world.thread.join(30)
+    assert code == EXIT_OK and world.result == [0]
+
+    recs = read_records(tmp_path / "coordinator.jsonl")
+    dispatches = [r for r in recs if r["event"] == "dispatch"]
+    assert len(dispatches) == loop.dispatches > 0
+    assert [r["i"] for r in recs if "i" in r] == list(range(len([r for r in recs if "i" in r])))
+    assert all(r["before"] and r["after"] and r["sender"] == 0 for r in dispatches)
+    assert recs[0]["event"] == "start" and recs[-1]["event"] == "end"
+    assert recs[-1]["exited"] == [0]
+    # Ticks are recorded only when they emit or change something.
+    assert all(r["out"] or r["before"] != r["after"] for r in recs if r["event"] == "tick")
+
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert lines[0].startswith("epoch,avg_loss,epoch_ms,samples,version")
+    rows = [dict(zip(lines[0].split(","), ln.split(","))) for ln in lines[1:]]
+    assert [r["epoch"] for r in rows] == ["0", "1"]
+    assert [int(r["samples"]) for r in rows] == [EPOCH, EPOCH]
+    assert float(rows[-1]["eval_metric"]) > 0.5  # the final eval, on the last epoch's row
+
+    meta = json.loads(Path(f"{stem}.meta.json").read_text())
+    assert meta["reason"] == "graceful_shutdown" and meta["coverage"]["next_epoch"] == 2
+    assert not list(stem.parent.glob("*.tmp"))
+
+
+def test_a_send_the_bus_refuses_goes_back_through_send_failed_and_is_retrained(
+    tmp_path: Path,
+) -> None:
+    core = Coordinator(config("cpu-cadence", epochs=1))
+    hub = MemoryHub(1)
+    bus = FailingBus(hub)
+    world = start_rank(hub)
+    code, loop = run_loop(core, bus, tmp_path)
+    world.thread.join(30)
+    assert code == EXIT_OK and world.result == [0]
+    assert len(bus.refused) == 1 and loop.sends_failed == 1 and core.lost_sends == 1
+    recs = read_records(tmp_path / "coordinator.jsonl")
+    (failed,) = [r for r in recs if r["event"] == "send_failed"]
+    assert failed["msg"]["type"] == "StartEpoch"
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    row = dict(zip(lines[0].split(","), lines[1].split(",")))
+    assert int(row["samples"]) == EPOCH  # the refused chunk was offered again
+
+
+def test_without_exiting_ranks_the_loop_leaves_after_the_grace(tmp_path: Path) -> None:
+    # Zero epochs: the core finishes at start; no rank exists to say Exiting.
+    core = Coordinator(config("cpu-sync", epochs=0, final_eval=False))
+    hub = MemoryHub(1)
+    code, loop = run_loop(
+        core, MemoryCoordinatorBus(hub), tmp_path, first_contact=0.0, exit_grace=0.2
+    )
+    assert code == EXIT_OK and loop.finished is not None
+    sent = [d.msg for d in hub.rank_bus(0).read_control(0)]
+    assert any(isinstance(m, Shutdown) for m in sent)
+
+
+def test_a_stop_request_broadcasts_shutdown_and_exits_interrupted(tmp_path: Path) -> None:
+    core = Coordinator(config("nccl-cadence"))
+    hub = MemoryHub(1)
+    rec = DispatchRecorder(tmp_path, "coordinator")
+    loop = CoordinatorLoop(
+        core,
+        MemoryCoordinatorBus(hub),
+        recorder=rec,
+        options=LoopOptions(first_contact=0.0, exit_grace=0.2),
+    )
+    loop.stop.set()
+    assert loop.run() == EXIT_INTERRUPTED
+    rec.close()
+    sent = [d.msg for d in hub.rank_bus(0).read_control(0)]
+    assert isinstance(sent[-1], Shutdown)
+    assert [r["event"] for r in read_records(tmp_path / "coordinator.jsonl")][-2:] == [
+        "interrupted",
+        "end",
+    ]
+
+
+def metrics(epoch: int, samples: Sequence[int]) -> EpochMetrics:
+    return EpochMetrics(
+        epoch=epoch,
+        avg_loss=0.5,
+        epoch_ms=10.0,
+        per_rank_throughput=tuple(1.0 for _ in samples),
+        per_rank_batch_share=tuple(1 / len(samples) for _ in samples),
+        per_rank_loss=tuple(0.5 for _ in samples),
+        per_rank_samples=tuple(samples),
+    )
+
+
+def test_an_eval_lands_on_the_row_of_the_epoch_it_scores_even_when_it_comes_first(
+    tmp_path: Path,
+) -> None:
+    table = MetricsTable(tmp_path / "metrics.csv", 2)
+    table.on_eval(2, 0.91)  # scheduled at the start of epoch 2: scores epoch 1
+    table.on_epoch(metrics(0, [64, 32]), version=1, syncs=1, step=3, anchor=10)
+    table.on_epoch(metrics(1, [32, 64]), version=2, syncs=2, step=6, anchor=10)
+    lines = (tmp_path / "metrics.csv").read_text().splitlines()
+    rows = [dict(zip(lines[0].split(","), ln.split(","))) for ln in lines[1:]]
+    assert [(r["epoch"], r["eval_metric"], r["samples"]) for r in rows] == [
+        ("0", "", "96"),
+        ("1", "0.91", "96"),
+    ]
+    assert rows[1]["samples_r1"] == "64" and rows[1]["version"] == "2"
+
+
+def test_meta_file_is_replaced_whole(tmp_path: Path) -> None:
+    stem = str(tmp_path / "deep" / "stem")
+    write_meta_file(stem, {"version": 1})
+    path = write_meta_file(stem, {"version": 2})
+    assert json.loads(path.read_text()) == {"version": 2}
+    assert sorted(p.name for p in path.parent.iterdir()) == ["stem.meta.json"]
+
+
+def test_form_world_admits_hellos_already_waiting_and_answers_on_the_join_stream() -> None:
+    client = fakeredis.FakeRedis()
+    secret = new_secret()
+    worker_side = JoinStream(client, "run-x", secret)
+    worker_side.post(Hello("w1", "h", "sig"))
+    worker_side.post(Hello("w2", "h", "other"))
+    worker_side.post(Hello("w3", "h", "sig"))
+    coord_side = JoinStream(client, "run-x", secret)
+    adm = Admission(dataset_sig="sig", world_size=2)
+    form_world(coord_side, adm, block_ms=10)
+    answers = [m for _, m in worker_side.read("0", None)[0] if not isinstance(m, Hello)]
+    refused = answers[0]
+    assert isinstance(refused, Reject) and refused.worker_id == "w2"
+    assert "other" in refused.reason
+    assert answers[1:] == [Assign("w1", 0, 2), Assign("w3", 1, 2)]

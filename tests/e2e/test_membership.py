@@ -1,0 +1,94 @@
+"""Dial-in membership with real processes: workers started without ``--rank`` join on
+the run's join stream, are given ranks in admission order, and train; a worker whose
+training data differs is refused with both signatures named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.examples import digits
+from flodl_bus.protocol import wire
+from tests.e2e.harness import (
+    Cluster,
+    epoch_samples,
+    final_metric,
+    header,
+    metrics_rows,
+    new_run_id,
+    received,
+    records,
+)
+from tests.e2e.jobs import other_data_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+
+def test_three_workers_without_ranks_dial_in_are_ranked_in_arrival_order_and_train(
+    cluster: Cluster,
+) -> None:
+    run = new_run_id("dial")
+    coord = cluster.coordinator(run, "--mode", "cpu-cadence", "--world-size", "3", "--epochs", "8")
+    # No --mode, --job or --world-size: a joiner takes them from the coordinator.
+    joiners = []
+    for i in range(3):
+        joiners.append(cluster.worker(run, f"joiner{i}"))
+        time.sleep(0.3)
+    codes = cluster.wait([coord, *joiners], timeout=120)
+    assert codes == [0, 0, 0, 0], cluster.tails()
+
+    run_dir = cluster.run_dir(run)
+    recs = records(run_dir)
+    members = header(recs)["members"]
+    assert [m["rank"] for m in members] == [0, 1, 2]
+    assert not any(m["requested"] for m in members)
+    # Admission order is arrival order on the join stream.
+    client = redis.Redis.from_url(cluster.redis_url, socket_timeout=10)
+    try:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(RunKeys(run).join)  # type: ignore[assignment]
+    finally:
+        client.close()
+    hellos = [wire.decode(f[b"body"]).worker_id for _, f in entries if f[b"type"] == b"Hello"]
+    assert hellos == [m["worker_id"] for m in members]
+    assert sorted(m["rank"] for m in received(recs, "Exiting")) == [0, 1, 2]
+    rows = metrics_rows(run_dir)
+    assert len(rows) == 8
+    size = (len(digits.train_data()) // digits.job.batch_size) * digits.job.batch_size
+    assert all(sum(epoch_samples(r, 3)) == size for r in rows)
+    assert final_metric(run_dir) >= 0.9
+
+
+def test_the_world_forms_at_min_workers_once_the_join_timeout_passed(cluster: Cluster) -> None:
+    run = new_run_id("minw")
+    coord = cluster.coordinator(
+        run, "--mode", "nccl-cadence", "--min-workers", "2", "--join-timeout", "1", "--epochs", "2"
+    )
+    joiners = [cluster.worker(run, f"joiner{i}") for i in range(2)]
+    codes = cluster.wait([coord, *joiners], timeout=120)
+    assert codes == [0, 0, 0], cluster.tails()
+    recs = records(cluster.run_dir(run))
+    assert header(recs)["config"]["world_size"] == 2
+    assert sorted(m["rank"] for m in received(recs, "Exiting")) == [0, 1]
+
+
+def test_a_worker_with_other_training_data_is_refused_naming_both_signatures(
+    cluster: Cluster,
+) -> None:
+    run = new_run_id("sig")
+    coord = cluster.coordinator(run, "--mode", "cpu-sync", "--world-size", "2")
+    bad = cluster.worker(run, "stranger", "--job", "tests.e2e.jobs:other_data_job")
+    (code,) = cluster.wait([bad], timeout=60)
+    err = bad.output().strip()
+    assert code == 2, cluster.tails()
+    theirs = digits.job.train_data().signature()
+    mine = other_data_job.train_data().signature()
+    assert err.count("\n") == 0, err
+    assert err.startswith("flodl-bus worker: refused by the coordinator")
+    assert mine in err and theirs in err and "does not match" in err
+    # The coordinator keeps waiting for a proper world; a stop ends it cleanly.
+    assert coord.popen.poll() is None, cluster.tails()
+    coord.popen.terminate()
+    assert cluster.wait([coord], timeout=30) == [130]

@@ -1,0 +1,95 @@
+"""Stop a run hard after a mid-run checkpoint, resume it: the new run trains exactly the
+samples the checkpoint's coverage left uncovered, from the saved consensus model."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from flodl_bus.examples import digits
+from tests.e2e.harness import (
+    SLOW,
+    Cluster,
+    epoch_samples,
+    final_metric,
+    header,
+    metrics_rows,
+    new_run_id,
+    received,
+    records,
+    sent_plans,
+    tiles,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+EPOCHS = 6
+MODE = "nccl-cadence"
+
+
+def _checkpointed(stem: Path) -> bool:
+    meta, model = Path(f"{stem}.meta.json"), Path(f"{stem}.model.pt")
+    if not (meta.exists() and model.exists()):
+        return False
+    return bool(json.loads(meta.read_text())["reason"] == "checkpoint")
+
+
+def test_a_killed_run_resumes_training_only_the_uncovered_samples(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    stem = tmp_path / "ckpt" / "digits"
+    first = new_run_id("resume-a")
+    common = ("--mode", MODE, "--world-size", "2", "--epochs", str(EPOCHS))
+    procs = [
+        cluster.coordinator(
+            first, *common, "--save-path", str(stem), "--checkpoint-every", "1", job=SLOW
+        ),
+        *cluster.ranked_workers(first, 2, "--mode", MODE),
+    ]
+    wait_for(lambda: _checkpointed(stem), 90, "a mid-run checkpoint", cluster)
+    for p in procs:  # a crash: nobody gets to write anything more
+        p.popen.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.popen.wait(timeout=10)
+    first_rows = metrics_rows(cluster.run_dir(first))
+    assert len(first_rows) < EPOCHS, "the first run finished before it was stopped"
+
+    meta = json.loads(Path(f"{stem}.meta.json").read_text())
+    cov = meta["coverage"]
+    size = (len(digits.train_data()) // digits.job.batch_size) * digits.job.batch_size
+    expected: dict[int, list[tuple[int, int]]] = {
+        int(e["epoch"]): [(o, s) for o, s in e["uncovered"]] for e in cov["epochs"]
+    }
+    for e in range(cov["next_epoch"], EPOCHS):
+        expected[e] = [(0, size)]
+    assert sum(s for h in expected.values() for _, s in h) < EPOCHS * size
+
+    second = new_run_id("resume-b")
+    coord = cluster.coordinator(second, *common, "--resume", str(stem), job=SLOW)
+    workers = cluster.ranked_workers(second, 2, "--mode", MODE)
+    codes = cluster.wait([coord, *workers], timeout=120)
+    assert codes == [0, 0, 0], cluster.tails()
+
+    run_dir = cluster.run_dir(second)
+    recs = records(run_dir)
+    assert header(recs)["resume_meta"] == meta
+    plans = sent_plans(recs)
+    rows = {int(r["epoch"]): r for r in metrics_rows(run_dir) if r["samples"]}
+    trained_epochs = sorted(e for e, r in rows.items() if int(r["samples"]) > 0)
+    assert trained_epochs == sorted(e for e, h in expected.items() if h)
+    for e, holes in expected.items():
+        want = sum(s for _, s in holes)
+        got = sum(epoch_samples(rows[e], 2)) if e in rows else 0
+        assert got == want, (e, got, holes)
+        sent = [rng for r in plans.get(e, {}) for rng in plans[e][r]]
+        assert tiles(sent, holes), (e, sent, holes)
+    # Nothing outside the uncovered set was sent.
+    assert set(plans) <= set(expected)
+    assert sorted(m["rank"] for m in received(recs, "Exiting")) == [0, 1]
+    metric = final_metric(run_dir)
+    print(f"\nresumed at epoch {min(trained_epochs)}: final accuracy {metric:.4f}")
+    assert metric >= 0.9
