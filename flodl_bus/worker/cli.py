@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         "beside the coordinator's record when they share a disk)",
     )
     p.add_argument("--no-record", action="store_true", help="do not record dispatches")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="cpu, cuda, cuda:N, or auto (default: cuda:<rank mod GPUs> when CUDA is "
+        "available, else cpu)",
+    )
     p.add_argument("--log-level", default="info", help="console log level (default info)")
     return p
 
@@ -217,6 +223,31 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _resolve_device(wanted: str, rank: int) -> str:
+    """The torch device of this rank; a GPU asked for where none exists is a config error."""
+    import torch
+
+    if wanted == "auto":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return f"cuda:{rank % count}" if count else "cpu"
+    try:
+        device = torch.device(wanted)
+    except RuntimeError:
+        raise ConfigError(f"--device {wanted!r}: use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = device.index if device.index is not None else rank % max(count, 1)
+        if index >= count:
+            raise ConfigError(
+                f"--device {wanted}: this host has {count} CUDA device(s); "
+                "use --device cpu or a present GPU"
+            )
+        return f"cuda:{index}"
+    if device.type != "cpu":
+        raise ConfigError(f"--device {wanted!r}: use cpu, cuda, cuda:N or auto")
+    return "cpu"
+
+
 def _join(join: JoinStream, hello: Hello, run: str, timeout: float) -> Assign:
     """Say Hello and wait for the coordinator's Assign (or its Reject)."""
     cursor = join.post(hello)
@@ -286,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             join.post(hello)  # no wait: a scripted coordinator need not answer
             rank, world = args.rank, args.world_size
         join.close()
+        device = _resolve_device(args.device, rank)
         factory = _params_factory(args.redis_url, args.run, rank, world, mode)
     except ConfigError as exc:
         print(f"flodl-bus worker: {exc}", file=sys.stderr)
@@ -304,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         epoch_splits=splits,
         record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
         record_header={"run": args.run, "mode": mode, "job": args.job or meta.get("job")},
+        device=device,
     )
     try:
         return run_rank(job, bus, options, factory)

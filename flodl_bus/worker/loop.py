@@ -209,6 +209,8 @@ class RankLoop:
         job = self.job
         model, optimizer, data = self.model, self.optimizer, self.train_data
         clip = job.max_grad_norm
+        device = next(model.parameters()).device
+        on_device = device.type != "cpu"
         publish = self.publish
         model.train()
         loss_sum = compute_ms_total = data_ms_total = 0.0
@@ -219,6 +221,11 @@ class RankLoop:
             while done < control.num_batches:
                 t0 = time.perf_counter()
                 batch = data.batch(control.batch_picks(done))
+                if on_device:
+                    batch = (
+                        batch[0].to(device, non_blocking=True),
+                        batch[1].to(device, non_blocking=True),
+                    )
                 t1 = time.perf_counter()
                 lr = job.lr_at(control.lr_position) * self.lr_scale
                 self._set_lr(lr)

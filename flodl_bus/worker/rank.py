@@ -49,6 +49,8 @@ class RankOptions:
     record_dir: str | None = None
     #: extra fields of the record's header (run id, mode, job...)
     record_header: Mapping[str, Any] = field(default_factory=dict)
+    #: where the model and batches live: "cpu", "cuda" or "cuda:N"
+    device: str = "cpu"
 
 
 def run_rank(
@@ -70,7 +72,11 @@ def run_rank(
             "(LocalParams only averages a world of one)"
         )
     torch.manual_seed(job.seed)
-    model = job.build_model()
+    device = torch.device(options.device)
+    if device.type == "cuda":
+        # NCCL binds a communicator to the current device; set it before any group forms.
+        torch.cuda.set_device(device)
+    model = job.build_model().to(device)
     optimizer = job.build_optimizer(model)
     train_data = job.train_data()
     eval_data = job.eval_data() if job.eval_data is not None else None
