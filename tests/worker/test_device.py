@@ -27,15 +27,3 @@ def test_asking_for_a_gpu_on_a_host_without_one_names_the_fix() -> None:
 def test_an_unknown_device_names_the_accepted_ones() -> None:
     with pytest.raises(ConfigError, match="cpu, cuda, cuda:N or auto"):
         _resolve_device("tpu-ish", 0)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_rank_trains_on_its_gpu() -> None:
-    from flodl_bus.bus.memory import MemoryHub  # noqa: F401  (imported for availability)
-    from flodl_bus.job import load_job
-
-    job = load_job("flodl_bus.examples.digits:job")
-    model = job.build_model().to("cuda:0")
-    x, y = job.train_data().batch(list(range(32)))
-    loss = job.loss_fn(model, (x.cuda(), y.cuda()))
-    assert loss.device.type == "cuda"
