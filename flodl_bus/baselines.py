@@ -104,6 +104,8 @@ def _ddp_rank(
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:  # ranks share the cores, as the bus's ranks do
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
     try:

@@ -123,7 +123,11 @@ def coordinator_argv(args: argparse.Namespace, run: str, url: str, run_dir: Path
     return argv
 
 
-def worker_argv(args: argparse.Namespace, run: str, url: str, rank: int) -> list[str]:
+def worker_argv(
+    args: argparse.Namespace, run: str, url: str, rank: int, run_dir: Path
+) -> list[str]:
+    # Every process of the run records into the same run directory, so replay finds the
+    # coordinator's and every rank's record side by side.
     argv = _cli(
         "worker",
         "--run", run,
@@ -133,6 +137,7 @@ def worker_argv(args: argparse.Namespace, run: str, url: str, rank: int) -> list
         "--rank", str(rank),
         "--world-size", str(args.workers),
         "--log-level", args.log_level,
+        "--run-dir", str(run_dir),
     )  # fmt: skip
     if args.save_path:
         argv += ["--save-path", args.save_path]
@@ -286,7 +291,7 @@ class Launcher:
             self.children.append(
                 spawn(
                     f"rank{r}",
-                    worker_argv(args, self.run, url, r),
+                    worker_argv(args, self.run, url, r, self.run_dir),
                     thread_env(base_env, threads),
                     self.run_dir / f"rank{r}.log",
                 )
