@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "params": ("flodl_bus.params.bench:main", "CPU averaging round time vs memcpy"),
     "record": ("flodl_bus.record.bench:main", "recording cost per dispatch, replay speed"),
     "gpu": ("flodl_bus.params.bench_gpu:main", "pinned vs pageable copies, snapshot overlap"),
+    "allreduce": ("flodl_bus.params.bench_allreduce:main", "SyncNow vs a bare all-reduce"),
     "train": ("flodl_bus.bench_train:main", "a training run under the bus vs plain loop and DDP"),
     "up": ("flodl_bus.launch.bench:main", "flodl-bus up: time to first step, wall time"),
 }
