@@ -102,6 +102,8 @@ class Cluster:
             run,
             "--redis-url",
             self.redis_url,
+            "--run-dir",
+            str(self.run_dir(run)),
             "--log-level",
             "warning",
             *args,

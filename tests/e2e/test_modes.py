@@ -9,6 +9,7 @@ import time
 import pytest
 
 from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.record.replay import replay_run
 from tests.e2e.harness import (
     Cluster,
     epoch_samples,
@@ -76,6 +77,11 @@ def test_mode_trains_digits_past_target_each_sample_once_and_shuts_down_clean(
     # Clean shutdown: every rank said Exiting, after the coordinator's Shutdown.
     assert sorted(m["rank"] for m in received(recs, "Exiting")) == list(range(ranks))
     assert recs[-1]["event"] == "end" and recs[-1]["reason"] is None
+
+    # The run is replayable: fresh cores fed the recorded entries decide the same.
+    replays = replay_run(run_dir)
+    assert sorted(replays) == ["coordinator", *(f"rank:{r}" for r in range(ranks))]
+    assert {k: r.summary() for k, r in replays.items() if not r.identical} == {}
 
     metric = final_metric(run_dir)
     print(f"\n{mode} x{ranks}: final accuracy {metric:.4f}, wall {wall:.1f}s")
