@@ -165,6 +165,7 @@ def _main(args: argparse.Namespace) -> int:
         EXIT_INTERRUPTED,
         CoordinatorLoop,
         Interrupted,
+        JoinDesk,
         LoopOptions,
         MetricsTable,
         form_world,
@@ -266,6 +267,7 @@ def _main(args: argparse.Namespace) -> int:
         min_workers=args.min_workers,
         join_timeout=args.join_timeout,
     )
+    desk = JoinDesk(join, admission)
     log.info(
         "coordinator_up",
         run=args.run,
@@ -279,7 +281,7 @@ def _main(args: argparse.Namespace) -> int:
         redis=redact_url(args.redis_url),
     )
     try:
-        cursor = form_world(join, admission, stop=stopping)
+        form_world(desk, stop=stopping)
     except Interrupted:
         client.hset(keys.meta, "status", "interrupted")
         return EXIT_INTERRUPTED
@@ -321,9 +323,7 @@ def _main(args: argparse.Namespace) -> int:
         metrics=MetricsTable(run_dir / "metrics.csv", ws),
         options=LoopOptions(exit_grace=args.exit_grace),
         rank_of=keys.rank_of,
-        join=join,
-        admission=admission,
-        join_cursor=cursor,
+        join=desk,
     )
     loop.stop = stopping
     try:

@@ -133,6 +133,11 @@ class Admission:
                 return self._form()
         return []
 
+    def forget(self, worker_id: str) -> None:
+        """Drop a pending worker (its Hello turned out stale); no-op once formed."""
+        if not self.formed:
+            self._pending = [p for p in self._pending if p.hello.worker_id != worker_id]
+
     # ------------------------------------------------------------------ internals
 
     def _claimant(self, rank: int) -> str | None:

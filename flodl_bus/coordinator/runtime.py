@@ -39,6 +39,7 @@ from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.membership import Admission, Answer
 from flodl_bus.protocol.messages import (
+    Assign,
     CoordHeartbeat,
     DeclareDead,
     EpochAggregated,
@@ -97,58 +98,84 @@ class JoinPort(Protocol):
 # ----------------------------------------------------------------------- membership
 
 
-def answer_joins(
-    join: JoinPort,
-    admission: Admission,
-    got: Sequence[tuple[str, JoinMsg]],
-    now: float,
-    recorder: Callable[..., None] | None = None,
-) -> list[Answer]:
-    """Feed Hellos to ``admission``, post its answers (Assign / Reject) in order."""
-    answers: list[Answer] = []
-    for eid, msg in got:
-        if not isinstance(msg, Hello):
-            continue  # our own answers, read back from the same stream
-        log.info(
-            "worker_hello",
-            worker=msg.worker_id,
-            host=msg.host,
-            device=msg.device,
-            requested_rank=msg.requested_rank,
-        )
-        if recorder is not None:
-            recorder("hello", entry=eid, msg=msg, now=now)
-        answers += admission.hello(msg, now)
-    answers += admission.poll(now)
-    for a in answers:
-        join.post(a)
-        if isinstance(a, Reject):
-            log.warning("worker_rejected", worker=a.worker_id, reason=a.reason)
-        else:
-            log.info("worker_admitted", worker=a.worker_id, rank=a.rank, world_size=a.world_size)
-        if recorder is not None:
-            recorder("join_answer", msg=a, now=now)
-    return answers
+class JoinDesk:
+    """The coordinator's side of the join stream: read Hellos, post the answers.
+
+    The stream outlives a run (a run id reused on the same Redis, a persisted volume),
+    so it may hold Hellos of an earlier incarnation whose workers are long gone. A Hello
+    that some *other* coordinator already answered (an Assign or Reject we did not post)
+    is stale and skipped: a dead worker must never take a rank. Hellos nobody answered
+    are taken as live (a worker may say Hello before the coordinator starts).
+    """
+
+    def __init__(
+        self,
+        join: JoinPort,
+        admission: Admission,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.join = join
+        self.admission = admission
+        self.clock = clock
+        #: from the start: a worker may have said Hello before we read
+        self.cursor = "0"
+        self._ours: set[str] = set()
+        self.stale: set[str] = set()
+
+    def poll(
+        self, block_ms: int | None, recorder: Callable[..., None] | None = None
+    ) -> list[Answer]:
+        got, self.cursor = self.join.read(self.cursor, block_ms)
+        now = self.clock()
+        adm = self.admission
+        # Answers first: a stale Hello comes before its answer, often in the same read.
+        for eid, msg in got:
+            if (
+                isinstance(msg, (Assign, Reject))
+                and eid not in self._ours
+                and msg.worker_id not in self.stale
+            ):
+                self.stale.add(msg.worker_id)
+                adm.forget(msg.worker_id)
+        answers: list[Answer] = []
+        for eid, msg in got:
+            if not isinstance(msg, Hello) or msg.worker_id in self.stale:
+                continue
+            log.info(
+                "worker_hello",
+                worker=msg.worker_id,
+                host=msg.host,
+                device=msg.device,
+                requested_rank=msg.requested_rank,
+            )
+            if recorder is not None:
+                recorder("hello", entry=eid, msg=msg, now=now)
+            answers += adm.hello(msg, now)
+        answers += adm.poll(now)
+        for a in answers:
+            self._ours.add(self.join.post(a))
+            if isinstance(a, Reject):
+                log.warning("worker_rejected", worker=a.worker_id, reason=a.reason)
+            else:
+                log.info(
+                    "worker_admitted", worker=a.worker_id, rank=a.rank, world_size=a.world_size
+                )
+            if recorder is not None:
+                recorder("join_answer", msg=a, now=now)
+        return answers
 
 
-def form_world(
-    join: JoinPort,
-    admission: Admission,
-    *,
-    clock: Callable[[], float] = time.monotonic,
-    stop: threading.Event | None = None,
-    block_ms: int = 200,
-) -> str:
-    """Admit workers until the world forms; returns the join cursor to go on from."""
-    cursor = "0"  # from the start: a worker may have said Hello before we read
-    admission.open(clock())
-    last_note = clock()
+def form_world(desk: JoinDesk, *, stop: threading.Event | None = None, block_ms: int = 200) -> None:
+    """Admit workers until the world forms."""
+    admission = desk.admission
+    admission.open(desk.clock())
+    last_note = desk.clock()
     while not admission.formed:
         if stop is not None and stop.is_set():
             raise Interrupted("stopped while the world was forming")
-        got, cursor = join.read(cursor, block_ms)
-        now = clock()
-        answer_joins(join, admission, got, now)
+        desk.poll(block_ms)
+        now = desk.clock()
         if not admission.formed and now - last_note >= 10.0:
             last_note = now
             log.info(
@@ -158,7 +185,6 @@ def form_world(
                 min_workers=admission.min_workers,
             )
     log.info("world_formed", world_size=admission.world_size)
-    return cursor
 
 
 # ------------------------------------------------------------------------- outputs
@@ -273,9 +299,7 @@ class CoordinatorLoop:
         options: LoopOptions | None = None,
         rank_of: Callable[[str], int | None] = _default_rank_of,
         clock: Callable[[], float] = time.monotonic,
-        join: JoinPort | None = None,
-        admission: Admission | None = None,
-        join_cursor: str = "0",
+        join: JoinDesk | None = None,
     ) -> None:
         self.core = core
         self.bus = bus
@@ -285,8 +309,6 @@ class CoordinatorLoop:
         self.rank_of = rank_of
         self.clock = clock
         self.join = join
-        self.admission = admission
-        self._join_cursor = join_cursor
         self._next_join_poll = 0.0
         self.stop = threading.Event()
         self.finished: Finished | None = None
@@ -541,13 +563,11 @@ class CoordinatorLoop:
         self.finished_at = now
 
     def _poll_join(self) -> None:
-        if self.join is None or self.admission is None:
+        """Late Hellos: a retried one gets its Assign again, anyone else a Reject."""
+        if self.join is None:
             return
         now = self.clock()
         if now < self._next_join_poll:
             return
         self._next_join_poll = now + self.options.join_poll_every
-        got, self._join_cursor = self.join.read(self._join_cursor, None)
-        if got:
-            recorder = self.rec.event if self.rec is not None else None
-            answer_joins(self.join, self.admission, got, now, recorder)
+        self.join.poll(None, self.rec.event if self.rec is not None else None)

@@ -21,6 +21,7 @@ from flodl_bus.coordinator.runtime import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     CoordinatorLoop,
+    JoinDesk,
     LoopOptions,
     MetricsTable,
     form_world,
@@ -239,9 +240,29 @@ def test_form_world_admits_hellos_already_waiting_and_answers_on_the_join_stream
     worker_side.post(Hello("w3", "h", "sig"))
     coord_side = JoinStream(client, "run-x", secret)
     adm = Admission(dataset_sig="sig", world_size=2)
-    form_world(coord_side, adm, block_ms=10)
+    form_world(JoinDesk(coord_side, adm), block_ms=10)
     answers = [m for _, m in worker_side.read("0", None)[0] if not isinstance(m, Hello)]
     refused = answers[0]
     assert isinstance(refused, Reject) and refused.worker_id == "w2"
     assert "other" in refused.reason
     assert answers[1:] == [Assign("w1", 0, 2), Assign("w3", 1, 2)]
+
+
+def test_hellos_another_coordinator_already_answered_are_stale_and_take_no_rank() -> None:
+    client = fakeredis.FakeRedis()
+    secret = new_secret()
+    old_run = JoinStream(client, "run-y", secret)
+    old_run.post(Hello("gone0", "h", "sig"))
+    old_run.post(Hello("gone1", "h", "sig"))
+    old_run.post(Assign("gone0", 0, 2))  # the previous coordinator answered these
+    old_run.post(Assign("gone1", 1, 2))
+    old_run.post(Hello("live", "h", "sig"))  # waiting, unanswered: a real worker
+    adm = Admission(dataset_sig="sig", world_size=2)
+    desk = JoinDesk(JoinStream(client, "run-y", secret), adm)
+    assert desk.poll(None) == []
+    assert adm.joined == 1 and desk.stale == {"gone0", "gone1"}
+    old_run.post(Hello("live2", "h", "sig"))
+    assert desk.poll(None) == [Assign("live", 0, 2), Assign("live2", 1, 2)]
+    # Our own answers, read back, do not make our workers stale.
+    desk.poll(None)
+    assert desk.stale == {"gone0", "gone1"}
