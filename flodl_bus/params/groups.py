@@ -87,6 +87,12 @@ def form_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a world of {world_size}")
     if backend == "nccl":
+        # NCCL's heartbeat monitor polls the store for a "dump traces" flag with
+        # Store::check, which a Python store cannot serve on every torch version (torch
+        # 2.11 reports a pure virtual call every second). Our own watchdog (abort on a
+        # dead peer) does not need it; a user who wants the dumps can set these.
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "0")
+        os.environ.setdefault("TORCH_NCCL_ENABLE_MONITORING", "0")
         nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]
         opts = nccl.Options()
         opts._timeout = timeout
