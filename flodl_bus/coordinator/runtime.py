@@ -304,6 +304,8 @@ class CoordinatorLoop:
         self.core = core
         self.bus = bus
         self.rec = recorder
+        #: the core's state summary as of the last recorded call (see _state_before)
+        self._state: dict[str, Any] | None = None
         self.metrics = metrics
         self.options = options or LoopOptions()
         self.rank_of = rank_of
@@ -324,11 +326,11 @@ class CoordinatorLoop:
         core = self.core
         early = self._await_first_contact()
         now = self.clock()
-        before = core.state_summary() if self.rec is not None else None
+        before = self._state_before() if self.rec is not None else None
         outs = core.start(now)
         if self.rec is not None:
             assert before is not None
-            self.rec.start(now=now, before=before, after=core.state_summary(), out=outs)
+            self.rec.start(now=now, before=before, after=self._state_after(), out=outs)
         self._apply(outs, now)
         log.info(
             "run_started",
@@ -407,7 +409,7 @@ class CoordinatorLoop:
                 log.error("upstream_from_unknown_stream", stream=d.stream, entry=d.entry_id)
                 continue
             now = self.clock()
-            before = core.state_summary() if rec is not None else None
+            before = self._state_before() if rec is not None else None
             outs = core.handle(rank, d.msg, now)
             self.dispatches += 1
             if rec is not None:
@@ -418,12 +420,24 @@ class CoordinatorLoop:
                     msg=d.msg,
                     now=now,
                     before=before,
-                    after=core.state_summary(),
+                    after=self._state_after(),
                     out=outs,
                     sender=rank,
                 )
             self._apply(outs, now)
         self.bus.ack(deliveries)
+
+    def _state_before(self) -> dict[str, Any]:
+        # The core changes only through the calls recorded here (start, handle, tick,
+        # send_failed), each of which refreshes the cache with its "after": so the last
+        # "after" is exactly the next "before", and the summary is built once per call.
+        if self._state is None:
+            self._state = self.core.state_summary()
+        return self._state
+
+    def _state_after(self) -> dict[str, Any]:
+        self._state = self.core.state_summary()
+        return self._state
 
     def _tick(self) -> None:
         core = self.core
@@ -431,9 +445,9 @@ class CoordinatorLoop:
         if self.rec is None:
             self._apply(core.tick(now), now)
             return
-        before = core.state_summary()
+        before = self._state_before()
         outs = core.tick(now)
-        after = core.state_summary()
+        after = self._state_after()
         if outs or after != before:
             self.rec.tick(now=now, before=before, after=after, out=outs)
         self._apply(outs, now)
@@ -452,7 +466,7 @@ class CoordinatorLoop:
                     log.error(
                         "send_failed", rank=o.rank, msg=type(o.msg).__name__, error=repr(exc)[:300]
                     )
-                    before = self.core.state_summary() if self.rec is not None else None
+                    before = self._state_before() if self.rec is not None else None
                     more = self.core.send_failed(o.rank, o.msg, now)
                     if self.rec is not None:
                         assert before is not None
@@ -461,7 +475,7 @@ class CoordinatorLoop:
                             msg=o.msg,
                             now=now,
                             before=before,
-                            after=self.core.state_summary(),
+                            after=self._state_after(),
                             out=more,
                         )
                     # Applied after this batch, in order (the rollback re-offers on a tick).
