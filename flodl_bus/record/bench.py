@@ -6,8 +6,9 @@ each on the same message sequence and core state, median over ``--repeats`` runs
 
 * rank: ``RecordedControl.dispatch`` (state before/after, the record line) vs
   ``WorkerControl.dispatch``; and a recorded training step vs a plain ``step_done``;
-* coordinator: ``handle`` + two ``state_summary`` + ``DispatchRecorder.dispatch`` (what the
-  coordinator runtime does per entry) vs ``handle`` alone.
+* coordinator: ``handle`` + one ``state_summary`` (the previous call's "after" is this
+  call's "before") + ``DispatchRecorder.dispatch`` (what the coordinator runtime does per
+  entry) vs ``handle`` alone.
 
 Each figure is printed beside the core's own cost (the reference, same run). Replay speed
 is core calls per second of ``replay`` on the records written here (fakeredis transport
@@ -168,7 +169,8 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
     plain.start(now)
     before = recorded.state_summary()
     out = recorded.start(now)
-    rec.start(now=now, before=before, after=recorded.state_summary(), out=out)
+    last = recorded.state_summary()
+    rec.start(now=now, before=before, after=last, out=out)
     step = [0] * ws
     plain_ns: list[int] = []
     rec_ns: list[int] = []
@@ -188,18 +190,19 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
         t0 = clock()
         plain.handle(r, msg, now)
         t1 = clock()
-        b = recorded.state_summary()
         outs = recorded.handle(r, msg, now)
+        after = recorded.state_summary()
         rec.dispatch(
             stream=f"flodl:{{bench}}:up:{r}",
             entry_id=f"{1 + k // ws}-{k % ws}",
             msg=msg,
             now=now,
-            before=b,
-            after=recorded.state_summary(),
+            before=last,
+            after=after,
             out=outs,
             sender=r,
         )
+        last = after
         t2 = clock()
         plain_ns.append(t1 - t0)
         rec_ns.append(t2 - t1)
