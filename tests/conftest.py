@@ -11,6 +11,9 @@ import redis
 
 from flodl_bus.bus.server import RedisServer
 
+# The recorded-run fixtures and helpers (flodl_bus.record.testing) for every test module.
+pytest_plugins = ["flodl_bus.record.testing"]
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer | None]:

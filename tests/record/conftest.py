@@ -1,3 +1,0 @@
-from __future__ import annotations
-
-pytest_plugins = ["flodl_bus.record.testing"]
