@@ -74,6 +74,34 @@ def backend_for(device: torch.device) -> str:
     return "gloo"
 
 
+#: Where rank 0 hosts the NCCL bootstrap store; other ranks must reach it.
+ENV_BIND_HOST: Final = "FLODL_BIND_HOST"
+
+
+def _tcp_store_via(store: Store, rank: int, world_size: int, timeout: timedelta) -> Store:
+    """A C++ ``TCPStore`` for one session, its address published through ``store``."""
+    if rank == 0:
+        host = os.environ.get(ENV_BIND_HOST) or _routable_host()
+        tcp = dist.TCPStore(  # type: ignore[attr-defined]
+            "0.0.0.0", 0, world_size, True, timeout=timeout, wait_for_workers=False
+        )
+        store.set("nccl_bootstrap", f"{host}:{tcp.port}")
+        return tcp  # type: ignore[no-any-return]
+    addr = store.get("nccl_bootstrap").decode()
+    host, _, port = addr.rpartition(":")
+    return dist.TCPStore(host, int(port), world_size, False, timeout=timeout)  # type: ignore[attr-defined,no-any-return]
+
+
+def _routable_host() -> str:
+    """This host's address as its peers would dial it (loopback for a lone host)."""
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def form_process_group(
     store: Store,
     rank: int,
@@ -87,6 +115,11 @@ def form_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a world of {world_size}")
     if backend == "nccl":
+        # NCCL's communicator setup calls Store methods that a Python store cannot serve
+        # on every torch version ("Not implemented" from the trampoline on torch 2.11), so
+        # the group gets a C++ TCPStore hosted by rank 0, whose address travels through
+        # the run's Redis store: a deployment still needs only the Redis address.
+        store = _tcp_store_via(store, rank, world_size, timeout)
         # NCCL's heartbeat monitor polls the store for a "dump traces" flag with
         # Store::check, which a Python store cannot serve on every torch version (torch
         # 2.11 reports a pure virtual call every second). Our own watchdog (abort on a

@@ -56,6 +56,9 @@ def test_cpu_path_stages_a_gpu_model_in_pinned_buffers_reused_every_round(
             assert isinstance(msg, Update)
             assert torch.equal(msg.avg.params[0], expected)
             port.load_averaged(msg.avg)
+            # The round ends with its SyncAck, after the Update: the coordinator sends the
+            # next RequestParams only once every ack is in, so the test waits as it would.
+            assert cpu.wait_idle(30)
             torch.cuda.synchronize()
             assert torch.equal(params[0].cpu(), expected)
             assert cpu.snap.pinned and cpu.cons.flats[0].is_pinned()
