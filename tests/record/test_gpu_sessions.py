@@ -1,0 +1,29 @@
+"""Runs recorded on a real H200 machine (CUDA ranks, NCCL collectives through the Redis
+store) replay identically here on the CPU: the record, not the GPU, is the input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flodl_bus.record.replay import Recording
+from flodl_bus.record.testing import assert_identical, recorded_sessions
+
+GPU_SESSIONS = recorded_sessions(Path(__file__).resolve().parents[1] / "sessions_gpu")
+
+
+def test_the_gpu_sessions_are_here() -> None:
+    assert {p.name for p in GPU_SESSIONS} == {
+        "h200-1rank-nccl-cadence",
+        "h200-2rank-nccl-cadence",
+    }
+
+
+@pytest.mark.parametrize(
+    "recorded_run", GPU_SESSIONS, indirect=True, ids=[p.name for p in GPU_SESSIONS]
+)
+def test_a_gpu_run_replays_identically_on_the_cpu(recorded_run: dict[str, Recording]) -> None:
+    results = assert_identical(recorded_run)
+    assert "coordinator" in results and "rank:0" in results
+    assert all(r.replayed > 100 for r in results.values())
