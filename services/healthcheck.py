@@ -4,7 +4,7 @@
 
 Healthy when Redis answers with this service's own ACL user (FLODL_REDIS_URL plus
 FLODL_REDIS_USERNAME / FLODL_REDIS_PASSWORD), and, for the coordinator, once the run's
-secret is published in its meta hash: workers can only join after that, which is what
+secret is published (``flodl-secret:{RUN}``): workers can only join after that, which is what
 ``depends_on: condition: service_healthy`` waits for. Exit status 0 healthy, 1 not.
 """
 
@@ -15,7 +15,6 @@ import sys
 
 from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.run_secret import META_FIELD
 
 
 def check(role: str, url: str, run: str | None) -> str | None:
@@ -27,8 +26,8 @@ def check(role: str, url: str, run: str | None) -> str | None:
         if role == "coordinator":
             if not run:
                 return "FLODL_RUN is not set"
-            if not client.hexists(RunKeys(run).meta, META_FIELD):
-                return f"run {run!r} has no secret in its meta hash yet"
+            if not client.exists(RunKeys(run).secret):
+                return f"run {run!r} has no published secret yet"
         return None
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"

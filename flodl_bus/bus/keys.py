@@ -72,6 +72,13 @@ class RunKeys:
     def meta(self) -> str:
         return f"{self.prefix}meta"
 
+    @property
+    def secret(self) -> str:
+        """The run's MAC key. Outside ``flodl:*`` on purpose: the read-only observer ACL
+        user (``~flodl:*``) can watch every stream and ``meta`` but never forge entries.
+        Same hash tag, so a Redis Cluster still keeps the run in one slot."""
+        return f"{PREFIX}-secret:{{{self.run}}}"
+
     def store(self, name: str) -> str:
         if not name:
             raise ValueError("store key name must not be empty")

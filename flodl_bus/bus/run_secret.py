@@ -1,8 +1,9 @@
 """The per-run secret that keys every entry's MAC.
 
 Either given to every process (``FLODL_RUN_SECRET``, hex), or created once by the
-coordinator in the run's ``meta`` hash (HSETNX, so two racing coordinators agree) and
-read from there by the workers. The secret is never logged.
+coordinator at ``RunKeys.secret`` (SET NX, so two racing coordinators agree) and read
+from there by the workers. That key lies outside ``flodl:*``, which the read-only
+observer user may read. The secret is never logged.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from flodl_bus.bus.keys import RunKeys
 from flodl_bus.protocol.signing import SECRET_BYTES, new_secret
 
 ENV_SECRET: Final = "FLODL_RUN_SECRET"
-META_FIELD: Final = "secret"
 
 
 class SecretError(RuntimeError):
@@ -43,15 +43,15 @@ def secret_from_env(env: Mapping[str, str] | None = None) -> bytes | None:
 def ensure_run_secret(
     client: redis.Redis, keys: RunKeys, env: Mapping[str, str] | None = None
 ) -> bytes:
-    """The coordinator's secret: from the environment, else created once in ``meta``."""
+    """The coordinator's secret: from the environment, else created once in Redis."""
     given = secret_from_env(env)
     if given is not None:
         return given
-    client.hsetnx(keys.meta, META_FIELD, new_secret().hex())
-    stored = client.hget(keys.meta, META_FIELD)
+    client.set(keys.secret, new_secret().hex(), nx=True)
+    stored = client.get(keys.secret)
     if stored is None:
-        raise SecretError(f"{keys.meta} lost its secret right after it was set")
-    return _from_hex(stored, keys.meta)
+        raise SecretError(f"{keys.secret} lost its secret right after it was set")
+    return _from_hex(stored, keys.secret)  # type: ignore[arg-type]
 
 
 def fetch_run_secret(
@@ -68,12 +68,12 @@ def fetch_run_secret(
         return given
     deadline = time.monotonic() + timeout
     while True:
-        stored = client.hget(keys.meta, META_FIELD)
+        stored = client.get(keys.secret)
         if stored is not None:
-            return _from_hex(stored, keys.meta)
+            return _from_hex(stored, keys.secret)  # type: ignore[arg-type]
         if time.monotonic() > deadline:
             raise SecretError(
-                f"no run secret in {keys.meta} after {timeout:.0f}s: is the coordinator "
+                f"no run secret at {keys.secret} after {timeout:.0f}s: is the coordinator "
                 f"of run {keys.run!r} up? (or set {ENV_SECRET})"
             )
         time.sleep(poll)

@@ -26,7 +26,7 @@ from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, MAX_BLOCK_MS, connect
 from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.run_secret import META_FIELD, secret_from_env
+from flodl_bus.bus.run_secret import secret_from_env
 from flodl_bus.bus.streams import stream_top
 from flodl_bus.protocol import signing, wire
 
@@ -153,8 +153,8 @@ def _secret(client: redis.Redis, keys: RunKeys) -> bytes | None:
     if env_secret is not None:
         return env_secret
     try:
-        stored = client.hget(keys.meta, META_FIELD)
-    except redis.exceptions.ResponseError:  # an observer ACL user may not read meta
+        stored = client.get(keys.secret)
+    except redis.exceptions.ResponseError:  # the observer ACL user may not read the secret
         return None
     if not stored:
         return None

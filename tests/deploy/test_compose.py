@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import redis
 
+from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.record.log import read_records
 from tests.deploy.compose import COMPOSE, ROOT, host_argv, interpolate, load, service_env
@@ -216,4 +217,7 @@ def test_the_observer_user_tails_with_ops_tail_sh_and_cannot_write(acl_redis: Re
     with pytest.raises(redis.exceptions.ResponseError):
         observer.eval_ro("return redis.call('DEL', KEYS[1])", 1, "flodl:{obs}:ctl:all")
     assert observer.xlen("flodl:{obs}:ctl:all") == 3
+    # The observer watches everything but can never learn the MAC key to forge entries.
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        observer.get(RunKeys("obs").secret)
     observer.close()
