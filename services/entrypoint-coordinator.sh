@@ -21,7 +21,10 @@ set -- flodl-bus coordinator \
   --job "${FLODL_JOB:-flodl_bus.examples.digits:job}" \
   --mode "${FLODL_MODE:-cpu-cadence}" \
   --run-dir "${FLODL_RUN_DIR:-runs/$FLODL_RUN}" \
-  --eval-every "${FLODL_EVAL_EVERY:-1}"
+  --eval-every "${FLODL_EVAL_EVERY:-1}" \
+  --reset-run
+# --reset-run: compose reuses FLODL_RUN across `up`s and Redis keeps its volume, so the
+# previous run's streams and secret are deleted before this run starts.
 
 if [ -n "${FLODL_WORLD_SIZE:-}" ]; then
   set -- "$@" --world-size "$FLODL_WORLD_SIZE"

@@ -26,8 +26,12 @@ def check(role: str, url: str, run: str | None) -> str | None:
         if role == "coordinator":
             if not run:
                 return "FLODL_RUN is not set"
-            if not client.exists(RunKeys(run).secret):
-                return f"run {run!r} has no published secret yet"
+            keys = RunKeys(run)
+            # A volume-persisted Redis may still hold the previous compose run's secret
+            # and meta: healthy only once *this* coordinator has started the run.
+            status = client.hget(keys.meta, "status")
+            if status not in (b"joining", b"running") or not client.exists(keys.secret):
+                return f"run {run!r} is not started by this coordinator yet"
         return None
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"

@@ -82,8 +82,22 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds to wait for every rank's Exiting after Shutdown (default 30)",
     )
+    p.add_argument(
+        "--reset-run",
+        action="store_true",
+        help="delete what an earlier run with this id left in Redis (streams, meta, secret) "
+        "before starting; without it such a run id is refused",
+    )
     p.add_argument("--log-level", default="info", help="console log level (default info)")
     return p
+
+
+def _reset_run(client: Any, keys: RunKeys) -> int:
+    """Delete every key of the run (its hash-tagged streams, meta, store) and its secret."""
+    doomed = [*client.scan_iter(match=f"{keys.prefix}*", count=1000), keys.secret]
+    for i in range(0, len(doomed), 500):
+        client.unlink(*doomed[i : i + 500])
+    return len(doomed) - 1
 
 
 def _positive(name: str, value: int | float | None, *, zero_ok: bool = False) -> None:
@@ -244,6 +258,16 @@ def _main(args: argparse.Namespace) -> int:
         "resume": args.resume or "",
         "status": "joining",
     }
+    # An earlier run's streams under the same id would hand the new ranks its stale
+    # control entries (and its secret); only workers ever read meta, so its presence
+    # means a coordinator already ran this id.
+    if args.reset_run:
+        log.info("run_reset", run=args.run, keys_deleted=_reset_run(client, keys))
+    elif client.exists(keys.meta):
+        raise ConfigError(
+            f"run id {args.run!r} already has state in Redis from an earlier coordinator "
+            f"({keys.meta}): pick a new --run, or pass --reset-run to delete it"
+        )
     try:
         # The config first: a worker that sees the secret can rely on the config too.
         client.hset(keys.meta, mapping=run_fields)  # type: ignore[arg-type]

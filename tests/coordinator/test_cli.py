@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import redis
 
-from flodl_bus.coordinator.cli import main
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.coordinator.cli import _reset_run, main
 
 BASE = ["--run", "r1", "--job", "flodl_bus.examples.digits:job", "--world-size", "2"]
 DEAD_REDIS = "redis://127.0.0.1:1/0"
@@ -50,3 +52,25 @@ def test_resume_from_a_missing_or_foreign_meta_is_refused_before_redis_is_touche
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "resume with the same" in err, err
+
+
+@pytest.mark.redis
+def test_a_run_id_an_earlier_coordinator_used_is_refused_unless_reset(
+    real_redis: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = RunKeys("used")
+    real_redis.hset(keys.meta, mapping={"status": "finished"})
+    real_redis.xadd(keys.ctl(0), {"type": "StartEpoch"})
+    real_redis.set(keys.secret, "ab" * 16)
+    argv = [
+        "--run", "used", "--job", "flodl_bus.examples.digits:job", "--world-size", "1",
+        "--redis-url", redis_url, "--join-timeout", "0.5",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pass --reset-run" in err, err
+    assert real_redis.xlen(keys.ctl(0)) == 1  # refused: nothing touched
+
+    # --reset-run deletes every key of the run, its streams and its secret included.
+    assert _reset_run(real_redis, keys) == 2
+    assert not real_redis.exists(keys.meta, keys.ctl(0), keys.secret)
