@@ -31,8 +31,10 @@ class RankBus(Protocol):
         """Next control deliveries in the coordinator's send order (may be empty).
 
         Entries that fail to decode or authenticate never appear here: they are
-        dead-lettered by the transport. Deliveries must be ``ack``ed once dispatched; a
-        restarted reader first re-delivers what was read but not acked, and never
+        dead-lettered by the transport. Deliveries must be ``ack``ed once taken over (the
+        rank runtime acks once an entry is in its local control queue: a rank process
+        that dies loses its training state anyway, so nothing would be re-dispatched to
+        it); a restarted reader first re-delivers what was read but not acked, and never
         yields an entry it already acked.
         """
         ...

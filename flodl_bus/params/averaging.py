@@ -49,11 +49,13 @@ def weight(own_mass: float, total_mass: float) -> float:
 
 
 def sq_sum(tensors: Iterable[torch.Tensor]) -> float:
-    total = 0.0
-    for t in tensors:
-        if t.numel():
-            total += float(torch.linalg.vector_norm(t).item()) ** 2
-    return total
+    # One device sync for the whole list (a per-tensor .item() would stall a GPU
+    # training thread once per parameter tensor).
+    ts = [t for t in tensors if t.numel()]
+    if not ts:
+        return 0.0
+    norms = torch._foreach_norm([t.float() if not t.is_floating_point() else t for t in ts])
+    return float(torch.stack([n.double() for n in norms]).square().sum().item())
 
 
 def diff_sq_sum(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:

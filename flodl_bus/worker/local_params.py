@@ -16,14 +16,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from flodl_bus.params.averaging import sq_sum
 from flodl_bus.params.port import SyncResult
 from flodl_bus.protocol.messages import AveragedParams, ControlMsg, SyncAck, Update, UpstreamMsg
 
 
 def params_norm(model: nn.Module) -> float:
     with torch.no_grad():
-        total = sum(float(p.detach().pow(2).sum()) for p in model.parameters())
-    return math.sqrt(total)
+        return math.sqrt(sq_sum(p.detach() for p in model.parameters()))
 
 
 class LocalParams:

@@ -159,10 +159,12 @@ def run_rank(
     try:
         clean = loop.run_until_shutdown()
     finally:
-        runtime.close()
+        # The param plane first: its averaging thread may still publish a round's
+        # SyncAck, which needs the bus the runtime closes.
         close_params = getattr(params, "close", None)
         if callable(close_params):
             close_params()
+        runtime.close()
         if recording is not None:
             recording.close()
     if not clean:
