@@ -174,7 +174,23 @@ class WorkerControl:
             self.steps_since_avg = max(0, self.steps_since_avg - self.steps_at_snapshot)
             self.steps_at_snapshot = 0
             self.current_version = msg.avg.version
-            return _NOTHING
+            armed = self.pending_consensus_eval
+            if armed is None or not msg.avg.realized:
+                # An unrealized round is the rank's own state, not a consensus: the
+                # armed eval waits for the next realized one.
+                return _NOTHING
+            self.pending_consensus_eval = None
+            if self.model is None or not self.model.has_eval_fn:
+                return _NOTHING
+            # Scored right after adoption, before any further step: with overwrite
+            # adoption the model *is* this round's consensus (under the cpu-async EASGD
+            # blend it is the blend; scoring the exact consensus would need the port to
+            # swap it in and back).
+            schedule_id, epoch = armed
+            eval_msg = ExecuteEvalCallback(
+                schedule_id=schedule_id, epoch=epoch, target_rank=self.rank
+            )
+            return Dispatched(upstream=(self._evaluate(eval_msg),))
 
         if isinstance(msg, SyncNow):
             result = self.params.sync_now(self.steps_since_avg)

@@ -371,6 +371,31 @@ def test_arm_consensus_eval_is_stored_only_on_its_target(core: Core) -> None:
     assert core.control.pending_consensus_eval == (6, 3)
 
 
+def test_an_armed_eval_scores_the_next_realized_consensus_once() -> None:
+    seen: list[float] = []
+
+    def eval_fn(model: torch.nn.Module, data: object) -> float:
+        value = float(next(model.parameters()).detach().flatten()[0])
+        seen.append(value)
+        return value
+
+    c = make_core(rank=0, eval_fn=eval_fn)
+    c.control.dispatch(ArmConsensusEval(schedule_id=4, epoch=4, target_rank=0))
+    # An unrealized round (nobody moved) is no consensus: the eval stays armed.
+    unrealized = AveragedParams(
+        params=averaged(c, 1).params, buffers=averaged(c, 1).buffers, version=1, realized=False
+    )
+    assert c.control.dispatch(Update(unrealized)) == Dispatched()
+    assert c.control.pending_consensus_eval == (4, 4)
+    # The realized one is adopted, then scored: the metric is the consensus (0.25).
+    (result,) = c.control.dispatch(Update(averaged(c, version=2, scale=0.25))).upstream
+    assert isinstance(result, EvalResult)
+    assert (result.schedule_id, result.epoch, result.metric) == (4, 4, 0.25)
+    assert c.control.pending_consensus_eval is None
+    assert c.control.dispatch(Update(averaged(c, version=3, scale=0.5))) == Dispatched()
+    assert seen == [0.25]
+
+
 # -------------------------------------------------------------------- shutdown
 
 
