@@ -223,7 +223,8 @@ class Coordinator:
         self.phase = TRAINING
         self.finished = False
         self.finish_reason: SaveReason | None = None
-        self.final_eval_sent = False
+        #: the rank the final eval went to; if it dies, the run stops waiting for it
+        self.final_eval_rank: int | None = None
         self.final_eval_done = False
         self.lost_sends = 0
         self._redispatch: list[int] = []
@@ -1001,8 +1002,8 @@ class Coordinator:
                 return
             if self.config.final_eval and self.alive(self.roles.eval):
                 self.phase = FINAL_EVAL
-                self.final_eval_sent = True
                 target = self.roles.eval
+                self.final_eval_rank = target
                 out.append(
                     Send(
                         target,
@@ -1012,7 +1013,14 @@ class Coordinator:
                     )
                 )
                 return
-        if self.phase == FINAL_EVAL and not self.final_eval_done and self.alive(self.roles.eval):
+        if (
+            self.phase == FINAL_EVAL
+            and not self.final_eval_done
+            and self.final_eval_rank is not None
+            and self.alive(self.final_eval_rank)
+        ):
+            # Waits on the rank that was asked: on its death the eval role moves to a
+            # rank that never got the request, and waiting on the role would never end.
             return
         # NCCL settle gate: never Shutdown ranks still inside a collective (§6 #6).
         if self.nccl and not self._all_acked():

@@ -578,6 +578,24 @@ def test_final_eval_runs_before_shutdown_when_no_trailing_steps() -> None:
     assert types(out)[-1] == "Shutdown" and isinstance(out[-1], Finished)
 
 
+def test_the_final_eval_rank_dying_does_not_hold_the_shutdown_forever() -> None:
+    core, out = started("cpu-sync", total=2, final_eval=True)
+    for r in (0, 1):
+        feed(core, r, 1)
+    core.tick(0.01)
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 0.02)
+        core.handle(r, metrics(r, 0, 1), 0.02)
+    evals = msgs(core.tick(0.03), m.ExecuteEvalCallback)
+    evaluator = evals[0].msg.target_rank
+    assert not msgs(core.tick(0.04), m.Shutdown)
+    # The evaluator dies before answering: the role moves on, the wait must not.
+    core.declare_dead(evaluator, 0.05)
+    out = core.tick(0.06)
+    assert msgs(out, m.Shutdown) or msgs(out, m.ShutdownWithSave)
+    assert any(isinstance(o, Finished) for o in out)
+
+
 def test_epoch_aggregated_carries_batch_weighted_loss() -> None:
     core, out = started("nccl-sync", total=100, num_epochs=2)
     core.handle(0, m.MetricsMsg(0, 0, 0.5, 60, 1.0, 50, 1.0, 1.0, 0.0), 0.0)
