@@ -48,6 +48,8 @@ from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
 
+#: how long a dead-letter write may wait for Redis before the read goes on without it
+DLQ_DEADLINE_S: Final = 2.0
 log = structlog.get_logger("flodl_bus.bus")
 
 COORDINATOR_GROUP: Final = "coordinator"
@@ -270,7 +272,20 @@ class _GroupReader:
                 pipe.xack(r.stream, self.group, format_id(r.entry_id))
             pipe.execute()
 
-        self.link.call(op)
+        # Bounded and never fatal: the valid entries of the same read are already past
+        # the cursor, and a dlq write that fails (Redis down, OOM under noeviction, an
+        # ACL refusal) must not throw them away. The rejected ones stay pending.
+        try:
+            self.link.call(op, deadline=time.monotonic() + DLQ_DEADLINE_S)
+        except BusClosed:
+            raise
+        except Exception as exc:
+            log.error(
+                "bus_dead_letter_failed",
+                reader=self.name,
+                count=len(rejected),
+                error=f"{type(exc).__name__}: {exc}"[:200],
+            )
 
     def close(self) -> None:
         try:
@@ -325,10 +340,11 @@ class _Publisher:
 
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
-            return self._q.empty()
+            return self._q.empty() and self.error is None
         done = threading.Event()
         self._q.put(done)
-        return done.wait(timeout)
+        # After a failure the thread still answers flushes but drops messages.
+        return done.wait(timeout) and self.error is None
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closed:
@@ -341,11 +357,17 @@ class _Publisher:
 
     def _run(self) -> None:
         try:
-            self.link.call(
-                lambda retry: self.clock.raise_floor(stream_top(self.client, self.stream))
-            )
+            self._drain()
         except BusClosed:
             return
+        except BaseException as exc:
+            # A dead publisher must be visible: flush() reports it and the rank stops
+            # instead of training on while its heartbeats silently pile up in the queue.
+            self.error = exc
+            log.error("bus_publisher_failed", rank=self.rank, error=repr(exc)[:200])
+
+    def _drain(self) -> None:
+        self.link.call(lambda retry: self.clock.raise_floor(stream_top(self.client, self.stream)))
         get = self._q.get
         get_nowait = self._q.get_nowait
         limit = self.config.publish_batch
@@ -377,7 +399,8 @@ class _Publisher:
             self.seq += 1
             try:
                 fields = entries.build(self.secret, self.stream, msg, self.rank_field, self.seq)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
+                # e.g. an int beyond 64 bits: one message lost, loudly; the stream goes on
                 log.error("bus_publish_dropped", rank=self.rank, error=str(exc)[:200])
                 continue
             items.append((format_id(self.clock.next(_now_ms())), fields))

@@ -18,6 +18,7 @@ from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.bus.streams import (
+    BusError,
     RedisCoordinatorBus,
     RedisRankBus,
     StreamsConfig,
@@ -401,6 +402,34 @@ def test_forged_foreign_run_and_moved_entries_are_rejected(backend: Backend) -> 
     assert all(r.startswith("authentication failed") for r in reasons)
     for bus in (rank_a, coord_a, coord_b, same_secret_b):
         bus.close()
+
+
+def test_a_dlq_that_cannot_be_written_never_costs_the_valid_entries_of_the_read(
+    backend: Backend,
+) -> None:
+    keys = RunKeys("dlqfail")
+    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    admin = backend.admin
+    admin.set(keys.dlq, "not a stream")  # every XADD to the dlq now fails (WRONGTYPE)
+    admin.xadd(keys.ctl(0), entries.build(bytes(16), keys.ctl(0), m.Shutdown(), "0", 1))  # type: ignore[arg-type]
+    coord.send(0, m.SetGlobalStep(global_step=7))
+    assert _steps(collect(rank, 1)) == [7]
+    rank.close()
+    coord.close()
+
+
+def test_a_publisher_that_fails_is_reported_not_silently_dead(backend: Backend) -> None:
+    keys = RunKeys("pubfail")
+    backend.admin.set(keys.up(0), "not a stream")  # the publisher's first XINFO fails
+    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    deadline = time.monotonic() + 10
+    while rank.flush(0.2) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rank.flush(0.5)
+    with pytest.raises(BusError, match="publisher of rank 0 failed"):
+        rank.publish(_batch(0, 1))
+    rank.close()
 
 
 # ---------------------------------------------------------------------- plumbing
