@@ -1147,6 +1147,7 @@ class Coordinator:
         self.active_count = max(self.active_count - 1, 0)
         self.throttled[r] = False
         alive = self.alive_mask()
+        self.elche.forget(r)
         self.roles.on_death(r, alive, self.elche.fastest(alive))
         self._settle(r)
         # Both backends average through one collective group of the ranks (the cpu

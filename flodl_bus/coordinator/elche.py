@@ -141,6 +141,16 @@ class ElChe:
         return scaled
 
     # ------------------------------------------------------------------ updates
+    def forget(self, rank: int) -> None:
+        """A dead rank's timing leaves the cohort: otherwise its stale (often slowest)
+        ms keeps it the anchor, and live ranks get counts scaled to a ghost."""
+        self._rings[rank].clear()
+        if self.anchor_rank == rank:
+            self.anchor_rank = None
+            self._elect_anchor_rank()
+        if self.calibrations:
+            self._recompute(first=False)
+
     def report_window(self, report: WindowReport) -> None:
         """Fold one window's timing in; recompute counts and maybe propose growth."""
         seen = False

@@ -38,6 +38,17 @@ def test_cadence_three_devices_mixed_speed() -> None:
     assert el.counts == [30, 20, 10]
 
 
+def test_a_dead_anchor_rank_hands_the_anchor_to_the_slowest_live_rank() -> None:
+    el = ElChe(3)
+    el.report_window(report(10.0, 10.0, 40.0))
+    assert el.anchor_rank == 2 and el.counts == [40, 40, 10]
+    el.forget(2)  # rank 2 died: its 40 ms no longer sets the pace
+    assert el.anchor_rank in (0, 1)
+    assert el.counts[:2] == [10, 10]
+    el.report_window(report(10.0, 10.0, None))  # the dead rank reports nothing more
+    assert el.anchor_rank in (0, 1) and el.counts[:2] == [10, 10]
+
+
 def test_speed_ratio_is_capped_at_64() -> None:
     el = ElChe(2)
     el.report_window(report(0.001, 1000.0))
