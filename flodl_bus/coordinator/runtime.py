@@ -304,6 +304,7 @@ class CoordinatorLoop:
         self.core = core
         self.bus = bus
         self.rec = recorder
+        self.broadcasts_failed = 0
         #: the core's state summary as of the last recorded call (see _state_before)
         self._state: dict[str, Any] | None = None
         self.metrics = metrics
@@ -483,7 +484,20 @@ class CoordinatorLoop:
                     continue
                 self._observe(o.msg)
             elif isinstance(o, Broadcast):
-                self.bus.broadcast(o.msg)
+                try:
+                    self.bus.broadcast(o.msg)
+                except Exception as exc:
+                    # Best effort (reference §4.16.3): a broadcast the transport could
+                    # not write (OOM under noeviction, an ACL refusal) is a lost control
+                    # message to report, not a reason to abandon the run.
+                    self.broadcasts_failed += 1
+                    log.error(
+                        "broadcast_failed",
+                        msg=type(o.msg).__name__,
+                        error=repr(exc)[:300],
+                        total=self.broadcasts_failed,
+                    )
+                    continue
                 self._observe(o.msg)
             elif isinstance(o, WriteMeta):
                 self._write_meta(o)

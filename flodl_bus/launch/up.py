@@ -34,6 +34,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import orjson
+import redis
 
 from flodl_bus.bus.connection import connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
@@ -415,9 +416,19 @@ class Launcher:
         workers = [c for c in self.children if c is not coordinator]
         first_step_logged = False
         quiet_since: float | None = None
+        redis_down = False
         while True:
-            for seen in self.watcher.poll(block_ms=200):
-                self._apply(seen)
+            try:
+                for seen in self.watcher.poll(block_ms=200):
+                    self._apply(seen)
+                redis_down = False
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                # The watcher only observes: a Redis hiccup must not stop a healthy run.
+                # Its cursors survive, so nothing is missed once Redis answers again.
+                if not redis_down:
+                    progress.write(f"  Redis unreachable ({type(exc).__name__}); still watching")
+                    redis_down = True
+                time.sleep(0.5)
             if not first_step_logged and view.first_step_at is not None:
                 first_step_logged = True
                 t = view.time_to_first_step()
