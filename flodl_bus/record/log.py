@@ -172,18 +172,29 @@ class Recorder:
         return self._file.closed
 
 
+class DamagedRecord(ValueError):
+    """A record line other than the last one does not parse: something cut or edited it."""
+
+
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a JSONL file (``.gz`` too); a torn line (crash mid-write) is
-    skipped."""
+    """Every record of a JSONL file (``.gz`` too).
+
+    Only the *last* line may be torn (a crash mid-write); a bad line anywhere else means
+    the record was damaged, and replaying around the hole could call a run identical
+    that is not, so it raises ``DamagedRecord`` naming the line.
+    """
     out: list[dict[str, Any]] = []
+    bad: int | None = None
     opener: Any = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rb") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             line = line.strip()
             if not line:
                 continue
+            if bad is not None:
+                raise DamagedRecord(f"{path}: line {bad} is not a JSON record")
             try:
                 out.append(orjson.loads(line))
             except orjson.JSONDecodeError:
-                continue
+                bad = number
     return out

@@ -55,7 +55,7 @@ from flodl_bus.protocol.messages import (
     Update,
 )
 from flodl_bus.record import dispatch as _dispatch  # noqa: F401  (installs the encoder)
-from flodl_bus.record.log import _dumps, read_records, unjson
+from flodl_bus.record.log import DamagedRecord, _dumps, read_records, unjson
 from flodl_bus.record.ports import RecordedClock, RecordedModel, RecordedParams, Script
 from flodl_bus.record.rank import Capture, CaptureLogger
 from flodl_bus.worker.control import WorkerControl
@@ -119,6 +119,13 @@ def recording_from_records(key: str, records: Iterable[dict[str, Any]]) -> Recor
             other.append(r)
     if not coordinator:
         events.sort(key=lambda e: e["i"])
+    numbered = sorted(e["i"] for e in events if "i" in e)
+    if numbered and numbered != list(range(numbered[0], numbered[0] + len(numbered))):
+        missing = sorted(set(range(numbered[0], numbered[-1] + 1)) - set(numbered))
+        raise DamagedRecord(
+            f"record of {key} misses core events i={missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}: it cannot be replayed as a whole"
+        )
     return Recording(key=key, header=header, events=events, other=other)
 
 
@@ -806,7 +813,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not run_dir.is_dir():
         print(f"flodl-bus replay: {run_dir} is not a run directory", file=sys.stderr)
         return 2
-    recs = load_run(run_dir)
+    try:
+        recs = load_run(run_dir)
+    except DamagedRecord as exc:
+        print(f"flodl-bus replay: {exc}", file=sys.stderr)
+        return 1
     if not recs:
         print(f"flodl-bus replay: no coordinator or rank<r> record in {run_dir}", file=sys.stderr)
         return 2

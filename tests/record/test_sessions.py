@@ -86,3 +86,40 @@ def test_until_prints_what_each_rank_was_told_and_acked_and_the_gate(
     assert out.count("last told: ") == 3 and out.count("last ack:  ") == 3
     assert main([str(path), "--until", f"{mid}"]) == 0
     assert capsys.readouterr().out == out
+
+
+def _unpacked_copy(tmp_path: Path) -> Path:
+    import gzip
+
+    run = tmp_path / "run"
+    run.mkdir()
+    for f in (SESSIONS / "cpu-cadence").iterdir():
+        (run / f.name.removesuffix(".gz")).write_bytes(gzip.decompress(f.read_bytes()))
+    return run
+
+
+def test_a_record_missing_a_core_event_is_refused_not_called_identical(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _unpacked_copy(tmp_path)
+    path = run / "coordinator.jsonl"
+    lines = path.read_text().splitlines()
+    i = next(k for k, line in enumerate(lines) if '"event":"dispatch"' in line and k > 20)
+    path.write_text("\n".join(lines[:i] + lines[i + 1 :]) + "\n")
+    assert main([str(run)]) == 1
+    assert "misses core events" in capsys.readouterr().err
+
+
+def test_a_damaged_line_inside_a_record_is_refused_but_a_torn_last_line_is_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _unpacked_copy(tmp_path)
+    path = run / "rank1.jsonl"
+    lines = path.read_text().splitlines()
+    torn = [*lines[:-1], lines[-1][: len(lines[-1]) // 2]]
+    path.write_text("\n".join(torn) + "\n")
+    assert main([str(run), "--role", "rank:1"]) == 0
+    damaged = [*lines[:10], lines[10][:15], *lines[11:]]
+    path.write_text("\n".join(damaged) + "\n")
+    assert main([str(run)]) == 1
+    assert "line 11 is not a JSON record" in capsys.readouterr().err
