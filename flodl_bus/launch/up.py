@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import redis
 
-from flodl_bus.bus.connection import connect, redact_url
+from flodl_bus.bus.connection import ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.bus.run_secret import ENV_SECRET
 from flodl_bus.launch.display import Progress, Summary
@@ -102,11 +102,10 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "flodl_bus.cli", *args]
 
 
-def coordinator_argv(args: argparse.Namespace, run: str, url: str, run_dir: Path) -> list[str]:
+def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
     argv = _cli(
         "coordinator",
         "--run", run,
-        "--redis-url", url,
         "--job", args.job,
         "--mode", args.mode,
         "--world-size", str(args.workers),
@@ -124,15 +123,12 @@ def coordinator_argv(args: argparse.Namespace, run: str, url: str, run_dir: Path
     return argv
 
 
-def worker_argv(
-    args: argparse.Namespace, run: str, url: str, rank: int, run_dir: Path
-) -> list[str]:
+def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> list[str]:
     # Every process of the run records into the same run directory, so replay finds the
     # coordinator's and every rank's record side by side.
     argv = _cli(
         "worker",
         "--run", run,
-        "--redis-url", url,
         "--job", args.job,
         "--mode", args.mode,
         "--rank", str(rank),
@@ -185,11 +181,14 @@ def _sigterm_as_stop() -> Iterator[None]:
     def on_term(_sig: int, _frame: FrameType | None) -> None:
         raise _Stop
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    # SIGHUP too: a closed terminal or ssh session must stop the children (they run in
+    # their own sessions and would not get the hang-up themselves), not orphan them.
+    previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Launcher:
@@ -237,11 +236,13 @@ class Launcher:
         finally:
             # A second Ctrl-C must not cut the shutdown short and leave orphans; the
             # stop stages are bounded, so nothing hangs here.
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stopping}
             try:
                 self._stop()
             finally:
-                signal.signal(signal.SIGINT, previous)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
         return self._finish(time.monotonic() - self.started)
 
     def _start(self) -> int | None:
@@ -279,11 +280,18 @@ class Launcher:
             )
             return 2
         self.watcher = StreamWatcher(self.client, self.keys, args.workers, self.secret)
-        base_env = {**os.environ, ENV_SECRET: self.secret.hex(), "PYTHONUNBUFFERED": "1"}
+        # The URL (it may carry a password) and the secret reach the children through
+        # their environment, never their command line (visible in ps and /proc).
+        base_env = {
+            **os.environ,
+            ENV_SECRET: self.secret.hex(),
+            ENV_URL: url,
+            "PYTHONUNBUFFERED": "1",
+        }
         threads = threads_per_worker(args.workers)
         self.coordinator = spawn(
             "coordinator",
-            coordinator_argv(args, self.run, url, self.run_dir),
+            coordinator_argv(args, self.run, self.run_dir),
             thread_env(base_env, 1),
             self.run_dir / "coordinator.log",
         )
@@ -292,7 +300,7 @@ class Launcher:
             self.children.append(
                 spawn(
                     f"rank{r}",
-                    worker_argv(args, self.run, url, r, self.run_dir),
+                    worker_argv(args, self.run, r, self.run_dir),
                     thread_env(base_env, threads),
                     self.run_dir / f"rank{r}.log",
                 )
