@@ -307,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             worker_id=f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
             host=socket.gethostname(),
             dataset_sig=job.train_data().signature(),
-            device=_device(),
+            device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
         )
         if args.rank is None:
