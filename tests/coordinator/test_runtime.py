@@ -31,6 +31,7 @@ from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import (
     Assign,
     ControlWire,
+    EpochAggregated,
     EpochMetrics,
     Hello,
     Reject,
@@ -160,6 +161,31 @@ def test_a_send_the_bus_refuses_goes_back_through_send_failed_and_is_retrained(
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     row = dict(zip(lines[0].split(","), lines[1].split(",")))
     assert int(row["samples"]) == EPOCH  # the refused chunk was offered again
+
+
+class RefusingBroadcastBus(MemoryCoordinatorBus):
+    """Refuses the first ``EpochAggregated`` broadcast (a write Redis rejected)."""
+
+    def __init__(self, hub: MemoryHub) -> None:
+        super().__init__(hub)
+        self.refused = 0
+
+    def broadcast(self, msg: ControlWire) -> None:
+        if isinstance(msg, EpochAggregated) and not self.refused:
+            self.refused += 1
+            raise ConnectionError("refused once")
+        super().broadcast(msg)
+
+
+def test_a_refused_broadcast_is_counted_and_the_run_goes_on(tmp_path: Path) -> None:
+    core = Coordinator(config("cpu-cadence", epochs=2))
+    hub = MemoryHub(1)
+    bus = RefusingBroadcastBus(hub)
+    world = start_rank(hub)
+    code, loop = run_loop(core, bus, tmp_path)
+    world.thread.join(30)
+    assert code == EXIT_OK and world.result == [0]
+    assert bus.refused == 1 and loop.broadcasts_failed == 1
 
 
 def test_without_exiting_ranks_the_loop_leaves_after_the_grace(tmp_path: Path) -> None:
