@@ -32,7 +32,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, get_args
 
@@ -244,6 +244,24 @@ class _GroupReader:
         for name, items in raw or ():
             reply[name.decode()] = [(parse_id(eid), fields) for eid, fields in items]
         return self.cursor.on_reply(reply)
+
+    def read_parsed(
+        self, block_ms: int, secret: bytes, channel: str, rank_fields: Mapping[str, str]
+    ) -> list[Delivery]:
+        """One read, verified and decoded; what fails goes to the dlq (``rank_fields``:
+        stream -> the ``rank`` field its entries must carry)."""
+        out: list[Delivery] = []
+        rejected: list[tuple[Received, str]] = []
+        parse = entries.parse
+        for r in self.read(block_ms):
+            p = parse(secret, r.stream, r.fields, channel=channel, rank=rank_fields[r.stream])
+            if isinstance(p, str):
+                rejected.append((r, p))
+            else:
+                out.append(Delivery(r.stream, format_id(r.entry_id), p.msg))
+        if rejected:
+            self.dead_letter(rejected)
+        return out
 
     def dead_letter(self, rejected: Sequence[tuple[Received, str]]) -> None:
         """Every rejected entry to the dlq with its reason, acked, logged once."""
@@ -472,6 +490,7 @@ class RedisRankBus:
         self.config = config or StreamsConfig()
         self._ctl = self.keys.ctl(rank)
         self._all = self.keys.ctl_all
+        self._rank_fields = {self.keys.ctl(rank): str(rank), self._all: BROADCAST}
         self._reader = _GroupReader(
             client,
             [self._ctl, self._all],
@@ -490,20 +509,7 @@ class RedisRankBus:
         return self._reader.link.reconnects + self._publisher.link.reconnects
 
     def read_control(self, block_ms: int) -> list[Delivery]:
-        out: list[Delivery] = []
-        rejected: list[tuple[Received, str]] = []
-        for r in self._reader.read(block_ms):
-            rank_field = BROADCAST if r.stream == self._all else str(self.rank)
-            p = entries.parse(
-                self.secret, r.stream, r.fields, channel=wire.CONTROL, rank=rank_field
-            )
-            if isinstance(p, str):
-                rejected.append((r, p))
-            else:
-                out.append(Delivery(r.stream, format_id(r.entry_id), p.msg))
-        if rejected:
-            self._reader.dead_letter(rejected)
-        return out
+        return self._reader.read_parsed(block_ms, self.secret, wire.CONTROL, self._rank_fields)
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """Queue the acks; they ride on the next read (or ``flush_acks``/``close``)."""
@@ -637,20 +643,7 @@ class RedisCoordinatorBus:
         return bool(retry and self.client.xrange(stream, min=eid, max=eid, count=1))
 
     def read_upstream(self, block_ms: int) -> list[Delivery]:
-        out: list[Delivery] = []
-        rejected: list[tuple[Received, str]] = []
-        parse = entries.parse
-        secret = self.secret
-        upstream = wire.UPSTREAM
-        for r in self._reader.read(block_ms):
-            p = parse(secret, r.stream, r.fields, channel=upstream, rank=self._ranks[r.stream])
-            if isinstance(p, str):
-                rejected.append((r, p))
-            else:
-                out.append(Delivery(r.stream, format_id(r.entry_id), p.msg))
-        if rejected:
-            self._reader.dead_letter(rejected)
-        return out
+        return self._reader.read_parsed(block_ms, self.secret, wire.UPSTREAM, self._ranks)
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         self._reader.queue_acks(deliveries)
