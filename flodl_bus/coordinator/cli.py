@@ -83,6 +83,13 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for every rank's Exiting after Shutdown (default 30)",
     )
     p.add_argument(
+        "--lr-scale-ratio",
+        type=float,
+        default=0.0,
+        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (flodl's linear "
+        "scaling is 1.0; default 0: the job's schedule as given)",
+    )
+    p.add_argument(
         "--reset-run",
         action="store_true",
         help="delete what an earlier run with this id left in Redis (streams, meta, secret) "
@@ -112,6 +119,8 @@ def _check(args: argparse.Namespace) -> None:
         RunKeys(args.run)
     except InvalidRunId as exc:
         raise ConfigError(f"--run: {exc}") from None
+    if args.lr_scale_ratio < 0:
+        raise ConfigError("--lr-scale-ratio must be 0 (off) or positive (flodl's default is 1.0)")
     if not args.job:
         raise ConfigError(
             "--job is required: name the Job to train as MODULE:NAME, "
@@ -252,6 +261,7 @@ def _main(args: argparse.Namespace) -> int:
         "epochs": str(epochs),
         "seed": str(SHUFFLE_BASE_SEED),
         "epoch_splits": str(probe.epoch_splits),
+        "lr_scale_ratio": repr(args.lr_scale_ratio),
         "dataset_sig": sig,
         "world_size": "" if args.world_size is None else str(args.world_size),
         "save_path": save_path or "",

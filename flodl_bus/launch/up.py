@@ -83,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
         "leaves one to --resume from",
     )
     p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
+    p.add_argument(
+        "--lr-scale-ratio",
+        type=float,
+        default=0.0,
+        help="LR x (1 + (workers - 1) x RATIO) on every rank (flodl's linear scaling: 1.0)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no bars (the table still shows)")
     p.add_argument("--no-plot", action="store_true", help="skip plot.png")
     p.add_argument(
@@ -111,6 +117,7 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
         "--world-size", str(args.workers),
         "--run-dir", str(run_dir),
         "--eval-every", str(args.eval_every),
+        "--lr-scale-ratio", repr(args.lr_scale_ratio),
     )  # fmt: skip
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
@@ -135,6 +142,7 @@ def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) ->
         "--world-size", str(args.workers),
         "--log-level", args.log_level,
         "--run-dir", str(run_dir),
+        "--lr-scale-ratio", repr(args.lr_scale_ratio),
     )  # fmt: skip
     if args.save_path:
         argv += ["--save-path", args.save_path]

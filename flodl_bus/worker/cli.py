@@ -101,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
         help="record every dispatch to RUN_DIR/rank<r>.jsonl (default runs/<run>, "
         "beside the coordinator's record when they share a disk)",
     )
+    p.add_argument(
+        "--lr-scale-ratio",
+        type=float,
+        help="LR x (1 + (world_size - 1) x RATIO) (default: the coordinator's, else 0)",
+    )
     p.add_argument("--no-record", action="store_true", help="do not record dispatches")
     p.add_argument(
         "--device",
@@ -301,6 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if resume:
             job = _with_resumed_model(job, resume)
         seed = int(meta.get("seed") or SHUFFLE_BASE_SEED)
+        lr_scale_ratio = (
+            args.lr_scale_ratio
+            if args.lr_scale_ratio is not None
+            else float(meta.get("lr_scale_ratio") or 0.0)
+        )
         splits = int(meta.get("epoch_splits") or 1)
         join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
         hello = Hello(
@@ -337,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
         record_header={"run": args.run, "mode": mode, "job": args.job or meta.get("job")},
         device=device,
+        # flodl's LR scaling (reference §3.13): every rank the same factor of the world
+        lr_scale=1.0 + (world - 1) * lr_scale_ratio,
     )
     try:
         return run_rank(job, bus, options, factory)

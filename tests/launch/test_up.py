@@ -171,3 +171,22 @@ def test_ctrl_c_mid_run_stops_every_process_closes_the_record_and_leaves_a_resum
     records = read_records(resumed_dir / "coordinator.jsonl")
     assert records[0]["resume_meta"] is not None, out2
     assert marked_pids(mark) == []
+
+
+def test_the_lr_scale_ratio_reaches_every_rank_as_flodls_linear_scaling(
+    tmp_path: Path, mark: str
+) -> None:
+    proc = _up(tmp_path, mark, "--run", "lrs", "--epochs", "1", "--lr-scale-ratio", "1.0")
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "runs" / "lrs"
+    base = digits.job.lr_at(0)
+    for r in (0, 1):
+        lrs = {
+            o["lr"]
+            for rec in read_records(run_dir / f"rank{r}.jsonl")
+            if rec.get("event") == "step"
+            for o in rec["out"]
+            if o["type"] == "LrUpdate"
+        }
+        assert lrs and all(lr == pytest.approx(base * (1 + (2 - 1) * 1.0)) for lr in lrs), lrs
