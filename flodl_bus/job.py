@@ -88,6 +88,9 @@ class Job:
     max_grad_norm: float | None = None
     #: a finished run is "good" when the final eval reaches this
     target_metric: float | None = None
+    #: called at every epoch change on the one rank the coordinator names for it
+    #: (``SetEpochCallbackRole``), with the epoch about to start and the live model
+    epoch_fn: Callable[[int, nn.Module], None] | None = None
     seed: int = 0
 
 

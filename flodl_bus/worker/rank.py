@@ -53,6 +53,13 @@ class RankOptions:
     device: str = "cpu"
 
 
+def _bound_epoch_fn(job: Job, model: nn.Module) -> Callable[[int], None] | None:
+    user_fn = job.epoch_fn
+    if user_fn is None:
+        return None
+    return lambda epoch: user_fn(epoch, model)
+
+
 def run_rank(
     job: Job,
     bus: RankBus,
@@ -150,6 +157,7 @@ def run_rank(
         optimizer=optimizer,
         train_data=train_data,
         lr_scale=options.lr_scale,
+        epoch_fn=_bound_epoch_fn(job, model),
         on_take=on_take,
     )
     runtime = RankRuntime(

@@ -6,9 +6,10 @@ runtime over a real redis-server is in ``test_integration.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -17,8 +18,10 @@ from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub, MemoryRankBus
 from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import (
     Checkpoint,
+    ControlWire,
     CoordHeartbeat,
     DeclareDead,
+    EpochFnElapsed,
     EpochPlan,
     Exiting,
     Heartbeat,
@@ -26,6 +29,7 @@ from flodl_bus.protocol.messages import (
     NewNcclIdGenerated,
     NewNcclSession,
     RequestNewNcclId,
+    SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
     StartEpoch,
@@ -204,12 +208,20 @@ def test_close_stops_every_thread() -> None:
 class Coordinator(threading.Thread):
     """A scripted coordinator: one plan at a time, then Shutdown."""
 
-    def __init__(self, coord: MemoryCoordinatorBus, plans: list[EpochPlan]) -> None:
+    def __init__(
+        self,
+        coord: MemoryCoordinatorBus,
+        plans: list[EpochPlan],
+        preface: Sequence[ControlWire] = (),
+    ) -> None:
         super().__init__(daemon=True)
         self.coord, self.plans = coord, list(plans)
+        self.preface = list(preface)
         self.received: list[object] = []
 
     def run(self) -> None:
+        for msg in self.preface:
+            self.coord.broadcast(msg)
         self.coord.send(0, StartEpoch(self.plans.pop(0)))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -236,6 +248,22 @@ def test_run_rank_trains_plans_from_a_coordinator_and_exits_cleanly() -> None:
     assert [m.epoch for m in metrics] == [0, 1]
     assert metrics[1].avg_loss < metrics[0].avg_loss
     assert coordinator.received[-1] == Exiting(rank=0)
+
+
+def test_the_jobs_epoch_fn_fires_once_per_epoch_on_the_role_rank_and_is_timed() -> None:
+    hub = MemoryHub(1)
+    size = len(digits.train_data())
+    plans = [EpochPlan(e, 0, size // 2) for e in range(2)]
+    plans.insert(1, EpochPlan(0, size // 2, size // 2))  # a second chunk of epoch 0
+    coordinator = Coordinator(hub.coordinator_bus(), plans, [SetEpochCallbackRole(rank=0)])
+    coordinator.start()
+    fired: list[int] = []
+    job = dataclasses.replace(digits.job, epoch_fn=lambda e, model: fired.append(e))
+    assert run_rank(job, hub.rank_bus(0), RankOptions()) == 0
+    coordinator.join(timeout=10)
+    assert fired == [0, 1]  # per epoch change, not per chunk
+    timed = [m.epoch for m in coordinator.received if isinstance(m, EpochFnElapsed)]
+    assert timed == [0, 1]
 
 
 def test_run_rank_with_a_silent_coordinator_stops_within_the_timeout() -> None:
