@@ -166,6 +166,13 @@ def run_rank(
     runtime.start()
     try:
         clean = loop.run_until_shutdown()
+    except Exception as exc:
+        # The loop already tore down in order (no Exiting: the coordinator must see a
+        # death, not a completion); one structured line instead of a traceback.
+        structlog.get_logger("flodl_bus.worker").error(
+            "rank_failed", rank=rank, error=f"{type(exc).__name__}: {exc}"[:500]
+        )
+        clean = False
     finally:
         # The param plane first: its averaging thread may still publish a round's
         # SyncAck, which needs the bus the runtime closes.

@@ -266,6 +266,20 @@ def test_the_jobs_epoch_fn_fires_once_per_epoch_on_the_role_rank_and_is_timed() 
     assert timed == [0, 1]
 
 
+def test_a_failing_training_step_exits_1_without_claiming_a_clean_exit() -> None:
+    hub = MemoryHub(1)
+    size = len(digits.train_data())
+    coordinator = Coordinator(hub.coordinator_bus(), [EpochPlan(0, 0, size)])
+    coordinator.start()
+
+    def broken_loss(model: object, batch: object) -> object:
+        raise RuntimeError("loss exploded")
+
+    job = dataclasses.replace(digits.job, loss_fn=broken_loss)  # type: ignore[arg-type]
+    assert run_rank(job, hub.rank_bus(0), RankOptions()) == 1
+    assert not any(isinstance(m, Exiting) for m in coordinator.received)
+
+
 def test_run_rank_with_a_silent_coordinator_stops_within_the_timeout() -> None:
     hub = MemoryHub(1)
     options = RankOptions(runtime=RuntimeConfig(coord_liveness_timeout=0.5, read_block_ms=20))
