@@ -1115,6 +1115,15 @@ class Coordinator:
             self.rendezvous.reset()
             self._next_generator(now, out)
 
+    def interrupt(self, now: float) -> list[Out]:
+        """Stop from outside (Ctrl-C, SIGTERM): Shutdown now, and nothing is dispatched
+        after it (metrics still arriving must not produce StartEpochs)."""
+        if self.phase == SHUTDOWN:
+            return []
+        self.phase = SHUTDOWN
+        self.finished = True
+        return [Broadcast(Shutdown()), Finished(None)]
+
     def declare_dead(self, rank: int, now: float) -> list[Out]:
         """A death reported from outside the sweep (a child exit, a broken data link)."""
         out: list[Out] = []

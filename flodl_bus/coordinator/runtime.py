@@ -48,7 +48,6 @@ from flodl_bus.protocol.messages import (
     Hello,
     JoinMsg,
     Reject,
-    Shutdown,
 )
 from flodl_bus.record.dispatch import DispatchRecorder
 
@@ -581,14 +580,20 @@ class CoordinatorLoop:
         return False
 
     def _interrupt(self) -> None:
-        """Stop from outside: tell every rank to shut down, then wait for Exiting."""
+        """Stop from outside: the core shuts the run down (a recorded core call, so a
+        replay reproduces it), then the loop waits for Exiting."""
         now = self.clock()
         log.warning("interrupted", detail="broadcasting Shutdown")
+        before = self._state_before() if self.rec is not None else None
+        outs = self.core.interrupt(now)
         if self.rec is not None:
-            self.rec.event("interrupted", now=now, state=self.core.state_summary())
-        self.bus.broadcast(Shutdown())
-        self.finished = Finished(None)
-        self.finished_at = now
+            assert before is not None
+            self.rec.interrupt(now=now, before=before, after=self._state_after(), out=outs)
+        self._apply(outs, now)
+        if self.finished is None:
+            # Already shut down by the core before the stop request: still leave.
+            self.finished = Finished(None)
+            self.finished_at = now
 
     def _poll_join(self) -> None:
         """Late Hellos: a retried one gets its Assign again, anyone else a Reject."""

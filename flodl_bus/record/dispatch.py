@@ -225,6 +225,16 @@ class DispatchRecorder:
     ) -> None:
         self._core_call("declare_dead", now, before, after, out, rank=rank)
 
+    def interrupt(
+        self,
+        *,
+        now: float,
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+        out: Sequence[object],
+    ) -> None:
+        self._core_call("interrupt", now, before, after, out)
+
     def port(self, *, call: str, args: Mapping[str, Any], result: Any) -> None:
         self._rec.record_core(
             "port",

@@ -63,7 +63,7 @@ from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.runtime import RankRuntime
 
 RANK_CORE = frozenset({"dispatch", "take", "plan", "step", "closed"})
-COORD_CORE = frozenset({"start", "dispatch", "tick", "send_failed", "declare_dead"})
+COORD_CORE = frozenset({"start", "dispatch", "tick", "send_failed", "declare_dead", "interrupt"})
 #: Stands in for the run secret (never recorded): entries are re-signed with it.
 REPLAY_KEY = b"flodl-bus replay: not a run secret"
 
@@ -731,6 +731,8 @@ class CoordinatorReplay(_Replay):
             actual = self._call(lambda: core.send_failed(int(ev["rank"]), msg, now))
         elif kind == "declare_dead":
             actual = self._call(lambda: core.declare_dead(int(ev["rank"]), now))
+        elif kind == "interrupt":
+            actual = self._call(lambda: core.interrupt(now))
         else:
             return
         actual |= extra

@@ -596,6 +596,15 @@ def test_the_final_eval_rank_dying_does_not_hold_the_shutdown_forever() -> None:
     assert any(isinstance(o, Finished) for o in out)
 
 
+def test_an_interrupt_shuts_down_once_and_nothing_is_dispatched_after_it() -> None:
+    core, out = started("cpu-cadence", total=64)
+    out = core.interrupt(0.1)
+    assert types(out) == ["Shutdown"] and isinstance(out[-1], Finished)
+    assert core.interrupt(0.2) == []
+    after = core.handle(0, metrics(0, 0, 2), 0.3) + core.tick(0.4)
+    assert not msgs(after, m.StartEpoch) and not msgs(after, m.Shutdown)
+
+
 def test_epoch_aggregated_carries_batch_weighted_loss() -> None:
     core, out = started("nccl-sync", total=100, num_epochs=2)
     core.handle(0, m.MetricsMsg(0, 0, 0.5, 60, 1.0, 50, 1.0, 1.0, 0.0), 0.0)
