@@ -330,7 +330,7 @@ class CoordinatorLoop:
         outs = core.start(now)
         if self.rec is not None:
             assert before is not None
-            self.rec.start(now=now, before=before, after=self._state_after(), out=outs)
+            self.rec.core_call("start", now=now, before=before, after=self._state_after(), out=outs)
         self._apply(outs, now)
         log.info(
             "run_started",
@@ -449,7 +449,7 @@ class CoordinatorLoop:
         outs = core.tick(now)
         after = self._state_after()
         if outs or after != before:
-            self.rec.tick(now=now, before=before, after=after, out=outs)
+            self.rec.core_call("tick", now=now, before=before, after=after, out=outs)
         self._apply(outs, now)
 
     def _apply(self, outs: Sequence[Out], now: float) -> None:
@@ -470,7 +470,8 @@ class CoordinatorLoop:
                     more = self.core.send_failed(o.rank, o.msg, now)
                     if self.rec is not None:
                         assert before is not None
-                        self.rec.send_failed(
+                        self.rec.core_call(
+                            "send_failed",
                             rank=o.rank,
                             msg=o.msg,
                             now=now,
@@ -588,7 +589,9 @@ class CoordinatorLoop:
         outs = self.core.interrupt(now)
         if self.rec is not None:
             assert before is not None
-            self.rec.interrupt(now=now, before=before, after=self._state_after(), out=outs)
+            self.rec.core_call(
+                "interrupt", now=now, before=before, after=self._state_after(), out=outs
+            )
         self._apply(outs, now)
         if self.finished is None:
             # Already shut down by the core before the stop request: still leave.

@@ -170,7 +170,7 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
     before = recorded.state_summary()
     out = recorded.start(now)
     last = recorded.state_summary()
-    rec.start(now=now, before=before, after=last, out=out)
+    rec.core_call("start", now=now, before=before, after=last, out=out)
     step = [0] * ws
     plain_ns: list[int] = []
     rec_ns: list[int] = []

@@ -182,59 +182,6 @@ class DispatchRecorder:
 
     # ------------------------------------------------------------------ coordinator
 
-    def start(
-        self,
-        *,
-        now: float,
-        before: Mapping[str, Any],
-        after: Mapping[str, Any],
-        out: Sequence[object],
-    ) -> None:
-        self._core_call("start", now, before, after, out)
-
-    def tick(
-        self,
-        *,
-        now: float,
-        before: Mapping[str, Any],
-        after: Mapping[str, Any],
-        out: Sequence[object],
-    ) -> None:
-        self._core_call("tick", now, before, after, out)
-
-    def send_failed(
-        self,
-        *,
-        rank: int,
-        msg: object,
-        now: float,
-        before: Mapping[str, Any],
-        after: Mapping[str, Any],
-        out: Sequence[object],
-    ) -> None:
-        self._core_call("send_failed", now, before, after, out, rank=rank, msg=msg)
-
-    def declare_dead(
-        self,
-        *,
-        rank: int,
-        now: float,
-        before: Mapping[str, Any],
-        after: Mapping[str, Any],
-        out: Sequence[object],
-    ) -> None:
-        self._core_call("declare_dead", now, before, after, out, rank=rank)
-
-    def interrupt(
-        self,
-        *,
-        now: float,
-        before: Mapping[str, Any],
-        after: Mapping[str, Any],
-        out: Sequence[object],
-    ) -> None:
-        self._core_call("interrupt", now, before, after, out)
-
     def port(self, *, call: str, args: Mapping[str, Any], result: Any) -> None:
         self._rec.record_core(
             "port",
@@ -244,15 +191,19 @@ class DispatchRecorder:
             result=result,
         )
 
-    def _core_call(
+    def core_call(
         self,
         event: str,
+        *,
         now: float,
         before: Mapping[str, Any],
         after: Mapping[str, Any],
         out: Sequence[object],
         **extra: Any,
     ) -> None:
+        """A coordinator core call other than an upstream dispatch: ``start``, ``tick``,
+        ``send_failed`` (with ``rank``, ``msg``), ``declare_dead`` (``rank``),
+        ``interrupt``. Replay re-issues each by its event name."""
         self._rec.record_core(
             event,
             i=next(self._counter),

@@ -76,6 +76,16 @@ class Capture:
                 {"port": port, "call": name, "args": list(args), "raised": error_fields(exc)}
             )
 
+    def run(self, port: str, name: str, args: Sequence[Any], fn: Callable[[], Any]) -> Any:
+        """Call a port method, noting its answer (or what it raised) for the record."""
+        try:
+            result = fn()
+        except BaseException as exc:
+            self.raised(port, name, args, exc)
+            raise
+        self.call(port, name, args, record_value(result))
+        return result
+
 
 class RecordingParams:
     """A ``ParamPort`` that reports each answer to a ``Capture``."""
@@ -85,13 +95,7 @@ class RecordingParams:
         self._cap = capture
 
     def _run(self, name: str, args: Sequence[Any], fn: Callable[[], Any]) -> Any:
-        try:
-            result = fn()
-        except BaseException as exc:
-            self._cap.raised("params", name, args, exc)
-            raise
-        self._cap.call("params", name, args, record_value(result))
-        return result
+        return self._cap.run("params", name, args, fn)
 
     def sync_now(self, steps_since_avg: int) -> SyncResult:
         result: SyncResult = self._run(
@@ -157,13 +161,7 @@ class RecordingModel:
         }
 
     def _run(self, name: str, args: Sequence[Any], fn: Callable[[], Any]) -> Any:
-        try:
-            result = fn()
-        except BaseException as exc:
-            self._cap.raised("model", name, args, exc)
-            raise
-        self._cap.call("model", name, args, record_value(result))
-        return result
+        return self._cap.run("model", name, args, fn)
 
     def checkpoint(self, version: int) -> None:
         self._run("checkpoint", (version,), lambda: self.inner.checkpoint(version))
