@@ -52,12 +52,13 @@ def _train_epochs(
     rank, world = shard
     bs = job.batch_size
     samples = steps = 0
+    planned = job.planned_steps(epochs, len(data))
     for epoch in range(epochs):
         per_rank = len(data) // world
         picks = make_partition(rank * per_rank, per_rank, len(data), epoch, SHUFFLE_BASE_SEED)
         for b in range(len(picks) // bs):
             for group in opt.param_groups:
-                group["lr"] = job.lr_at(steps * world)
+                group["lr"] = job.lr(steps * world, planned)
             x, y = data.batch(picks[b * bs : (b + 1) * bs])
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)

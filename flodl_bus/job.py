@@ -85,6 +85,10 @@ class Job:
     num_epochs: int = 10
     #: learning rate as a pure function of the global step (every rank builds the same)
     lr_at: Callable[[int], float] = field(default=constant_lr(1e-3))
+    #: learning rate as a pure function of (global step, the run's planned global steps);
+    #: when set it replaces ``lr_at``, so a decaying schedule stretches with ``--epochs``
+    #: instead of ending early (a longer run) or never decaying (a shorter one)
+    lr_schedule: Callable[[int, int], float] | None = None
     max_grad_norm: float | None = None
     #: a finished run is "good" when the final eval reaches this
     target_metric: float | None = None
@@ -92,6 +96,17 @@ class Job:
     #: (``SetEpochCallbackRole``), with the epoch about to start and the live model
     epoch_fn: Callable[[int, nn.Module], None] | None = None
     seed: int = 0
+
+    def planned_steps(self, epochs: int, train_size: int) -> int:
+        """Global steps (batches of all ranks together) of a run of ``epochs``: every
+        world size plans the same count, so the schedule is read at the same places."""
+        return max(1, epochs * (train_size // self.batch_size))
+
+    def lr(self, step: int, planned_steps: int) -> float:
+        """The job's LR at global ``step`` of a run planned for ``planned_steps``."""
+        if self.lr_schedule is not None:
+            return self.lr_schedule(step, planned_steps)
+        return self.lr_at(step)
 
 
 def load_job(ref: str) -> Job:

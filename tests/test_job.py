@@ -114,3 +114,39 @@ def test_digits_job_data_sizes_and_ranges() -> None:
     m1, m2 = job.build_model(), job.build_model()
     assert all(torch.equal(p, q) for p, q in zip(m1.parameters(), m2.parameters()))
     assert m1(train.x[:5]).shape == (5, 10)
+
+
+def test_planned_steps_count_full_batches_of_the_whole_run_whatever_the_world() -> None:
+    job = Job("j", digits.build_model, digits.build_optimizer, digits.train_data, batch_size=64)
+    assert job.planned_steps(4, 20_000) == 4 * (20_000 // 64)
+    assert job.planned_steps(0, 20_000) == 1  # a schedule never divides by zero
+
+
+def test_lr_schedule_replaces_lr_at_and_is_read_against_the_planned_steps() -> None:
+    seen: list[tuple[int, int]] = []
+
+    def schedule(step: int, planned: int) -> float:
+        seen.append((step, planned))
+        return 1.0 - step / planned
+
+    plain = Job("j", digits.build_model, digits.build_optimizer, digits.train_data)
+    assert plain.lr(5, 10) == plain.lr_at(5)
+    stretched = Job(
+        "j", digits.build_model, digits.build_optimizer, digits.train_data, lr_schedule=schedule
+    )
+    assert stretched.lr(5, 10) == 0.5
+    assert stretched.lr(5, 20) == 0.75
+    assert seen == [(5, 10), (5, 20)]
+
+
+def test_the_cifar_schedule_decays_over_the_run_it_is_given_not_a_fixed_epoch_count() -> None:
+    from flodl_bus.examples import cifar_resnet
+
+    job = cifar_resnet.job
+    four, eight = (job.planned_steps(e, cifar_resnet.TRAIN) for e in (4, 8))
+    peak = job.lr(0, four)
+    # Halfway through an 8-epoch run the LR is where a 4-epoch run is halfway, not
+    # already at the floor.
+    assert job.lr(four, eight) == pytest.approx(job.lr(four // 2, four))
+    assert job.lr(four, eight) == pytest.approx(peak / 2, rel=0.01)
+    assert job.lr(eight, eight) == pytest.approx(0.05 * peak)

@@ -79,12 +79,11 @@ def build_model() -> nn.Module:
 _EPOCHS, _BATCH, _PEAK_LR = 4, 256, 0.05
 
 
-def _lr(step: int) -> float:
-    """Linear decay to 5% of the peak over the run's global steps (batches of all ranks):
-    a BatchNorm net at a constant high LR scores erratically from one epoch to the next,
-    which would drown the comparison between runs."""
-    total = _EPOCHS * (TRAIN // _BATCH)
-    return _PEAK_LR * max(0.05, 1.0 - step / total)
+def _lr(step: int, planned_steps: int) -> float:
+    """Linear decay to 5% of the peak over the run's global steps (batches of all ranks),
+    however many epochs it runs: a BatchNorm net at a constant high LR scores erratically
+    from one epoch to the next, which would drown the comparison between runs."""
+    return _PEAK_LR * max(0.05, 1.0 - step / planned_steps)
 
 
 def build_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -99,6 +98,6 @@ job = Job(
     eval_data=eval_data,
     batch_size=_BATCH,
     num_epochs=_EPOCHS,
-    lr_at=_lr,
+    lr_schedule=_lr,
     target_metric=0.8,
 )

@@ -144,6 +144,9 @@ def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) ->
         "--run-dir", str(run_dir),
         "--lr-scale-ratio", repr(args.lr_scale_ratio),
     )  # fmt: skip
+    if args.epochs is not None:
+        # Meta may be read before the coordinator writes it; the schedule needs the count.
+        argv += ["--epochs", str(args.epochs)]
     if args.save_path:
         argv += ["--save-path", args.save_path]
     return argv

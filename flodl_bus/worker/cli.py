@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="LR x (1 + (world_size - 1) x RATIO) (default: the coordinator's, else 0)",
     )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        help="the run's epochs, which size the job's LR schedule (default: the "
+        "coordinator's, else the job's)",
+    )
     p.add_argument("--no-record", action="store_true", help="do not record dispatches")
     p.add_argument(
         "--device",
@@ -129,6 +135,8 @@ def _check(args: argparse.Namespace) -> None:
         )
     if args.join_timeout <= 0:
         raise ConfigError("--join-timeout must be positive")
+    if args.epochs is not None and args.epochs < 0:
+        raise ConfigError(f"--epochs must be 0 or more, got {args.epochs}")
     if args.heartbeat_interval <= 0:
         raise ConfigError("--heartbeat-interval must be positive")
     if args.coord_liveness_timeout <= args.heartbeat_interval:
@@ -190,6 +198,13 @@ def _run_meta(raw: Mapping[bytes, bytes]) -> dict[str, str]:
         if key != "secret":  # never carried around, never logged
             out[key] = v.decode(errors="replace")
     return out
+
+
+def _meta_int(meta: Mapping[str, str], key: str) -> int | None:
+    try:
+        return int(meta[key])
+    except (KeyError, ValueError):
+        return None
 
 
 def _resolve_mode(given: str | None, meta: Mapping[str, str]) -> str:
@@ -312,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else float(meta.get("lr_scale_ratio") or 0.0)
         )
         splits = int(meta.get("epoch_splits") or 1)
+        epochs = args.epochs if args.epochs is not None else _meta_int(meta, "epochs")
         join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
         hello = Hello(
             worker_id=f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
@@ -349,6 +365,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=device,
         # flodl's LR scaling (reference §3.13): every rank the same factor of the world
         lr_scale=1.0 + (world - 1) * lr_scale_ratio,
+        epochs=epochs,
     )
     try:
         return run_rank(job, bus, options, factory)

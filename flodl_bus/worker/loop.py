@@ -62,6 +62,7 @@ class RankLoop:
         optimizer: torch.optim.Optimizer,
         train_data: ArrayDataset,
         lr_scale: float = 1.0,
+        planned_epochs: int | None = None,
         epoch_fn: Callable[[int], None] | None = None,
         final_snapshot: Callable[[], None] | None = None,
         on_dispatch: Callable[[ControlMsg, Dispatched], None] | None = None,
@@ -75,6 +76,9 @@ class RankLoop:
         self.optimizer = optimizer
         self.train_data = train_data
         self.lr_scale = lr_scale
+        #: the run's global steps, where ``job.lr_schedule`` ends (the job's epochs when
+        #: the run's are not known)
+        self.planned_steps = job.planned_steps(planned_epochs or job.num_epochs, len(train_data))
         self.epoch_fn = epoch_fn
         self.final_snapshot = final_snapshot
         self.on_dispatch = on_dispatch
@@ -227,7 +231,7 @@ class RankLoop:
                         batch[1].to(device, non_blocking=True),
                     )
                 t1 = time.perf_counter()
-                lr = job.lr_at(control.lr_position) * self.lr_scale
+                lr = job.lr(control.lr_position, self.planned_steps) * self.lr_scale
                 self._set_lr(lr)
                 optimizer.zero_grad(set_to_none=True)
                 loss = job.loss_fn(model, batch)

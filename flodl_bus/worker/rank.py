@@ -44,6 +44,9 @@ class RankOptions:
     #: LR multiplier on top of the job's schedule (flodl's linear scaling is
     #: ``1 + (world_size - 1) * ratio``; the job's schedule is used as given by default)
     lr_scale: float = 1.0
+    #: the run's epochs (the coordinator's ``--epochs``), which sizes ``job.lr_schedule``;
+    #: None: the job's own
+    epochs: int | None = None
     #: the run's record directory (``runs/<run>``): every dispatch of this rank goes to
     #: ``<record_dir>/rank<r>.jsonl`` (None: not recorded)
     record_dir: str | None = None
@@ -157,6 +160,7 @@ def run_rank(
         optimizer=optimizer,
         train_data=train_data,
         lr_scale=options.lr_scale,
+        planned_epochs=options.epochs,
         epoch_fn=_bound_epoch_fn(job, model),
         on_take=on_take,
     )

@@ -40,3 +40,17 @@ def test_a_ranks_bar_total_is_its_fair_share_of_the_runs_batches() -> None:
     assert batches_per_rank(header) == 48  # ceil(1000/32)=32 per epoch, 96 over 2 ranks
     assert batches_per_rank({"config": {}}) is None
     assert batches_per_rank({}) is None
+
+
+def test_the_runs_epochs_reach_coordinator_and_every_rank_so_the_lr_schedule_agrees() -> None:
+    from flodl_bus.launch.up import _parser, coordinator_argv, worker_argv
+
+    args = _parser().parse_args(["--epochs", "8", "--workers", "2"])
+    coord = coordinator_argv(args, "r", Path("runs/r"))
+    assert coord[coord.index("--epochs") + 1] == "8"
+    for rank in (0, 1):
+        argv = worker_argv(args, "r", rank, Path("runs/r"))
+        assert argv[argv.index("--epochs") + 1] == "8"
+    # Without --epochs nobody is told: the coordinator and the ranks use the job's.
+    args = _parser().parse_args([])
+    assert "--epochs" not in worker_argv(args, "r", 0, Path("runs/r"))

@@ -271,6 +271,20 @@ def test_lr_is_read_at_global_step_plus_steps_since_avg() -> None:
     assert rig.loop.optimizer.param_groups[0]["lr"] == pytest.approx(expected[-1])
 
 
+def test_lr_schedule_is_sized_by_the_runs_epochs_not_the_jobs() -> None:
+    seen: list[int] = []
+
+    def schedule(step: int, planned: int) -> float:
+        seen.append(planned)
+        return 1e-3
+
+    job = dataclasses.replace(digits.job, lr_schedule=schedule)
+    make_rig(job, planned_epochs=7).loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS))
+    make_rig(job).loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS))
+    per_epoch = EPOCH_SIZE // BS
+    assert seen == [7 * per_epoch] * 2 + [job.num_epochs * per_epoch] * 2
+
+
 def test_record_scalar_is_aggregated_per_plan_into_the_metrics() -> None:
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         record_scalar("batch_rows", float(len(batch[0])))
