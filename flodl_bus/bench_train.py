@@ -96,6 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--mode", default="nccl-cadence")
     p.add_argument("--epochs", type=int, default=0, help="override the job's epochs")
+    p.add_argument(
+        "--plain-epochs",
+        type=int,
+        help="epochs of the plain 1-process loop (default: --epochs); e.g. one GPU at the "
+        "job's epochs beside two ranks at twice as many, the same optimizer steps per GPU",
+    )
     p.add_argument("--device", default="auto", help="device of the plain loop (auto: cuda:0)")
     p.add_argument("--ddp", action="store_true", help="also run torch DDP on --workers ranks")
     p.add_argument(
@@ -115,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     # One process per core share, as `up` gives each rank: a fair CPU comparison.
     threads = max(1, (os.cpu_count() or 1) // max(args.workers, 1))
-    results["plain (1 proc)"] = _python(_PLAIN, args.job, device, str(args.epochs), str(threads))
+    plain_epochs = args.epochs if args.plain_epochs is None else args.plain_epochs
+    results["plain (1 proc)"] = _python(_PLAIN, args.job, device, str(plain_epochs), str(threads))
     results[f"bus {args.mode} x{args.workers}"] = _bus(args, run_dir)
     if args.ddp and args.workers > 1:
         results[f"ddp x{args.workers}"] = _python(

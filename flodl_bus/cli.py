@@ -29,6 +29,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "allreduce": ("flodl_bus.params.bench_allreduce:main", "SyncNow vs a bare all-reduce"),
     "train": ("flodl_bus.bench_train:main", "a training run under the bus vs plain loop and DDP"),
     "up": ("flodl_bus.launch.bench:main", "flodl-bus up: time to first step, wall time"),
+    "kill": ("flodl_bus.bench_kill:main", "kill a rank mid-epoch: time to the survivors' recovery"),
 }
 
 

@@ -545,7 +545,7 @@ class CoordinatorLoop:
                 self.metrics.on_eval(msg.epoch, msg.metric)
             log.info("eval", epoch=msg.epoch, metric=round(msg.metric, 5))
         elif isinstance(msg, DeclareDead):
-            log.warning("rank_declared_dead", rank=msg.rank)
+            log.warning("rank_declared_dead", rank=msg.rank, mono=round(time.monotonic(), 4))
 
     def _write_meta(self, o: WriteMeta) -> None:
         if self._save_path is None:

@@ -152,6 +152,9 @@ class Group:
         self.prefix = prefix
         self._aborted = threading.Event()
         self.broken = False
+        #: collectives completed on this group (the first one after a re-session is the
+        #: end of a recovery, which ``bench kill`` times)
+        self.ops_done = 0
 
     @property
     def rank(self) -> int:
@@ -382,6 +385,8 @@ class SessionManager:
             world_size=spec.world_size,
             backend=self.backend,
             form_s=round(time.monotonic() - started, 4),
+            # CLOCK_MONOTONIC is host-wide: a driver on the same host lines these up.
+            mono=round(time.monotonic(), 4),
         )
         return group
 
@@ -402,7 +407,7 @@ class SessionManager:
                 last = exc
                 continue
             try:
-                return op(group)
+                result = op(group)
             except CollectiveFailed as exc:
                 last = exc
                 self._mark_broken(group)
@@ -413,6 +418,17 @@ class SessionManager:
                     rank=group.rank,
                     error=str(exc)[:300],
                 )
+                continue
+            group.ops_done += 1
+            if group.ops_done == 1 and self.sessions_formed > 1:
+                log.info(
+                    "param_first_collective_after_resession",
+                    uid=group.spec.uid.hex(),
+                    rank=group.rank,
+                    world_size=group.world_size,
+                    mono=round(time.monotonic(), 4),
+                )
+            return result
         raise CollectiveFailed(f"gave up after {self.max_attempts} attempts: {last}")
 
     def _mark_broken(self, group: Group) -> None:
