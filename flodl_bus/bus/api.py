@@ -7,15 +7,14 @@ single-process runs). Runtimes never touch Redis directly.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One decoded entry as it left the stream."""
+class Delivery(NamedTuple):
+    """One decoded entry as it left the stream (a tuple: the coordinator builds one per
+    upstream message, and a frozen dataclass costs several times as much to make)."""
 
     stream: str
     entry_id: str

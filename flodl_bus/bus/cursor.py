@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from flodl_bus.bus.ids import ZERO, EntryId, format_id
 
 _INFINITE: Final[EntryId] = (2**64, 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Received:
+class Received(NamedTuple):
     """An entry as read. ``fields`` is None when it was trimmed while pending."""
 
     stream: str

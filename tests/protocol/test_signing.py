@@ -7,7 +7,14 @@ from typing import Any
 
 import pytest
 
-from flodl_bus.protocol.signing import MAC_BYTES, SECRET_BYTES, entry_mac, new_secret, verify
+from flodl_bus.protocol.signing import (
+    MAC_BYTES,
+    SECRET_BYTES,
+    entry_mac,
+    new_secret,
+    verify,
+    verify_fields,
+)
 
 SECRET = bytes(range(16))
 ENTRY: dict[str, Any] = {
@@ -82,3 +89,12 @@ def test_verify_accepts_the_right_mac_only() -> None:
 def test_new_secret_is_random_and_sized() -> None:
     a, b = new_secret(), new_secret()
     assert len(a) == SECRET_BYTES and a != b
+
+
+@pytest.mark.parametrize("field", ["stream", "type_", "rank", "seq", "body"])
+def test_the_bytes_fast_path_accepts_exactly_what_verify_accepts(field: str) -> None:
+    raw = {k: v if isinstance(v, bytes) else str(v).encode() for k, v in ENTRY.items()}
+    good = mac()
+    assert verify_fields(SECRET, good, **raw)
+    assert not verify_fields(SECRET, good, **{**raw, field: raw[field] + b"0"})
+    assert not verify_fields(new_secret(), good, **raw)
