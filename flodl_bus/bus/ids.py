@@ -17,8 +17,11 @@ _SEQ_LIMIT: Final = 2**64
 
 
 def parse_id(raw: bytes | str) -> EntryId:
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    ms, _, seq = text.partition("-")
+    # int() takes ASCII bytes as they come from Redis: no decode per entry on ingest.
+    if isinstance(raw, bytes):
+        ms_b, _, seq_b = raw.partition(b"-")
+        return (int(ms_b), int(seq_b or 0))
+    ms, _, seq = raw.partition("-")
     return (int(ms), int(seq or 0))
 
 
