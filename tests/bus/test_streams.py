@@ -508,3 +508,27 @@ def test_order_holds_when_a_read_is_cut_short_by_count(backend: Backend) -> None
     assert _steps(collect(rank, 200)) == list(range(200))
     rank.close()
     coord.close()
+
+
+def test_a_resp3_client_reads_the_same_entries_as_a_resp2_one(backend: Backend) -> None:
+    import fakeredis
+
+    def resp3() -> redis.Redis:
+        if backend.fake_server is not None:
+            return fakeredis.FakeRedis(server=backend.fake_server, protocol=3)
+        assert backend.url is not None
+        return redis.Redis.from_url(backend.url, protocol=3)
+
+    keys = RunKeys("resp3")
+    coord = RedisCoordinatorBus(resp3(), keys, SECRET, ranks=[0, 1], config=FAST)
+    ranks = [RedisRankBus(resp3(), keys, r, SECRET, config=FAST) for r in (0, 1)]
+    coord.send(1, m.SetGlobalStep(global_step=1))
+    coord.broadcast(m.SetGlobalStep(global_step=2))
+    assert [_steps(collect(ranks[r], n)) for r, n in ((0, 1), (1, 2))] == [[2], [1, 2]]
+    for r in (0, 1):
+        ranks[r].publish(_batch(r, 7))
+        assert ranks[r].flush(5)
+    got = [d.msg for d in collect_up(coord, 2) if isinstance(d.msg, m.Batch)]
+    assert sorted((b.rank, b.step_count) for b in got) == [(0, 7), (1, 7)]
+    for bus in (*ranks, coord):
+        bus.close()
