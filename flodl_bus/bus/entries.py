@@ -112,12 +112,10 @@ def parse(
     if kind != channel:
         return f"wrong channel: {type_name} is a {kind} message, this is a {channel} stream"
     try:
-        msg = wire.decode(body, channel)
+        # `expect`: a body of another type than the type field is refused in there
+        msg = wire.decode(body, channel, type_name)
     except wire.DecodeError as exc:
         return f"undecodable: {exc.reason}"
-    body_type = wire.type_name(msg)
-    if body_type != type_name:
-        return f"type field {type_name!r} but body is {body_type!r}"
     if channel == wire.UPSTREAM and str(getattr(msg, "rank", "")) != rank:
         return f"body rank {getattr(msg, 'rank', None)!r} on the stream of rank {rank}"
     return Parsed(type_name, rank_text, seq, msg)

