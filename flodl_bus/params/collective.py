@@ -48,7 +48,10 @@ def scale_into_(dst: FlatBuffers, src: FlatBuffers, factor: float) -> None:
             torch.mul(s, factor, out=d)
 
 
-class CollectiveSync:
+class Averager:
+    """What both averaging rounds (the blocking SyncNow one and the CPU background one)
+    work on: the model's tensors as two flat layouts, the sessions, the weighting."""
+
     def __init__(
         self,
         params: Sequence[torch.Tensor],
@@ -70,6 +73,16 @@ class CollectiveSync:
         self.device = self.params[0].device
         self._p_layout = FlatLayout(self.params)
         self._b_layout = FlatLayout(self.buffers)
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """Room for a round, sized by the layouts (a subclass's hook)."""
+
+
+class CollectiveSync(Averager):
+    """SyncNow: every rank blocks in one weighted all-reduce on the training device."""
+
+    def _allocate(self) -> None:
         self.scratch = FlatBuffers(self._p_layout, self.device)
         self.scratch_b = FlatBuffers(self._b_layout, self.device)
         self.work = FlatBuffers(self._p_layout, self.device)

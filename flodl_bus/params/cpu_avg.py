@@ -44,8 +44,8 @@ from flodl_bus.params.averaging import (
     mover_mass,
     weight,
 )
-from flodl_bus.params.collective import averaged_buffers, scale_into_
-from flodl_bus.params.flat import FlatBuffers, FlatLayout
+from flodl_bus.params.collective import Averager, scale_into_
+from flodl_bus.params.flat import FlatBuffers
 from flodl_bus.params.groups import Group, SessionManager
 from flodl_bus.protocol.messages import AveragedParams, Shutdown, SnapshotReady, SyncAck, Update
 
@@ -76,7 +76,7 @@ class RoundStats:
     reduce_s: float
 
 
-class CpuAverager:
+class CpuAverager(Averager):
     def __init__(
         self,
         params: Sequence[torch.Tensor],
@@ -90,21 +90,11 @@ class CpuAverager:
         outer: OuterOptimizer | None = None,
         timeout: float = 30.0,
     ) -> None:
-        if not params:
-            raise ValueError("a model without parameters has nothing to average")
-        self.params = list(params)
-        self.buffers = averaged_buffers(buffers)
-        self.sessions = sessions
+        super().__init__(params, buffers, sessions, gamma=gamma, outer=outer, timeout=timeout)
         self.rank = rank
         self.inject = inject
         self.publish = publish
-        self.gamma = gamma
-        self.outer = outer
-        self.timeout = timeout
-        self.device = self.params[0].device
         cuda = self.device.type == "cuda"
-        self._p_layout = FlatLayout(self.params)
-        self._b_layout = FlatLayout(self.buffers)
         host = torch.device("cpu")
         # Pinned memory only helps (and only exists) for copies to and from a GPU.
         self.snap = FlatBuffers(self._p_layout, host, pin=cuda)
