@@ -314,3 +314,24 @@ class Link:
             )
             self._down_since = None
             return
+
+
+class RedisUnreachable(ValueError):
+    """A command line's Redis cannot be used; the message is one line naming the fix."""
+
+
+def connect_pinged(url: str, *, client_name: str) -> redis.Redis:
+    """``connect`` plus a PING, for a command that cannot start without Redis: a bad URL
+    or a server that does not answer becomes one ``RedisUnreachable`` line (the URL's
+    password redacted), never a traceback."""
+    try:
+        client = connect(url, client_name=client_name)
+        client.ping()
+    except BadRedisUrl as exc:
+        raise RedisUnreachable(f"--redis-url: {exc}") from None
+    except Exception as exc:
+        raise RedisUnreachable(
+            f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}): "
+            "start it or fix --redis-url"
+        ) from None
+    return client

@@ -28,7 +28,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, BadRedisUrl, connect, redact_url
+from flodl_bus.bus.connection import (
+    DEFAULT_URL,
+    ENV_URL,
+    RedisUnreachable,
+    connect_pinged,
+    redact_url,
+)
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig, parse_mode
 from flodl_bus.partition import SHUFFLE_BASE_SEED
@@ -239,15 +245,9 @@ def _main(args: argparse.Namespace) -> int:
 
     keys = RunKeys(args.run)
     try:
-        client = connect(args.redis_url, client_name="flodl-coordinator")
-        client.ping()
-    except BadRedisUrl as exc:
-        raise ConfigError(f"--redis-url: {exc}") from None
-    except Exception as exc:
-        raise ConfigError(
-            f"cannot reach Redis at {redact_url(args.redis_url)} ({type(exc).__name__}): "
-            "start it or fix --redis-url"
-        ) from None
+        client = connect_pinged(args.redis_url, client_name="flodl-coordinator")
+    except RedisUnreachable as exc:
+        raise ConfigError(str(exc)) from None
 
     configure_console(args.log_level)
     import structlog

@@ -27,7 +27,14 @@ from pathlib import Path
 
 from torch import nn
 
-from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, BadRedisUrl, connect, redact_url
+from flodl_bus.bus.connection import (
+    DEFAULT_URL,
+    ENV_URL,
+    RedisUnreachable,
+    connect,
+    connect_pinged,
+    redact_url,
+)
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.job import Job
@@ -299,15 +306,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys = RunKeys(args.run)
         who = f"rank{args.rank}" if args.rank is not None else "joiner"
         try:
-            client = connect(args.redis_url, client_name=f"flodl-{who}")
-            client.ping()
-        except BadRedisUrl as exc:
-            raise ConfigError(f"--redis-url: {exc}") from None
-        except Exception as exc:
-            raise ConfigError(
-                f"cannot reach Redis at {redact_url(args.redis_url)} ({type(exc).__name__}): "
-                "start it or fix --redis-url"
-            ) from None
+            client = connect_pinged(args.redis_url, client_name=f"flodl-{who}")
+        except RedisUnreachable as exc:
+            raise ConfigError(str(exc)) from None
         try:
             secret = fetch_run_secret(client, keys, timeout=args.secret_timeout)
         except SecretError as exc:
