@@ -231,6 +231,8 @@ class Launcher:
         self._reported: set[str] = set()
         self._csv_mtime = -1
         self._job_error: str | None = None
+        #: why ``_start`` gave up (one line), for the record's summary
+        self.start_error: str | None = None
         self._job_loader: threading.Thread | None = None
 
     # ------------------------------------------------------------------ run
@@ -239,6 +241,11 @@ class Launcher:
             with _sigterm_as_stop():
                 rc = self._start()
                 if rc is not None:
+                    # The record still ends in a summary, so a reader of up.jsonl can
+                    # tell a run that never started from one that was cut off.
+                    self.record.record(
+                        "summary", started=False, error=self.start_error, exit_code=rc
+                    )
                     return rc
                 self.failed_rc = self._watch()
         except (KeyboardInterrupt, _Stop):
@@ -265,6 +272,7 @@ class Launcher:
             try:
                 self.server = RedisServer().start()
             except RedisServerError as exc:
+                self.start_error = str(exc)
                 print(f"flodl-bus up: {exc}", file=sys.stderr)
                 return 2
             url = self.server.url
@@ -284,11 +292,10 @@ class Launcher:
             self.client = connect(url, client_name="flodl-up")
             self.client.ping()
         except Exception as exc:
-            print(
-                f"flodl-bus up: cannot reach Redis at {redact_url(url)} "
-                f"({type(exc).__name__}: {exc})",
-                file=sys.stderr,
+            self.start_error = (
+                f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}: {exc})"
             )
+            print(f"flodl-bus up: {self.start_error}", file=sys.stderr)
             return 2
         self.watcher = StreamWatcher(self.client, self.keys, args.workers, self.secret)
         # The URL (it may carry a password) and the secret reach the children through

@@ -190,3 +190,37 @@ def test_the_lr_scale_ratio_reaches_every_rank_as_flodls_linear_scaling(
             if o["type"] == "LrUpdate"
         }
         assert lrs and all(lr == pytest.approx(base * (1 + (2 - 1) * 1.0)) for lr in lrs), lrs
+
+
+def test_a_redis_hiccup_mid_run_costs_a_reconnect_and_the_run_still_finishes(
+    tmp_path: Path, mark: str
+) -> None:
+    import redis
+
+    from flodl_bus.bus.server import RedisServer
+
+    # A server of its own: every connection to it is dropped mid-run.
+    with RedisServer() as server:
+        proc = _up(tmp_path, mark, "--run", "hiccup", "--redis-url", server.url, "--epochs", "12")
+        up_log = tmp_path / "runs" / "hiccup" / "up.jsonl"
+        deadline = time.monotonic() + 120
+        while not (
+            up_log.exists() and any(r["event"] == "first_step" for r in read_records(up_log))
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.1)
+        admin = redis.Redis.from_url(server.url)
+        killed = admin.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+        admin.close()
+        out, _ = proc.communicate(timeout=150)
+    assert killed >= 4, killed  # the launcher's, the coordinator's and both ranks' at least
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "runs" / "hiccup"
+    # The processes' blocked readers lost their connections and came back (the
+    # launcher's idle one is replaced by redis-py before use, so it may never notice).
+    for name in ("coordinator", "rank0", "rank1"):
+        assert "redis_reconnected" in (run_dir / f"{name}.log").read_text(), name
+    summary = _summary(run_dir)
+    assert summary["coordinator_rc"] == 0 and summary["worker_rcs"] == [0, 0]
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 1 + 12, rows  # header + every epoch

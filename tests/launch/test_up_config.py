@@ -54,3 +54,19 @@ def test_the_runs_epochs_reach_coordinator_and_every_rank_so_the_lr_schedule_agr
     # Without --epochs nobody is told: the coordinator and the ranks use the job's.
     args = _parser().parse_args([])
     assert "--epochs" not in worker_argv(args, "r", 0, Path("runs/r"))
+
+
+def test_a_run_that_cannot_reach_redis_exits_2_and_its_record_ends_in_a_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.record.log import read_records
+
+    monkeypatch.chdir(tmp_path)
+    # Port 1 refuses at once: nothing listens there.
+    assert main(["--run", "nored", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in err
+    records = read_records(tmp_path / "runs" / "nored" / "up.jsonl")
+    summary = records[-1]
+    assert summary["event"] == "summary" and summary["started"] is False
+    assert summary["exit_code"] == 2 and "cannot reach Redis" in summary["error"]
