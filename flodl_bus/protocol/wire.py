@@ -553,8 +553,16 @@ def to_map(msg: object) -> dict[str, Any]:
             f"{type(msg).__name__} has no wire form (in-process Update travels as WireUpdate)"
         ) from None
     out: dict[str, Any] = {"v": SCHEMA_VERSION, "type": spec.name}
-    for name, enc, _ in spec.fields:
+    for name, enc, dec in spec.fields:
         value = getattr(msg, name)
+        if (dec is _u64 or (dec is _opt_u64 and value is not None)) and not (
+            type(value) is int and 0 <= value < _U64_LIMIT
+        ):
+            # Refused here, at the sender, with the field named: on the wire the receiver
+            # could only dead-letter it.
+            raise ValueError(
+                f"{spec.name}.{name} = {value!r}: the wire carries an unsigned 64-bit int"
+            )
         out[name] = value if enc is None else enc(value)
     return out
 

@@ -273,6 +273,20 @@ def test_unsigned_int_fields_reject_negatives_bools_floats_and_nan(
     rejected(with_value(name, path, bad), channel(name))
 
 
+@pytest.mark.parametrize("bad", [-1, True, 1.0, 2**64, None])
+def test_an_unsigned_int_field_out_of_range_is_refused_at_the_sender_naming_it(bad: Any) -> None:
+    msg = dataclasses.replace(SAMPLES["Batch"], rank=bad)
+    for fn in (encode, to_map):
+        with pytest.raises(ValueError, match=r"Batch\.rank = .*unsigned 64-bit"):
+            fn(msg)
+    # an optional one may be None, but not negative
+    assert (
+        to_map(dataclasses.replace(SAMPLES["Hello"], requested_rank=None))["requested_rank"] is None
+    )
+    with pytest.raises(ValueError, match=r"Hello\.requested_rank = -1"):
+        encode(dataclasses.replace(SAMPLES["Hello"], requested_rank=-1))
+
+
 def test_in_process_update_has_no_wire_form() -> None:
     update = m.Update(avg=m.AveragedParams(params=(), buffers=(), version=3))
     for fn in (encode, to_map, type_name):
