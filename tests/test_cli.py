@@ -75,11 +75,11 @@ def test_bench_codec_runs_and_prints_a_ratio_per_variant() -> None:
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    rows = {}
+    rows: dict[str, tuple[float, ...]] = {}
     for line in proc.stdout.splitlines():
         cells = line.split()
-        if len(cells) == 8 and cells[4].endswith("x") and cells[7].endswith("x"):
-            rows[cells[0]] = (float(cells[4][:-1]), float(cells[7][:-1]))
+        if len(cells) == 10 and all(cells[i].endswith("x") for i in (4, 7, 9)):
+            rows[cells[0]] = tuple(float(cells[i][:-1]) for i in (4, 7, 9))
     assert set(rows) == CONTROL_TYPES | UPSTREAM_TYPES | JOIN_TYPES
     assert all(r > 0 and math.isfinite(r) for pair in rows.values() for r in pair)
     summary = re.search(
