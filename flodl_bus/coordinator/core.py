@@ -1108,6 +1108,10 @@ class Coordinator:
                 died = True
         if not died or self.phase == SHUTDOWN:
             return
+        self._after_deaths(now, out)
+
+    def _after_deaths(self, now: float, out: list[Out]) -> None:
+        """Stop with a save if the survivors cannot go on, else re-form their group."""
         reason = self._unrecoverable_reason()
         if reason is not None:
             self._shutdown_with_save(reason, out)
@@ -1130,12 +1134,7 @@ class Coordinator:
         if not 0 <= rank < self.ws or not self.alive(rank) or self.phase == SHUTDOWN:
             return out
         self._process_death(rank, now, out)
-        reason = self._unrecoverable_reason()
-        if reason is not None:
-            self._shutdown_with_save(reason, out)
-        else:
-            self.rendezvous.reset()
-            self._next_generator(now, out)
+        self._after_deaths(now, out)
         return out
 
     def _process_death(self, r: int, now: float, out: list[Out]) -> None:

@@ -108,19 +108,26 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "flodl_bus.cli", *args]
 
 
-def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
-    argv = _cli(
-        "coordinator",
+def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
+    """What the coordinator and every rank are told alike. Every process records into
+    the same run directory, so replay finds all the records side by side; ranks get the
+    epochs as a flag because they may read meta before the coordinator writes it."""
+    argv = [
         "--run", run,
         "--job", args.job,
         "--mode", args.mode,
         "--world-size", str(args.workers),
         "--run-dir", str(run_dir),
-        "--eval-every", str(args.eval_every),
         "--lr-scale-ratio", repr(args.lr_scale_ratio),
-    )  # fmt: skip
+    ]  # fmt: skip
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
+    return argv
+
+
+def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
+    argv = _cli("coordinator", *_shared_argv(args, run, run_dir))
+    argv += ["--eval-every", str(args.eval_every)]
     if args.save_path:
         argv += ["--save-path", args.save_path]
         if args.checkpoint_every > 0:
@@ -131,22 +138,8 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
 
 
 def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> list[str]:
-    # Every process of the run records into the same run directory, so replay finds the
-    # coordinator's and every rank's record side by side.
-    argv = _cli(
-        "worker",
-        "--run", run,
-        "--job", args.job,
-        "--mode", args.mode,
-        "--rank", str(rank),
-        "--world-size", str(args.workers),
-        "--log-level", args.log_level,
-        "--run-dir", str(run_dir),
-        "--lr-scale-ratio", repr(args.lr_scale_ratio),
-    )  # fmt: skip
-    if args.epochs is not None:
-        # Meta may be read before the coordinator writes it; the schedule needs the count.
-        argv += ["--epochs", str(args.epochs)]
+    argv = _cli("worker", *_shared_argv(args, run, run_dir))
+    argv += ["--rank", str(rank), "--log-level", args.log_level]
     if args.save_path:
         argv += ["--save-path", args.save_path]
     return argv

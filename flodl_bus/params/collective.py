@@ -78,6 +78,28 @@ class Averager:
     def _allocate(self) -> None:
         """Room for a round, sized by the layouts (a subclass's hook)."""
 
+    def _weighted_all_reduce(
+        self,
+        group: Group,
+        masses: tuple[float, float],
+        src: tuple[FlatBuffers, FlatBuffers],
+        dst: tuple[FlatBuffers, FlatBuffers],
+    ) -> bool:
+        """One round's collectives: the masses summed first, then each rank's weighted
+        (params, buffers) from ``src`` summed into ``dst``. False when nobody trained
+        (the round is unrealized and ``dst`` holds nothing)."""
+        n_eff, mover = masses
+        # The masses travel with the tensors: on the device for NCCL, on the host for gloo.
+        counts = torch.tensor([n_eff, mover], dtype=torch.float64, device=dst[0].device)
+        group.all_reduce_sum_([counts], self.timeout)
+        total, movers = (float(x) for x in counts.tolist())
+        if not is_realized(total):
+            return False
+        scale_into_(dst[0], src[0], weight(n_eff, total))
+        scale_into_(dst[1], src[1], weight(mover, movers))
+        group.all_reduce_sum_([*dst[0].flats, *dst[1].flats], self.timeout)
+        return True
+
 
 class CollectiveSync(Averager):
     """SyncNow: every rank blocks in one weighted all-reduce on the training device."""
@@ -103,15 +125,9 @@ class CollectiveSync(Averager):
                 # An abandoned op of the failed attempt may still write the old buffers.
                 self.work = FlatBuffers(self._p_layout, self.device)
                 self.work_b = FlatBuffers(self._b_layout, self.device)
-            counts = torch.tensor([n_eff, mover], dtype=torch.float64, device=self.device)
-            group.all_reduce_sum_([counts], self.timeout)
-            total, movers = (float(x) for x in counts.tolist())
-            if not is_realized(total):
-                return False
-            scale_into_(self.work, self.scratch, weight(n_eff, total))
-            scale_into_(self.work_b, self.scratch_b, weight(mover, movers))
-            group.all_reduce_sum_([*self.work.flats, *self.work_b.flats], self.timeout)
-            return True
+            return self._weighted_all_reduce(
+                group, (n_eff, mover), (self.scratch, self.scratch_b), (self.work, self.work_b)
+            )
 
         if not self.sessions.run(attempt):
             return UNREALIZED

@@ -40,11 +40,9 @@ from flodl_bus.params.averaging import (
     OuterOptimizer,
     divergence_triple,
     gamma_mass,
-    is_realized,
     mover_mass,
-    weight,
 )
-from flodl_bus.params.collective import Averager, scale_into_
+from flodl_bus.params.collective import Averager
 from flodl_bus.params.flat import FlatBuffers
 from flodl_bus.params.groups import Group, SessionManager
 from flodl_bus.protocol.messages import AveragedParams, Shutdown, SnapshotReady, SyncAck, Update
@@ -192,15 +190,9 @@ class CpuAverager(Averager):
                 # An abandoned gloo op of the failed attempt may still write ``cons``.
                 self.cons = FlatBuffers(self._p_layout, self.cons.device, pin=self.cons.pinned)
                 self.cons_b = FlatBuffers(self._b_layout, self.cons.device, pin=self.cons.pinned)
-            counts = torch.tensor([n_eff, mover], dtype=torch.float64)
-            group.all_reduce_sum_([counts], self.timeout)
-            total, movers = (float(x) for x in counts.tolist())
-            if not is_realized(total):
-                return False
-            scale_into_(self.cons, self.snap, weight(n_eff, total))
-            scale_into_(self.cons_b, self.snap_b, weight(mover, movers))
-            group.all_reduce_sum_([*self.cons.flats, *self.cons_b.flats], self.timeout)
-            return True
+            return self._weighted_all_reduce(
+                group, (n_eff, mover), (self.snap, self.snap_b), (self.cons, self.cons_b)
+            )
 
         realized = self.sessions.run(attempt)
         reduce_s = time.monotonic() - reduce_started

@@ -283,9 +283,16 @@ class RecordedControl(WorkerControl):
         before = self.state()
         cap = self._cap
         cap.begin()
+        result: dict[str, Any]
         try:
             out = super().dispatch(msg)
         except BaseException as exc:
+            # A raising dispatch is recorded too (replay must raise the same), then re-raised.
+            result = {"out": (), "raised": error_fields(exc)}
+            raise
+        else:
+            result = {"out": out.upstream, "stop": out.stop, "throttled": out.throttled}
+        finally:
             calls, logs = cap.end()
             self._rec.dispatch(
                 stream=origin[0] if origin else None,
@@ -294,26 +301,10 @@ class RecordedControl(WorkerControl):
                 now=now,
                 before=before,
                 after=self.state(),
-                out=(),
                 calls=calls,
                 logs=logs,
-                raised=error_fields(exc),
+                **result,
             )
-            raise
-        calls, logs = cap.end()
-        self._rec.dispatch(
-            stream=origin[0] if origin else None,
-            entry_id=origin[1] if origin else None,
-            msg=msg,
-            now=now,
-            before=before,
-            after=self.state(),
-            out=out.upstream,
-            stop=out.stop,
-            throttled=out.throttled,
-            calls=calls,
-            logs=logs,
-        )
         return out
 
     def took(self, msg: ControlMsg, why: str) -> None:

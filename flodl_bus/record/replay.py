@@ -496,27 +496,26 @@ class RankReplay(_Replay):
         actual["after"] = control.state()
         return {k: norm(v) for k, v in actual.items()}
 
-    def _dispatch(self, ev: Mapping[str, Any]) -> None:
+    def _message_of(self, ev: Mapping[str, Any]) -> Any:
+        """The message an event fed the core: the next one off its stream (None when the
+        stream has not got it: already reported) or one injected in process."""
         if ev.get("stream"):
-            got = self._consume(ev)
-            if got is None:
-                return
-            msg = got
-        else:
-            msg = self._local(ev["msg"])
+            return self._consume(ev)
+        return self._local(ev["msg"])
+
+    def _dispatch(self, ev: Mapping[str, Any]) -> None:
+        msg = self._message_of(ev)
+        if msg is None:
+            return
         actual = self._run(msg, ev.get("calls"))
         self.result.actual.append({**_ident(ev), **actual})
         fields = ("msg", "before", "calls", "out", "raised", "logs", "stop", "throttled", "after")
         self.compare(ev, actual, fields)
 
     def _take(self, ev: Mapping[str, Any]) -> None:
-        if ev.get("stream"):
-            got = self._consume(ev)
-            if got is None:
-                return
-            msg = got
-        else:
-            msg = self._local(ev["msg"])
+        msg = self._message_of(ev)
+        if msg is None:
+            return
         if ev.get("why") == "plan" and isinstance(msg, StartEpoch):
             self.taken_plan = msg.plan
         actual = {"msg": norm(msg), "why": ev.get("why")}

@@ -53,6 +53,13 @@ def collect_up(coord: RedisCoordinatorBus, n: int, timeout: float = 20.0) -> lis
     return got
 
 
+def _lossy(backend: Backend, faults: Faults) -> redis.Redis:
+    """A client of ``backend`` whose replies ``faults`` drops."""
+    if backend.fake_server is not None:
+        return lossy_client(faults, server=backend.fake_server)
+    return lossy_client(faults, url=backend.url)
+
+
 def _batch(rank: int, i: int) -> m.Batch:
     return m.Batch(rank=rank, batch_ms=1.0, data_ms=0.1, step_count=i, batch_loss=0.5)
 
@@ -182,11 +189,7 @@ def test_streams_continue_across_a_redis_restart_with_aof() -> None:
 
 def test_producer_retry_after_a_lost_xadd_reply_creates_no_duplicate(backend: Backend) -> None:
     faults = Faults("XADD", times=2)
-    lossy = (
-        lossy_client(faults, server=backend.fake_server)
-        if backend.fake_server is not None
-        else lossy_client(faults, url=backend.url)
-    )
+    lossy = _lossy(backend, faults)
     keys = RunKeys("lost")
     coord = RedisCoordinatorBus(lossy, keys, SECRET, ranks=[0], config=FAST)
     rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
@@ -209,11 +212,7 @@ def test_publisher_retry_after_a_lost_pipeline_reply_creates_no_duplicate(
     backend: Backend,
 ) -> None:
     faults = Faults("XADD", times=1)
-    lossy = (
-        lossy_client(faults, server=backend.fake_server)
-        if backend.fake_server is not None
-        else lossy_client(faults, url=backend.url)
-    )
+    lossy = _lossy(backend, faults)
     keys = RunKeys("lostup")
     coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
     rank = RedisRankBus(lossy, keys, 0, SECRET, config=FAST)
@@ -230,11 +229,7 @@ def test_publisher_retry_after_a_lost_pipeline_reply_creates_no_duplicate(
 
 def test_a_lost_xreadgroup_reply_is_recovered_from_the_pending_list(backend: Backend) -> None:
     faults = Faults("XREADGROUP", times=0)
-    lossy = (
-        lossy_client(faults, server=backend.fake_server)
-        if backend.fake_server is not None
-        else lossy_client(faults, url=backend.url)
-    )
+    lossy = _lossy(backend, faults)
     keys = RunKeys("lostread")
     coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
     rank = RedisRankBus(lossy, keys, 0, SECRET, config=FAST)
