@@ -22,13 +22,22 @@ the store's ``timeout`` or the caller's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
+import structlog
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
+
+log = structlog.get_logger("flodl_bus.params.store")
+
+T = TypeVar("T")
+
+#: Redis errors that a fresh connection may cure (CLIENT KILL, a server restart, a
+#: network blip): the idempotent operations below retry them until their deadline.
+_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 #: Socket timeout of a client this module builds from a URL.
@@ -103,19 +112,25 @@ class RedisStore(Store):
     # -- Store API ------------------------------------------------------------------------
 
     def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
-        pipe = self._client.pipeline(transaction=True)
-        pipe.set(self._k(key), _as_bytes(value))
-        self._mark(pipe, key)
-        pipe.execute()
+        def op() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(self._k(key), _as_bytes(value))
+            self._mark(pipe, key)
+            pipe.execute()
+
+        self._retrying(op, "set")
 
     def get(self, key: str) -> bytes:  # type: ignore[override]
         while True:
-            got = self._client.get(self._k(key))
+            got = self._retrying(lambda: self._client.get(self._k(key)), "get")
             if got is not None:
                 return _as_bytes(got)
             # The key may be deleted between the wait and the GET; then wait again.
             self._wait_one(key, time.monotonic() + self._timeout_s())
 
+    # add, append and compare_set are not retried: a reply lost after the server ran
+    # them would make a retry count twice. A connection lost while idle is replaced by
+    # redis-py before use, so what reaches the caller is a loss in mid-command.
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
         pipe = self._client.pipeline(transaction=True)
         pipe.incrby(self._k(key), int(amount))
@@ -159,23 +174,28 @@ class RedisStore(Store):
     def check(self, keys: Sequence[str]) -> bool:  # type: ignore[override]
         if not keys:
             return True
-        return int(self._client.exists(*[self._k(k) for k in keys])) == len(keys)
+        names = [self._k(k) for k in keys]
+        return int(self._retrying(lambda: self._client.exists(*names), "check")) == len(keys)
 
     def delete_key(self, key: str) -> bool:  # type: ignore[override]
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self._k(key))
-        pipe.delete(self._r(key))
-        pipe.srem(self._keys, key)
-        return int(pipe.execute()[0]) > 0
+        def op() -> bool:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(self._k(key))
+            pipe.delete(self._r(key))
+            pipe.srem(self._keys, key)
+            return int(pipe.execute()[0]) > 0
+
+        return self._retrying(op, "delete_key")
 
     def num_keys(self) -> int:  # type: ignore[override]
-        return int(self._client.scard(self._keys))
+        return int(self._retrying(lambda: self._client.scard(self._keys), "num_keys"))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:  # type: ignore[override]
         deadline = time.monotonic() + self._timeout_s()
         for key in keys:
             self._wait_one(key, deadline)
-        values = self._client.mget([self._k(k) for k in keys])
+        names = [self._k(k) for k in keys]
+        values = self._retrying(lambda: self._client.mget(names), "multi_get")
         if any(v is None for v in values):  # deleted under us: fall back to blocking gets
             return [self.get(k) for k in keys]
         return [_as_bytes(v) for v in values if v is not None]
@@ -183,11 +203,15 @@ class RedisStore(Store):
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:  # type: ignore[override]
         if len(keys) != len(values):
             raise ValueError("multi_set: keys and values differ in length")
-        pipe = self._client.pipeline(transaction=True)
-        for key, value in zip(keys, values):
-            pipe.set(self._k(key), _as_bytes(value))
-            self._mark(pipe, key)
-        pipe.execute()
+
+        def op() -> None:
+            pipe = self._client.pipeline(transaction=True)
+            for key, value in zip(keys, values):
+                pipe.set(self._k(key), _as_bytes(value))
+                self._mark(pipe, key)
+            pipe.execute()
+
+        self._retrying(op, "multi_set")
 
     def append(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
         pipe = self._client.pipeline(transaction=True)
@@ -196,7 +220,8 @@ class RedisStore(Store):
         pipe.execute()
 
     def list_keys(self) -> list[str]:  # type: ignore[override]
-        return sorted(_as_str(m) for m in self._client.smembers(self._keys))
+        members = self._retrying(lambda: self._client.smembers(self._keys), "list_keys")
+        return sorted(_as_str(m) for m in members)
 
     def clone(self) -> RedisStore:  # type: ignore[override]
         """A store on the same keys with its own connections (safe from another thread)."""
@@ -227,10 +252,28 @@ class RedisStore(Store):
         value: timedelta = getattr(self, "timeout")  # noqa: B009
         return value.total_seconds()
 
+    def _retrying(self, op: Callable[[], T], what: str) -> T:
+        """``op`` (idempotent), run again on a transient Redis error until the store's
+        timeout: a rendezvous that hit a dropped connection would otherwise fail its
+        session for good, and every rank would wait for a new one that never comes."""
+        deadline = time.monotonic() + self._timeout_s()
+        pause = 0.05
+        while True:
+            try:
+                return op()
+            except _TRANSIENT as exc:
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.warning(
+                    "param_store_retry", op=what, prefix=self.prefix, error=type(exc).__name__
+                )
+                time.sleep(pause)
+                pause = min(1.0, pause * 2)
+
     def _wait_one(self, key: str, deadline: float) -> None:
         ready = self._r(key)
         while True:
-            if self._client.exists(self._k(key)):
+            if self._retrying(lambda: self._client.exists(self._k(key)), "wait"):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
@@ -239,7 +282,11 @@ class RedisStore(Store):
                 )
             # Redis takes fractional BLMOVE timeouts; 0 would block forever.
             block = max(0.01, min(self._block_slice, left))
-            self._client.blmove(ready, ready, block, "LEFT", "RIGHT")  # type: ignore[arg-type]
+            # A rotation consumes nothing, so a BLMOVE whose reply was lost is harmless.
+            self._retrying(
+                lambda block=block: self._client.blmove(ready, ready, block, "LEFT", "RIGHT"),  # type: ignore[arg-type,misc]
+                "wait",
+            )
 
     def clear(self) -> int:
         """Delete every key of this prefix (a finished session's leftovers)."""

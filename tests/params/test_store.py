@@ -62,6 +62,28 @@ def test_get_blocks_until_another_client_sets_the_key(store: RedisStore) -> None
         timer.join()
 
 
+def test_a_get_blocked_on_a_connection_that_is_killed_reconnects_and_still_returns(
+    store: RedisStore, redis_url: str
+) -> None:
+    import redis
+
+    store.set_timeout(timedelta(seconds=10))
+    waiter_id = store._client.client_id()  # the store's one pooled connection
+    got: list[bytes] = []
+    waiter = threading.Thread(target=lambda: got.append(store.get("later")))
+    waiter.start()
+    time.sleep(0.3)  # blocked in BLMOVE by now
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        assert admin.client_kill_filter(_id=waiter_id) == 1
+        time.sleep(0.2)
+        store.clone().set("later", "still here")
+        waiter.join(10)
+    finally:
+        admin.close()
+    assert got == [b"still here"]
+
+
 def test_add_creates_then_increments_a_counter_readable_with_get(store: RedisStore) -> None:
     assert store.add("n", 2) == 2
     assert store.add("n", 3) == 5
