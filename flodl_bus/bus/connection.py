@@ -15,6 +15,7 @@ Secrets never reach a log: URLs are logged through ``redact_url`` only.
 from __future__ import annotations
 
 import os
+import random
 import re
 import threading
 import time
@@ -207,21 +208,105 @@ def connect(
 
 @dataclass(frozen=True, slots=True)
 class Backoff:
-    """Exponential backoff schedule: ``base * factor**attempt``, capped."""
+    """Exponential backoff schedule: ``base * factor**attempt``, capped, jittered.
+
+    ``delay`` is the ceiling of one wait; ``Link`` waits a random time between
+    ``(1 - jitter) * delay`` and ``delay``, so the ranks of a run that lost Redis together
+    do not all knock at the same instant when it comes back.
+    """
 
     base_s: float = 0.05
     factor: float = 2.0
     cap_s: float = 2.0
+    jitter: float = 0.5
 
     def delay(self, attempt: int) -> float:
         return float(min(self.cap_s, self.base_s * self.factor ** min(attempt, 64)))
 
+    def jittered(self, attempt: int, rand: float) -> float:
+        """The wait before attempt ``attempt + 1``, for a uniform ``rand`` in [0, 1)."""
+        return self.delay(attempt) * (1.0 - self.jitter * rand)
+
+
+#: Replies under which Redis did not run a write and will again once the condition
+#: passes: the server is full (noeviction), a replica (READONLY), its master is gone,
+#: it runs a long script (BUSY), or its last snapshot failed (MISCONF, writes refused
+#: until one succeeds). ``LOADING`` is a ``ConnectionError`` in redis-py and handled
+#: as a lost connection. None of these replies means the command ran, so rerunning the
+#: op is harmless; a pipeline may have run the commands before the refused one, which
+#: is why a retried op is told ``retry=True`` like after a lost reply.
+_TRANSIENT_CODES: Final = {
+    "OOM": "out of memory",
+    "READONLY": "read-only replica",
+    "MASTERDOWN": "master down",
+    "BUSY": "busy running a script",
+    "MISCONF": "snapshot failing, writes refused",
+    "TRYAGAIN": "try again",
+    "CLUSTERDOWN": "cluster down",
+}
+#: A pipeline's error reads "Command # 2 (XADD ...) of pipeline caused error: OOM ...";
+#: a plain one "BUSY Redis is busy ..." (redis-py strips the codes it knows, so the
+#: class says those; the others keep their code in the message).
+_CODE_IN_MESSAGE: Final = re.compile(r"(?:^|caused error: )([A-Z]+) ")
+
+
+def transient_kind(exc: BaseException) -> str | None:
+    """The short name of a transient write refusal (``"OOM"``, ...), None for others."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return "OOM"
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return "READONLY"
+    if isinstance(exc, redis.exceptions.MasterDownError):
+        return "MASTERDOWN"
+    if isinstance(exc, redis.exceptions.TryAgainError):
+        return "TRYAGAIN"
+    if isinstance(exc, redis.exceptions.ClusterDownError):
+        return "CLUSTERDOWN"
+    if type(exc) is redis.exceptions.ResponseError:
+        m = _CODE_IN_MESSAGE.search(str(exc))
+        if m is not None and m.group(1) in ("BUSY", "MISCONF"):
+            return m.group(1)
+    return None
+
+
+def describe_transient(kind: str, client: redis.Redis | None = None) -> str:
+    """One line for a console: what refuses writes, with the memory figures for OOM
+    when the user may read them (``INFO`` is denied to the ``worker`` ACL user)."""
+    text = _TRANSIENT_CODES.get(kind, kind)
+    if kind != "OOM" or client is None:
+        return text
+    try:
+        info = client.info("memory")
+    except redis.exceptions.RedisError:
+        return f"{text} (maxmemory reached, noeviction)"
+    return (
+        f"{text} (maxmemory {info.get('maxmemory_human', '?')}, "
+        f"used {info.get('used_memory_human', '?')})"
+    )
+
 
 class Link:
-    """One bus actor's way to Redis: run an operation, reconnecting with backoff.
+    """One bus actor's way to Redis: run an operation, retrying through outages.
 
-    ``call(op)`` runs ``op(retry)``; on a lost connection it waits (backoff), checks the
-    server with PING, logs exactly one ``redis_reconnected`` line, and runs ``op(True)``.
+    ``call(op)`` runs ``op(retry)``. Two kinds of episode make it wait and try again:
+
+    - a lost connection (refused, reset, timed out, LOADING): it waits a jittered
+      backoff, checks the server with PING and reruns ``op(True)`` once it answers;
+    - a transient write refusal (OOM under noeviction, READONLY, MASTERDOWN, BUSY,
+      MISCONF): the server answers PING all along, so the probe is the op itself.
+
+    Each episode logs one line when it starts (``redis_unreachable`` /
+    ``redis_write_blocked`` with the reason) and one when it ends (``redis_reconnected``
+    / ``redis_write_resumed`` with how long it lasted), never one per attempt.
+
+    A caller's ``deadline`` bounds the call, never the episode: the link sleeps at most
+    until the deadline, always tries once more before giving up with ``BusUnavailable``,
+    and the next call continues the same episode (backoff position included). So a
+    reader polling with 1 s deadlines tries about once a second, and the time it stays
+    deaf after Redis returns is at most one backoff ceiling (``cap_s``), however long the
+    outage was. Nothing here gives up on its own: the liveness budget is the caller's
+    (a rank's coordinator-liveness timeout, the coordinator's heartbeat timeout).
+
     ``retry=True`` tells the op its previous attempt may have been applied without a
     reply, so it must be idempotent. ``on_lost`` runs once per lost connection (a reader
     uses it to re-read its pending entries: a lost XREADGROUP reply leaves entries
@@ -238,6 +323,7 @@ class Link:
         on_lost: Callable[[], None] | None = None,
         sleep: Callable[[float], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         self.client = client
         self.name = name
@@ -247,10 +333,15 @@ class Link:
         self._stop = threading.Event()
         self._sleep = sleep or self._interruptible_sleep
         self._clock = clock
+        self._rand = rand
         self._down_since: float | None = None
         self._down_error = ""
+        self._blocked_since: float | None = None
+        self._blocked_kind = ""
         self._attempts = 0
         self.reconnects = 0
+        #: transient write-refusal episodes seen (OOM, READONLY, ...)
+        self.write_blocks = 0
 
     def _interruptible_sleep(self, seconds: float) -> None:
         self._stop.wait(seconds)
@@ -258,6 +349,11 @@ class Link:
     @property
     def is_down(self) -> bool:
         return self._down_since is not None
+
+    @property
+    def blocked(self) -> str | None:
+        """The kind of the write refusal in progress (``"OOM"``, ...), else None."""
+        return self._blocked_kind if self._blocked_since is not None else None
 
     def close(self) -> None:
         self._stop.set()
@@ -270,37 +366,95 @@ class Link:
             if self._stop.is_set():
                 raise BusClosed(f"{self.name}: closed")
             try:
-                return op(retry)
-            except redis.exceptions.AuthenticationError:
-                raise
+                result = op(retry)
+            except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError):
+                raise  # retrying cannot fix credentials
             except RETRYABLE as exc:
                 retry = True
                 self._lost(exc)
+                continue
+            except redis.exceptions.ResponseError as exc:
+                kind = transient_kind(exc)
+                if kind is None:
+                    raise
+                retry = True
+                self._refused(kind, exc)
+                self._pause(deadline, f"writes refused ({self._blocked_kind})")
+                continue
+            if self._blocked_since is not None:
+                self._unblocked()
+            return result
+
+    def _pause(self, deadline: float | None, why: str) -> None:
+        """After a failed attempt: give up if ``deadline`` has passed, else wait the next
+        backoff step, cut short at the deadline so one more attempt fits in the call."""
+        if deadline is not None and self._clock() >= deadline:
+            raise BusUnavailable(f"{self.name}: {why}")
+        self._backoff_sleep(deadline, why)
+
+    def _backoff_sleep(self, deadline: float | None, why: str) -> None:
+        if self._stop.is_set():
+            raise BusClosed(f"{self.name}: closed while {why}")
+        delay = self.backoff.jittered(self._attempts, self._rand())
+        if deadline is not None:
+            delay = min(delay, max(0.0, deadline - self._clock()))
+        self._sleep(delay)
+        self._attempts += 1
+        if self._stop.is_set():
+            raise BusClosed(f"{self.name}: closed while {why}")
 
     def _lost(self, exc: BaseException) -> None:
         self._down_since = self._clock()
         self._down_error = f"{type(exc).__name__}: {exc}"[:200]
         self._attempts = 0
+        log.warning("redis_unreachable", link=self.name, redis=self.where, error=self._down_error)
         if self.on_lost is not None:
             self.on_lost()
 
+    def _refused(self, kind: str, exc: BaseException) -> None:
+        if self._blocked_since is not None and kind == self._blocked_kind:
+            return  # the same episode goes on
+        self._blocked_since = self._clock()
+        self._blocked_kind = kind
+        self._attempts = 0
+        self.write_blocks += 1
+        log.warning(
+            "redis_write_blocked",
+            link=self.name,
+            redis=self.where,
+            kind=kind,
+            reason=describe_transient(kind, self.client),
+            error=f"{type(exc).__name__}: {exc}"[:200],
+        )
+
+    def _unblocked(self) -> None:
+        assert self._blocked_since is not None
+        log.warning(
+            "redis_write_resumed",
+            link=self.name,
+            redis=self.where,
+            kind=self._blocked_kind,
+            attempts=self._attempts,
+            blocked_s=round(self._clock() - self._blocked_since, 3),
+        )
+        self._blocked_since = None
+        self._attempts = 0
+
     def _wait_up(self, deadline: float | None) -> None:
+        """Back off, PING, until Redis answers (or the deadline passes, after at least
+        one PING in this call)."""
         assert self._down_since is not None
+        # The first PING of a call comes after at most one (deadline-cut) backoff step,
+        # so a call never gives up without having tried.
+        self._backoff_sleep(deadline, "reconnecting")
         while True:
-            if self._stop.is_set():
-                raise BusClosed(f"{self.name}: closed while reconnecting")
-            delay = self.backoff.delay(self._attempts)
-            if deadline is not None and self._clock() + delay > deadline:
-                # Keep the backoff position: the next call continues the schedule.
-                self._sleep(max(0.0, deadline - self._clock()))
-                raise BusUnavailable(f"{self.name}: Redis unreachable ({self._down_error})")
-            self._sleep(delay)
-            self._attempts += 1
             try:
                 self.client.ping()
-            except redis.exceptions.AuthenticationError:
+            except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError):
                 raise
-            except RETRYABLE:
+            except RETRYABLE as exc:
+                self._down_error = f"{type(exc).__name__}: {exc}"[:200]
+                self._pause(deadline, f"Redis unreachable ({self._down_error})")
                 continue
             down_s = self._clock() - self._down_since
             self.reconnects += 1
@@ -313,6 +467,7 @@ class Link:
                 error=self._down_error,
             )
             self._down_since = None
+            self._attempts = 0
             return
 
 

@@ -17,6 +17,7 @@ from flodl_bus.bus.connection import (
     connect,
     parse_url,
     redact_url,
+    transient_kind,
 )
 from tests.bus.conftest import fake_client
 
@@ -85,6 +86,7 @@ def test_reconnect_backs_off_exponentially_and_logs_one_line_per_reconnect() -> 
         backoff=Backoff(base_s=0.01, factor=2.0, cap_s=0.05),
         sleep=sleep,
         on_lost=lambda: lost.append(1),
+        rand=lambda: 0.0,  # the ceiling of each jittered wait
     )
     server.connected = False
     with structlog.testing.capture_logs() as logs:
@@ -93,10 +95,74 @@ def test_reconnect_backs_off_exponentially_and_logs_one_line_per_reconnect() -> 
         sleeps.clear()
         link.call(lambda retry: client.ping())
     assert sleeps[:4] == [0.01, 0.02, 0.04, 0.05]  # capped
+    events = [e["event"] for e in logs]
+    # One line when the connection is lost, one when it is back: never one per attempt.
+    assert events == ["redis_unreachable", "redis_reconnected"] * 2
     lines = [e for e in logs if e["event"] == "redis_reconnected"]
-    assert len(lines) == 2 and len(lost) == 2
+    assert len(lost) == 2
     assert lines[0]["attempts"] == 4 and lines[0]["link"] == "t"
     assert "hunter2" not in repr(logs)
+
+
+def test_backoff_is_jittered_below_its_ceiling() -> None:
+    b = Backoff(base_s=0.1, factor=2.0, cap_s=1.0, jitter=0.5)
+    assert [b.delay(a) for a in range(5)] == [0.1, 0.2, 0.4, 0.8, 1.0]
+    assert b.jittered(3, 0.0) == 0.8 and b.jittered(3, 0.999) == pytest.approx(0.4, abs=1e-3)
+    assert b.jittered(100, 0.5) == 0.75
+
+
+class FakeClock:
+    """Time that moves only when the link sleeps: deadlines without real waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        assert s >= 0
+        self.sleeps.append(s)
+        self.now += s
+
+
+def test_a_deadline_shorter_than_the_backoff_still_tries_every_call() -> None:
+    # The bug of issue 15: with the backoff grown past a reader's 1 s deadline the link
+    # slept to the deadline and gave up without a PING, and the backoff kept growing,
+    # so a reader never noticed that Redis was back.
+    server = fakeredis.FakeServer()
+    client = fake_client(server)
+    clock = FakeClock()
+    pings = []
+
+    class Counting(type(client)):  # type: ignore[misc]
+        def ping(self, **kw: object) -> bool:
+            pings.append(clock.now)
+            return bool(super().ping(**kw))
+
+    counting = Counting(connection_pool=client.connection_pool)
+    link = Link(
+        counting,
+        name="reader",
+        backoff=Backoff(base_s=0.05, cap_s=8.0),
+        sleep=clock.sleep,
+        clock=clock,
+        rand=lambda: 0.0,
+    )
+    server.connected = False
+    for _ in range(30):  # 30 reads of 1 s each while Redis is down
+        with pytest.raises(BusUnavailable):
+            link.call(lambda retry: counting.xread({"s": "$"}, block=1000), deadline=clock() + 1.0)
+    assert max(clock.sleeps) <= 1.0 + 1e-9  # never slept past a deadline
+    # Every call tried at least once.
+    assert len(pings) >= 30
+    server.connected = True
+    back = clock()
+    with structlog.testing.capture_logs() as logs:
+        assert link.call(lambda retry: counting.ping(), deadline=clock() + 1.0)
+    assert clock() - back <= 1.0  # heard again within one read's deadline
+    assert [e["event"] for e in logs] == ["redis_reconnected"]
 
 
 def test_a_deadline_gives_up_waiting_but_keeps_the_backoff_position() -> None:
@@ -113,6 +179,68 @@ def test_a_deadline_gives_up_waiting_but_keeps_the_backoff_position() -> None:
     with structlog.testing.capture_logs() as logs:
         assert link.call(lambda retry: client.ping())
     assert [e["event"] for e in logs] == ["redis_reconnected"]
+
+
+def test_transient_write_refusals_are_classified() -> None:
+    e = redis.exceptions
+    assert transient_kind(e.OutOfMemoryError("command not allowed")) == "OOM"
+    assert transient_kind(e.ReadOnlyError("You can't write against a read only replica.")) == (
+        "READONLY"
+    )
+    assert transient_kind(e.MasterDownError("Link with MASTER is down")) == "MASTERDOWN"
+    assert transient_kind(e.ResponseError("BUSY Redis is busy running a script.")) == "BUSY"
+    assert transient_kind(e.ResponseError("MISCONF Redis is configured to save")) == "MISCONF"
+    piped = e.ResponseError("Command # 2 (EVALSHA x) of pipeline caused error: BUSY Redis is")
+    assert transient_kind(piped) == "BUSY"
+    for permanent in (
+        e.ResponseError("BUSYGROUP Consumer Group name already exists"),
+        e.ResponseError("NOGROUP No such key"),
+        e.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+        e.NoPermissionError("this user has no permissions"),
+        e.ResponseError("ERR The ID specified in XADD is equal or smaller"),
+    ):
+        assert transient_kind(permanent) is None, permanent
+
+
+def test_a_transient_refusal_is_retried_with_one_line_per_episode() -> None:
+    clock = FakeClock()
+    link = Link(
+        fakeredis.FakeRedis(),
+        name="w",
+        backoff=Backoff(base_s=0.05, cap_s=1.0),
+        sleep=clock.sleep,
+        clock=clock,
+    )
+    calls: list[bool] = []
+    refusals = iter([True] * 12 + [False] + [True] * 2 + [False])
+
+    def op(retry: bool) -> int:
+        calls.append(retry)
+        if next(refusals):
+            raise redis.exceptions.OutOfMemoryError(
+                "command not allowed when used memory > 'maxmemory'."
+            )
+        return len(calls)
+
+    with structlog.testing.capture_logs() as logs:
+        assert link.call(op) == 13
+        assert link.blocked is None
+        with pytest.raises(BusUnavailable):  # a deadline bounds the call, not the episode
+            link.call(op, deadline=clock() + 0.01)
+        assert link.blocked == "OOM"
+        assert link.call(op) == 16
+    assert calls[0] is False and all(calls[1:13])
+    assert [e["event"] for e in logs] == [
+        "redis_write_blocked",
+        "redis_write_resumed",
+        "redis_write_blocked",
+        "redis_write_resumed",
+    ]
+    assert logs[0]["reason"].startswith("out of memory") and logs[0]["kind"] == "OOM"
+    assert logs[1]["attempts"] == 12 and logs[1]["blocked_s"] > 0
+    assert link.write_blocks == 2
+    # Waits grow and stay under the ceiling.
+    assert max(clock.sleeps) <= 1.0 and clock.sleeps[3] > clock.sleeps[0]
 
 
 @pytest.mark.redis
