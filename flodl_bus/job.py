@@ -12,6 +12,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, TypeVar
 
 import torch
 from torch import nn
@@ -66,6 +67,40 @@ def constant_lr(lr: float) -> Callable[[int], float]:
     return lambda _step: lr
 
 
+#: What a rank does with a batch whose loss is NaN or infinite.
+NonFinitePolicy = Literal["stop", "skip"]
+NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = ("stop", "skip")
+
+
+class JobError(Exception):
+    """The job's own code failed: one of its callbacks raised, or its loss was not finite.
+
+    ``str(exc)`` is the one line a person reads (``loss_fn raised ValueError: bad``); the
+    original exception is ``__cause__`` (its traceback goes to the rank's log).
+    """
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+def describe_error(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+_T = TypeVar("_T")
+
+
+def call_job(where: str, fn: Callable[..., _T], *args: object) -> _T:
+    """Call the job's ``where`` callback; whatever it raises becomes a ``JobError`` that
+    names the callback, so the console says which part of the job failed."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise JobError(f"{where} raised {describe_error(exc)}") from exc
+
+
 @dataclass(frozen=True)
 class Job:
     """What a run trains. Every builder is called inside the rank process."""
@@ -96,6 +131,18 @@ class Job:
     #: (``SetEpochCallbackRole``), with the epoch about to start and the live model
     epoch_fn: Callable[[int, nn.Module], None] | None = None
     seed: int = 0
+    #: a batch whose loss is NaN or infinite: ``"stop"`` the run (the rank reports a job
+    #: failure, the coordinator ends the run with ``ShutdownWithSave(JOB_FAILED)``; no
+    #: optimizer step is taken with it), or ``"skip"`` the batch (no optimizer step; its
+    #: samples count as seen; the rank's metrics carry the count as ``nonfinite_skipped``)
+    on_nonfinite_loss: NonFinitePolicy = "stop"
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite_loss not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"Job.on_nonfinite_loss must be one of {NONFINITE_POLICIES}, "
+                f"got {self.on_nonfinite_loss!r}"
+            )
 
     def planned_steps(self, epochs: int, train_size: int) -> int:
         """Global steps (batches of all ranks together) of a run of ``epochs``: every
@@ -140,7 +187,12 @@ def load_job(ref: str) -> Job:
             ) from None
         except ValueError:
             pass  # no introspectable signature: just call it
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:
+            # One line, not the factory's traceback from every process; the cause stays
+            # chained for a caller that shows tracebacks (``--log-level debug``).
+            raise SystemExit(f"--job {ref!r}: {attr}() raised {describe_error(exc)}") from exc
     if not isinstance(obj, Job):
         raise SystemExit(
             f"--job {ref!r}: {attr} is a {type(obj).__name__}, not a flodl_bus Job; "

@@ -199,16 +199,20 @@ def _main(args: argparse.Namespace) -> int:
         MetricsTable,
         form_world,
     )
-    from flodl_bus.job import load_job
+    from flodl_bus.job import JobError, call_job, load_job
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
 
     _check(args)
     try:
         job = load_job(args.job)
+        # The coordinator only needs the sizes, but a builder that raises is the job's
+        # bug: one line naming it, not its traceback.
+        train = call_job("train_data", job.train_data)
     except SystemExit as exc:  # load_job's one-line errors
         raise ConfigError(str(exc)) from None
-    train = job.train_data()
+    except JobError as exc:
+        raise ConfigError(f"--job {args.job!r}: {exc}") from None
     epochs = job.num_epochs if args.epochs is None else args.epochs
     save_path = args.save_path or args.resume
     final_eval = not args.no_final_eval and job.eval_fn is not None and job.eval_data is not None

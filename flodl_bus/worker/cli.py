@@ -37,7 +37,7 @@ from flodl_bus.bus.connection import (
 )
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.job import Job
+from flodl_bus.job import Job, JobError, call_job
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol.messages import Assign, ControlMsg, Hello, Reject, UpstreamMsg
@@ -333,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hello = Hello(
             worker_id=f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
             host=socket.gethostname(),
-            dataset_sig=job.train_data().signature(),
+            dataset_sig=call_job("train_data", job.train_data).signature(),
             device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
         )
@@ -346,6 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         join.close()
         device = _resolve_device(args.device, rank)
         factory = _params_factory(args.redis_url, args.run, rank, world, mode)
+    except JobError as exc:
+        # The job's bug, met before the rank reached the run: one line (the same job
+        # fails the coordinator the same way, so the run does not start either).
+        print(f"flodl-bus worker: --job: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"flodl-bus worker: {exc}", file=sys.stderr)
         return 2
