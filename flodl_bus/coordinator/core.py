@@ -316,7 +316,14 @@ class Coordinator:
         elif isinstance(msg, SyncAck):
             self._on_sync_ack(rank, msg, now)
         elif isinstance(msg, Exiting):
-            self._on_exiting(rank, out)
+            if msg.reason is not None and self.phase != SHUTDOWN and self.alive(rank):
+                # A rank leaving mid-run (stopped by a signal): a death it announced,
+                # handled now instead of after the heartbeat timeout.
+                out.append(Alert("warning", "rank_leaving", f"rank {rank}: {msg.reason}"))
+                self._process_death(rank, now, out)
+                self._after_deaths(now, out)
+            else:
+                self._on_exiting(rank, out)
         elif isinstance(msg, Intent):
             if msg.kind is IntentKind.EVAL_NOW:
                 self.roles.pending_eval_intent = True

@@ -245,6 +245,10 @@ class SyncAck:
 @dataclass(frozen=True, slots=True)
 class Exiting:
     rank: int
+    #: None: a clean completion after Shutdown (flodl's only Exiting). Otherwise the rank
+    #: is leaving mid-run and says why (e.g. ``"SIGTERM"``), so the coordinator treats it
+    #: as a death at once rather than after the heartbeat timeout.
+    reason: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -333,6 +337,9 @@ class Hello:
     dataset_sig: str
     device: str = "cpu"
     requested_rank: int | None = None
+    #: the worker's fresh X25519 public key (hex): with the coordinator's, it makes the
+    #: key only this rank and the coordinator share (``protocol.signing``)
+    kx_pub: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -432,7 +432,7 @@ _spec(
     post_norm=_opt_f64,
     pre_norm=_opt_f64,
 )
-_spec(m.Exiting, UPSTREAM, rank=_u64)
+_spec(m.Exiting, UPSTREAM, rank=_u64, reason=_opt_str)
 _spec(m.LrUpdate, UPSTREAM, rank=_u64, lr=_f64)
 _spec(m.Heartbeat, UPSTREAM, rank=_u64, step_count=_u64)
 _spec(m.Intent, UPSTREAM, rank=_u64, kind=_intent)
@@ -475,6 +475,7 @@ _spec(
     dataset_sig=_str,
     device=_str,
     requested_rank=_opt_u64,
+    kx_pub=_str,
 )
 _spec(m.Assign, JOIN, worker_id=_str, rank=_u64, world_size=_u64)
 _spec(m.Reject, JOIN, worker_id=_str, reason=_str)

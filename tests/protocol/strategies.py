@@ -110,7 +110,7 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
         post_norm=opt_f64,
         pre_norm=opt_f64,
     ),
-    "Exiting": _build(m.Exiting, rank=u64),
+    "Exiting": _build(m.Exiting, rank=u64, reason=opt_text),
     "LrUpdate": _build(m.LrUpdate, rank=u64, lr=f64),
     "Heartbeat": _build(m.Heartbeat, rank=u64, step_count=u64),
     "Intent": _build(m.Intent, rank=u64, kind=st.sampled_from(m.IntentKind)),

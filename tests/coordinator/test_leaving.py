@@ -1,0 +1,41 @@
+"""A rank that leaves mid-run says so (``Exiting`` with a reason): the core handles it as
+a death at once, without waiting for the heartbeat timeout; an Exiting without a reason
+stays flodl's clean completion."""
+
+from __future__ import annotations
+
+from flodl_bus.protocol import messages as m
+from flodl_bus.protocol import wire
+from tests.coordinator.test_core import msgs, started
+
+
+def test_exiting_with_a_reason_mid_run_declares_the_rank_dead_and_re_forms_at_once() -> None:
+    core, _ = started("cpu-cadence", ws=3, total=3000, heartbeat_timeout=30.0)
+    # Long before any heartbeat timeout could fire.
+    out = core.handle(2, m.Exiting(2, reason="SIGTERM"), 0.5)
+    assert [o.msg.rank for o in msgs(out, m.DeclareDead)] == [2]
+    assert core.dead[2] and not core.alive(2)
+    # The survivors are asked for a new group at once (a generator among them).
+    new_id = msgs(out, m.RequestNewNcclId)
+    assert len(new_id) == 1 and new_id[0].rank in (0, 1)
+    # Nothing more from the rank that left changes anything.
+    assert core.handle(2, m.Exiting(2), 0.6) == []
+
+
+def test_exiting_without_a_reason_is_still_a_clean_completion() -> None:
+    core, _ = started("cpu-cadence", ws=3, total=3000)
+    out = core.handle(2, m.Exiting(2), 0.5)
+    assert not msgs(out, m.DeclareDead)
+    assert core.exited[2] and not core.dead[2]
+
+
+def test_the_last_rank_leaving_stops_the_run_with_a_save() -> None:
+    core, _ = started("cpu-cadence", ws=1, total=100)
+    out = core.handle(0, m.Exiting(0, reason="SIGHUP"), 0.1)
+    assert [o.msg.reason for o in msgs(out, m.ShutdownWithSave)] == [m.SaveReason.ALL_RANKS_LOST]
+
+
+def test_the_reason_crosses_the_wire_and_an_old_exiting_still_decodes() -> None:
+    back = wire.from_map(wire.to_map(m.Exiting(1, reason="SIGTERM")))
+    assert back == m.Exiting(1, reason="SIGTERM")
+    assert wire.from_map({"v": wire.SCHEMA_VERSION, "type": "Exiting", "rank": 1}) == m.Exiting(1)
