@@ -436,6 +436,10 @@ class Launcher:
         first_step_logged = False
         quiet_since: float | None = None
         redis_down = False
+        # A full Redis (noeviction) stalls the run without an error: say it, once.
+        from flodl_bus.launch.redis_memory import RedisMemoryWatch
+
+        memory = RedisMemoryWatch(self.client)
         while True:
             try:
                 for seen in self.watcher.poll(block_ms=200):
@@ -448,6 +452,8 @@ class Launcher:
                     progress.write(f"  Redis unreachable ({type(exc).__name__}); still watching")
                     redis_down = True
                 time.sleep(0.5)
+            if (memory_line := memory.poll()) is not None:
+                progress.write(memory_line)
             if not first_step_logged and view.first_step_at is not None:
                 first_step_logged = True
                 t = view.time_to_first_step()
