@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("flodl_bus.worker.cli:main", "run one rank (or join a run without --rank)"),
     "tail": ("flodl_bus.bus.tail:main", "print a run's control and upstream entries live"),
     "replay": ("flodl_bus.record.replay:main", "replay a recorded run against fresh cores"),
+    "acl": ("flodl_bus.bus.acl:main", "per-run Redis ACL users: create, drop, print rules"),
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
