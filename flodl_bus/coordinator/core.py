@@ -43,6 +43,7 @@ from flodl_bus.coordinator.guard import STABLE, TrendGuard, Verdict, VerdictKind
 from flodl_bus.coordinator.liveness import Rendezvous
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
 from flodl_bus.coordinator.roles import Roles
+from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
     FINAL_EVAL_SCHEDULE,
     ArmConsensusEval,
@@ -317,11 +318,7 @@ class Coordinator:
             self._on_sync_ack(rank, msg, now)
         elif isinstance(msg, Exiting):
             if msg.reason is not None and self.phase != SHUTDOWN and self.alive(rank):
-                # A rank leaving mid-run (stopped by a signal): a death it announced,
-                # handled now instead of after the heartbeat timeout.
-                out.append(Alert("warning", "rank_leaving", f"rank {rank}: {msg.reason}"))
-                self._process_death(rank, now, out)
-                self._after_deaths(now, out)
+                self._on_leaving(rank, msg.reason, now, out)
             else:
                 self._on_exiting(rank, out)
         elif isinstance(msg, Intent):
@@ -517,6 +514,21 @@ class Coordinator:
         self._settle(r)
         if self.nccl_armed and self._all_acked():
             self.nccl_armed = False
+
+    def _on_leaving(self, r: int, reason: str, now: float, out: list[Out]) -> None:
+        """A rank leaving mid-run said why (``protocol.leaving``)."""
+        if leaving.kind_of(reason) == leaving.JOB_FAILED:
+            # The job's code is the same on every rank: what failed here fails there
+            # too, so the run stops (with its save) instead of re-forming around it.
+            out.append(Alert("critical", "job_failed", f"rank {r}: {leaving.detail_of(reason)}"))
+            self._on_exiting(r, out)
+            self._shutdown_with_save(SaveReason.JOB_FAILED, out)
+            return
+        # Anything else (a signal, its averaging failed for good, its runtime broke): a
+        # death it announced, handled now instead of after the heartbeat timeout.
+        out.append(Alert("warning", "rank_leaving", f"rank {r}: {reason}"))
+        self._process_death(r, now, out)
+        self._after_deaths(now, out)
 
     def _on_eval_result(self, r: int, msg: EvalResult, out: list[Out]) -> None:
         self.ledger.exclude(r, msg.elapsed_ms)

@@ -124,6 +124,8 @@ class Progress:
             self.out.flush()
 
     def update(self, view: RunView) -> None:
+        for note in view.take_notes():
+            self.write(f"  {note}")
         for r, bar in enumerate(self.bars):
             rv = view.ranks[r]
             if rv.batches != bar.n:

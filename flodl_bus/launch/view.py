@@ -17,13 +17,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
     Batch,
+    DeclareDead,
     EpochAggregated,
     EpochMetrics,
     EvalBroadcast,
     EvalResult,
     Exiting,
+    SaveReason,
     Shutdown,
     ShutdownWithSave,
     StartEpoch,
@@ -86,6 +89,10 @@ class RunView:
         self._rows_out: set[int] = set()
         self._last_row_syncs = 0
         self._seen_at: dict[int, float] = {}
+        #: one line per thing a person must know at once (a rank that failed or left,
+        #: the run stopped early), for the console; ``take_notes`` hands them out once
+        self.notes: list[str] = []
+        self._notes_out = 0
 
     # ------------------------------------------------------------------ input
     def on_control(self, rank: int | None, msg: object, now: float) -> None:
@@ -107,6 +114,11 @@ class RunView:
             rv.epoch = max(rv.epoch, msg.plan.epoch)
         elif isinstance(msg, ShutdownWithSave):
             self.save_requested = True
+            if msg.reason is not SaveReason.GRACEFUL_SHUTDOWN:
+                self.notes.append(f"run stopped by the coordinator: {msg.reason.snake}")
+        elif isinstance(msg, DeclareDead) and rank is None and 0 <= msg.rank < self.world_size:
+            if not self.ranks[msg.rank].exited:
+                self.notes.append(f"rank {msg.rank} declared dead by the coordinator")
         elif isinstance(msg, EpochAggregated):
             e = msg.metrics.epoch
             self.metrics[e] = msg.metrics
@@ -130,12 +142,23 @@ class RunView:
         elif isinstance(msg, EvalResult) and msg.error is None:
             self._eval(msg.epoch, msg.metric)
         elif isinstance(msg, Exiting):
+            if msg.reason is not None and not rv.exited:
+                if leaving.kind_of(msg.reason) == leaving.JOB_FAILED:
+                    self.notes.append(f"rank {rank}: {leaving.detail_of(msg.reason)}")
+                else:
+                    self.notes.append(f"rank {rank} left: {msg.reason}")
             rv.exited = True
 
     def _eval(self, epoch: int, metric: float) -> None:
         if math.isfinite(metric):
             self.evals[epoch] = metric
             self.last_metric = metric
+
+    def take_notes(self) -> list[str]:
+        """The notes not handed out yet."""
+        out = self.notes[self._notes_out :]
+        self._notes_out = len(self.notes)
+        return out
 
     def note_anchor(self, epoch: int, anchor: int | None) -> None:
         self._anchors[epoch] = anchor

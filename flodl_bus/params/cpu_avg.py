@@ -21,7 +21,10 @@ happen before the rank dispatched that ``Update``: the next round needs the next
 ``RequestParams``, which the coordinator sends only after every ``SyncAck``.
 
 Any error in a round (including a group that broke and no new session in time) injects
-``Shutdown``: the rank's core would otherwise wait forever for an ``Update``.
+``Shutdown``: the rank's core would otherwise wait forever for an ``Update``. The round's
+failure is kept in ``failure`` (an ``Exiting`` reason of kind ``averaging_failed``): the
+rank says it upstream as it leaves, so the coordinator declares it dead (the survivors
+re-form, or the run stops with a save) instead of waiting for a rank that exited.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from flodl_bus.params.averaging import (
 from flodl_bus.params.collective import Averager
 from flodl_bus.params.flat import FlatBuffers
 from flodl_bus.params.groups import Group, SessionManager
+from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import AveragedParams, Shutdown, SnapshotReady, SyncAck, Update
 
 log = structlog.get_logger("flodl_bus.params")
@@ -102,6 +106,8 @@ class CpuAverager(Averager):
         self._copy_stream: Any = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
         self.version = 0
         self.last: RoundStats | None = None
+        #: why a round failed for good (an ``Exiting`` reason), once one did
+        self.failure: str | None = None
         self._idle = threading.Event()
         self._idle.set()
         self._jobs: queue.Queue[_Round | None] = queue.Queue()
@@ -159,6 +165,10 @@ class CpuAverager(Averager):
                 ack = self._ack(update.avg.realized)
             except Exception as exc:
                 log.error("cpu_average_round_failed", rank=self.rank, error=repr(exc)[:500])
+                # Before the Shutdown: the training thread reads it as it tears down.
+                self.failure = leaving.reason(
+                    leaving.AVERAGING_FAILED, f"averaging round {self.version + 1}: {exc!r}"
+                )
                 self._idle.set()
                 self.inject(Shutdown())
                 continue

@@ -139,6 +139,12 @@ class TorchParamPort:
     def cpu(self) -> CpuAverager | None:
         return self._cpu
 
+    @property
+    def failure(self) -> str | None:
+        """Why this rank's averaging failed for good (an ``Exiting`` reason), if it did:
+        the background round has no caller to raise to."""
+        return None if self._cpu is None else self._cpu.failure
+
     # -- ParamPort ------------------------------------------------------------------------
 
     def sync_now(self, steps_since_avg: int) -> SyncResult:

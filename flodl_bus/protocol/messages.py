@@ -32,6 +32,9 @@ class SaveReason(enum.IntEnum):
     ALL_RANKS_LOST = 3
     REDUCE_STALL = 4
     CHECKPOINT = 5
+    #: the job's own code failed on a rank (a builder, loss_fn or eval_fn raised, or a
+    #: non-finite loss): the same code runs on every rank, so the run stops
+    JOB_FAILED = 6
 
     @classmethod
     def from_byte(cls, value: int) -> SaveReason:

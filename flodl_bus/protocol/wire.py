@@ -339,9 +339,15 @@ class _Spec:
     allowed: frozenset[str]
     #: (field, error path, decoder), paths formatted once here rather than per decode
     decoders: tuple[tuple[str, str, Decoder], ...]
+    #: optional fields added after the message first shipped: left out of the map when
+    #: None, so the message reads as before to a decoder that predates them (which
+    #: refuses unknown fields) and to a record written before them
+    omit_none: frozenset[str] = frozenset()
 
 
 _BY_NAME: dict[str, _Spec] = {}
+#: see ``_Spec.omit_none``
+_ADDED_LATER: Final[dict[type, frozenset[str]]] = {m.Exiting: frozenset({"reason"})}
 _BY_CLASS: dict[type, _Spec] = {}
 
 
@@ -376,6 +382,7 @@ def _spec(cls: type, channel: str, name: str | None = None, **decoders: Decoder)
         required=required,
         allowed=frozenset(declared) | {"v", "type"},
         decoders=tuple((n, f"{name or cls.__name__}.{n}", decoders[n]) for n in declared),
+        omit_none=_ADDED_LATER.get(cls, frozenset()),
     )
     _BY_NAME[spec.name] = spec
     _BY_CLASS[cls] = spec
@@ -556,8 +563,11 @@ def to_map(msg: object) -> dict[str, Any]:
             f"{type(msg).__name__} has no wire form (in-process Update travels as WireUpdate)"
         ) from None
     out: dict[str, Any] = {"v": SCHEMA_VERSION, "type": spec.name}
+    omit = spec.omit_none
     for name, enc, dec in spec.fields:
         value = getattr(msg, name)
+        if value is None and omit and name in omit:
+            continue
         if (dec is _u64 or (dec is _opt_u64 and value is not None)) and not (
             type(value) is int and 0 <= value < _U64_LIMIT
         ):

@@ -7,6 +7,7 @@ publishes what the core returns, and trains the plans it is handed (reference §
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -15,11 +16,13 @@ import structlog
 import torch
 from torch import nn
 
-from flodl_bus.job import ArrayDataset, Job
+from flodl_bus.job import ArrayDataset, Job, JobError, call_job
+from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
     ControlMsg,
     EpochFnElapsed,
     EpochPlan,
+    EvalResult,
     Exiting,
     MetricsMsg,
     Shutdown,
@@ -67,6 +70,7 @@ class RankLoop:
         final_snapshot: Callable[[], None] | None = None,
         on_dispatch: Callable[[ControlMsg, Dispatched], None] | None = None,
         on_take: Callable[[ControlMsg, str], None] | None = None,
+        failure_of: Callable[[], str | None] | None = None,
     ) -> None:
         self.job = job
         self.control = control
@@ -85,8 +89,15 @@ class RankLoop:
         #: called with (msg, why) for a message the loop consumes without dispatching it
         #: (``plan``, ``shutdown``, ``skip``, ``drop``), so a recorder sees every input
         self.on_take = on_take
+        #: asked at teardown for a failure found outside the loop (the param plane's
+        #: averaging thread): an ``Exiting`` reason, or None
+        self.failure_of = failure_of
+        #: why the rank leaves mid-run (an ``Exiting`` reason, see ``protocol.leaving``);
+        #: None while nothing failed
+        self.failure: str | None = None
         self.rank = control.rank
         self._scalars: dict[str, list[float]] = {}
+        self._nonfinite_skipped = 0
 
     # ------------------------------------------------------------------ control
 
@@ -96,6 +107,12 @@ class RankLoop:
             self.publish(up)
         if self.on_dispatch is not None:
             self.on_dispatch(msg, out)
+        for up in out.upstream:
+            if isinstance(up, EvalResult) and up.error is not None:
+                # The core reports a raising eval_fn (flodl's EvalResult.error); the job's
+                # bug is on every rank, so the run stops rather than training on blind.
+                what = up.error if up.error.startswith("eval_fn") else f"eval_fn raised {up.error}"
+                raise JobError(what)
         return out
 
     def service(self, msg: ControlMsg) -> bool:
@@ -218,7 +235,7 @@ class RankLoop:
         publish = self.publish
         model.train()
         loss_sum = compute_ms_total = data_ms_total = 0.0
-        done = 0
+        done = finite_done = 0
         _active.loop = self
         try:
             # The bound is re-read every iteration: ExtendPartition grows it mid-plan.
@@ -234,17 +251,26 @@ class RankLoop:
                 lr = job.lr(control.lr_position, self.planned_steps) * self.lr_scale
                 self._set_lr(lr)
                 optimizer.zero_grad(set_to_none=True)
-                loss = job.loss_fn(model, batch)
-                loss.backward()  # type: ignore[no-untyped-call]
-                if clip is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), clip)
-                optimizer.step()
+                loss = call_job("loss_fn", job.loss_fn, model, batch)
+                call_job("loss_fn's backward", loss.backward)
+                # Read after backward is queued (on a GPU the wait is for the forward
+                # only, the backward keeps the device busy) and before the step, so a
+                # non-finite loss never reaches the parameters.
                 loss_value = float(loss.detach())
+                finite = math.isfinite(loss_value)
+                if finite:
+                    if clip is not None:
+                        nn.utils.clip_grad_norm_(model.parameters(), clip)
+                    optimizer.step()
+                else:
+                    self._nonfinite(loss_value, plan, done)
                 t2 = time.perf_counter()
                 data_ms, compute_ms = (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
                 data_ms_total += data_ms
                 compute_ms_total += compute_ms
-                loss_sum += loss_value
+                if finite:
+                    loss_sum += loss_value
+                    finite_done += 1
                 done += 1
                 batch_msg, lr_msg = control.step_done(loss_value, compute_ms, data_ms, lr)
                 publish(batch_msg)
@@ -259,7 +285,7 @@ class RankLoop:
             MetricsMsg(
                 rank=self.rank,
                 epoch=plan.epoch,
-                avg_loss=loss_sum / n,
+                avg_loss=loss_sum / finite_done if finite_done else math.nan,
                 batches_processed=n,
                 epoch_ms=(time.perf_counter() - start) * 1000.0,
                 samples_processed=n * control.batch_size,
@@ -271,11 +297,34 @@ class RankLoop:
         )
         return False
 
+    def _nonfinite(self, loss_value: float, plan: EpochPlan, index: int) -> None:
+        """A batch's loss is NaN or infinite: stop (a job failure) or skip it, as the
+        job says. A skipped batch takes no optimizer step; it is still reported (its
+        samples were seen), with its loss, which the coordinator leaves out of averages."""
+        where = f"epoch {plan.epoch}, batch {index} of the plan at {plan.partition_offset}"
+        if self.job.on_nonfinite_loss == "stop":
+            raise JobError(
+                f"loss_fn returned a non-finite loss ({loss_value}) at {where}; "
+                'set Job(on_nonfinite_loss="skip") to skip such batches'
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        self._nonfinite_skipped += 1
+        self.record_scalar("nonfinite_skipped", 1.0)
+        if self._nonfinite_skipped & (self._nonfinite_skipped - 1) == 0:
+            # 1st, 2nd, 4th, 8th...: a run of bad batches is visible without a line each.
+            _log.warning(
+                "nonfinite_loss_skipped",
+                rank=self.rank,
+                loss=loss_value,
+                at=where,
+                skipped_total=self._nonfinite_skipped,
+            )
+
     def _fire_epoch_fn(self, epoch: int) -> None:
         if self.epoch_fn is None or self.control.epoch_callback_role != self.rank:
             return
         start = time.perf_counter()
-        self.epoch_fn(epoch)
+        call_job("epoch_fn", self.epoch_fn, epoch)
         self.publish(
             EpochFnElapsed(
                 rank=self.rank, epoch=epoch, elapsed_ms=(time.perf_counter() - start) * 1000.0
@@ -299,6 +348,14 @@ class RankLoop:
                 if self.run_epoch_plan(plan):
                     break
             clean = True
+        except JobError as exc:
+            self.failure = leaving.reason(leaving.JOB_FAILED, exc.line)
+            raise
+        except Exception as exc:
+            self.failure = leaving.reason(
+                leaving.RANK_FAILED, f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+            )
+            raise
         finally:
             try:
                 self.drain_pending_shutdown()
@@ -315,7 +372,13 @@ class RankLoop:
                     self.final_snapshot()
                 except Exception:
                     _log.exception("final_snapshot_failed", rank=self.rank)
-            if clean:
+            if self.failure is None and self.failure_of is not None:
+                self.failure = self.failure_of()
+            if self.failure is not None:
+                # Said upstream so the coordinator acts now (stops the run on a job
+                # failure, declares the rank dead otherwise), not at a heartbeat timeout.
+                self.publish(Exiting(rank=self.rank, reason=self.failure))
+            elif clean:
                 self.publish(Exiting(rank=self.rank))
         return clean
 

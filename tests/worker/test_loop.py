@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from flodl_bus.examples import digits
-from flodl_bus.job import Job, classification_loss
+from flodl_bus.job import Job, JobError, classification_loss
 from flodl_bus.protocol.messages import (
     Batch,
     ControlMsg,
@@ -338,7 +339,7 @@ def test_epoch_fn_fires_once_per_epoch_on_the_role_rank_only() -> None:
     assert fired == [(1, 0), (1, 1)]
 
 
-def test_a_training_failure_aborts_the_params_and_never_reports_exiting() -> None:
+def test_a_training_failure_aborts_the_params_and_says_why_upstream() -> None:
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         raise RuntimeError("CUDA error: device-side assert")
 
@@ -347,11 +348,68 @@ def test_a_training_failure_aborts_the_params_and_never_reports_exiting() -> Non
         dataclasses.replace(digits.job, loss_fn=loss_fn), final_snapshot=lambda: snapshots.append(1)
     )
     rig.put(StartEpoch(EpochPlan(0, 0, EPOCH_SIZE)))
-    with pytest.raises(RuntimeError, match="device-side"):
+    with pytest.raises(JobError, match=r"^loss_fn raised RuntimeError: CUDA error: device-side"):
         rig.loop.run_until_shutdown()
-    assert rig.of(Exiting) == []
+    # Not a completion: an Exiting whose reason makes the coordinator stop the run.
+    assert rig.of(Exiting) == [
+        Exiting(0, reason="job_failed: loss_fn raised RuntimeError: CUDA error: device-side assert")
+    ]
     assert rig.params.names() == ["abort"]
     assert snapshots == [1]
+
+
+def test_a_bug_outside_the_job_is_a_rank_failure_not_a_job_failure() -> None:
+    rig = make_rig()
+
+    def broken(*_a: object) -> None:
+        raise OSError("disk gone")
+
+    rig.loop.publish = lambda msg: (
+        broken() if isinstance(msg, MetricsMsg) else rig.published.append(msg)
+    )
+    rig.put(StartEpoch(EpochPlan(0, 0, EPOCH_SIZE)))
+    with pytest.raises(OSError):
+        rig.loop.run_until_shutdown()
+    assert rig.loop.failure == "rank_failed: OSError: disk gone"
+    assert rig.of(Exiting) == [Exiting(0, reason="rank_failed: OSError: disk gone")]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_loss_stops_before_the_step_by_default(bad: float) -> None:
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return classification_loss(model, batch) * bad
+
+    rig = make_rig(dataclasses.replace(digits.job, loss_fn=loss_fn))
+    before = [p.detach().clone() for p in rig.model.parameters()]
+    rig.put(StartEpoch(EpochPlan(0, 0, EPOCH_SIZE)))
+    with pytest.raises(JobError, match="non-finite loss"):
+        rig.loop.run_until_shutdown()
+    # The bad loss never reached the parameters (a save on the way out keeps them sound).
+    assert all(torch.equal(a, b) for a, b in zip(before, rig.model.parameters()))
+    (exiting,) = rig.of(Exiting)
+    assert exiting.reason is not None and exiting.reason.startswith("job_failed: loss_fn returned")
+
+
+def test_a_non_finite_loss_is_skipped_when_the_job_says_so() -> None:
+    calls = [0]
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        calls[0] += 1
+        loss = classification_loss(model, batch)
+        return loss * math.nan if calls[0] % 2 == 0 else loss  # every other batch
+
+    job = dataclasses.replace(digits.job, loss_fn=loss_fn, on_nonfinite_loss="skip")
+    rig = make_rig(job, after_metrics=[[Shutdown()]])
+    rig.put(StartEpoch(EpochPlan(0, 0, EPOCH_SIZE)))
+    assert rig.loop.run_until_shutdown() is True
+    n = EPOCH_SIZE // job.batch_size
+    (metrics,) = rig.of(MetricsMsg)
+    # Every batch is reported (its samples were seen), half of them skipped.
+    assert metrics.batches_processed == n and len(rig.of(Batch)) == n
+    assert metrics.scalars["nonfinite_skipped"] == (float(n // 2), n // 2)
+    assert math.isfinite(metrics.avg_loss)
+    assert all(bool(torch.isfinite(p).all()) for p in rig.model.parameters())
+    assert rig.of(Exiting) == [Exiting(0)]
 
 
 def test_teardown_writes_a_queued_shutdown_with_save_bundle(tmp_path: Any) -> None:
