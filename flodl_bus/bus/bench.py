@@ -31,7 +31,7 @@ from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.signing import fixed_keys, rank_keys_for
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -66,7 +66,7 @@ def measure_ping(url: str, n: int) -> list[int]:
 
 
 def _rank_proc(url: str, run: str, rank: int, secret: bytes, conn: Connection) -> None:
-    bus = RedisRankBus(connect(url), run, rank, secret)
+    bus = RedisRankBus(connect(url), run, rank, rank_keys_for(fixed_keys(secret), rank))
     bus.read_control(0)  # create groups, drain pending
     conn.send("ready")
     lat: list[int] = []
@@ -88,8 +88,8 @@ def _rank_proc(url: str, run: str, rank: int, secret: bytes, conn: Connection) -
 def measure_dispatch(url: str, ranks: int, messages: int) -> list[int]:
     """Latency of every delivery (ns)."""
     run = f"bench-{uuid.uuid4().hex[:8]}"
-    secret = new_secret()
-    coord = RedisCoordinatorBus(connect(url), run, secret, ranks=range(ranks))
+    secret = os.urandom(32)  # the seed of fixed keys
+    coord = RedisCoordinatorBus(connect(url), run, fixed_keys(secret), ranks=range(ranks))
     ctx = mp.get_context("fork")
     pipes, procs = [], []
     for r in range(ranks):
@@ -134,13 +134,15 @@ def measure_dispatch(url: str, ranks: int, messages: int) -> list[int]:
 
 def _prefill(url: str, keys: RunKeys, ranks: int, per_rank: int, secret: bytes) -> None:
     client = connect(url)
+    signing = fixed_keys(secret)
     for r in range(ranks):
         stream = keys.up(r)
         clock = IdClock()
         pipe = client.pipeline(transaction=False)
         for i in range(per_rank):
-            fields = entries.build(secret, stream, _batch(r, i), str(r), i + 1)
-            pipe.xadd(stream, fields, id=format_id(clock.next(1)))  # type: ignore[arg-type]
+            eid = format_id(clock.next(1))
+            fields = entries.build(signing.rank(r), stream, eid, _batch(r, i), str(r), i + 1)
+            pipe.xadd(stream, fields, id=eid)  # type: ignore[arg-type]
             if len(pipe) >= 1000:
                 pipe.execute()
         pipe.execute()
@@ -161,17 +163,17 @@ def _ingest(coord: RedisCoordinatorBus, total: int, timeout: float = 120.0) -> f
 
 def measure_ingest_prefilled(url: str, ranks: int, total: int) -> float:
     keys = RunKeys(f"bench-{uuid.uuid4().hex[:8]}")
-    secret = new_secret()
+    secret = os.urandom(32)  # the seed of fixed keys
     per_rank = total // ranks
     _prefill(url, keys, ranks, per_rank, secret)
-    coord = RedisCoordinatorBus(connect(url), keys, secret, ranks=range(ranks))
+    coord = RedisCoordinatorBus(connect(url), keys, fixed_keys(secret), ranks=range(ranks))
     elapsed = _ingest(coord, per_rank * ranks)
     coord.close()
     return per_rank * ranks / elapsed
 
 
 def _publisher_proc(url: str, run: str, rank: int, secret: bytes, n: int, conn: Connection) -> None:
-    bus = RedisRankBus(connect(url), run, rank, secret)
+    bus = RedisRankBus(connect(url), run, rank, rank_keys_for(fixed_keys(secret), rank))
     conn.send("ready")
     conn.recv()
     for i in range(n):
@@ -182,9 +184,9 @@ def _publisher_proc(url: str, run: str, rank: int, secret: bytes, n: int, conn: 
 
 def measure_ingest_concurrent(url: str, ranks: int, total: int) -> float:
     run = f"bench-{uuid.uuid4().hex[:8]}"
-    secret = new_secret()
+    secret = os.urandom(32)  # the seed of fixed keys
     per_rank = total // ranks
-    coord = RedisCoordinatorBus(connect(url), run, secret, ranks=range(ranks))
+    coord = RedisCoordinatorBus(connect(url), run, fixed_keys(secret), ranks=range(ranks))
     ctx = mp.get_context("fork")
     pipes, procs = [], []
     for r in range(ranks):
@@ -211,8 +213,10 @@ def measure_ingest_concurrent(url: str, ranks: int, total: int) -> float:
 
 def measure_send_cost(url: str, n: int) -> tuple[float, list[int]]:
     """(burst mean ns per publish, paced per-call ns)."""
-    secret = new_secret()
-    bus = RedisRankBus(connect(url), f"bench-{uuid.uuid4().hex[:8]}", 0, secret)
+    secret = os.urandom(32)  # the seed of fixed keys
+    bus = RedisRankBus(
+        connect(url), f"bench-{uuid.uuid4().hex[:8]}", 0, rank_keys_for(fixed_keys(secret), 0)
+    )
     msgs = [_batch(0, i) for i in range(n)]
     t0 = time.perf_counter_ns()
     for msg in msgs:

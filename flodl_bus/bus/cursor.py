@@ -9,8 +9,16 @@ Rules:
   re-reading its own pending entries (explicit ids: "entries delivered to me after id X"),
   then switches to ``>`` (never delivered). A lost XREADGROUP reply leaves entries in the
   pending list that the reader never saw; reading only ``>`` would lose them.
-- **Never twice.** The highest id received per stream is kept; a redelivered entry at or
-  below it is dropped here (it is already dispatched or waiting in the buffer).
+- **Only what verifies moves the reader.** Each new entry goes through the caller's
+  ``check`` (authenticate, validate, decode) as it arrives; one that fails is released at
+  once with its reason for the dlq and moves nothing. Anyone who can write a stream can
+  put an entry far ahead of the real ones (up to the largest id): had it moved the last
+  id, every real entry after it would look old.
+- **Never twice.** The highest verified id per stream is kept. An entry at or below it is
+  dropped while re-reading pending entries (it was dispatched, or is held back, already);
+  in a ``>`` read Redis never hands out an entry twice, so there it can only be one put
+  back under an old id (a stream deleted and refilled): it is released with the reason
+  ``replayed``, for the dlq.
 - **One order across streams** (``ordered=True``, the rank's ``ctl:<r>`` + ``ctl:all``):
   the coordinator numbers control entries from one increasing clock, so the send order is
   the id order. One XREADGROUP reads both streams atomically, but COUNT may cut a stream
@@ -23,7 +31,7 @@ Rules:
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final, NamedTuple
 
 from flodl_bus.bus.ids import ZERO, EntryId, format_id
@@ -32,11 +40,23 @@ _INFINITE: Final[EntryId] = (2**64, 0)
 
 
 class Received(NamedTuple):
-    """An entry as read. ``fields`` is None when it was trimmed while pending."""
+    """An entry as read. ``fields`` is None when it was trimmed while pending. Either
+    ``rejected`` says why it goes to the dlq, or ``parsed`` is what ``check`` made of it."""
 
     stream: str
     entry_id: EntryId
     fields: Mapping[bytes, bytes] | None
+    rejected: str | None = None
+    parsed: object = None
+
+
+#: ``check(stream, entry_id, fields)``: the parsed entry, or (a str) why it is refused
+Check = Callable[[str, EntryId, "Mapping[bytes, bytes] | None"], object]
+REPLAYED: Final = "replayed"
+
+
+def _accept_all(stream: str, eid: EntryId, fields: Mapping[bytes, bytes] | None) -> object:
+    return fields
 
 
 Reply = Mapping[str, Sequence[tuple[EntryId, Mapping[bytes, bytes] | None]]]
@@ -80,20 +100,29 @@ class GroupCursor:
     def on_lost(self) -> None:
         self._pending = True
 
-    def on_reply(self, reply: Reply) -> list[Received]:
-        """Entries now safe to dispatch, in dispatch order."""
+    def on_reply(self, reply: Reply, check: Check = _accept_all) -> list[Received]:
+        """Entries now safe to dispatch, in dispatch order; refused ones first."""
         fresh: list[Received] = []
+        refused: list[Received] = []
         frontier = _INFINITE
         filled = False
+        pending = self._pending
         for stream, entries in reply.items():
             last = self._last.get(stream)
             if last is None:
                 continue  # not ours (cannot happen with our own request)
             for eid, fields in entries:
                 if eid <= last:
+                    if not pending:
+                        why = f"{REPLAYED}: entry id {format_id(eid)} at or below {format_id(last)}"
+                        refused.append(Received(stream, eid, fields, why))
                     continue  # redelivered: already dispatched or held back
+                got = check(stream, eid, fields)
+                if isinstance(got, str):
+                    refused.append(Received(stream, eid, fields, got))
+                    continue
                 last = eid
-                fresh.append(Received(stream, eid, fields))
+                fresh.append(Received(stream, eid, fields, None, got))
             self._last[stream] = last
             if len(entries) >= self.count:
                 filled = True
@@ -103,12 +132,12 @@ class GroupCursor:
         if was_pending and not filled:
             self._pending = False
         if not self.ordered:
-            return fresh
+            return refused + fresh
         for r in fresh:
             heapq.heappush(self._heap, (r.entry_id, r.stream, r))
         if was_pending:
-            return []
-        out: list[Received] = []
+            return refused
+        out: list[Received] = refused
         while self._heap and self._heap[0][0] <= frontier:
             out.append(heapq.heappop(self._heap)[2])
         return out

@@ -3,14 +3,18 @@
 An entry is five plain fields, readable with ``redis-cli XRANGE``::
 
     type  SyncNow            the wire type name
-    rank  3 | all            the rank the stream belongs to (``all`` on ``ctl:all``)
-    seq   17                 the writer's sequence number (humans, tail, gap spotting)
+    rank  3 | all | join     the rank the stream belongs to
+    seq   17                 the writer's sequence on this stream (1, 2, 3, ...)
     body  <msgpack>          ``flodl_bus.protocol.wire`` encoding of the message
-    mac   <32 hex chars>     HMAC over (stream key, type, rank, seq, body), run secret
+    mac   <hex>              HMAC (rank key, run secret) or Ed25519 signature (broadcast)
 
-The MAC covers the stream key, so an entry copied from another run's stream, or from
-another rank's stream, fails authentication even if both runs shared a secret. It is
-checked before the body is unpacked, so unauthenticated bytes never reach the decoder.
+The MAC covers the stream key, the entry's own id, and every field (see
+``protocol.signing``), so an entry copied into another stream, another run, or re-added
+under a new id fails authentication. ``seq`` grows by one per entry a writer puts on a
+stream; a reader refuses a seq it has already passed (``replayed``) and names a jump
+(entries deleted or trimmed before it read them). It is checked before the MAC is
+computed, and the MAC before the body is unpacked, so unauthenticated bytes never reach
+the decoder.
 
 ``parse`` never raises on bad input: it returns the reason the entry goes to the dlq.
 """
@@ -32,6 +36,10 @@ FIELDS: Final = frozenset((F_TYPE, F_RANK, F_SEQ, F_BODY, F_MAC))
 MAX_BODY_BYTES: Final = wire.MAX_BODY_BYTES
 #: type names, rank and seq are short; anything longer is not ours.
 MAX_HEAD_BYTES: Final = 64
+#: an Ed25519 signature in hex is the longest mac
+MAX_MAC_BYTES: Final = signing.SIG_HEX
+#: the reason prefix of an entry refused as a replay (what the dlq and tests look for)
+REPLAYED: Final = "replayed"
 
 
 class EntryTooLarge(ValueError):
@@ -45,32 +53,49 @@ class Parsed(NamedTuple):
     msg: object
 
 
-def build(secret: bytes, stream: str, msg: object, rank: str, seq: int) -> dict[bytes, bytes]:
-    """The fields of one entry (in the order redis-cli will show them)."""
+def encode(msg: object) -> tuple[bytes, bytes]:
+    """The type and body of an entry (encoded once; signed again if the id changes)."""
     type_ = wire.type_name(msg).encode()
     body = wire.encode(msg)
     if len(body) > MAX_BODY_BYTES:
         raise EntryTooLarge(f"{type_.decode()} body of {len(body)} bytes > {MAX_BODY_BYTES}")
+    return type_, body
+
+
+def sign(
+    signer: signing.Signer,
+    stream: str,
+    entry_id: str,
+    encoded: tuple[bytes, bytes],
+    rank: str,
+    seq: int,
+) -> dict[bytes, bytes]:
+    """The fields of one entry (in the order redis-cli will show them)."""
+    type_, body = encoded
     rank_b = rank.encode()
     seq_b = str(seq).encode()
-    return {
-        F_TYPE: type_,
-        F_RANK: rank_b,
-        F_SEQ: seq_b,
-        F_BODY: body,
-        F_MAC: signing.entry_mac(secret, stream, type_, rank_b, seq_b, body),
-    }
+    data = signing.signed_bytes(stream.encode(), entry_id.encode(), type_, rank_b, seq_b, body)
+    return {F_TYPE: type_, F_RANK: rank_b, F_SEQ: seq_b, F_BODY: body, F_MAC: signer.sign(data)}
+
+
+def build(
+    signer: signing.Signer, stream: str, entry_id: str, msg: object, rank: str, seq: int
+) -> dict[bytes, bytes]:
+    return sign(signer, stream, entry_id, encode(msg), rank, seq)
 
 
 def parse(
-    secret: bytes,
+    verifier: signing.Verifier,
     stream: str,
+    entry_id: bytes,
     fields: Mapping[bytes, bytes] | None,
     *,
     channel: str,
     rank: str,
+    last_seq: int = 0,
 ) -> Parsed | str:
-    """A validated entry of ``stream`` (owned by ``rank``), or why it is rejected."""
+    """A validated entry of ``stream`` (owned by ``rank``) at ``entry_id``, or why it is
+    rejected. ``last_seq``: the highest seq this reader already accepted on the stream."""
     # The coordinator's ingest runs this once per upstream message on one thread, so the
     # happy path is kept to plain lookups; every check of the slow path still runs.
     if not fields:  # XREADGROUP gives a pending entry that was trimmed away no fields
@@ -93,16 +118,26 @@ def parse(
         len(type_) > MAX_HEAD_BYTES
         or len(rank_b) > MAX_HEAD_BYTES
         or len(seq_b) > MAX_HEAD_BYTES
-        or len(mac) > MAX_HEAD_BYTES
+        or len(mac) > MAX_MAC_BYTES
     ):
         return "oversized: type, rank, seq or mac field too long"
-    if not signing.verify_fields(secret, mac, stream.encode(), type_, rank_b, seq_b, body):
-        return "authentication failed: bad mac (forged, another run's, or another stream's)"
+    try:
+        seq = int(seq_b)
+    except ValueError:
+        return "bad type, rank or seq field"
+    if seq <= last_seq:
+        # Only a label: the entry is refused either way, MAC or not.
+        return f"{REPLAYED}: seq {seq} at or below {last_seq}, already passed on this stream"
+    data = signing.signed_bytes(stream.encode(), entry_id, type_, rank_b, seq_b, body)
+    if not verifier.verify(data, mac):
+        return (
+            "authentication failed: bad mac (forged, another run's or stream's, "
+            "or copied under a new entry id)"
+        )
     try:
         type_name = type_.decode("ascii")
-        seq = int(seq_b)
         rank_text = rank_b.decode("ascii")
-    except (UnicodeDecodeError, ValueError):
+    except UnicodeDecodeError:
         return "bad type, rank or seq field"
     if rank_text != rank:
         return f"rank field {rank_text!r} on a stream of rank {rank!r}"

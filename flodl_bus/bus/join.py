@@ -8,7 +8,13 @@ start (a worker may say Hello before the coordinator reads), a worker reads from
 own Hello on (answers always follow the Hello they answer).
 
 A retried XADD (lost reply) may post a second copy of an entry; both sides dedupe by
-``worker_id``, so that is harmless.
+``worker_id``, so that is harmless. For the same reason join entries are not bound to
+their entry id (``XADD *``, many writers): a Hello or an answer put back into the stream
+is one more copy of something already deduped.
+
+Keys: a Hello is MACed with the run secret (what makes a worker a member); an Assign or
+Reject is signed with the coordinator's Ed25519 key, so a worker holding the run secret
+cannot answer for the coordinator (an answer MACed with the secret is refused).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from flodl_bus.bus import entries
 from flodl_bus.bus.connection import MAX_BLOCK_MS, BusUnavailable, Link
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.protocol import wire
-from flodl_bus.protocol.messages import JoinMsg
+from flodl_bus.protocol.messages import Hello, JoinMsg
+from flodl_bus.protocol.signing import SIG_HEX, MacKey, Signer, SigningKey, VerifyKey
 
 log = structlog.get_logger("flodl_bus.bus")
 
@@ -41,18 +48,39 @@ class JoinStream:
     """Post and read signed membership entries of one run."""
 
     def __init__(
-        self, client: redis.Redis, run: str | RunKeys, secret: bytes, *, where: str = ""
+        self,
+        client: redis.Redis,
+        run: str | RunKeys,
+        secret: bytes,
+        *,
+        signer: SigningKey | None = None,
+        answers: VerifyKey | None = None,
+        where: str = "",
     ) -> None:
+        """``signer``: the coordinator's (it posts answers); ``answers``: the key a worker
+        checks answers with (the coordinator's public key)."""
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.client = client
-        self.secret = secret
+        self.member = MacKey(secret)
+        self.signer = signer
+        self.answers = answers if answers is not None else (signer.public if signer else None)
         self.stream = self.keys.join
         self._seq = itertools.count(1)
         self._link = Link(client, name="join", where=where)
+        #: entries refused for authentication (a wrong secret, a forger)
+        self.auth_failures = 0
+
+    def verify(self, data: bytes, mac: bytes) -> bool:
+        if len(mac) == SIG_HEX:
+            return self.answers is not None and self.answers.verify(data, mac)
+        return self.member.verify(data, mac)
 
     def post(self, msg: JoinMsg) -> str:
         """Append ``msg``; returns its entry id (a reader of answers starts there)."""
-        fields = entries.build(self.secret, self.stream, msg, JOIN_RANK, next(self._seq))
+        signer: Signer | None = self.member if isinstance(msg, Hello) else self.signer
+        if signer is None:
+            raise TypeError(f"only the coordinator posts {type(msg).__name__}")
+        fields = entries.build(signer, self.stream, "", msg, JOIN_RANK, next(self._seq))
 
         def op(retry: bool) -> str:
             eid = self.client.xadd(
@@ -91,8 +119,16 @@ class JoinStream:
                 eid = eid_raw.decode() if isinstance(eid_raw, bytes) else str(eid_raw)
                 cursor = eid
                 parsed = entries.parse(
-                    self.secret, self.stream, fields, channel=wire.JOIN, rank=JOIN_RANK
+                    self, self.stream, b"", fields, channel=wire.JOIN, rank=JOIN_RANK
                 )
+                if not isinstance(parsed, str):
+                    signed = len(fields[entries.F_MAC]) == SIG_HEX
+                    if signed == isinstance(parsed.msg, Hello):
+                        parsed = (
+                            "authentication failed: a Hello signed as the coordinator"
+                            if signed
+                            else "authentication failed: an answer not signed by the coordinator"
+                        )
                 if isinstance(parsed, str):
                     rejected.append((eid, fields, parsed))
                 else:
@@ -104,6 +140,16 @@ class JoinStream:
     def _dead_letter(self, rejected: Sequence[tuple[str, dict[bytes, bytes], str]]) -> None:
         for eid, _fields, reason in rejected:
             log.error("join_dead_letter", stream=self.stream, entry=eid, reason=reason)
+            if reason.startswith("authentication failed"):
+                self.auth_failures += 1
+                if self.auth_failures == 1:
+                    # Once: a worker with a wrong secret retries, an attacker floods.
+                    log.error(
+                        "join_authentication_failed",
+                        run=self.keys.run,
+                        hint="a worker's run secret is not this run's "
+                        "(FLODL_RUN_SECRET), or someone else writes the join stream",
+                    )
 
         def op(retry: bool) -> None:
             pipe = self.client.pipeline(transaction=False)

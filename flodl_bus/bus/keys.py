@@ -73,6 +73,11 @@ class RunKeys:
         return f"{self.prefix}meta"
 
     @property
+    def identity(self) -> str:
+        """The coordinator's public keys (a hash it alone writes; ranks read it)."""
+        return f"{self.prefix}identity"
+
+    @property
     def secret(self) -> str:
         """The run's MAC key. Outside ``flodl:*`` on purpose: the read-only observer ACL
         user (``~flodl:*``) can watch every stream and ``meta`` but never forge entries.

@@ -28,7 +28,6 @@ How each rule of DESIGN §3 is kept:
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 import time
@@ -42,11 +41,12 @@ import structlog
 from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import MAX_BLOCK_MS, Backoff, BusClosed, BusUnavailable, Link
-from flodl_bus.bus.cursor import GroupCursor, Received
+from flodl_bus.bus.cursor import Check, GroupCursor, Received
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
+from flodl_bus.protocol.signing import CoordinatorKeys, MacKey, RankKeys, Signer, Verifier
 
 #: how long a dead-letter write may wait for Redis before the read goes on without it
 DLQ_DEADLINE_S: Final = 2.0
@@ -54,6 +54,12 @@ log = structlog.get_logger("flodl_bus.bus")
 
 COORDINATOR_GROUP: Final = "coordinator"
 DEFAULT_MAXLEN: Final = 100_000
+#: How far ahead of its own clock a writer follows a stream's top. A top further ahead
+#: was put there by a foreign writer (every writer of the run makes ids from its own
+#: clock): the writer does not follow it up to the largest id, where the stream would be
+#: wedged, but has the coordinator remove it (``repair_stream``). Half a day tolerates
+#: any clock skew between hosts that NTP leaves.
+FOLLOW_LIMIT_MS: Final = 12 * 3600 * 1000
 
 
 class BusError(RuntimeError):
@@ -81,7 +87,97 @@ def _now_ms() -> int:
 
 
 def _id_refused(exc: redis.exceptions.ResponseError) -> bool:
-    return "equal or smaller" in str(exc)
+    # "equal or smaller than the target stream top item", or, past the largest id,
+    # "The stream has exhausted the last possible ID"
+    text = str(exc)
+    return "equal or smaller" in text or "exhausted the last possible ID" in text
+
+
+def writer_limit(now_ms: int) -> int:
+    """The largest stream-top millisecond a writer follows; above it, it waits for the
+    coordinator to remove the foreign entry (``repair_stream``)."""
+    return now_ms + FOLLOW_LIMIT_MS
+
+
+class StreamBlocked(BusError):
+    """A foreign entry put the stream's top beyond any id a writer of the run may use."""
+
+
+def _entry_mac(fields: Any) -> bytes | None:
+    if not fields:
+        return None
+    if isinstance(fields, dict):
+        return fields.get(entries.F_MAC)  # type: ignore[no-any-return]
+    it = iter(fields)
+    return dict(zip(it, it)).get(entries.F_MAC)
+
+
+def landed(client: redis.Redis, stream: str, eid: str, mac: bytes) -> bool:
+    """Whether our entry (same id AND same mac) is in ``stream``: after a lost reply a
+    refused id only proves *someone's* entry is there."""
+    found: Any = client.xrange(stream, min=eid, max=eid, count=1)
+    return bool(found) and _entry_mac(found[0][1]) == mac
+
+
+def last_seq(client: redis.Redis, stream: str, verifier: Verifier, rank: str, channel: str) -> int:
+    """The seq of the newest entry in ``stream`` that verifies with our key (0 if none):
+    a writer that starts again on a stream continues above it, so readers that already
+    passed the old entries keep accepting. Foreign entries cannot move it."""
+    found: Any = client.xrevrange(stream, "+", "-", count=64)
+    for raw_id, fields in found or ():
+        flat = fields if isinstance(fields, dict) else dict(zip(*[iter(fields)] * 2))
+        p = entries.parse(verifier, stream, raw_id, flat, channel=channel, rank=rank)
+        if isinstance(p, entries.Parsed):
+            return p.seq
+    return 0
+
+
+def repair_stream(
+    client: redis.Redis, stream: str, dlq: str, *, floor: EntryId, now_ms: int, by: str
+) -> int:
+    """Remove foreign entries whose ids lie beyond what any writer of the run follows,
+    and bring the stream's top and its groups back below them. Returns how many were
+    removed (each is dead-lettered first).
+
+    A foreign entry at the largest id wedges a stream for good: Redis refuses every later
+    XADD, explicit id or ``*``. XDEL alone does not lower the top; XSETID does, once the
+    entry is gone. A group that was handed the foreign entry has its last-delivered id
+    beyond every real one, so it is set back too: it had been handed every real entry
+    below, as Redis delivers in id order. Coordinator credential only (XDEL, XSETID,
+    XGROUP SETID)."""
+    limit = writer_limit(now_ms)
+    removed = 0
+    for _ in range(16):  # a writer keeps adding foreign entries: bounded, then give up
+        top = stream_top(client, stream)
+        if top[0] <= limit:
+            return removed
+        found: Any = client.xrange(stream, min=f"{limit + 1}-0", max="+", count=1000)
+        pipe = client.pipeline(transaction=False)
+        for raw_id, fields in found or ():
+            eid = raw_id.decode()
+            flat = fields if isinstance(fields, dict) else dict(zip(*[iter(fields)] * 2))
+            pipe.xadd(
+                dlq,
+                entries.dead_letter_fields(  # type: ignore[arg-type]
+                    stream, eid, "foreign: entry id beyond the horizon, removed", flat, by
+                ),
+                maxlen=DEFAULT_MAXLEN,
+                approximate=True,
+            )
+            pipe.xdel(stream, eid)
+            removed += 1
+        pipe.execute()
+        if found and len(found) >= 1000:
+            continue
+        last: Any = client.xrevrange(stream, "+", "-", count=1)
+        new_top = max(parse_id(last[0][0]) if last else ZERO, floor)
+        client.execute_command("XSETID", stream, format_id(new_top))  # type: ignore[no-untyped-call]
+        groups: Any = client.xinfo_groups(stream)
+        for g in groups:
+            if parse_id(g["last-delivered-id"]) > new_top:
+                client.xgroup_setid(stream, g["name"], format_id(new_top))
+        log.warning("bus_stream_repaired", stream=stream, removed=removed, top=format_id(new_top))
+    raise StreamBlocked(f"{stream}: foreign entries beyond the horizon keep coming")
 
 
 def stream_top(client: redis.Redis, stream: str) -> EntryId:
@@ -95,11 +191,12 @@ def stream_top(client: redis.Redis, stream: str) -> EntryId:
     return parse_id(info["last-generated-id"])
 
 
-def ensure_group(client: redis.Redis, stream: str, group: str) -> None:
-    """Create ``group`` on ``stream`` from the start (entries sent before a reader
-    started must reach it), creating the stream if needed; an existing group is kept."""
+def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0") -> None:
+    """Create ``group`` on ``stream`` from ``start`` (from the beginning by default:
+    entries sent before a reader started must reach it), creating the stream if needed;
+    an existing group is kept."""
     try:
-        client.xgroup_create(stream, group, id="0", mkstream=True)
+        client.xgroup_create(stream, group, id=start, mkstream=True)
     except redis.exceptions.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
@@ -160,6 +257,10 @@ class _GroupReader:
         self._groups: set[str] = set()
         self._acks: dict[str, list[str]] = {}
         self._ack_lock = threading.Lock()
+        #: the highest seq accepted per stream (a lower or equal one is a replay)
+        self.seqs: dict[str, int] = {}
+        #: streams where a foreign entry beyond the horizon was seen since the last look
+        self.foreign: set[str] = set()
 
     def _on_lost(self) -> None:
         self.cursor.on_lost()
@@ -187,7 +288,13 @@ class _GroupReader:
     def _ensure_groups(self) -> None:
         for stream in self.cursor.streams:
             if stream not in self._groups:
-                ensure_group(self.client, stream, self.group)
+                # A group recreated after it vanished starts where this reader is, not
+                # at the stream's start: everything below was dispatched already, and
+                # handing it out again would only fill the dlq with replays.
+                last = self.cursor.last_id(stream)
+                ensure_group(
+                    self.client, stream, self.group, "0" if last == ZERO else format_id(last)
+                )
                 self._groups.add(stream)
 
     def flush_acks(self, timeout: float = 2.0) -> None:
@@ -207,7 +314,7 @@ class _GroupReader:
             self._restore_acks(acks)
             raise
 
-    def read(self, block_ms: int) -> list[Received]:
+    def read(self, block_ms: int, check: Check | None = None) -> list[Received]:
         if not self.cursor.streams:
             time.sleep(max(0, block_ms) / 1000)
             return []
@@ -256,22 +363,55 @@ class _GroupReader:
                 # nil fields: a pending entry that was trimmed away (parse rejects it)
                 it = iter(flat or ())
                 got.append((parse_id(eid), dict(zip(it, it)) if flat else None))
-        return self.cursor.on_reply(reply)
+        return self.cursor.on_reply(reply) if check is None else self.cursor.on_reply(reply, check)
 
     def read_parsed(
-        self, block_ms: int, secret: bytes, channel: str, rank_fields: Mapping[str, str]
+        self,
+        block_ms: int,
+        verifiers: Mapping[str, Verifier],
+        channel: str,
+        rank_fields: Mapping[str, str],
     ) -> list[Delivery]:
-        """One read, verified and decoded; what fails goes to the dlq (``rank_fields``:
-        stream -> the ``rank`` field its entries must carry)."""
+        """One read, verified and decoded; what fails goes to the dlq (``verifiers``
+        and ``rank_fields``: stream -> its key, and the ``rank`` field its entries carry)."""
+        parse = entries.parse
+        seqs = self.seqs
+        limit = writer_limit(_now_ms())
+
+        def check(stream: str, eid: EntryId, fields: Mapping[bytes, bytes] | None) -> object:
+            last = seqs.get(stream, 0)
+            p = parse(
+                verifiers[stream],
+                stream,
+                f"{eid[0]}-{eid[1]}".encode(),
+                fields,
+                channel=channel,
+                rank=rank_fields[stream],
+                last_seq=last,
+            )
+            if isinstance(p, str):
+                if eid[0] > limit:
+                    self.foreign.add(stream)
+                return p
+            if last and p.seq != last + 1:
+                # Nothing can bring them back; say so once, loudly, and go on.
+                log.error(
+                    "bus_entries_missing",
+                    reader=self.name,
+                    stream=stream,
+                    seqs=f"{last + 1}..{p.seq - 1}",
+                    reason="deleted or trimmed before this reader read them",
+                )
+            seqs[stream] = p.seq
+            return p
+
         out: list[Delivery] = []
         rejected: list[tuple[Received, str]] = []
-        parse = entries.parse
-        for r in self.read(block_ms):
-            p = parse(secret, r.stream, r.fields, channel=channel, rank=rank_fields[r.stream])
-            if isinstance(p, str):
-                rejected.append((r, p))
+        for r in self.read(block_ms, check):
+            if r.rejected is not None:
+                rejected.append((r, r.rejected))
             else:
-                out.append(Delivery(r.stream, format_id(r.entry_id), p.msg))
+                out.append(Delivery(r.stream, format_id(r.entry_id), r.parsed.msg))  # type: ignore[attr-defined]
         if rejected:
             self.dead_letter(rejected)
         return out
@@ -340,7 +480,7 @@ class _Publisher:
         client: redis.Redis,
         stream: str,
         rank: int,
-        secret: bytes,
+        key: MacKey,
         config: StreamsConfig,
         where: str,
     ) -> None:
@@ -348,7 +488,7 @@ class _Publisher:
         self.stream = stream
         self.rank = rank
         self.rank_field = str(rank)
-        self.secret = secret
+        self.key = key
         self.config = config
         self.link = Link(client, name=f"rank{rank}.publisher", where=where, backoff=config.backoff)
         self.clock = IdClock()
@@ -357,6 +497,10 @@ class _Publisher:
         self.written = 0
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._closed = False
+        self._closing = threading.Event()
+        #: the first id and mac of the last batch tried (a lost reply: did it land?)
+        self._tried: tuple[str, bytes] | None = None
+        self._blocked_since: float | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"flodl-bus-publisher-{rank}", daemon=True
         )
@@ -383,6 +527,7 @@ class _Publisher:
         self._closed = True
         self._q.put(_STOP)
         self._thread.join(timeout)
+        self._closing.set()
         self.link.close()
         self._thread.join(1.0)
 
@@ -397,8 +542,18 @@ class _Publisher:
             self.error = exc
             log.error("bus_publisher_failed", rank=self.rank, error=repr(exc)[:200])
 
+    def _start(self) -> None:
+        top = stream_top(self.client, self.stream)
+        if top[0] <= writer_limit(_now_ms()):
+            self.clock.raise_floor(top)
+        # Continue the stream's seq: a reader that passed our earlier entries (this rank
+        # restarted) must not take the new ones for replays.
+        self.seq = max(
+            self.seq, last_seq(self.client, self.stream, self.key, self.rank_field, wire.UPSTREAM)
+        )
+
     def _drain(self) -> None:
-        self.link.call(lambda retry: self.clock.raise_floor(stream_top(self.client, self.stream)))
+        self.link.call(lambda retry: self._start())
         get = self._q.get
         get_nowait = self._q.get_nowait
         limit = self.config.publish_batch
@@ -425,63 +580,103 @@ class _Publisher:
     def _write(self, msgs: list[object]) -> None:
         if not msgs or self.error is not None:
             return
-        items: list[tuple[str, dict[bytes, bytes]]] = []
+        batch: list[tuple[int, tuple[bytes, bytes]]] = []
         for msg in msgs:
-            self.seq += 1
             try:
-                fields = entries.build(self.secret, self.stream, msg, self.rank_field, self.seq)
+                encoded = entries.encode(msg)
             except (TypeError, ValueError, OverflowError) as exc:
                 # e.g. an int beyond 64 bits: one message lost, loudly; the stream goes on
                 log.error("bus_publish_dropped", rank=self.rank, error=str(exc)[:200])
                 continue
-            items.append((format_id(self.clock.next(_now_ms())), fields))
-        if not items:
+            self.seq += 1
+            batch.append((self.seq, encoded))
+        if not batch:
             return
+        self._tried = None
         try:
-            self.link.call(lambda retry: self._xadd_batch(items, retry))
+            self.link.call(lambda retry: self._commit(batch, retry))
         except BusClosed:
-            log.error("bus_publish_unwritten", rank=self.rank, count=len(items))
+            log.error("bus_publish_unwritten", rank=self.rank, count=len(batch))
             return
         except Exception as exc:
             self.error = exc
             log.error("bus_publisher_failed", rank=self.rank, error=str(exc)[:200])
             return
-        self.written += len(items)
+        self.written += len(batch)
 
-    def _xadd_batch(self, items: list[tuple[str, dict[bytes, bytes]]], retry: bool) -> None:
-        pipe = self.client.pipeline(transaction=False)
-        for eid, fields in items:
-            pipe.xadd(
-                self.stream,
-                fields,  # type: ignore[arg-type]
-                id=eid,
-                maxlen=self.config.maxlen,
-                approximate=True,
+    def _commit(self, batch: list[tuple[int, tuple[bytes, bytes]]], retry: bool) -> None:
+        """Write the batch atomically, in order, above the stream's top.
+
+        WATCH + MULTI/EXEC makes the batch all-or-nothing: a foreign entry that lands
+        between our ids cannot leave half the batch written and the rest renumbered
+        behind it (which would break the rank's send order). Ids are chosen after the
+        stream's top is read under WATCH, so the XADDs cannot be refused."""
+        if retry and self._tried is not None and landed(self.client, self.stream, *self._tried):
+            return  # the lost reply was of a transaction that ran
+        while True:
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(self.stream)  # type: ignore[no-untyped-call]
+                    top = stream_top(pipe, self.stream)
+                    if not self._follow(top):
+                        continue
+                    now = _now_ms()
+                    pipe.multi()
+                    for seq, encoded in batch:
+                        eid = format_id(self.clock.next(now))
+                        fields = entries.sign(
+                            self.key, self.stream, eid, encoded, self.rank_field, seq
+                        )
+                        if self._tried is None or seq == batch[0][0]:
+                            self._tried = (eid, fields[entries.F_MAC])
+                        pipe.xadd(
+                            self.stream,
+                            fields,  # type: ignore[arg-type]
+                            id=eid,
+                            maxlen=self.config.maxlen,
+                            approximate=True,
+                        )
+                    pipe.execute()
+                    return
+                except redis.exceptions.WatchError:
+                    # Someone wrote the stream meanwhile (EXEC aborted, nothing of ours
+                    # landed), or, as redis-py reports a connection lost while watching,
+                    # the reply of an EXEC that may have run: ask the stream which.
+                    if self._tried is not None and landed(self.client, self.stream, *self._tried):
+                        return
+                    continue
+
+    def _follow(self, top: EntryId) -> bool:
+        """Lift our ids above ``top`` if a writer of the run may follow it; else wait
+        (False) for the coordinator to remove the foreign entry that put it there."""
+        if top <= self.clock.last:
+            self._blocked_end()
+            return True
+        if top[0] <= writer_limit(_now_ms()):
+            self.clock.raise_floor(top)
+            self._blocked_end()
+            return True
+        if self._blocked_since is None:
+            self._blocked_since = time.monotonic()
+            log.error(
+                "bus_stream_blocked",
+                stream=self.stream,
+                top=format_id(top),
+                reason="a foreign entry beyond any id of the run; waiting for the "
+                "coordinator to remove it",
             )
-        results = pipe.execute(raise_on_error=False)
-        refused = []
-        for (eid, _), res in zip(items, results):
-            if isinstance(res, redis.exceptions.ResponseError):
-                if not _id_refused(res):
-                    raise res
-                refused.append(eid)
-            elif isinstance(res, Exception):
-                raise res
-        if not refused:
-            return
-        if not retry:
-            raise BusError(
-                f"{self.stream}: entry id {refused[0]} refused on a first attempt: another "
-                f"process is publishing as rank {self.rank}"
+        if self._closing.wait(0.05):
+            raise BusClosed(f"{self.stream}: closed while blocked")
+        return False
+
+    def _blocked_end(self) -> None:
+        if self._blocked_since is not None:
+            log.warning(
+                "bus_stream_unblocked",
+                stream=self.stream,
+                blocked_s=round(time.monotonic() - self._blocked_since, 3),
             )
-        # A retry after a lost reply: refused ids must be the ones that landed then.
-        found: list[tuple[bytes, Any]] = self.client.xrange(  # type: ignore[assignment]
-            self.stream, min=refused[0], max=refused[-1]
-        )
-        present = {eid.decode() for eid, _ in found}
-        missing = [eid for eid in refused if eid not in present]
-        if missing:
-            raise BusError(f"{self.stream}: entries {missing[:3]} refused yet absent")
+            self._blocked_since = None
 
 
 class RedisRankBus:
@@ -492,18 +687,18 @@ class RedisRankBus:
         client: redis.Redis,
         run: str | RunKeys,
         rank: int,
-        secret: bytes,
+        keys: RankKeys,
         *,
         config: StreamsConfig | None = None,
         where: str = "",
     ) -> None:
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.rank = rank
-        self.secret = secret
         self.config = config or StreamsConfig()
         self._ctl = self.keys.ctl(rank)
         self._all = self.keys.ctl_all
-        self._rank_fields = {self.keys.ctl(rank): str(rank), self._all: BROADCAST}
+        self._rank_fields = {self._ctl: str(rank), self._all: BROADCAST}
+        self._verifiers: dict[str, Verifier] = {self._ctl: keys.rank_key, self._all: keys.broadcast}
         self._reader = _GroupReader(
             client,
             [self._ctl, self._all],
@@ -515,14 +710,16 @@ class RedisRankBus:
             where=where,
             dlq=self.keys.dlq,
         )
-        self._publisher = _Publisher(client, self.keys.up(rank), rank, secret, self.config, where)
+        self._publisher = _Publisher(
+            client, self.keys.up(rank), rank, keys.rank_key, self.config, where
+        )
 
     @property
     def reconnects(self) -> int:
         return self._reader.link.reconnects + self._publisher.link.reconnects
 
     def read_control(self, block_ms: int) -> list[Delivery]:
-        return self._reader.read_parsed(block_ms, self.secret, wire.CONTROL, self._rank_fields)
+        return self._reader.read_parsed(block_ms, self._verifiers, wire.CONTROL, self._rank_fields)
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """Queue the acks; they ride on the next read (or ``flush_acks``/``close``)."""
@@ -560,7 +757,7 @@ class RedisCoordinatorBus:
         self,
         client: redis.Redis,
         run: str | RunKeys,
-        secret: bytes,
+        keys: CoordinatorKeys,
         *,
         ranks: Iterable[int] = (),
         config: StreamsConfig | None = None,
@@ -568,12 +765,13 @@ class RedisCoordinatorBus:
     ) -> None:
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.client = client
-        self.secret = secret
+        self.signing = keys
         self.config = config or StreamsConfig()
         self._lock = threading.Lock()
         self._clock = IdClock()
-        self._seq = itertools.count(1)
+        self._seqs: dict[str, int] = {}
         self._ranks: dict[str, str] = {}
+        self._verifiers: dict[str, Verifier] = {}
         self._link = Link(
             client, name="coordinator.sender", where=where, backoff=self.config.backoff
         )
@@ -597,7 +795,9 @@ class RedisCoordinatorBus:
         return sorted(int(r) for r in self._ranks.values())
 
     def _raise_floor(self, stream: str) -> None:
-        self._clock.raise_floor(stream_top(self.client, stream))
+        top = stream_top(self.client, stream)
+        if top[0] <= writer_limit(_now_ms()):
+            self._clock.raise_floor(top)
 
     def add_rank(self, rank: int) -> None:
         """Start reading ``up:<rank>``; create the rank's groups so nothing sent before
@@ -605,6 +805,7 @@ class RedisCoordinatorBus:
         up = self.keys.up(rank)
         if up in self._ranks:
             return
+        key = self.signing.rank(rank)
 
         def op(retry: bool) -> None:
             ensure_group(self.client, self.keys.ctl(rank), rank_group(rank))
@@ -613,50 +814,88 @@ class RedisCoordinatorBus:
                 self._raise_floor(self.keys.ctl(rank))
 
         self._link.call(op)
+        self._verifiers[up] = key
         self._ranks[up] = str(rank)
         self._reader.add_stream(up)
 
     def send(self, rank: int, msg: ControlWire) -> None:
-        self._write(self.keys.ctl(rank), str(rank), msg)
+        self._write(self.keys.ctl(rank), str(rank), msg, self.signing.rank(rank))
 
     def broadcast(self, msg: ControlWire) -> None:
-        self._write(self.keys.ctl_all, BROADCAST, msg)
+        self._write(self.keys.ctl_all, BROADCAST, msg, self.signing.signing)
 
-    def _write(self, stream: str, rank_field: str, msg: object) -> None:
+    def _next_seq(self, stream: str, rank_field: str, signer: Signer) -> int:
+        seq = self._seqs.get(stream)
+        if seq is None:
+            # An earlier coordinator of the run wrote here: continue above its seq.
+            verifier: Verifier = (
+                signer if isinstance(signer, MacKey) else self.signing.signing.public
+            )
+            seq = self._link.call(
+                lambda retry: last_seq(self.client, stream, verifier, rank_field, wire.CONTROL)
+            )
+        self._seqs[stream] = seq + 1
+        return seq + 1
+
+    def _write(self, stream: str, rank_field: str, msg: object, signer: Signer) -> None:
         _require(msg, _CONTROL_TYPES, "a control stream")
         with self._lock:
-            fields = entries.build(self.secret, stream, msg, rank_field, next(self._seq))
-            while True:
-                eid = format_id(self._clock.next(_now_ms()))
+            encoded = entries.encode(msg)
+            seq = self._next_seq(stream, rank_field, signer)
+            tried: list[tuple[str, bytes]] = []
 
-                def attempt(retry: bool, eid: str = eid) -> bool:
-                    return self._xadd(stream, eid, fields, retry)
+            def op(retry: bool) -> None:
+                if retry and tried and landed(self.client, stream, *tried[-1]):
+                    return  # the lost reply was of an XADD that ran
+                while True:
+                    eid = format_id(self._clock.next(_now_ms()))
+                    fields = entries.sign(signer, stream, eid, encoded, rank_field, seq)
+                    tried.append((eid, fields[entries.F_MAC]))
+                    try:
+                        self.client.xadd(
+                            stream,
+                            fields,  # type: ignore[arg-type]
+                            id=eid,
+                            maxlen=self.config.maxlen,
+                            approximate=True,
+                        )
+                        return
+                    except redis.exceptions.ResponseError as exc:
+                        if not _id_refused(exc):
+                            raise
+                    # Refused: the stream's top is ahead of our clock (an earlier
+                    # coordinator, or a foreign entry). Renumber above it; every id we
+                    # hand out afterwards is larger still, so the send order is kept. A
+                    # top no writer of the run may follow is removed first.
+                    self._repair(stream)
+                    self._raise_floor(stream)
 
-                if self._link.call(attempt):
-                    return
-                # Refused on a first attempt: the stream's top is ahead of our clock
-                # (an earlier coordinator). Renumber above it; every id we hand out
-                # afterwards is larger still, so the send order is kept.
-                self._link.call(lambda retry: self._raise_floor(stream))
+            self._link.call(op)
 
-    def _xadd(self, stream: str, eid: str, fields: dict[bytes, bytes], retry: bool) -> bool:
-        try:
-            self.client.xadd(
-                stream,
-                fields,  # type: ignore[arg-type]
-                id=eid,
-                maxlen=self.config.maxlen,
-                approximate=True,
-            )
-            return True
-        except redis.exceptions.ResponseError as exc:
-            if not _id_refused(exc):
-                raise
-        # A retry refused because its id is already there: the lost attempt landed.
-        return bool(retry and self.client.xrange(stream, min=eid, max=eid, count=1))
+    def _repair(self, stream: str, floor: EntryId | None = None) -> None:
+        repair_stream(
+            self.client,
+            stream,
+            self.keys.dlq,
+            floor=self._clock.last if floor is None else floor,
+            now_ms=_now_ms(),
+            by="coordinator",
+        )
 
     def read_upstream(self, block_ms: int) -> list[Delivery]:
-        return self._reader.read_parsed(block_ms, self.secret, wire.UPSTREAM, self._ranks)
+        out = self._reader.read_parsed(block_ms, self._verifiers, wire.UPSTREAM, self._ranks)
+        if self._reader.foreign:
+            # A rank's publisher waits on a stream wedged by a foreign entry; only the
+            # coordinator may remove it.
+            streams, self._reader.foreign = self._reader.foreign, set()
+            for stream in sorted(streams):
+                floor = self._reader.cursor.last_id(stream)
+
+                def op(retry: bool, s: str = stream, f: EntryId = floor) -> None:
+                    self._repair(s, f)
+
+                self._link.call(op)
+        return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         self._reader.queue_acks(deliveries)

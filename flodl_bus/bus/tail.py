@@ -26,9 +26,9 @@ from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, MAX_BLOCK_MS, connect
 from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.run_secret import secret_from_env
 from flodl_bus.bus.streams import stream_top
 from flodl_bus.protocol import signing, wire
+from flodl_bus.protocol.signing import BadKey, RunIdentity, VerifyKey
 
 RESCAN_S = 1.0
 READ_COUNT = 1000
@@ -54,7 +54,11 @@ def _json_default(value: Any) -> Any:
 
 
 def format_entry(
-    keys: RunKeys, stream: str, eid: EntryId, fields: dict[bytes, bytes], secret: bytes | None
+    keys: RunKeys,
+    stream: str,
+    eid: EntryId,
+    fields: dict[bytes, bytes],
+    broadcast_key: VerifyKey | None,
 ) -> str:
     """``time  stream  id  type  rank=… seq=…  {decoded body fields}``."""
     when = datetime.fromtimestamp(eid[0] / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
@@ -69,12 +73,15 @@ def format_entry(
     seq = fields.get(F_SEQ, b"?").decode(errors="replace")
     body = fields.get(F_BODY, b"")
     note = ""
-    if secret is not None:
-        ok = signing.verify(
-            secret, fields.get(F_MAC, b""), stream, fields.get(F_TYPE, b""),
+    # An observer can check what the coordinator signed for everyone (its public key is
+    # in the run's identity); a rank's streams are MACed with keys only that rank and the
+    # coordinator hold, so there tail shows what is there, unchecked.
+    if broadcast_key is not None and stream == keys.ctl_all:
+        signed = signing.signed_bytes(
+            stream.encode(), format_id(eid).encode(), fields.get(F_TYPE, b""),
             fields.get(F_RANK, b""), fields.get(F_SEQ, b""), body,
         )  # fmt: skip
-        note = "" if ok else "  [BAD MAC]"
+        note = "" if broadcast_key.verify(signed, fields.get(F_MAC, b"")) else "  [BAD SIGNATURE]"
     try:
         data = wire.to_map(wire.decode(body))
         data.pop("v", None)
@@ -96,7 +103,7 @@ def tail(
     from_start: bool = False,
     count: int | None = None,
     out: TextIO | None = None,
-    secret: bytes | None = None,
+    broadcast_key: VerifyKey | None = None,
     duration: float | None = None,
     block_ms: int = 500,
 ) -> int:
@@ -137,7 +144,7 @@ def tail(
             for raw_id, fields in items:
                 eid = parse_id(raw_id)
                 last[stream] = eid
-                lines.append((eid, stream, format_entry(keys, stream, eid, fields, secret)))
+                lines.append((eid, stream, format_entry(keys, stream, eid, fields, broadcast_key)))
         lines.sort()
         if count is not None:
             lines = lines[: count - printed]
@@ -148,17 +155,13 @@ def tail(
     return printed
 
 
-def _secret(client: redis.Redis, keys: RunKeys) -> bytes | None:
-    env_secret = secret_from_env()
-    if env_secret is not None:
-        return env_secret
+def _broadcast_key(client: redis.Redis, keys: RunKeys) -> VerifyKey | None:
+    """The coordinator's public key from the run's identity (public: any observer)."""
     try:
-        stored = client.get(keys.secret)
-    except redis.exceptions.ResponseError:  # the observer ACL user may not read the secret
+        raw: Any = client.hgetall(keys.identity)
+        return RunIdentity.from_fields({k.decode(): v.decode() for k, v in raw.items()}).sign_pub
+    except (redis.exceptions.ResponseError, BadKey, UnicodeDecodeError):
         return None
-    if not stored:
-        return None
-    return bytes.fromhex(stored.decode() if isinstance(stored, bytes) else stored)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from_start=args.from_start,
             count=args.count,
             duration=args.duration,
-            secret=_secret(client, keys),
+            broadcast_key=_broadcast_key(client, keys),
         )
     except KeyboardInterrupt:
         pass

@@ -19,13 +19,11 @@ import argparse
 import dataclasses
 import json
 import os
-import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any, NoReturn
 
 from flodl_bus.bus.connection import (
@@ -37,7 +35,9 @@ from flodl_bus.bus.connection import (
 )
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig, parse_mode
+from flodl_bus.exits import CONFIG, STOPPED, by_signal
 from flodl_bus.partition import SHUFFLE_BASE_SEED
+from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 
 PROG = "flodl-bus coordinator"
 
@@ -102,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
         "before starting; without it such a run id is refused",
     )
     p.add_argument("--log-level", default="info", help="console log level (default info)")
+    p.add_argument(
+        "--supervisor-fd",
+        type=int,
+        help="an inherited pipe on which the launcher (flodl-bus up) reports ranks whose "
+        "process exited; its end of file stops the run in order",
+    )
     return p
 
 
@@ -175,18 +181,32 @@ def _read_resume(stem: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: the table of ``flodl_bus.exits`` (README.md, "Exit codes")."""
     args = _parser().parse_args(argv)
-    try:
-        return _main(args)
-    except ConfigError as exc:
-        print(f"{PROG}: {exc}", file=sys.stderr)
-        return 2
+    # Our own handlers first, whatever was inherited (an ignored SIGINT in a background
+    # job, an ignored SIGTERM as PID 1): during setup a stop signal raises SignalStop;
+    # once the run's state exists it stops the run in order (below).
+    with StopSignals() as stop:
+        try:
+            return _main(args, stop)
+        except ConfigError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return CONFIG
+        except SignalStop as exc:
+            print(f"{PROG}: stopped by {signal_name(exc.signum)} during setup", file=sys.stderr)
+            return by_signal(exc.signum)
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from flodl_bus.bus.join import JoinStream
-    from flodl_bus.bus.run_secret import SecretError, ensure_run_secret
-    from flodl_bus.bus.streams import RedisCoordinatorBus
+    from flodl_bus.bus.run_secret import (
+        SecretError,
+        coordinator_identity,
+        ensure_run_secret,
+        publish_identity,
+    )
+    from flodl_bus.bus.ids import format_id
+    from flodl_bus.bus.streams import RedisCoordinatorBus, stream_top
     from flodl_bus.coordinator.checkpoint import read_meta
     from flodl_bus.coordinator.core import Coordinator
     from flodl_bus.coordinator.membership import Admission
@@ -197,9 +217,11 @@ def _main(args: argparse.Namespace) -> int:
         JoinDesk,
         LoopOptions,
         MetricsTable,
+        WorldNotFormed,
         form_world,
     )
     from flodl_bus.job import JobError, call_job, load_job
+    from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
 
@@ -286,26 +308,55 @@ def _main(args: argparse.Namespace) -> int:
         # The config first: a worker that sees the secret can rely on the config too.
         client.hset(keys.meta, mapping=run_fields)  # type: ignore[arg-type]
         secret = ensure_run_secret(client, keys)
+        identity = coordinator_identity()
+        # Before any Hello is read: a worker checks its secret against this first.
+        publish_identity(client, keys, identity, secret)
+        join_start = format_id(stream_top(client, keys.join))
     except SecretError as exc:
         raise ConfigError(str(exc)) from None
 
-    # One event for both phases: the join wait and the loop (which gets it below).
-    stopping = threading.Event()
+    # One event for both phases: the join wait and the loop (which gets it below). The
+    # first stop signal stops the run in order (Shutdown, wait for Exiting); a second
+    # one cuts the wait for Exiting short.
+    stopping, hurry = threading.Event(), threading.Event()
+    launcher_gone = threading.Event()
 
-    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+    def on_stop(_signum: int, nth: int) -> None:
         stopping.set()
+        if nth > 1:
+            hurry.set()
 
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, on_signal)
+    stop.call_on_stop(on_stop)
+    supervisor = None
+    if args.supervisor_fd is not None:
+        from flodl_bus.coordinator.supervisor import SupervisorFeed
 
-    join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
+        def on_launcher_gone() -> None:
+            if not stopping.is_set():
+                log.warning("launcher_gone", detail="stopping the run in order")
+                launcher_gone.set()
+                stopping.set()
+
+        try:
+            supervisor = SupervisorFeed(args.supervisor_fd, on_launcher_gone)
+        except OSError as exc:
+            raise ConfigError(f"--supervisor-fd {args.supervisor_fd}: {exc}") from None
+
+    def stopped_code() -> int:
+        if stop.signum is not None:
+            return by_signal(stop.signum)
+        return STOPPED if launcher_gone.is_set() else EXIT_INTERRUPTED
+
+    join = JoinStream(
+        client, keys, secret, signer=identity.signing, where=redact_url(args.redis_url)
+    )
     admission = Admission(
         dataset_sig=sig,
         world_size=args.world_size,
         min_workers=args.min_workers,
         join_timeout=args.join_timeout,
     )
-    desk = JoinDesk(join, admission)
+    desk = JoinDesk(join, admission, after=join_start)
     log.info(
         "coordinator_up",
         run=args.run,
@@ -320,9 +371,14 @@ def _main(args: argparse.Namespace) -> int:
     )
     try:
         form_world(desk, stop=stopping)
+    except WorldNotFormed as exc:
+        client.hset(keys.meta, "status", "not formed")
+        log.error("world_not_formed", reason=str(exc))
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     except Interrupted:
         client.hset(keys.meta, "status", "interrupted")
-        return EXIT_INTERRUPTED
+        return stopped_code()
     ws = admission.world_size
     assert ws is not None
     config = make_config(ws)
@@ -351,8 +407,15 @@ def _main(args: argparse.Namespace) -> int:
         replay_note="core = Coordinator.from_meta(config, resume_meta) if resume_meta "
         "else Coordinator(config); then core.start(now) at the 'start' event",
     )
+    try:
+        rank_keys = CoordinatorKeys(
+            identity.signing,
+            {m.rank: identity.rank_key(args.run, m.rank, m.kx_pub) for m in admission.members},
+        )
+    except BadKey as exc:
+        raise ConfigError(f"a worker's Hello carries no usable key: {exc}") from None
     bus = RedisCoordinatorBus(
-        client, keys, secret, ranks=range(ws), where=redact_url(args.redis_url)
+        client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
     )
     loop = CoordinatorLoop(
         core,
@@ -364,6 +427,8 @@ def _main(args: argparse.Namespace) -> int:
         join=desk,
     )
     loop.stop = stopping
+    loop.hurry = hurry
+    loop.supervisor = supervisor
     try:
         code = loop.run()
     finally:
@@ -371,6 +436,8 @@ def _main(args: argparse.Namespace) -> int:
         bus.close()
         join.close()
     status = {0: "finished", EXIT_INTERRUPTED: "interrupted"}.get(code, "saved")
+    if code == EXIT_INTERRUPTED:
+        code = stopped_code()
     try:
         client.hset(keys.meta, "status", status)
     finally:

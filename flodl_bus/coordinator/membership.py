@@ -36,6 +36,8 @@ class Member:
     rank: int
     #: the worker asked for this rank (``--rank``) rather than being given one
     requested: bool
+    #: the worker's X25519 public key from its Hello (its rank key is derived from it)
+    kx_pub: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,9 +190,11 @@ class Admission:
         for p in pending:
             h = p.hello
             if h.requested_rank is not None:
-                members.append(Member(h.worker_id, h.host, h.device, h.requested_rank, True))
+                members.append(
+                    Member(h.worker_id, h.host, h.device, h.requested_rank, True, h.kx_pub)
+                )
             else:
-                members.append(Member(h.worker_id, h.host, h.device, next(free), False))
+                members.append(Member(h.worker_id, h.host, h.device, next(free), False, h.kx_pub))
         members.sort(key=lambda m: m.rank)
         self.members = members
         self._pending = []

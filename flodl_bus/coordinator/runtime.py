@@ -38,6 +38,8 @@ from flodl_bus.bus.api import CoordinatorBus, Delivery
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.membership import Admission, Answer
+from flodl_bus.coordinator.supervisor import SupervisorFeed
+from flodl_bus.exits import OK, STOPPED
 from flodl_bus.protocol.messages import (
     Assign,
     CoordHeartbeat,
@@ -54,15 +56,19 @@ from flodl_bus.record.dispatch import DispatchRecorder
 log = structlog.get_logger("flodl_bus.coordinator")
 
 #: The loop exited because every live rank said Exiting after a clean Shutdown.
-EXIT_OK: Final = 0
+EXIT_OK: Final = OK
 #: The run ended with ShutdownWithSave (max failure, all ranks lost, a stalled reduce).
-EXIT_SAVED: Final = 1
-#: Stopped from outside (SIGINT/SIGTERM) before the run finished.
+EXIT_SAVED: Final = STOPPED
+#: Stopped from outside before the run finished; ``cli`` reports 128 + the signal.
 EXIT_INTERRUPTED: Final = 130
 
 
 class Interrupted(Exception):
     """A stop was requested while the world was still forming."""
+
+
+class WorldNotFormed(Exception):
+    """The world did not form within the join timeout; the message names why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,12 +119,16 @@ class JoinDesk:
         admission: Admission,
         *,
         clock: Callable[[], float] = time.monotonic,
+        after: str = "0",
     ) -> None:
         self.join = join
         self.admission = admission
         self.clock = clock
-        #: from the start: a worker may have said Hello before we read
-        self.cursor = "0"
+        #: Where Hellos start counting. A worker says Hello only after it read the
+        #: coordinator's identity, so the coordinator starts at the join stream's top as
+        #: it published that: an earlier Hello is of an earlier incarnation's worker,
+        #: whose key was agreed with a coordinator that is gone.
+        self.cursor = after
         self._ours: set[str] = set()
         self.stale: set[str] = set()
 
@@ -169,12 +179,27 @@ def form_world(desk: JoinDesk, *, stop: threading.Event | None = None, block_ms:
     """Admit workers until the world forms."""
     admission = desk.admission
     admission.open(desk.clock())
-    last_note = desk.clock()
+    last_note = started = desk.clock()
     while not admission.formed:
         if stop is not None and stop.is_set():
             raise Interrupted("stopped while the world was forming")
         desk.poll(block_ms)
         now = desk.clock()
+        # The minimum-size world forms at the timeout if it can; a grace period later
+        # (a few polls) it could not, and nothing must wait forever for absent workers.
+        if not admission.formed and now - started > admission.join_timeout + 1.0:
+            failed = getattr(desk.join, "auth_failures", 0)
+            raise WorldNotFormed(
+                f"the world did not form within --join-timeout {admission.join_timeout:g}s: "
+                f"{admission.joined} of {admission.min_workers or admission.target} workers "
+                "joined"
+                + (
+                    f"; {failed} Hello(s) failed authentication (a worker's run secret is "
+                    "not this run's)"
+                    if failed
+                    else ""
+                )
+            )
         if not admission.formed and now - last_note >= 10.0:
             last_note = now
             log.info(
@@ -313,6 +338,12 @@ class CoordinatorLoop:
         self.join = join
         self._next_join_poll = 0.0
         self.stop = threading.Event()
+        #: a second stop request: do not wait out the exit grace for Exiting
+        self.hurry = threading.Event()
+        #: child exits reported by the launcher (``--supervisor-fd``), if any
+        self.supervisor: SupervisorFeed | None = None
+        #: ranks reported gone before ``core.start``: declared dead right after it
+        self._gone_early: list[int] = []
         self.finished: Finished | None = None
         self.finished_at: float | None = None
         self.dispatches = 0
@@ -332,6 +363,8 @@ class CoordinatorLoop:
             assert before is not None
             self.rec.core_call("start", now=now, before=before, after=self._state_after(), out=outs)
         self._apply(outs, now)
+        for r in self._gone_early:
+            self._declare_dead(r)
         log.info(
             "run_started",
             mode=core.config.mode,
@@ -351,6 +384,7 @@ class CoordinatorLoop:
             deliveries = self.bus.read_upstream(self.options.block_ms)
             if deliveries:
                 self._dispatch_all(deliveries)
+            self._poll_supervisor()
             if self.finished is None:
                 self._tick()
             self._poll_join()
@@ -379,7 +413,19 @@ class CoordinatorLoop:
         early: list[Delivery] = []
         deadline = self.clock() + self.options.first_contact
         next_beat = self.clock()
-        while not all(heard) and self.clock() < deadline and not self.stop.is_set():
+        gone: set[int] = set()
+        while (
+            not all(h or r in gone for r, h in enumerate(heard))
+            and self.clock() < deadline
+            and not self.stop.is_set()
+        ):
+            if self.supervisor is not None:
+                for ex in self.supervisor.take():
+                    # A rank whose process is gone will never be heard: no wait for it.
+                    if 0 <= ex.rank < ws and ex.rank not in gone:
+                        gone.add(ex.rank)
+                        self._gone_early.append(ex.rank)
+                        log.warning("rank_process_exited", rank=ex.rank, rc=ex.rc)
             if self.clock() >= next_beat:
                 # Ranks already up count our silence against their liveness escape
                 # hatch; the core's own heartbeats only start with ``core.start``.
@@ -392,7 +438,7 @@ class CoordinatorLoop:
                     heard[r] = True
             early += got
             self._poll_join()
-        if not all(heard):
+        if not all(h or r in gone for r, h in enumerate(heard)):
             log.warning(
                 "ranks_silent_at_start",
                 silent=[r for r in range(ws) if not heard[r]],
@@ -565,12 +611,39 @@ class CoordinatorLoop:
             epoch=o.meta.get("epoch"),
         )
 
+    def _poll_supervisor(self) -> None:
+        if self.supervisor is None:
+            return
+        for ex in self.supervisor.take():
+            log.warning("rank_process_exited", rank=ex.rank, rc=ex.rc)
+            self._declare_dead(ex.rank)
+
+    def _declare_dead(self, rank: int) -> None:
+        """A death reported from outside the core's sweep (the launcher saw the rank's
+        process exit): a recorded core call, so replay reproduces it."""
+        if not 0 <= rank < self.core.ws:
+            return
+        now = self.clock()
+        before = self._state_before() if self.rec is not None else None
+        outs = self.core.declare_dead(rank, now)
+        if self.rec is not None:
+            assert before is not None
+            after = self._state_after()
+            if outs or after != before:
+                self.rec.core_call(
+                    "declare_dead", rank=rank, now=now, before=before, after=after, out=outs
+                )
+        self._apply(outs, now)
+
     def _done(self) -> bool:
         if self.finished is None:
             return False
         core = self.core
         waiting = [r for r in range(core.ws) if not core.exited[r] and not core.dead[r]]
         if not waiting:
+            return True
+        if self.hurry.is_set():
+            log.warning("exit_wait_cut_short", still_running=waiting)
             return True
         assert self.finished_at is not None
         if self.clock() - self.finished_at > self.options.exit_grace:

@@ -9,9 +9,14 @@ the summary from what crosses the control plane. The processes write their own r
 under the run directory; the launcher adds ``up.jsonl`` (what it saw and did), the logs
 of each child, ``plot.png`` and, when the coordinator left none, ``metrics.csv``.
 
-Exit status: 0 when the run finished (and reached the job's target, if it has one and
-``--require-target`` is given), 130 after Ctrl-C, 2 for a configuration error, else the
-first failing child's status.
+Exit status: the table of ``flodl_bus.exits`` (README.md, "Exit codes"), computed from
+the children's outcomes by ``run_exit_code``; never a child's raw status.
+
+The launcher supervises: when a rank's process exits without the run having told it to
+(a kill, a crash), it tells the coordinator at once on a pipe the coordinator inherits
+(``--supervisor-fd``, ``coordinator.supervisor``), so the survivors re-form now instead
+of after the heartbeat timeout. If the launcher itself dies, the coordinator reads end
+of file there and stops the run in order.
 """
 
 from __future__ import annotations
@@ -38,13 +43,25 @@ import redis
 
 from flodl_bus.bus.connection import ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.bus.run_secret import ENV_SECRET
+from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
+from flodl_bus.coordinator.supervisor import notice as supervisor_notice
+from flodl_bus.exits import (
+    CONFIG,
+    FAILED,
+    OK,
+    STOP_SIGNALS,
+    STOPPED,
+    by_signal,
+    describe,
+    signal_of,
+)
 from flodl_bus.launch.display import Progress, Summary
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
 from flodl_bus.record.log import Recorder
+from flodl_bus.stop_signals import signal_name
 
 if TYPE_CHECKING:
     from flodl_bus.job import Job
@@ -53,11 +70,44 @@ MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 DEFAULT_JOB = "flodl_bus.examples.digits:job"
 #: how long ranks may take to exit on their own once the coordinator is done
 WORKER_EXIT_GRACE_S = 10.0
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = by_signal(signal.SIGINT)
 
 
-class _Stop(Exception):
-    """SIGTERM to the launcher: shut down as for Ctrl-C."""
+class _Stop(BaseException):
+    """A stop signal to the launcher (SIGINT, SIGTERM, SIGHUP): shut the run down in
+    order. A BaseException, like KeyboardInterrupt, so no ``except Exception`` in the
+    watch loop swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def run_exit_code(
+    coordinator_rc: int | None,
+    worker_rcs: Sequence[int | None],
+    *,
+    signum: int | None = None,
+    lingered: bool = False,
+    target_missed: bool = False,
+) -> int:
+    """The launcher's exit code (``flodl_bus.exits``) from its children's outcomes.
+
+    The coordinator speaks for the run; a worker that did not finish (killed, crashed,
+    stopped by someone else's signal) makes a run that otherwise finished a failure, so
+    a script notices. A child's negative status (killed by a signal) never leaks out.
+    """
+    if signum is not None:
+        return by_signal(signum)
+    if coordinator_rc == CONFIG or CONFIG in worker_rcs:
+        return CONFIG
+    if coordinator_rc is not None and signal_of(coordinator_rc) is not None:
+        return coordinator_rc  # someone stopped the coordinator: the run was interrupted
+    if coordinator_rc == STOPPED:
+        return STOPPED
+    if coordinator_rc != OK or lingered or any(rc != OK for rc in worker_rcs):
+        return FAILED
+    return FAILED if target_missed else OK
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,13 +231,15 @@ def batches_per_rank(run_header: Mapping[str, Any]) -> int | None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_stop() -> Iterator[None]:
-    def on_term(_sig: int, _frame: FrameType | None) -> None:
-        raise _Stop
+def _signals_as_stop() -> Iterator[None]:
+    def on_stop(sig: int, _frame: FrameType | None) -> None:
+        raise _Stop(sig)
 
-    # SIGHUP too: a closed terminal or ssh session must stop the children (they run in
-    # their own sessions and would not get the hang-up themselves), not orphan them.
-    previous = {sig: signal.signal(sig, on_term) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # Every stop signal explicitly, SIGINT included: started in the background from a
+    # script, the launcher inherits SIGINT ignored and would not stop on Ctrl-C / kill
+    # -INT. SIGHUP too: a closed terminal or ssh session must stop the children (they run
+    # in their own sessions and would not get the hang-up themselves), not orphan them.
+    previous = {sig: signal.signal(sig, on_stop) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -211,6 +263,9 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.record = Recorder(self.run_dir / "up.jsonl", role="up")
         self.secret = new_secret()
+        # The coordinator's keys come from up: its console checks the ranks' entries as
+        # the coordinator does. Only the coordinator's environment carries the seed.
+        self.coordinator_seed = secrets.token_bytes(KEY_BYTES)
         self.view = RunView(args.workers, started)
         self.rows: list[EpochRow] = []
         self.children: list[Child] = []
@@ -220,7 +275,12 @@ class Launcher:
         self.server: Any = None
         self.client: Any = None
         self.interrupted = False
-        self.failed_rc: int | None = None
+        #: the stop signal the launcher got, if any
+        self.stop_signum: int | None = None
+        #: the children outlived the others by WORKER_EXIT_GRACE_S and had to be stopped
+        self.lingered = False
+        #: the write end of the coordinator's ``--supervisor-fd`` pipe
+        self._supervisor_w: int | None = None
         self._reported: set[str] = set()
         self._csv_mtime = -1
         self._job_error: str | None = None
@@ -231,7 +291,7 @@ class Launcher:
     # ------------------------------------------------------------------ run
     def run_all(self) -> int:
         try:
-            with _sigterm_as_stop():
+            with _signals_as_stop():
                 rc = self._start()
                 if rc is not None:
                     # The record still ends in a summary, so a reader of up.jsonl can
@@ -240,10 +300,15 @@ class Launcher:
                         "summary", started=False, error=self.start_error, exit_code=rc
                     )
                     return rc
-                self.failed_rc = self._watch()
-        except (KeyboardInterrupt, _Stop):
+                self._watch()
+        except (KeyboardInterrupt, _Stop) as exc:
             self.interrupted = True
-            self.record.record("interrupted", at=time.monotonic() - self.started)
+            self.stop_signum = exc.signum if isinstance(exc, _Stop) else int(signal.SIGINT)
+            self.record.record(
+                "interrupted",
+                at=time.monotonic() - self.started,
+                signal=signal_name(self.stop_signum),
+            )
         finally:
             # A second Ctrl-C must not cut the shutdown short and leave orphans; the
             # stop stages are bounded, so nothing hangs here.
@@ -290,7 +355,12 @@ class Launcher:
             )
             print(f"flodl-bus up: {self.start_error}", file=sys.stderr)
             return 2
-        self.watcher = StreamWatcher(self.client, self.keys, args.workers, self.secret)
+        self.watcher = StreamWatcher(
+            self.client,
+            self.keys,
+            args.workers,
+            CoordinatorIdentity.from_seed(self.coordinator_seed),
+        )
         # The URL (it may carry a password) and the secret reach the children through
         # their environment, never their command line (visible in ps and /proc).
         base_env = {
@@ -300,12 +370,23 @@ class Launcher:
             "PYTHONUNBUFFERED": "1",
         }
         threads = threads_per_worker(args.workers)
-        self.coordinator = spawn(
-            "coordinator",
-            coordinator_argv(args, self.run, self.run_dir),
-            thread_env(base_env, 1),
-            self.run_dir / "coordinator.log",
-        )
+        # The supervisor pipe: only the coordinator inherits its read end (pipes are
+        # not inheritable by default; pass_fds makes this one so for that child alone).
+        read_end, self._supervisor_w = os.pipe()
+        try:
+            self.coordinator = spawn(
+                "coordinator",
+                [
+                    *coordinator_argv(args, self.run, self.run_dir),
+                    "--supervisor-fd",
+                    str(read_end),
+                ],
+                {**thread_env(base_env, 1), ENV_COORD_SEED: self.coordinator_seed.hex()},
+                self.run_dir / "coordinator.log",
+                pass_fds=(read_end,),
+            )
+        finally:
+            os.close(read_end)
         self.children.append(self.coordinator)
         for r in range(args.workers):
             self.children.append(
@@ -423,12 +504,36 @@ class Launcher:
             self._reported.add(c.name)
             self.record.record("exit", child=c.name, rc=rc, at=time.monotonic() - self.started)
             if rc != 0:
-                self._say(f"  {c.name} exited with status {rc} (log: {c.log_path})")
-                if self.failed_rc is None:
-                    self.failed_rc = rc
+                self._say(f"  {c.name} {describe(rc)} (log: {c.log_path})")
+                rank = self._rank_of_child(c)
+                if rank is not None:
+                    self._tell_coordinator(rank, rc)
 
-    def _watch(self) -> int | None:
-        """Follow the run until every child exited; the first failure's status, if any."""
+    def _rank_of_child(self, c: Child) -> int | None:
+        if c is self.coordinator or not c.name.startswith("rank"):
+            return None
+        return int(c.name[len("rank") :])
+
+    def _tell_coordinator(self, rank: int, rc: int) -> None:
+        """A rank's process is gone: the coordinator re-forms the survivors now rather
+        than after the heartbeat timeout (a no-op there if the rank said Exiting)."""
+        w = self._supervisor_w
+        if w is None:
+            return
+        try:
+            os.write(w, supervisor_notice(rank, rc))
+        except OSError:  # the coordinator is gone itself; its exit is noted on its own
+            return
+        self.record.record("told_coordinator", rank=rank, rc=rc, at=time.monotonic() - self.started)
+
+    def _close_supervisor(self) -> None:
+        w, self._supervisor_w = self._supervisor_w, None
+        if w is not None:
+            with contextlib.suppress(OSError):
+                os.close(w)
+
+    def _watch(self) -> None:
+        """Follow the run until every child exited (or the survivors lingered)."""
         assert self.watcher is not None and self.progress is not None
         assert self.coordinator is not None
         coordinator, view, progress = self.coordinator, self.view, self.progress
@@ -466,9 +571,9 @@ class Launcher:
             now = time.monotonic()
             coord_rc = coordinator.returncode
             if coord_rc is not None and coord_rc != 0:
-                return coord_rc
+                return
             if coord_rc == 0 and all(c.returncode is not None for c in workers):
-                return self.failed_rc
+                return
             if coord_rc is None and any(c.returncode is None for c in workers):
                 quiet_since = None
                 continue
@@ -479,13 +584,17 @@ class Launcher:
             elif now - quiet_since > WORKER_EXIT_GRACE_S:
                 who = "workers" if coord_rc == 0 else "the coordinator"
                 progress.write(f"  {who} still running after the others finished: stopping")
-                return self.failed_rc if self.failed_rc is not None else 1
+                self.lingered = True
+                return
 
     def _stop(self) -> None:
         if self.children:
             stages = stop_all(self.children, self.coordinator)
             if stages:
                 self.record.record("stopped", stages=stages, at=time.monotonic() - self.started)
+            # Every child is gone: nothing more to tell the coordinator (exits noted
+            # below happened while the run was being stopped).
+            self._close_supervisor()
             self._note_exits()
         if self.watcher is not None:
             with contextlib.suppress(Exception):
@@ -538,8 +647,16 @@ class Launcher:
             batches=view.total_batches,
             files=tuple(sorted(p.name for p in run_dir.iterdir() if p.is_file())),
         )
+        code = run_exit_code(
+            summary.coordinator_rc,
+            summary.worker_rcs,
+            signum=self.stop_signum,
+            lingered=self.lingered,
+            target_missed=bool(args.require_target and summary.reached_target is False),
+        )
         self.record.record(
             "summary",
+            exit_code=code,
             interrupted=self.interrupted,
             final_metric=summary.final_metric,
             target_metric=summary.target_metric,
@@ -554,15 +671,7 @@ class Launcher:
         )
         self.record.close()
         print("\n".join(summary.lines()), flush=True)
-        if self.interrupted:
-            return EXIT_INTERRUPTED
-        if self.failed_rc is not None:
-            return self.failed_rc
-        if summary.coordinator_rc not in (0, None):
-            return int(summary.coordinator_rc)
-        if args.require_target and summary.reached_target is False:
-            return 1
-        return 0
+        return code
 
 
 def _row_fields(row: EpochRow) -> dict[str, Any]:

@@ -4,6 +4,10 @@ The coordinator and the ranks read through consumer groups; a watcher must not t
 entry from them, so it keeps its own cursor per stream and asks for entries strictly
 after it. Every entry is authenticated and decoded with ``entries.parse`` (the same
 checks the runtimes apply); an entry that fails is counted and skipped, not shown.
+
+The watcher holds the coordinator's identity (``flodl-bus up`` made it): it checks the
+broadcast stream with its public key, and a rank's streams with the rank key it derives,
+as the coordinator does, from the rank's Hello and the Assign on the join stream.
 """
 
 from __future__ import annotations
@@ -19,8 +23,18 @@ from flodl_bus.bus.connection import MAX_BLOCK_MS
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.protocol import wire
+from flodl_bus.protocol.messages import Assign, Hello
+from flodl_bus.protocol.signing import SIG_HEX, CoordinatorIdentity, MacKey, Verifier
 
 READ_COUNT = 1000
+
+
+class _Unchecked:
+    def verify(self, data: bytes, mac: bytes) -> bool:
+        return True
+
+
+_ANY = _Unchecked()
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +51,13 @@ class Seen:
 class StreamWatcher:
     """Cursor over ``ctl:all``, ``ctl:<r>`` and ``up:<r>`` of ranks ``0..world_size-1``."""
 
-    def __init__(self, client: redis.Redis, keys: RunKeys, world_size: int, secret: bytes) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: RunKeys, world_size: int, identity: CoordinatorIdentity
+    ) -> None:
         self.client = client
         self.keys = keys
-        self.secret = secret
+        self.identity = identity
+        self._rank_keys: dict[int, MacKey] = {}
         self.rejected = 0
         self._last: dict[str, EntryId] = {keys.ctl_all: ZERO}
         self._who: dict[str, tuple[bool, int | None]] = {keys.ctl_all: (False, None)}
@@ -69,7 +86,19 @@ class StreamWatcher:
             for raw_id, fields in items:
                 eid = parse_id(raw_id)
                 self._last[stream] = eid
-                parsed = entries.parse(self.secret, stream, fields, channel=channel, rank=owner)
+                verifier = self._verifier(rank)
+                parsed = (
+                    "no key for this rank yet"
+                    if verifier is None
+                    else entries.parse(
+                        verifier,
+                        stream,
+                        format_id(eid).encode(),
+                        fields,
+                        channel=channel,
+                        rank=owner,
+                    )
+                )
                 if isinstance(parsed, str):
                     self.rejected += 1
                     continue
@@ -79,6 +108,39 @@ class StreamWatcher:
         # order is exact either way.
         out.sort(key=lambda seen: seen.entry_id)
         return out
+
+    def _verifier(self, rank: int | None) -> Verifier | None:
+        if rank is None:
+            return self.identity.signing.public
+        if rank not in self._rank_keys:
+            self._learn_keys()
+        return self._rank_keys.get(rank)
+
+    def _learn_keys(self) -> None:
+        """Rank keys from the join stream: each Assign the coordinator signed, and the
+        Hello of the worker it names."""
+        found: Any = self.client.xrange(self.keys.join, "-", "+")
+        pubs: dict[str, str] = {}
+        answers = self.identity.signing.public
+        for _id, fields in found or ():
+            mac = fields.get(entries.F_MAC, b"")
+            # Hellos need the run secret, which the watcher does not keep: a forged Hello
+            # can only name a worker the coordinator never assigns.
+            verifier: Verifier = answers if len(mac) == SIG_HEX else _ANY
+            p = entries.parse(verifier, self.keys.join, b"", fields, channel=wire.JOIN, rank="join")
+            if isinstance(p, str):
+                continue
+            if isinstance(p.msg, Hello):
+                pubs.setdefault(p.msg.worker_id, p.msg.kx_pub)
+            elif isinstance(p.msg, Assign) and len(mac) == SIG_HEX:
+                pub = pubs.get(p.msg.worker_id)
+                if pub:
+                    try:
+                        self._rank_keys[p.msg.rank] = self.identity.rank_key(
+                            self.keys.run, p.msg.rank, pub
+                        )
+                    except ValueError:
+                        continue
 
     def drain(self, handle: Callable[[Seen], None], rounds: int = 50) -> None:
         """Hand over what is left without blocking (after the writers stopped)."""

@@ -1,18 +1,44 @@
-"""Entry authentication: an HMAC keyed by the run's secret over everything that matters.
+"""Entry authentication, and the keys of a run's roles.
 
-flodl signs every frame with the session salt so a stale process from another run cannot
-inject; here the MAC also covers the stream key, so an entry copied from ``ctl:0`` into
-``ctl:1`` (or into another run's stream) fails authentication.
+Three kinds of key, so that what a rank holds never lets it speak for anyone else:
+
+- the **run secret** (shared by the coordinator and every worker): it authenticates a
+  worker's ``Hello`` on the join stream and the coordinator's published identity. It is
+  what makes a process a member of the run, nothing more.
+- the **coordinator identity**: an Ed25519 key that signs what goes to every rank (the
+  broadcast stream and the join answers) and an X25519 key for key agreement. Only the
+  coordinator holds the private halves; ranks verify with the public ones.
+- a **rank key** per rank: X25519 between the rank's own fresh key (its public half rides
+  in its Hello) and the coordinator's. Only that rank and the coordinator can compute it;
+  it MACs the rank's upstream stream and its unicast control stream. Another rank cannot
+  forge either.
+
+Every MAC or signature covers the stream key (the run's hash tag included), the entry id
+the writer chose, the type, the rank field, the writer's per-stream sequence and the body:
+an entry copied into another stream, another run, or re-added under another id fails.
+HMAC-SHA256 costs about a microsecond and keeps the coordinator's ingest fast; Ed25519
+is kept for the low-rate broadcast and join answers, where one signature serves all ranks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
-from typing import Final
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 MAC_BYTES: Final = 16
 SECRET_BYTES: Final = 16
+KEY_BYTES: Final = 32
+#: hex length of an Ed25519 signature (64 bytes)
+SIG_HEX: Final = 128
 
 
 def new_secret() -> bytes:
@@ -25,39 +51,236 @@ def _as_bytes(v: bytes | str | int) -> bytes:
     return str(v).encode()
 
 
-def entry_mac(
-    secret: bytes,
-    stream: bytes | str,
-    type_: bytes | str,
-    rank: bytes | str | int,
-    seq: bytes | str | int,
-    body: bytes,
+def signed_bytes(
+    stream: bytes, entry_id: bytes, type_: bytes, rank: bytes, seq: bytes, body: bytes
 ) -> bytes:
-    """Hex MAC (32 ASCII bytes) over the entry, so it reads cleanly in redis-cli."""
-    # Unit and record separators cannot occur in a stream key, a type name or a decimal
-    # int, so the concatenation is unambiguous.
-    head = b"\x1f".join((_as_bytes(stream), _as_bytes(type_), _as_bytes(rank), _as_bytes(seq)))
-    digest = hmac.digest(secret, head + b"\x1e" + body, "sha256")
-    return digest[:MAC_BYTES].hex().encode()
+    """What a MAC or signature covers. Unit and record separators cannot occur in a
+    stream key, an entry id, a type name or a decimal int, so the join is unambiguous."""
+    return b"".join(
+        (stream, b"\x1f", entry_id, b"\x1f", type_, b"\x1f", rank, b"\x1f", seq, b"\x1e", body)
+    )
 
 
-def verify(
-    secret: bytes,
-    mac: bytes,
-    stream: bytes | str,
-    type_: bytes | str,
-    rank: bytes | str | int,
-    seq: bytes | str | int,
-    body: bytes,
-) -> bool:
-    return hmac.compare_digest(entry_mac(secret, stream, type_, rank, seq, body), mac)
+class Signer(Protocol):
+    def sign(self, data: bytes) -> bytes: ...
 
 
-def verify_fields(
-    secret: bytes, mac: bytes, stream: bytes, type_: bytes, rank: bytes, seq: bytes, body: bytes
-) -> bool:
-    """``verify`` for fields already in bytes, as read from Redis: one join, one HMAC
-    call (the coordinator runs it for every upstream entry)."""
-    signed = b"".join((stream, b"\x1f", type_, b"\x1f", rank, b"\x1f", seq, b"\x1e", body))
-    digest = hmac.digest(secret, signed, "sha256")
-    return hmac.compare_digest(digest[:MAC_BYTES].hex().encode(), mac)
+class Verifier(Protocol):
+    def verify(self, data: bytes, mac: bytes) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MacKey:
+    """An HMAC-SHA256 key; MACs are 32 lowercase hex bytes (readable in redis-cli)."""
+
+    key: bytes = field(repr=False)
+
+    def sign(self, data: bytes) -> bytes:
+        return hmac.digest(self.key, data, "sha256")[:MAC_BYTES].hex().encode()
+
+    def verify(self, data: bytes, mac: bytes) -> bool:
+        return hmac.compare_digest(self.sign(data), mac)
+
+
+@dataclass(frozen=True, slots=True)
+class SigningKey:
+    """The coordinator's Ed25519 key; signatures are 128 hex bytes."""
+
+    key: Ed25519PrivateKey = field(repr=False)
+
+    def sign(self, data: bytes) -> bytes:
+        return self.key.sign(data).hex().encode()
+
+    @property
+    def public(self) -> VerifyKey:
+        return VerifyKey(self.key.public_key())
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyKey:
+    key: Ed25519PublicKey
+
+    @classmethod
+    def from_hex(cls, text: str) -> VerifyKey:
+        return cls(Ed25519PublicKey.from_public_bytes(bytes.fromhex(text)))
+
+    @property
+    def hex(self) -> str:
+        return self.key.public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+    def verify(self, data: bytes, mac: bytes) -> bool:
+        if len(mac) != SIG_HEX:
+            return False
+        try:
+            self.key.verify(bytes.fromhex(mac.decode("ascii")), data)
+        except (InvalidSignature, ValueError, UnicodeDecodeError):
+            return False
+        return True
+
+
+def _kdf(*parts: bytes) -> bytes:
+    # HMAC as an extract-and-expand step with a fixed label: one output block is all we
+    # need, and every input is length-prefixed so no two inputs collide.
+    h = hmac.new(b"flodl-bus key v1", digestmod=hashlib.sha256)
+    for p in parts:
+        h.update(len(p).to_bytes(4, "big"))
+        h.update(p)
+    return h.digest()
+
+
+def _x_pub_hex(key: X25519PrivateKey) -> str:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw).hex()
+
+
+def _rank_key(shared: bytes, run: str, rank: int, rank_pub: str, coord_pub: str) -> MacKey:
+    return MacKey(
+        _kdf(
+            b"rank", shared, run.encode(), str(rank).encode(), rank_pub.encode(), coord_pub.encode()
+        )
+    )
+
+
+class BadKey(ValueError):
+    """A public key or identity that does not parse, or does not belong to the run."""
+
+
+def _x_public(text: str, what: str) -> X25519PublicKey:
+    try:
+        return X25519PublicKey.from_public_bytes(bytes.fromhex(text))
+    except ValueError:
+        raise BadKey(f"{what} is not an X25519 public key") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RunIdentity:
+    """The coordinator's public keys, as every rank learns them."""
+
+    sign_pub: VerifyKey
+    kx_pub: str
+
+    def check(self, secret: bytes, run: str) -> str:
+        """Binds the public keys to the run secret: a process without the secret cannot
+        publish an identity that ranks accept, and a rank whose secret is wrong finds out
+        before it says anything."""
+        return (
+            MacKey(secret)
+            .sign(
+                b"\x1f".join(
+                    (b"identity", run.encode(), self.sign_pub.hex.encode(), self.kx_pub.encode())
+                )
+            )
+            .decode()
+        )
+
+    def to_fields(self, secret: bytes, run: str) -> dict[str, str]:
+        return {
+            "sign_pub": self.sign_pub.hex,
+            "kx_pub": self.kx_pub,
+            "check": self.check(secret, run),
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> RunIdentity:
+        try:
+            sign_pub = VerifyKey.from_hex(fields["sign_pub"])
+            kx_pub = fields["kx_pub"]
+        except (KeyError, ValueError):
+            raise BadKey("the run identity is incomplete or malformed") from None
+        _x_public(kx_pub, "the identity's kx_pub")
+        return cls(sign_pub, kx_pub)
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorIdentity:
+    """The coordinator's private keys. Made fresh per coordinator, or from a 32-byte
+    seed (``flodl-bus up`` hands one to its coordinator, so its own console can check
+    the ranks' upstream entries as the coordinator does)."""
+
+    signing: SigningKey = field(repr=False)
+    kx: X25519PrivateKey = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> CoordinatorIdentity:
+        return cls.from_seed(secrets.token_bytes(KEY_BYTES))
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> CoordinatorIdentity:
+        if len(seed) != KEY_BYTES:
+            raise BadKey(f"a coordinator key seed is {KEY_BYTES} bytes, got {len(seed)}")
+        return cls(
+            SigningKey(Ed25519PrivateKey.from_private_bytes(_kdf(b"sign", seed))),
+            X25519PrivateKey.from_private_bytes(_kdf(b"kx", seed)),
+        )
+
+    @property
+    def public(self) -> RunIdentity:
+        return RunIdentity(self.signing.public, _x_pub_hex(self.kx))
+
+    def rank_key(self, run: str, rank: int, rank_pub: str) -> MacKey:
+        shared = self.kx.exchange(_x_public(rank_pub, f"rank {rank}'s kx_pub"))
+        return _rank_key(shared, run, rank, rank_pub, self.public.kx_pub)
+
+
+@dataclass(frozen=True, slots=True)
+class RankKx:
+    """A worker's fresh X25519 key: its public half goes into its Hello."""
+
+    key: X25519PrivateKey = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> RankKx:
+        return cls(X25519PrivateKey.generate())
+
+    @property
+    def pub(self) -> str:
+        return _x_pub_hex(self.key)
+
+    def rank_key(self, identity: RunIdentity, run: str, rank: int) -> MacKey:
+        shared = self.key.exchange(_x_public(identity.kx_pub, "the identity's kx_pub"))
+        return _rank_key(shared, run, rank, self.pub, identity.kx_pub)
+
+
+# --------------------------------------------------------------- per-role key sets
+
+
+@dataclass(frozen=True, slots=True)
+class RankKeys:
+    """What a rank signs and verifies with: its rank key both ways on its own streams,
+    the coordinator's public key for the broadcast stream."""
+
+    rank_key: MacKey
+    broadcast: VerifyKey
+
+
+@dataclass(slots=True)
+class CoordinatorKeys:
+    """The coordinator's signer for broadcasts, and one key per admitted rank."""
+
+    signing: SigningKey
+    ranks: dict[int, MacKey] = field(default_factory=dict)
+    #: derives the key of a rank not in ``ranks`` (fixed keys only)
+    derive: Callable[[int], MacKey] | None = None
+
+    def rank(self, rank: int) -> MacKey:
+        key = self.ranks.get(rank)
+        if key is None:
+            if self.derive is None:
+                raise KeyError(f"no key for rank {rank}: it was never admitted")
+            key = self.ranks[rank] = self.derive(rank)
+        return key
+
+
+def fixed_keys(seed: bytes = b"\x07" * KEY_BYTES) -> CoordinatorKeys:
+    """Deterministic keys for any rank without a join, from one seed: tests, benches and
+    replay (which re-signs recorded entries and has no run secret to protect). Any
+    length of seed."""
+    seed = hashlib.sha256(seed).digest()
+    ident = CoordinatorIdentity.from_seed(seed)
+    return CoordinatorKeys(
+        ident.signing, derive=lambda r: MacKey(_kdf(b"fixed rank", seed, str(r).encode()))
+    )
+
+
+def rank_keys_for(coord: CoordinatorKeys, rank: int) -> RankKeys:
+    """A rank's key set as the coordinator can build it (tests, replay, benches)."""
+    return RankKeys(coord.rank(rank), coord.signing.public)

@@ -25,6 +25,7 @@ and synthetic ticks are run; ``ReplayResult.actual`` is the new record.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -65,7 +66,8 @@ from flodl_bus.worker.runtime import RankRuntime
 RANK_CORE = frozenset({"dispatch", "take", "plan", "step", "closed"})
 COORD_CORE = frozenset({"start", "dispatch", "tick", "send_failed", "declare_dead", "interrupt"})
 #: Stands in for the run secret (never recorded): entries are re-signed with it.
-REPLAY_KEY = b"flodl-bus replay: not a run secret"
+#: replay re-signs what it feeds with fixed keys (no run secret is ever recorded)
+REPLAY_KEYS = signing.fixed_keys(hashlib.sha256(b"flodl-bus replay: not a run secret").digest())
 
 # ------------------------------------------------------------------------ loading
 
@@ -259,8 +261,14 @@ def _seed(
     for stream in sorted(by_stream):
         rank_field = BROADCAST if stream == keys.ctl_all else stream.rsplit(":", 1)[1]
         pipe = client.pipeline(transaction=False)
+        signer: signing.Signer = (
+            REPLAY_KEYS.signing if rank_field == BROADCAST else REPLAY_KEYS.rank(int(rank_field))
+        )
         for seq, (eid, entry) in enumerate(sorted(by_stream[stream], key=lambda x: x[0]), 1):
-            fields = bus_entries.build(REPLAY_KEY, stream, _msg_of(entry["msg"]), rank_field, seq)
+            eid_s = f"{eid[0]}-{eid[1]}"
+            fields = bus_entries.build(
+                signer, stream, eid_s, _msg_of(entry["msg"]), rank_field, seq
+            )
             corrupt = entry.get("corrupt")
             if corrupt == "mac":
                 fields[F_MAC] = b"0" * len(fields[F_MAC])
@@ -270,15 +278,17 @@ def _seed(
                     fields[F_BODY] = b"\xc1" + fields[F_BODY][1:]
                 else:
                     fields[F_TYPE] = str(corrupt).encode()
-                fields[F_MAC] = signing.entry_mac(
-                    REPLAY_KEY,
-                    stream,
-                    fields[F_TYPE],
-                    fields[F_RANK],
-                    fields[F_SEQ],
-                    fields[F_BODY],
+                fields[F_MAC] = signer.sign(
+                    signing.signed_bytes(
+                        stream.encode(),
+                        eid_s.encode(),
+                        fields[F_TYPE],
+                        fields[F_RANK],
+                        fields[F_SEQ],
+                        fields[F_BODY],
+                    )
                 )
-            pipe.xadd(stream, fields, id=f"{eid[0]}-{eid[1]}")  # type: ignore[arg-type]
+            pipe.xadd(stream, fields, id=eid_s)  # type: ignore[arg-type]
         pipe.execute()
 
 
@@ -377,7 +387,9 @@ class RankReplay(_Replay):
             elif ev.get("event") in ("dispatch", "take") and ev.get("stream"):
                 inputs.setdefault((ev["stream"], ev["id"]), ev)
         _seed(self.client, self.keys, inputs)
-        self.bus = RedisRankBus(self.client, self.keys, rank, REPLAY_KEY, where="replay")
+        self.bus = RedisRankBus(
+            self.client, self.keys, rank, signing.rank_keys_for(REPLAY_KEYS, rank), where="replay"
+        )
         self.script = Script()
         self.capture = Capture()
         self.params = RecordedParams(self.script)
@@ -624,7 +636,7 @@ class CoordinatorReplay(_Replay):
         _seed(self.client, self.keys, inputs)
         ranks = sorted({_rank_of_stream(s) for s, _ in inputs} | set(range(ws)))
         self.bus = RedisCoordinatorBus(
-            self.client, self.keys, REPLAY_KEY, ranks=ranks, where="replay"
+            self.client, self.keys, REPLAY_KEYS, ranks=ranks, where="replay"
         )
         self.buffers: dict[str, deque[Delivery]] = {}
         core_events = rec.core_events()

@@ -134,7 +134,7 @@ def _redis_bus(url: str | None) -> Iterator[Callable[[], RankBus]]:
     from flodl_bus.bus.connection import connect
     from flodl_bus.bus.server import RedisServer
     from flodl_bus.bus.streams import RedisRankBus
-    from flodl_bus.protocol.signing import new_secret
+    from flodl_bus.protocol.signing import fixed_keys, rank_keys_for
 
     server = None
     if url is None:
@@ -146,7 +146,7 @@ def _redis_bus(url: str | None) -> Iterator[Callable[[], RankBus]]:
 
         def make() -> RankBus:
             run = f"bench-worker-{time.time_ns()}-{next(counter)}"
-            return RedisRankBus(client, run, 0, new_secret())
+            return RedisRankBus(client, run, 0, rank_keys_for(fixed_keys(), 0))
 
         yield make
     finally:

@@ -37,10 +37,12 @@ from flodl_bus.bus.connection import (
 )
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.exits import CONFIG, by_signal
 from flodl_bus.job import Job, JobError, call_job
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol.messages import Assign, ControlMsg, Hello, Reject, UpstreamMsg
+from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
 
@@ -294,9 +296,31 @@ def _join(join: JoinStream, hello: Hello, run: str, timeout: float) -> Assign:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: the table of ``flodl_bus.exits`` (README.md, "Exit codes")."""
     args = _parser().parse_args(argv)
-    from flodl_bus.bus.run_secret import SecretError, fetch_run_secret
+    # Our own handlers first, whatever was inherited (an ignored SIGINT in a background
+    # job, an ignored SIGTERM as PID 1 in a container): during setup a stop signal
+    # raises SignalStop; once the rank runs, it leaves in order (``run_rank``).
+    with StopSignals() as stop:
+        try:
+            return _main(args, stop)
+        except SignalStop as exc:
+            print(
+                f"flodl-bus worker: stopped by {signal_name(exc.signum)} before training",
+                file=sys.stderr,
+            )
+            return by_signal(exc.signum)
+
+
+def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    from flodl_bus.bus.run_secret import (
+        AuthenticationFailed,
+        SecretError,
+        fetch_identity,
+        fetch_run_secret,
+    )
     from flodl_bus.bus.streams import RedisRankBus
+    from flodl_bus.protocol.signing import RankKeys, RankKx
     from flodl_bus.record.log import configure_console
 
     try:
@@ -311,6 +335,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(str(exc)) from None
         try:
             secret = fetch_run_secret(client, keys, timeout=args.secret_timeout)
+        except SecretError as exc:
+            raise ConfigError(str(exc)) from None
+        kx = RankKx.generate()
+        worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        try:
+            # The identity is published after meta: once it is there, meta is too.
+            ident = fetch_identity(client, keys, secret, timeout=args.secret_timeout)
+        except AuthenticationFailed as exc:
+            # Say Hello anyway, so the coordinator names the failure in its log too.
+            JoinStream(client, keys, secret, where=redact_url(args.redis_url)).post(
+                Hello(worker_id, socket.gethostname(), "", kx_pub=kx.pub)
+            )
+            raise ConfigError(str(exc)) from None
         except SecretError as exc:
             raise ConfigError(str(exc)) from None
         meta = _run_meta(client.hgetall(keys.meta))  # type: ignore[arg-type]
@@ -329,13 +366,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         splits = int(meta.get("epoch_splits") or 1)
         epochs = args.epochs if args.epochs is not None else _meta_int(meta, "epochs")
-        join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
         hello = Hello(
-            worker_id=f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            worker_id=worker_id,
             host=socket.gethostname(),
             dataset_sig=call_job("train_data", job.train_data).signature(),
             device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
+            kx_pub=kx.pub,
+        )
+        join = JoinStream(
+            client, keys, secret, answers=ident.sign_pub, where=redact_url(args.redis_url)
         )
         if args.rank is None:
             assign = _join(join, hello, args.run, args.join_timeout)
@@ -353,10 +393,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except ConfigError as exc:
         print(f"flodl-bus worker: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG
 
     configure_console(args.log_level)
-    bus = RedisRankBus(client, keys, rank, secret, where=f"rank{rank}")
+    bus = RedisRankBus(
+        client,
+        keys,
+        rank,
+        RankKeys(kx.rank_key(ident, args.run, rank), ident.sign_pub),
+        where=f"rank{rank}",
+    )
     options = RankOptions(
         world_size=world,
         runtime=RuntimeConfig(
@@ -374,6 +420,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         epochs=epochs,
     )
     try:
-        return run_rank(job, bus, options, factory)
+        return run_rank(job, bus, options, factory, stop)
     finally:
         client.close()

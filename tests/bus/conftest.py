@@ -19,10 +19,17 @@ from redis.retry import Retry
 
 from flodl_bus.bus.connection import Backoff, connect
 from flodl_bus.bus.streams import StreamsConfig
+from flodl_bus.protocol.signing import RankKeys, fixed_keys, rank_keys_for
 
 #: Fast reconnects so fault tests stay short.
 FAST = StreamsConfig(backoff=Backoff(base_s=0.002, factor=2.0, cap_s=0.05))
 SECRET = bytes(range(16))
+#: the coordinator's keys and each rank's, from one seed (no join in these tests)
+CK = fixed_keys(bytes(range(32)))
+
+
+def RK(rank: int) -> RankKeys:
+    return rank_keys_for(CK, rank)
 
 
 @dataclass

@@ -101,3 +101,31 @@ def test_redelivered_entries_are_dropped() -> None:
     c.on_lost()
     assert c.request() == {"up": "2-0"}  # re-read pending only after what was seen
     assert c.on_reply({"up": [((2, 0), {}), ((3, 0), {})]})[0].entry_id == (3, 0)
+
+
+def _refuse_marked(stream: str, eid: EntryId, fields: object) -> object:
+    return "bad mac" if fields == {b"bad": b"1"} else fields
+
+
+def test_an_entry_that_fails_its_check_moves_nothing() -> None:
+    """A foreign entry at the largest id, refused, must not make later real entries
+    (which the coordinator writes below it once it removed it) look old."""
+    c = GroupCursor(["ctl", "all"], count=10, ordered=True)
+    c.on_reply({"ctl": [], "all": []})  # the pending drain: nothing
+    top = (2**64 - 1, 2**64 - 1)
+    out = c.on_reply({"ctl": [((1, 0), {}), (top, {b"bad": b"1"})], "all": []}, _refuse_marked)
+    assert [(r.entry_id, r.rejected) for r in out] == [(top, "bad mac"), ((1, 0), None)]
+    assert c.last_id("ctl") == (1, 0)
+    later = c.on_reply({"ctl": [((2, 0), {})], "all": [((3, 0), {})]}, _refuse_marked)
+    assert [(r.entry_id, r.rejected) for r in later] == [((2, 0), None), ((3, 0), None)]
+
+
+def test_an_old_id_in_a_new_read_is_a_replay_and_in_a_pending_read_a_redelivery() -> None:
+    c = GroupCursor(["up"], count=10, ordered=False)
+    c.on_reply({"up": [((1, 0), {}), ((2, 0), {})]})
+    # a `>` read never hands out an id twice: an old id is an entry put back (replayed)
+    out = c.on_reply({"up": [((2, 0), {}), ((3, 0), {})]})
+    assert out[0].entry_id == (2, 0) and (out[0].rejected or "").startswith("replayed")
+    assert out[1].entry_id == (3, 0) and out[1].rejected is None
+    c.on_lost()
+    assert c.on_reply({"up": [((3, 0), {})]}) == []  # pending re-read: silently dropped

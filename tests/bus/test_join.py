@@ -7,11 +7,11 @@ import redis
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.protocol.messages import Assign, Hello, Reject
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.signing import CoordinatorIdentity, new_secret
 
 
 def test_entries_read_back_in_post_order_from_any_cursor(any_redis: redis.Redis) -> None:
-    js = JoinStream(any_redis, "run-j", new_secret())
+    js = JoinStream(any_redis, "run-j", new_secret(), signer=CoordinatorIdentity.generate().signing)
     first = js.post(Hello("w1", "host", "sig", requested_rank=2))
     js.post(Assign("w1", 2, 4))
     js.post(Reject("w9", "dataset signature x does not match y"))
@@ -35,3 +35,24 @@ def test_a_hello_signed_with_another_runs_secret_is_dead_lettered(any_redis: red
     assert got == []
     (entry,) = any_redis.xrange(keys.dlq)
     assert b"authentication failed" in entry[1][b"reason"]
+
+
+def test_an_answer_made_with_the_run_secret_is_not_the_coordinators(
+    any_redis: redis.Redis,
+) -> None:
+    """A worker holds the run secret; it must not be able to Assign or Reject."""
+    keys = RunKeys("run-j3")
+    secret = new_secret()
+    coordinator = CoordinatorIdentity.generate()
+    worker = JoinStream(any_redis, keys, secret, answers=coordinator.signing.public)
+    forger = JoinStream(any_redis, keys, secret, signer=CoordinatorIdentity.generate().signing)
+    forger.post(Assign("w1", 0, 1))  # signed, but not by this run's coordinator
+    # MACed with the run secret, as a worker could: an answer must carry a signature
+    forger.signer = forger.member  # type: ignore[assignment]
+    forger.post(Reject("w1", "go away"))
+    real = JoinStream(any_redis, keys, secret, signer=coordinator.signing)
+    real.post(Assign("w1", 3, 4))
+    got, _ = worker.read("0", None)
+    assert [m for _, m in got] == [Assign("w1", 3, 4)]
+    reasons = [f[b"reason"].decode() for _, f in any_redis.xrange(keys.dlq)]
+    assert len(reasons) == 2 and all(r.startswith("authentication failed") for r in reasons)

@@ -6,7 +6,7 @@ import random
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import redis
@@ -25,7 +25,8 @@ from flodl_bus.bus.streams import (
     rank_group,
 )
 from flodl_bus.protocol import messages as m
-from tests.bus.conftest import FAST, SECRET, Backend
+from flodl_bus.protocol.signing import fixed_keys, signed_bytes
+from tests.bus.conftest import CK, FAST, RK, Backend
 from tests.bus.faults import Faults, lossy_client
 
 
@@ -78,8 +79,8 @@ def _run_traffic(
     every rank saw exactly its control messages in send order, and the coordinator
     every rank's upstream messages exactly once, in order."""
     assert callable(make) and callable(disturb)
-    coord = RedisCoordinatorBus(make(), run, SECRET, ranks=range(ranks), config=config)
-    buses = [RedisRankBus(make(), run, r, SECRET, config=config) for r in range(ranks)]
+    coord = RedisCoordinatorBus(make(), run, CK, ranks=range(ranks), config=config)
+    buses = [RedisRankBus(make(), run, r, RK(r), config=config) for r in range(ranks)]
     rng = random.Random(7)
     expected: dict[int, list[int]] = {r: [] for r in range(ranks)}
     plan = []
@@ -191,8 +192,8 @@ def test_producer_retry_after_a_lost_xadd_reply_creates_no_duplicate(backend: Ba
     faults = Faults("XADD", times=2)
     lossy = _lossy(backend, faults)
     keys = RunKeys("lost")
-    coord = RedisCoordinatorBus(lossy, keys, SECRET, ranks=[0], config=FAST)
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    coord = RedisCoordinatorBus(lossy, keys, CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
     for i in range(5):
         coord.send(0, m.SetGlobalStep(global_step=i))
     assert faults.lost == 2
@@ -214,8 +215,8 @@ def test_publisher_retry_after_a_lost_pipeline_reply_creates_no_duplicate(
     faults = Faults("XADD", times=1)
     lossy = _lossy(backend, faults)
     keys = RunKeys("lostup")
-    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
-    rank = RedisRankBus(lossy, keys, 0, SECRET, config=FAST)
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(lossy, keys, 0, RK(0), config=FAST)
     for i in range(200):
         rank.publish(_batch(0, i))
     assert rank.flush(10)
@@ -231,8 +232,8 @@ def test_a_lost_xreadgroup_reply_is_recovered_from_the_pending_list(backend: Bac
     faults = Faults("XREADGROUP", times=0)
     lossy = _lossy(backend, faults)
     keys = RunKeys("lostread")
-    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
-    rank = RedisRankBus(lossy, keys, 0, SECRET, config=FAST)
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(lossy, keys, 0, RK(0), config=FAST)
     assert rank.read_control(0) == []
     for i in range(6):
         coord.send(0, m.SetGlobalStep(global_step=i))
@@ -249,8 +250,8 @@ def test_restarted_reader_drains_its_pending_entries_first_and_never_redelivers_
 ) -> None:
     keys = RunKeys("pending")
     config = StreamsConfig(read_count=3, backoff=FAST.backoff)
-    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=config)
-    first = RedisRankBus(backend.make(), keys, 0, SECRET, config=config)
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=config)
+    first = RedisRankBus(backend.make(), keys, 0, RK(0), config=config)
     for i in range(10):
         (coord.broadcast if i % 3 == 0 else lambda msg: coord.send(0, msg))(
             m.SetGlobalStep(global_step=i)
@@ -264,7 +265,7 @@ def test_restarted_reader_drains_its_pending_entries_first_and_never_redelivers_
     for i in range(10, 15):
         coord.send(0, m.SetGlobalStep(global_step=i))
 
-    second = RedisRankBus(backend.make(), keys, 0, SECRET, config=config)
+    second = RedisRankBus(backend.make(), keys, 0, RK(0), config=config)
     got = collect(second, 10)
     assert _steps(got) == list(range(5, 15))
     second.flush_acks()
@@ -285,24 +286,34 @@ def _resp(*args: bytes) -> bytes:
     return b"".join(out)
 
 
-def _malformed(keys: RunKeys, n: int) -> list[tuple[dict[bytes, bytes], str]]:
-    """``n`` bad entries for ``ctl:0`` with the reason each must be rejected for."""
-    stream = keys.ctl(0)
-    good = entries.build(SECRET, stream, m.SetGlobalStep(global_step=1), "0", 1)
-
-    def signed(type_: bytes, body: bytes, rank: bytes = b"0") -> dict[bytes, bytes]:
-        from flodl_bus.protocol.signing import entry_mac
-
-        mac = entry_mac(SECRET, stream, type_, rank, b"1", body)
-        return {b"type": type_, b"rank": rank, b"seq": b"1", b"body": body, b"mac": mac}
-
+def _malformed(keys: RunKeys, n: int, base_ms: int) -> list[tuple[str, dict[bytes, bytes], str]]:
+    """``n`` bad entries for ``ctl:0`` (id, fields) with the reason each must be
+    rejected for. Those signed with the right key are signed for the id they get, with
+    a seq above the run's, so only their flaw can refuse them."""
     import msgpack
 
-    kinds = [
+    stream = keys.ctl(0)
+    good = entries.build(CK.rank(0), stream, "0-1", m.SetGlobalStep(global_step=1), "0", 10**6)
+    Make = Callable[[str], dict[bytes, bytes]]
+
+    def signed(type_: bytes, body: bytes, rank: bytes = b"0") -> Make:
+        def make(eid: str) -> dict[bytes, bytes]:
+            seq = b"1000000"
+            mac = CK.rank(0).sign(
+                signed_bytes(stream.encode(), eid.encode(), type_, rank, seq, body)
+            )
+            return {b"type": type_, b"rank": rank, b"seq": seq, b"body": body, b"mac": mac}
+
+        return make
+
+    def plain(fields: dict[bytes, bytes]) -> Make:
+        return lambda eid: fields
+
+    kinds: list[tuple[Make, str]] = [
         (signed(b"SetGlobalStep", b"\xc1\xff not msgpack"), "undecodable"),
-        ({b"type": b"SyncNow", b"body": b"x"}, "bad fields"),
-        ({**good, b"extra": b"1"}, "bad fields"),
-        ({**good, b"mac": b"0" * 32}, "authentication failed"),
+        (plain({b"type": b"SyncNow", b"body": b"x"}), "bad fields"),
+        (plain({**good, b"extra": b"1"}), "bad fields"),
+        (plain({**good, b"mac": b"0" * 32}), "authentication failed"),
         (signed(b"Frobnicate", msgpack.packb({"v": 1, "type": "Frobnicate"})), "unknown type"),
         (signed(b"Batch", good[b"body"]), "wrong channel"),
         (signed(b"SyncNow", good[b"body"]), "type field"),
@@ -319,8 +330,12 @@ def _malformed(keys: RunKeys, n: int) -> list[tuple[dict[bytes, bytes], str]]:
             "undecodable",
         ),
     ]
-    out = [kinds[i % len(kinds)] for i in range(n - 1)]
-    out.append((signed(b"SetGlobalStep", b"\x00" * (entries.MAX_BODY_BYTES + 1)), "oversized"))
+    plan = [kinds[i % len(kinds)] for i in range(n - 1)]
+    plan.append((signed(b"SetGlobalStep", b"\x00" * (entries.MAX_BODY_BYTES + 1)), "oversized"))
+    out = []
+    for i, (make, why) in enumerate(plan):
+        eid = f"{base_ms}-{i}"
+        out.append((eid, make(eid), why))
     return out
 
 
@@ -328,16 +343,16 @@ def test_a_thousand_malformed_entries_go_to_the_dlq_and_valid_traffic_flows(
     backend: Backend,
 ) -> None:
     keys = RunKeys("malformed")
-    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
-    bad = _malformed(keys, 1000)
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
     for i in range(10):
         coord.send(0, m.SetGlobalStep(global_step=i))
+    bad = _malformed(keys, 1000, int(time.time() * 1000) + 1000)
     if backend.real:
         # Raw entries written by redis-cli, as a person or a foreign tool would.
         script = b"".join(
-            _resp(b"XADD", keys.ctl(0).encode(), b"*", *[x for kv in f.items() for x in kv])
-            for f, _ in bad
+            _resp(b"XADD", keys.ctl(0).encode(), eid.encode(), *[x for kv in f.items() for x in kv])
+            for eid, f, _ in bad
         )
         assert backend.url is not None
         done = subprocess.run(
@@ -345,8 +360,8 @@ def test_a_thousand_malformed_entries_go_to_the_dlq_and_valid_traffic_flows(
         )
         assert done.returncode == 0, done.stderr
     else:
-        for f, _ in bad:
-            backend.admin.xadd(keys.ctl(0), f)  # type: ignore[arg-type]
+        for eid, f, _ in bad:
+            backend.admin.xadd(keys.ctl(0), f, id=eid)  # type: ignore[arg-type]
     for i in range(10, 20):
         (coord.broadcast if i % 2 else lambda msg: coord.send(0, msg))(
             m.SetGlobalStep(global_step=i)
@@ -356,7 +371,7 @@ def test_a_thousand_malformed_entries_go_to_the_dlq_and_valid_traffic_flows(
     assert _steps(got) == list(range(20))
     assert backend.admin.xlen(keys.dlq) == 1000
     dead = backend.admin.xrange(keys.dlq)
-    for (_, fields), (_, why) in zip(dead, bad):
+    for (_, fields), (_, _, why) in zip(dead, bad):
         assert fields[b"stream"] == keys.ctl(0).encode()
         assert why in fields[b"reason"].decode(), (why, fields[b"reason"])
     assert sum(e["event"] == "bus_dead_letter" and e["log_level"] == "error" for e in logs) == 1000
@@ -369,25 +384,26 @@ def test_a_thousand_malformed_entries_go_to_the_dlq_and_valid_traffic_flows(
 def test_forged_foreign_run_and_moved_entries_are_rejected(backend: Backend) -> None:
     a = RunKeys("runa")
     b = RunKeys("runb")
-    coord_a = RedisCoordinatorBus(backend.make(), a, SECRET, ranks=[0, 1], config=FAST)
-    rank_a = RedisRankBus(backend.make(), a, 0, SECRET, config=FAST)
-    other_secret = bytes(16)
-    coord_b = RedisCoordinatorBus(backend.make(), b, other_secret, ranks=[0], config=FAST)
+    coord_a = RedisCoordinatorBus(backend.make(), a, CK, ranks=[0, 1], config=FAST)
+    rank_a = RedisRankBus(backend.make(), a, 0, RK(0), config=FAST)
+    other = fixed_keys(bytes(32))
+    coord_b = RedisCoordinatorBus(backend.make(), b, other, ranks=[0], config=FAST)
     coord_b.send(0, m.Shutdown())
-    same_secret_b = RedisCoordinatorBus(backend.make(), "runc", SECRET, ranks=[0], config=FAST)
+    same_secret_b = RedisCoordinatorBus(backend.make(), "runc", CK, ranks=[0], config=FAST)
     same_secret_b.send(0, m.Shutdown())
     coord_a.send(1, m.Shutdown())
     admin = backend.admin
     msg = m.Shutdown()
     injected = [
-        entries.build(other_secret, a.ctl(0), msg, "0", 1),  # forged: wrong key
+        entries.build(other.rank(0), a.ctl(0), "0-0", msg, "0", 1),  # forged: wrong key
         admin.xrange(b.ctl(0))[0][1],  # another run's entry, copied
         admin.xrange(RunKeys("runc").ctl(0))[0][1],  # another run, same secret
         admin.xrange(a.ctl(1))[0][1],  # rank 1's entry moved into rank 0's stream
     ]
     for f in injected:
         admin.xadd(a.ctl(0), f)
-    admin.xadd(a.up(0), entries.build(other_secret, a.up(0), _batch(0, 1), "0", 1))  # type: ignore[arg-type]
+    forged_up = entries.build(other.rank(0), a.up(0), "0-0", _batch(0, 1), "0", 1)
+    admin.xadd(a.up(0), forged_up)  # type: ignore[arg-type]
     coord_a.send(0, m.SetGlobalStep(global_step=42))
     got = collect(rank_a, 1)
     assert _steps(got) == [42]
@@ -403,11 +419,12 @@ def test_a_dlq_that_cannot_be_written_never_costs_the_valid_entries_of_the_read(
     backend: Backend,
 ) -> None:
     keys = RunKeys("dlqfail")
-    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
     admin = backend.admin
     admin.set(keys.dlq, "not a stream")  # every XADD to the dlq now fails (WRONGTYPE)
-    admin.xadd(keys.ctl(0), entries.build(bytes(16), keys.ctl(0), m.Shutdown(), "0", 1))  # type: ignore[arg-type]
+    forged = entries.build(fixed_keys(bytes(32)).rank(0), keys.ctl(0), "0-0", m.Shutdown(), "0", 1)
+    admin.xadd(keys.ctl(0), forged)  # type: ignore[arg-type]
     coord.send(0, m.SetGlobalStep(global_step=7))
     assert _steps(collect(rank, 1)) == [7]
     rank.close()
@@ -417,7 +434,7 @@ def test_a_dlq_that_cannot_be_written_never_costs_the_valid_entries_of_the_read(
 def test_a_publisher_that_fails_is_reported_not_silently_dead(backend: Backend) -> None:
     keys = RunKeys("pubfail")
     backend.admin.set(keys.up(0), "not a stream")  # the publisher's first XINFO fails
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
     deadline = time.monotonic() + 10
     while rank.flush(0.2) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -434,8 +451,8 @@ def test_publish_returns_at_once_while_redis_is_down(backend: Backend) -> None:
     if backend.fake_server is None:
         pytest.skip("needs a server that can be made unreachable on demand")
     keys = RunKeys("down")
-    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
     assert rank.flush(5)
     backend.fake_server.connected = False
     t0 = time.perf_counter()
@@ -451,8 +468,8 @@ def test_publish_returns_at_once_while_redis_is_down(backend: Backend) -> None:
 
 
 def test_publish_and_send_refuse_messages_of_the_wrong_direction(backend: Backend) -> None:
-    coord = RedisCoordinatorBus(backend.make(), "dirs", SECRET, ranks=[0], config=FAST)
-    rank = RedisRankBus(backend.make(), "dirs", 0, SECRET, config=FAST)
+    coord = RedisCoordinatorBus(backend.make(), "dirs", CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), "dirs", 0, RK(0), config=FAST)
     with pytest.raises(TypeError):
         rank.publish(m.SyncNow())  # type: ignore[arg-type]
     with pytest.raises(TypeError):
@@ -463,13 +480,14 @@ def test_publish_and_send_refuse_messages_of_the_wrong_direction(backend: Backen
 
 def test_a_restarted_coordinator_continues_ids_above_the_last_ones(backend: Backend) -> None:
     keys = RunKeys("coordrestart")
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
-    first = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
+    first = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
     # An earlier incarnation whose clock ran far ahead left a high id behind.
-    far = entries.build(SECRET, keys.ctl(0), m.SetGlobalStep(global_step=0), "0", 1)
-    backend.admin.xadd(keys.ctl(0), far, id=f"{int(time.time() * 1000) + 3_600_000}-0")  # type: ignore[arg-type]
+    far_id = f"{int(time.time() * 1000) + 3_600_000}-0"
+    far = entries.build(CK.rank(0), keys.ctl(0), far_id, m.SetGlobalStep(global_step=0), "0", 1)
+    backend.admin.xadd(keys.ctl(0), far, id=far_id)  # type: ignore[arg-type]
     first.close()
-    second = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0], config=FAST)
+    second = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
     for i in range(1, 4):
         second.send(0, m.SetGlobalStep(global_step=i))
     second.broadcast(m.SetGlobalStep(global_step=4))
@@ -481,7 +499,7 @@ def test_a_restarted_coordinator_continues_ids_above_the_last_ones(backend: Back
 def test_streams_are_trimmed_to_about_maxlen(backend: Backend) -> None:
     config = StreamsConfig(maxlen=100, backoff=FAST.backoff)
     keys = RunKeys("trim")
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=config)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=config)
     for i in range(2000):
         rank.publish(_batch(0, i))
     assert rank.flush(20)
@@ -494,8 +512,8 @@ def test_order_holds_when_a_read_is_cut_short_by_count(backend: Backend) -> None
     # Everything is written before the rank reads, so every read fills COUNT on one
     # stream while the other stream already holds later ids.
     config = StreamsConfig(read_count=4, backoff=FAST.backoff)
-    coord = RedisCoordinatorBus(backend.make(), "cut", SECRET, ranks=[0], config=config)
-    rank = RedisRankBus(backend.make(), "cut", 0, SECRET, config=config)
+    coord = RedisCoordinatorBus(backend.make(), "cut", CK, ranks=[0], config=config)
+    rank = RedisRankBus(backend.make(), "cut", 0, RK(0), config=config)
     rng = random.Random(11)
     for i in range(200):
         msg = m.SetGlobalStep(global_step=i)
@@ -515,8 +533,8 @@ def test_a_resp3_client_reads_the_same_entries_as_a_resp2_one(backend: Backend) 
         return redis.Redis.from_url(backend.url, protocol=3)
 
     keys = RunKeys("resp3")
-    coord = RedisCoordinatorBus(resp3(), keys, SECRET, ranks=[0, 1], config=FAST)
-    ranks = [RedisRankBus(resp3(), keys, r, SECRET, config=FAST) for r in (0, 1)]
+    coord = RedisCoordinatorBus(resp3(), keys, CK, ranks=[0, 1], config=FAST)
+    ranks = [RedisRankBus(resp3(), keys, r, RK(r), config=FAST) for r in (0, 1)]
     coord.send(1, m.SetGlobalStep(global_step=1))
     coord.broadcast(m.SetGlobalStep(global_step=2))
     assert [_steps(collect(ranks[r], n)) for r, n in ((0, 1), (1, 2))] == [[2], [1, 2]]

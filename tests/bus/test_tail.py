@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.run_secret import publish_identity
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.bus.tail import main, tail
 from flodl_bus.protocol import messages as m
-from tests.bus.conftest import FAST, SECRET, Backend
+from flodl_bus.protocol.signing import CoordinatorIdentity, CoordinatorKeys, new_secret
+from tests.bus.conftest import CK, FAST, RK, Backend
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,13 +28,20 @@ def _batch(i: int) -> m.Batch:
 
 def test_tail_prints_every_entry_of_a_10000_entry_burst(backend: Backend) -> None:
     keys = RunKeys("burst")
-    coord = RedisCoordinatorBus(backend.make(), keys, SECRET, ranks=[0, 1], config=FAST)
-    rank = RedisRankBus(backend.make(), keys, 0, SECRET, config=FAST)
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0, 1], config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
     out = io.StringIO()
     printed: list[int] = []
     t = threading.Thread(
         target=lambda: printed.append(
-            tail(backend.make(), keys.run, count=10_000, out=out, secret=SECRET, duration=60)
+            tail(
+                backend.make(),
+                keys.run,
+                count=10_000,
+                out=out,
+                broadcast_key=CK.signing.public,
+                duration=60,
+            )
         )
     )
     t.start()
@@ -54,7 +63,7 @@ def test_tail_prints_every_entry_of_a_10000_entry_burst(backend: Backend) -> Non
         for eid, _ in backend.admin.xrange(s)
     }
     assert seen == written
-    assert "[BAD MAC]" not in out.getvalue()
+    assert "[BAD SIGNATURE]" not in out.getvalue()
     assert sum("SetGlobalStep" in line for line in lines) == 6000
     assert '{"global_step":5999}' in out.getvalue()
     rank.close()
@@ -69,15 +78,16 @@ def test_tail_main_decodes_from_the_start_and_exits_after_count(
 
     admin = connect(redis_url)
     admin.flushdb()
-    coord = RedisCoordinatorBus(connect(redis_url), "cli", SECRET, ranks=[0], config=FAST)
+    ident = CoordinatorIdentity.generate()
+    publish_identity(admin, RunKeys("cli"), ident, new_secret())
+    keys = CoordinatorKeys(ident.signing, {0: CK.rank(0)})
+    coord = RedisCoordinatorBus(connect(redis_url), "cli", keys, ranks=[0], config=FAST)
     coord.send(0, m.StartEpoch(plan=m.EpochPlan(epoch=2, partition_offset=0, partition_size=9)))
     coord.broadcast(m.Shutdown())
-    os.environ["FLODL_RUN_SECRET"] = SECRET.hex()
-    try:
-        rc = main(["--run", "cli", "--redis-url", redis_url, "--from-start", "--count", "2"])
-    finally:
-        del os.environ["FLODL_RUN_SECRET"]
+    # tail checks the broadcast with the public key from the run's identity
+    rc = main(["--run", "cli", "--redis-url", redis_url, "--from-start", "--count", "2"])
     lines = capsys.readouterr().out.splitlines()
+    assert not any("BAD SIGNATURE" in line for line in lines)
     assert rc == 0
     assert len(lines) == 2
     assert "ctl:0" in lines[0] and "StartEpoch" in lines[0] and '"epoch":2' in lines[0]
@@ -93,7 +103,7 @@ def test_ops_tail_script_prints_every_entry_with_plain_fields(redis_url: str) ->
 
     admin = connect(redis_url)
     admin.flushdb()
-    coord = RedisCoordinatorBus(connect(redis_url), "sh", SECRET, ranks=[0, 1], config=FAST)
+    coord = RedisCoordinatorBus(connect(redis_url), "sh", CK, ranks=[0, 1], config=FAST)
     for i in range(1200):  # more than one 500-entry page per stream
         coord.send(i % 2, m.SetGlobalStep(global_step=i))
     coord.broadcast(m.Shutdown())

@@ -12,8 +12,11 @@ from pathlib import Path
 import fakeredis
 import pytest
 
+from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.join import JoinStream
+from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
+from flodl_bus.bus.streams import stream_top
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.membership import Admission
@@ -38,7 +41,7 @@ from flodl_bus.protocol.messages import (
     Shutdown,
     StartEpoch,
 )
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.signing import CoordinatorIdentity, new_secret
 from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.record.log import read_records
 from flodl_bus.worker.rank import RankOptions, run_rank
@@ -261,11 +264,12 @@ def test_meta_file_is_replaced_whole(tmp_path: Path) -> None:
 def test_form_world_admits_hellos_already_waiting_and_answers_on_the_join_stream() -> None:
     client = fakeredis.FakeRedis()
     secret = new_secret()
-    worker_side = JoinStream(client, "run-x", secret)
+    ident = CoordinatorIdentity.generate().signing
+    worker_side = JoinStream(client, "run-x", secret, answers=ident.public)
     worker_side.post(Hello("w1", "h", "sig"))
     worker_side.post(Hello("w2", "h", "other"))
     worker_side.post(Hello("w3", "h", "sig"))
-    coord_side = JoinStream(client, "run-x", secret)
+    coord_side = JoinStream(client, "run-x", secret, signer=ident)
     adm = Admission(dataset_sig="sig", world_size=2)
     form_world(JoinDesk(coord_side, adm), block_ms=10)
     answers = [m for _, m in worker_side.read("0", None)[0] if not isinstance(m, Hello)]
@@ -275,21 +279,23 @@ def test_form_world_admits_hellos_already_waiting_and_answers_on_the_join_stream
     assert answers[1:] == [Assign("w1", 0, 2), Assign("w3", 1, 2)]
 
 
-def test_hellos_another_coordinator_already_answered_are_stale_and_take_no_rank() -> None:
+def test_hellos_from_before_the_coordinators_identity_take_no_rank() -> None:
+    """A worker says Hello only after reading the identity the coordinator publishes, so
+    Hellos older than that belong to an earlier incarnation of the run: its workers are
+    gone, and their keys were agreed with a coordinator that is gone too."""
     client = fakeredis.FakeRedis()
     secret = new_secret()
-    old_run = JoinStream(client, "run-y", secret)
+    earlier = CoordinatorIdentity.generate().signing
+    old_run = JoinStream(client, "run-y", secret, signer=earlier)
     old_run.post(Hello("gone0", "h", "sig"))
     old_run.post(Hello("gone1", "h", "sig"))
-    old_run.post(Assign("gone0", 0, 2))  # the previous coordinator answered these
-    old_run.post(Assign("gone1", 1, 2))
-    old_run.post(Hello("live", "h", "sig"))  # waiting, unanswered: a real worker
+    old_run.post(Assign("gone0", 0, 2))  # the previous coordinator answered this one
+    published_at = format_id(stream_top(client, RunKeys("run-y").join))
+    old_run.post(Hello("live", "h", "sig"))
     adm = Admission(dataset_sig="sig", world_size=2)
-    desk = JoinDesk(JoinStream(client, "run-y", secret), adm)
+    ours = CoordinatorIdentity.generate().signing
+    desk = JoinDesk(JoinStream(client, "run-y", secret, signer=ours), adm, after=published_at)
     assert desk.poll(None) == []
-    assert adm.joined == 1 and desk.stale == {"gone0", "gone1"}
+    assert adm.joined == 1
     old_run.post(Hello("live2", "h", "sig"))
     assert desk.poll(None) == [Assign("live", 0, 2), Assign("live2", 1, 2)]
-    # Our own answers, read back, do not make our workers stale.
-    desk.poll(None)
-    assert desk.stale == {"gone0", "gone1"}

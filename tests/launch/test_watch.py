@@ -11,17 +11,51 @@ import redis
 from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import connect
+from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.launch.watch import Seen, StreamWatcher
-from flodl_bus.protocol.messages import Batch, EvalBroadcast, Heartbeat, SyncNow, WireUpdate
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.messages import (
+    Assign,
+    Batch,
+    EvalBroadcast,
+    Heartbeat,
+    Hello,
+    SyncNow,
+    WireUpdate,
+)
+from flodl_bus.protocol.signing import (
+    CoordinatorIdentity,
+    CoordinatorKeys,
+    RankKeys,
+    RankKx,
+    fixed_keys,
+    new_secret,
+)
 
 pytestmark = pytest.mark.redis
 
 
 def _batch(rank: int, step: int) -> Batch:
     return Batch(rank=rank, batch_ms=1.0, data_ms=0.0, step_count=step, batch_loss=0.1)
+
+
+def _world(
+    client: redis.Redis, keys: RunKeys, n: int
+) -> tuple[CoordinatorIdentity, CoordinatorKeys, list[RankKeys]]:
+    """A joined world of ``n`` ranks on the join stream, keys made as the coordinator
+    and each rank make them (each side derives the rank key on its own)."""
+    ident = CoordinatorIdentity.generate()
+    join = JoinStream(client, keys, new_secret(), signer=ident.signing)
+    coord = CoordinatorKeys(ident.signing)
+    ranks = []
+    for r in range(n):
+        kx = RankKx.generate()
+        join.post(Hello(f"w{r}", "h", "sig", kx_pub=kx.pub))
+        join.post(Assign(f"w{r}", r, n))
+        coord.ranks[r] = ident.rank_key(keys.run, r, kx.pub)
+        ranks.append(RankKeys(kx.rank_key(ident.public, keys.run, r), ident.signing.public))
+    return ident, coord, ranks
 
 
 def _collect(watcher: StreamWatcher, want: int, timeout: float = 5.0) -> list[Seen]:
@@ -45,11 +79,11 @@ def _read(read: Callable[[], list[Delivery]], want: int) -> list[Delivery]:
 def test_the_watcher_sees_a_burst_of_upstream_entries_in_order(
     real_redis: redis.Redis, redis_url: str
 ) -> None:
-    secret = new_secret()
     client = connect(redis_url)
-    rank_bus = RedisRankBus(client, "w1", 0, secret)
+    ident, _, rks = _world(client, RunKeys("w1"), 1)
+    rank_bus = RedisRankBus(client, "w1", 0, rks[0])
     try:
-        watcher = StreamWatcher(connect(redis_url), RunKeys("w1"), 1, secret)
+        watcher = StreamWatcher(connect(redis_url), RunKeys("w1"), 1, ident)
         for step in range(1, 2501):  # more than one XREAD COUNT
             rank_bus.publish(_batch(0, step))
         assert rank_bus.flush(5.0)
@@ -65,12 +99,12 @@ def test_the_watcher_sees_a_burst_of_upstream_entries_in_order(
 def test_watching_takes_no_entry_from_the_consumer_groups(
     real_redis: redis.Redis, redis_url: str
 ) -> None:
-    secret = new_secret()
     client = connect(redis_url)
-    coord = RedisCoordinatorBus(client, "w2", secret, ranks=[0, 1])
-    ranks = [RedisRankBus(connect(redis_url), "w2", r, secret) for r in (0, 1)]
+    ident, ck, rks = _world(client, RunKeys("w2"), 2)
+    coord = RedisCoordinatorBus(client, "w2", ck, ranks=[0, 1])
+    ranks = [RedisRankBus(connect(redis_url), "w2", r, rks[r]) for r in (0, 1)]
     try:
-        watcher = StreamWatcher(connect(redis_url), RunKeys("w2"), 2, secret)
+        watcher = StreamWatcher(connect(redis_url), RunKeys("w2"), 2, ident)
         coord.send(0, SyncNow())
         coord.send(1, WireUpdate(version=3))
         coord.broadcast(EvalBroadcast(epoch=1, metric=0.5))
@@ -102,12 +136,15 @@ def test_watching_takes_no_entry_from_the_consumer_groups(
 def test_entries_that_fail_authentication_are_counted_not_shown(
     real_redis: redis.Redis, redis_url: str
 ) -> None:
-    secret, other = new_secret(), new_secret()
     keys = RunKeys("w3")
-    watcher = StreamWatcher(connect(redis_url), keys, 1, secret)
+    ident, ck, _ = _world(real_redis, keys, 1)
+    watcher = StreamWatcher(connect(redis_url), keys, 1, ident)
     stream = keys.up(0)
-    real_redis.xadd(stream, entries.build(other, stream, _batch(0, 1), "0", 1))  # type: ignore[arg-type]
-    real_redis.xadd(stream, entries.build(secret, stream, _batch(0, 2), "0", 2))  # type: ignore[arg-type]
+    other = fixed_keys(b"another run").rank(0)
+    real_redis.xadd(stream, entries.build(other, stream, "5-1", _batch(0, 1), "0", 1), id="5-1")  # type: ignore[arg-type]
+    real_redis.xadd(
+        stream, entries.build(ck.rank(0), stream, "5-2", _batch(0, 2), "0", 2), id="5-2"
+    )  # type: ignore[arg-type]
     real_redis.xadd(stream, {b"type": b"Batch", b"junk": b"1"})
     seen = _collect(watcher, 1)
     time.sleep(0.1)
@@ -117,12 +154,14 @@ def test_entries_that_fail_authentication_are_counted_not_shown(
 
 
 def test_drain_reads_what_is_left_without_blocking(real_redis: redis.Redis, redis_url: str) -> None:
-    secret = new_secret()
     keys = RunKeys("w4")
-    watcher = StreamWatcher(connect(redis_url), keys, 2, secret)
+    ident, ck, _ = _world(real_redis, keys, 2)
+    watcher = StreamWatcher(connect(redis_url), keys, 2, ident)
     for step in range(1, 4):
         stream = keys.up(1)
-        real_redis.xadd(stream, entries.build(secret, stream, _batch(1, step), "1", step))  # type: ignore[arg-type]
+        eid = f"7-{step}"
+        fields = entries.build(ck.rank(1), stream, eid, _batch(1, step), "1", step)
+        real_redis.xadd(stream, fields, id=eid)  # type: ignore[arg-type]
     got: list[Seen] = []
     t0 = time.monotonic()
     watcher.drain(got.append)

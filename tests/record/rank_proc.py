@@ -13,6 +13,7 @@ from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.job import load_job
+from flodl_bus.protocol.signing import fixed_keys, rank_keys_for
 from flodl_bus.worker.rank import RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
 
@@ -26,7 +27,9 @@ def main() -> int:
     p.add_argument("--save-path")
     args = p.parse_args()
     client = connect(args.url, client_name="flodl-rank0")
-    bus = RedisRankBus(client, RunKeys(args.run), 0, bytes.fromhex(args.secret))
+    # the fixed keys of the test's seed: this scripted session has no join
+    keys = rank_keys_for(fixed_keys(bytes.fromhex(args.secret)), 0)
+    bus = RedisRankBus(client, RunKeys(args.run), 0, keys)
     options = RankOptions(
         world_size=1,
         runtime=RuntimeConfig(heartbeat_interval=0.2, coord_liveness_timeout=30.0),

@@ -35,7 +35,7 @@ from flodl_bus.protocol.messages import (
     Throttle,
     WireUpdate,
 )
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.signing import fixed_keys, new_secret
 from flodl_bus.record import surgery
 from flodl_bus.record.replay import Recording, load_run, main, replay
 from flodl_bus.record.testing import logged
@@ -74,7 +74,7 @@ def rank_run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     run_dir = tmp_path_factory.mktemp("rank-run")
     client: redis.Redis = connect(redis_url)
     run, secret = f"rec-rank-{uuid.uuid4().hex[:6]}", new_secret()
-    bus = RedisCoordinatorBus(client, run, secret, ranks=[0])
+    bus = RedisCoordinatorBus(client, run, fixed_keys(secret), ranks=[0])
     up = _Upstream(bus)
     bus.send(0, StartEpoch(EpochPlan(0, 0, 6 * BS)))
     bus.send(0, Throttle())

@@ -15,6 +15,9 @@ import pytest
 import redis
 
 from flodl_bus.bus.connection import connect
+from flodl_bus.bus.join import JoinStream
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.run_secret import publish_identity
 from flodl_bus.bus.streams import RedisCoordinatorBus
 from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import (
@@ -25,6 +28,7 @@ from flodl_bus.protocol.messages import (
     Exiting,
     ExtendPartition,
     Heartbeat,
+    Hello,
     LrUpdate,
     MetricsMsg,
     Shutdown,
@@ -33,7 +37,7 @@ from flodl_bus.protocol.messages import (
     SyncNow,
     Throttle,
 )
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.signing import CoordinatorIdentity, CoordinatorKeys, new_secret
 from flodl_bus.worker.rank import EXIT_COORDINATOR_LOST
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -42,9 +46,37 @@ BS = digits.job.batch_size
 
 
 class ScriptedCoordinator:
+    """Plays the coordinator for rank 0: publishes its identity, and once the worker's
+    Hello is there (``attach``), derives the rank key from it as a real one does."""
+
     def __init__(self, client: redis.Redis, run: str, secret: bytes) -> None:
-        self.bus = RedisCoordinatorBus(client, run, secret, ranks=[0])
+        self.client = client
+        self.keys = RunKeys(run)
+        self.secret = secret
+        self.identity = CoordinatorIdentity.generate()
+        publish_identity(client, self.keys, self.identity, secret)
         self.received: list[object] = []
+        self._bus: RedisCoordinatorBus | None = None
+
+    def attach(self, timeout: float = 60.0) -> None:
+        join = JoinStream(self.client, self.keys, self.secret, signer=self.identity.signing)
+        cursor, deadline = "0", time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got, cursor = join.read(cursor, 200)
+            for _, msg in got:
+                if isinstance(msg, Hello) and msg.requested_rank == 0:
+                    keys = CoordinatorKeys(
+                        self.identity.signing,
+                        {0: self.identity.rank_key(self.keys.run, 0, msg.kx_pub)},
+                    )
+                    self._bus = RedisCoordinatorBus(self.client, self.keys, keys, ranks=[0])
+                    return
+        raise AssertionError("the worker never said Hello")
+
+    @property
+    def bus(self) -> RedisCoordinatorBus:
+        assert self._bus is not None, "attach() first: the rank key comes from its Hello"
+        return self._bus
 
     def send(self, *msgs: object) -> None:
         for m in msgs:
@@ -132,14 +164,15 @@ def test_a_rank_process_trains_through_throttle_sync_extend_checkpoint_and_shutd
 ) -> None:
     secret = new_secret()
     coord = ScriptedCoordinator(client, run_id, secret)
-    # Sent before the rank starts, so its first read carries both: it trains exactly one
-    # batch, then the Throttle parks it.
-    coord.send(StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=4 * BS)))
-    coord.send(Throttle())
     stem = tmp_path / "ckpt"
     proc = start_worker(
         redis_url, run_id, secret, "--save-path", str(stem), "--heartbeat-interval", "0.2"
     )
+    coord.attach()
+    # Sent as the rank says Hello, long before it has built its model and reads: its
+    # first read carries both, so it trains exactly one batch, then the Throttle parks it.
+    coord.send(StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=4 * BS)))
+    coord.send(Throttle())
     try:
         first = coord.wait_for(Batch)
         assert isinstance(first, Batch) and first.step_count == 1
@@ -193,7 +226,6 @@ def test_a_rank_whose_coordinator_falls_silent_stops_within_the_timeout(
 ) -> None:
     secret = new_secret()
     coord = ScriptedCoordinator(client, run_id, secret)
-    coord.send(StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=2 * BS)))
     proc = start_worker(
         redis_url,
         run_id,
@@ -203,6 +235,8 @@ def test_a_rank_whose_coordinator_falls_silent_stops_within_the_timeout(
         "--heartbeat-interval",
         "0.2",
     )
+    coord.attach()
+    coord.send(StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=2 * BS)))
     try:
         coord.wait_for(MetricsMsg)
         silent_since = time.monotonic()
