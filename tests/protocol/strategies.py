@@ -150,6 +150,7 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
         dataset_sig=text,
         device=text,
         requested_rank=st.none() | u64,
+        kx_pub=text,
     ),
     "Assign": _build(m.Assign, worker_id=text, rank=u64, world_size=u64),
     "Reject": _build(m.Reject, worker_id=text, reason=text),
