@@ -271,3 +271,32 @@ def test_a_killed_connection_is_reconnected_and_the_operation_rerun(redis_url: s
         link.call(lambda retry: client.execute_command("NOSUCHCOMMAND"))  # not retried
     client.close()
     admin.close()
+
+
+def test_a_server_still_loading_its_data_is_waited_for_as_part_of_the_outage() -> None:
+    # After a restart Redis answers LOADING until its AOF is read back; redis-py raises
+    # BusyLoadingError (a ConnectionError): the same episode, one line at each end.
+    clock = FakeClock()
+    server = fakeredis.FakeServer()
+    client = fake_client(server)
+    loading = iter([True] * 5 + [False] * 100)
+
+    class Loading(type(client)):  # type: ignore[misc]
+        def ping(self, **kw: object) -> bool:
+            if next(loading):
+                raise redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory")
+            return bool(super().ping(**kw))
+
+    loader = Loading(connection_pool=client.connection_pool)
+    link = Link(loader, name="r", sleep=clock.sleep, clock=clock)
+    first = [True]
+
+    def op(retry: bool) -> bool:
+        if first.pop() if first else False:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return retry
+
+    with structlog.testing.capture_logs() as logs:
+        assert link.call(op) is True
+    assert [e["event"] for e in logs] == ["redis_unreachable", "redis_reconnected"]
+    assert logs[1]["attempts"] == 6 and "BusyLoadingError" in logs[1]["error"]
