@@ -10,6 +10,7 @@ stream's ``MEMORY USAGE`` (exact, SAMPLES 0) and entry count:
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 
 from flodl_bus.bus.connection import connect
@@ -20,14 +21,30 @@ from flodl_bus.protocol import messages as m
 SECRET = bytes(range(16))
 
 
+def _buses(url: str) -> tuple[RedisCoordinatorBus, RedisRankBus]:
+    # A shared secret or per-role keys, whichever this version of the bus takes.
+    if "keys" in inspect.signature(RedisCoordinatorBus).parameters:
+        from flodl_bus.protocol import signing
+
+        keys = signing.fixed_keys(SECRET)  # type: ignore[attr-defined]
+        rank_keys = signing.rank_keys_for(keys, 0)  # type: ignore[attr-defined]
+        return (
+            RedisCoordinatorBus(connect(url), "size", keys, ranks=[0]),
+            RedisRankBus(connect(url), "size", 0, rank_keys),
+        )
+    return (
+        RedisCoordinatorBus(connect(url), "size", SECRET, ranks=[0]),
+        RedisRankBus(connect(url), "size", 0, SECRET),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=int(DEFAULT_MAXLEN * 1.2))
     args = ap.parse_args()
     with RedisServer() as server:
         admin = connect(server.url)
-        coord = RedisCoordinatorBus(connect(server.url), "size", SECRET, ranks=[0])
-        rank = RedisRankBus(connect(server.url), "size", 0, SECRET)
+        coord, rank = _buses(server.url)
         t0 = time.monotonic()
         for i in range(args.entries):
             # A training step's Batch, with every optional field set (the largest).

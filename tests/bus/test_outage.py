@@ -27,7 +27,7 @@ from flodl_bus.bus.connection import connect
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus, StreamsConfig
 from flodl_bus.protocol import messages as m
-from tests.bus.conftest import SECRET
+from tests.bus.conftest import CK, RK
 
 pytestmark = pytest.mark.redis
 
@@ -57,6 +57,13 @@ def kill_server(server: RedisServer) -> None:
     server.stop()  # reaps and closes the pipes of the dead process
 
 
+def bus_pair(url: str, run: str) -> tuple[RedisCoordinatorBus, RedisRankBus]:
+    """A coordinator bus and rank 0's bus on ``url``, with fixed keys of the run."""
+    coord_client, rank_client = connect(url), connect(url)
+    coord = RedisCoordinatorBus(coord_client, run, CK, ranks=[0], config=PRODUCTION)
+    return coord, RedisRankBus(rank_client, run, 0, RK(0), config=PRODUCTION)
+
+
 class Exchange:
     """A coordinator and rank 0 exchanging numbered messages both ways, in threads.
 
@@ -65,8 +72,7 @@ class Exchange:
     """
 
     def __init__(self, url: str, run: str) -> None:
-        self.coord = RedisCoordinatorBus(connect(url), run, SECRET, ranks=[0], config=PRODUCTION)
-        self.rank = RedisRankBus(connect(url), run, 0, SECRET, config=PRODUCTION)
+        self.coord, self.rank = bus_pair(url, run)
         self.sent_down = 0
         self.sent_up = 0
         self.down: list[tuple[float, int]] = []  # (arrival, step) at the rank
