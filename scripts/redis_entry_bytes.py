@@ -10,31 +10,22 @@ stream's ``MEMORY USAGE`` (exact, SAMPLES 0) and entry count:
 from __future__ import annotations
 
 import argparse
-import inspect
 import time
 
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.bus.streams import DEFAULT_MAXLEN, RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
+from flodl_bus.protocol import signing
 
-SECRET = bytes(range(16))
+SEED = bytes(range(16))
 
 
 def _buses(url: str) -> tuple[RedisCoordinatorBus, RedisRankBus]:
-    # A shared secret or per-role keys, whichever this version of the bus takes.
-    if "keys" in inspect.signature(RedisCoordinatorBus).parameters:
-        from flodl_bus.protocol import signing
-
-        keys = signing.fixed_keys(SECRET)  # type: ignore[attr-defined]
-        rank_keys = signing.rank_keys_for(keys, 0)  # type: ignore[attr-defined]
-        return (
-            RedisCoordinatorBus(connect(url), "size", keys, ranks=[0]),
-            RedisRankBus(connect(url), "size", 0, rank_keys),
-        )
+    keys = signing.fixed_keys(SEED)
     return (
-        RedisCoordinatorBus(connect(url), "size", SECRET, ranks=[0]),
-        RedisRankBus(connect(url), "size", 0, SECRET),
+        RedisCoordinatorBus(connect(url), "size", keys, ranks=[0]),
+        RedisRankBus(connect(url), "size", 0, signing.rank_keys_for(keys, 0)),
     )
 
 
