@@ -18,9 +18,10 @@ keys, so each selector below pins a command set to a key set):
 
 ``flodl-RUN-coordinator``
     every data command (stream, string, hash, list, set, keyspace, transaction
-    categories, minus ``@dangerous``) on ``flodl:{RUN}:*`` and ``flodl-secret:{RUN}``;
-    nothing on another run; no CONFIG, FLUSH*, KEYS, DEBUG, MIGRATE, RESTORE, SCRIPT,
-    FUNCTION, PUBLISH, CLIENT KILL, ...
+    categories, minus ``@dangerous``) on ``flodl:{RUN}:*`` and ``flodl-secret:{RUN}``,
+    and INFO (memory figures in the OOM line); nothing on another run; no CONFIG,
+    FLUSH*, KEYS, DEBUG, MIGRATE, RESTORE, SORT, SCRIPT, FUNCTION, EVAL, PUBLISH, ACL,
+    CLIENT KILL/LIST, MONITOR, SHUTDOWN, ...
 
 ``flodl-RUN-worker`` (shared by every rank of the run: ranks are assigned at join time)
     root: PING, SELECT, CLIENT SETNAME/GETNAME/ID, MULTI/EXEC/DISCARD/UNWATCH, no keys;
@@ -60,8 +61,9 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   on ctl:* (rank groups) and up:* (its own), XREADGROUP/XACK up:*, XADD dlq, XADD/XREAD
   join; ``coordinator/cli.py``: EXISTS meta, HSET meta, SCAN + UNLINK (``--reset-run``,
   its secret too), SET NX + GET flodl-secret:{RUN}; DEL + HSET identity in MULTI/EXEC
-  (``publish_identity``); health check: HGET
-  meta, EXISTS flodl-secret:{RUN}.
+  (``publish_identity``); INFO memory (``connection.describe_transient``, optional);
+  health check: HGET meta, EXISTS flodl-secret:{RUN}. Workers also try INFO memory on an
+  OOM episode; refused, the line says "maxmemory reached" without figures.
 - observer: ``bus/tail.py``: EXISTS, SCAN ... TYPE stream, XINFO STREAM, XREAD, GET
   flodl-secret:{RUN} (a refusal is expected and handled); ``launch/watch.py``: XREAD;
   ``ops/tail.sh`` and ``ops/README.md``: SCAN, TYPE, XREVRANGE, EVAL_RO (XRANGE inside),
@@ -128,6 +130,9 @@ WORKER_STORE: Final = (
 COORDINATOR: Final = (
     "+@stream", "+@string", "+@hash", "+@list", "+@set", "+@keyspace", "+@transaction",
     "-@dangerous",
+    # After -@dangerous, which holds INFO: the OOM line of ``connection.describe_transient``
+    # gives the memory figures (INFO shows no credentials; it does show server-wide counts).
+    "+info",
 )  # fmt: skip
 
 OBSERVER: Final = (
