@@ -68,7 +68,26 @@ class Child:
             os.killpg(self.pgid, 0)
         except (ProcessLookupError, PermissionError):
             return False
-        return True
+        return _has_live_member(self.pgid)
+
+
+def _has_live_member(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is more than a zombie. An orphan's zombie
+    stays in its group until PID 1 reaps it, and not every PID 1 does (a container's,
+    a microVM's agent): a group of zombies is stopped, not something to SIGKILL."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True  # no way to tell: assume the worst
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 def spawn(
@@ -77,7 +96,11 @@ def spawn(
     env: Mapping[str, str],
     log_path: Path,
     cwd: str | Path | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> Child:
+    """Start ``argv`` as the leader of a new session. It inherits the launcher's signal
+    dispositions (an ignored SIGINT survives exec), so every child worth stopping in
+    order installs its own handlers: ``flodl_bus.stop_signals``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
@@ -88,6 +111,7 @@ def spawn(
             env=dict(env),
             cwd=cwd,
             start_new_session=True,
+            pass_fds=tuple(pass_fds),
         )
     return Child(name, proc, log_path)
 

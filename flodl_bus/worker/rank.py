@@ -12,10 +12,12 @@ import torch
 from torch import nn
 
 from flodl_bus.bus.api import RankBus
+from flodl_bus.exits import FAILED, OK, STOPPED, by_signal
 from flodl_bus.job import Job
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol.messages import ControlMsg, UpstreamMsg
+from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
@@ -31,7 +33,7 @@ ParamsFactory = Callable[
 
 
 #: The rank stopped in order because the coordinator fell silent (reference §3.12).
-EXIT_COORDINATOR_LOST = 3
+EXIT_COORDINATOR_LOST = STOPPED
 
 
 @dataclass(frozen=True)
@@ -68,14 +70,26 @@ def run_rank(
     bus: RankBus,
     options: RankOptions,
     params_factory: ParamsFactory | None = None,
+    stop: StopSignals | None = None,
 ) -> int:
     """Train ``job`` as ``bus.rank`` until the coordinator says stop.
 
-    Exit code: 0 on a clean completion (Exiting sent); ``EXIT_COORDINATOR_LOST`` when the
-    liveness escape hatch stopped the rank (an orderly teardown, but the run is lost);
-    1 when training failed.
+    Exit code (``flodl_bus.exits``): 0 on a clean completion (Exiting sent);
+    ``EXIT_COORDINATOR_LOST`` when the liveness escape hatch stopped the rank (an orderly
+    teardown, but the run is lost); 1 when training failed; 128 + N when signal N
+    (``stop``) made the rank leave mid-run (it said so upstream first).
     """
     rank = bus.rank
+    runtimes: list[RankRuntime] = []
+
+    def on_stop(signum: int, _nth: int) -> None:
+        # Before the runtime runs, the signal is only noted: it is acted on right after
+        # ``runtime.start`` (building the model is bounded; the record must be closed).
+        for rt in runtimes:
+            rt.leave(signal_name(signum))
+
+    if stop is not None:
+        stop.call_on_stop(on_stop)
     if params_factory is None and options.world_size != 1:
         raise ValueError(
             "a world of more than one rank needs a param plane; pass params_factory "
@@ -168,6 +182,10 @@ def run_rank(
         bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
     )
     runtime.start()
+    runtimes.append(runtime)
+    if stop is not None and stop.signum is not None:
+        runtime.leave(signal_name(stop.signum))
+    clean = False
     try:
         clean = loop.run_until_shutdown()
     except Exception as exc:
@@ -184,8 +202,15 @@ def run_rank(
         if callable(close_params):
             close_params()
         runtime.close()
+        if stop is not None and runtime.left is not None:
+            assert stop.signum is not None
+            code = by_signal(stop.signum)
+        elif not clean:
+            code = FAILED
+        else:
+            code = EXIT_COORDINATOR_LOST if runtime.coordinator_lost.is_set() else OK
         if recording is not None:
+            # The closing line: a record without it was cut short (a kill, a crash).
+            recording.event("end", exit_code=code, clean=clean, left=runtime.left)
             recording.close()
-    if not clean:
-        return 1
-    return EXIT_COORDINATOR_LOST if runtime.coordinator_lost.is_set() else 0
+    return code

@@ -29,6 +29,7 @@ from flodl_bus.protocol.messages import (
     ControlMsg,
     CoordHeartbeat,
     DeclareDead,
+    Exiting,
     Heartbeat,
     NewNcclIdGenerated,
     NewNcclSession,
@@ -89,6 +90,8 @@ class RankRuntime:
         self.shutdown_seen = False
         #: set when the escape hatch fired (coordinator silent, or the reader failed)
         self.coordinator_lost = threading.Event()
+        #: why the rank left mid-run on a request from outside (``leave``), if it did
+        self.left: str | None = None
         self._session_cond = threading.Condition()
         self._session: NewNcclSession | None = None
         self._heartbeats = 0
@@ -232,6 +235,22 @@ class RankRuntime:
         _log.error("coordinator_lost", rank=self.rank, detail=why)
         self.coordinator_lost.set()
         self._declare_dead([r for r in range(self.world_size) if r != self.rank])
+        self.inbox.put(Shutdown())
+
+    def leave(self, reason: str) -> None:
+        """Stop on a request from outside (a signal), from any thread but the training
+        one. The coordinator hears it at once (``Exiting`` with the reason), so it
+        re-forms the survivors now instead of after its heartbeat timeout; then the
+        training thread stops as on a Shutdown. Idempotent."""
+        with self._dead_lock:
+            if self.left is not None or self.shutdown_seen:
+                return  # already leaving, or told to stop: the run's end is in order
+            self.left = reason
+        _log.warning("rank_leaving", rank=self.rank, reason=reason)
+        try:
+            self.bus.publish(Exiting(rank=self.rank, reason=reason))
+        except Exception as exc:  # the heartbeat timeout still finds the rank gone
+            _log.error("exiting_not_sent", rank=self.rank, error=repr(exc))
         self.inbox.put(Shutdown())
 
     # -------------------------------------------------------------- heartbeat
