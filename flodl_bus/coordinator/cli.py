@@ -199,8 +199,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from flodl_bus.bus.join import JoinStream
-    from flodl_bus.bus.run_secret import SecretError, ensure_run_secret
-    from flodl_bus.bus.streams import RedisCoordinatorBus
+    from flodl_bus.bus.run_secret import (
+        SecretError,
+        coordinator_identity,
+        ensure_run_secret,
+        publish_identity,
+    )
+    from flodl_bus.bus.ids import format_id
+    from flodl_bus.bus.streams import RedisCoordinatorBus, stream_top
     from flodl_bus.coordinator.checkpoint import read_meta
     from flodl_bus.coordinator.core import Coordinator
     from flodl_bus.coordinator.membership import Admission
@@ -211,9 +217,11 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         JoinDesk,
         LoopOptions,
         MetricsTable,
+        WorldNotFormed,
         form_world,
     )
     from flodl_bus.job import JobError, call_job, load_job
+    from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
 
@@ -300,6 +308,10 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         # The config first: a worker that sees the secret can rely on the config too.
         client.hset(keys.meta, mapping=run_fields)  # type: ignore[arg-type]
         secret = ensure_run_secret(client, keys)
+        identity = coordinator_identity()
+        # Before any Hello is read: a worker checks its secret against this first.
+        publish_identity(client, keys, identity, secret)
+        join_start = format_id(stream_top(client, keys.join))
     except SecretError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -335,14 +347,16 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             return by_signal(stop.signum)
         return STOPPED if launcher_gone.is_set() else EXIT_INTERRUPTED
 
-    join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
+    join = JoinStream(
+        client, keys, secret, signer=identity.signing, where=redact_url(args.redis_url)
+    )
     admission = Admission(
         dataset_sig=sig,
         world_size=args.world_size,
         min_workers=args.min_workers,
         join_timeout=args.join_timeout,
     )
-    desk = JoinDesk(join, admission)
+    desk = JoinDesk(join, admission, after=join_start)
     log.info(
         "coordinator_up",
         run=args.run,
@@ -357,6 +371,11 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     )
     try:
         form_world(desk, stop=stopping)
+    except WorldNotFormed as exc:
+        client.hset(keys.meta, "status", "not formed")
+        log.error("world_not_formed", reason=str(exc))
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     except Interrupted:
         client.hset(keys.meta, "status", "interrupted")
         return stopped_code()
@@ -388,8 +407,15 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         replay_note="core = Coordinator.from_meta(config, resume_meta) if resume_meta "
         "else Coordinator(config); then core.start(now) at the 'start' event",
     )
+    try:
+        rank_keys = CoordinatorKeys(
+            identity.signing,
+            {m.rank: identity.rank_key(args.run, m.rank, m.kx_pub) for m in admission.members},
+        )
+    except BadKey as exc:
+        raise ConfigError(f"a worker's Hello carries no usable key: {exc}") from None
     bus = RedisCoordinatorBus(
-        client, keys, secret, ranks=range(ws), where=redact_url(args.redis_url)
+        client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
     )
     loop = CoordinatorLoop(
         core,

@@ -67,6 +67,10 @@ class Interrupted(Exception):
     """A stop was requested while the world was still forming."""
 
 
+class WorldNotFormed(Exception):
+    """The world did not form within the join timeout; the message names why."""
+
+
 @dataclass(frozen=True, slots=True)
 class LoopOptions:
     #: BLOCK of one upstream read; bounds how late a tick can run (staleness sweeps,
@@ -115,12 +119,16 @@ class JoinDesk:
         admission: Admission,
         *,
         clock: Callable[[], float] = time.monotonic,
+        after: str = "0",
     ) -> None:
         self.join = join
         self.admission = admission
         self.clock = clock
-        #: from the start: a worker may have said Hello before we read
-        self.cursor = "0"
+        #: Where Hellos start counting. A worker says Hello only after it read the
+        #: coordinator's identity, so the coordinator starts at the join stream's top as
+        #: it published that: an earlier Hello is of an earlier incarnation's worker,
+        #: whose key was agreed with a coordinator that is gone.
+        self.cursor = after
         self._ours: set[str] = set()
         self.stale: set[str] = set()
 
@@ -171,12 +179,27 @@ def form_world(desk: JoinDesk, *, stop: threading.Event | None = None, block_ms:
     """Admit workers until the world forms."""
     admission = desk.admission
     admission.open(desk.clock())
-    last_note = desk.clock()
+    last_note = started = desk.clock()
     while not admission.formed:
         if stop is not None and stop.is_set():
             raise Interrupted("stopped while the world was forming")
         desk.poll(block_ms)
         now = desk.clock()
+        # The minimum-size world forms at the timeout if it can; a grace period later
+        # (a few polls) it could not, and nothing must wait forever for absent workers.
+        if not admission.formed and now - started > admission.join_timeout + 1.0:
+            failed = getattr(desk.join, "auth_failures", 0)
+            raise WorldNotFormed(
+                f"the world did not form within --join-timeout {admission.join_timeout:g}s: "
+                f"{admission.joined} of {admission.min_workers or admission.target} workers "
+                "joined"
+                + (
+                    f"; {failed} Hello(s) failed authentication (a worker's run secret is "
+                    "not this run's)"
+                    if failed
+                    else ""
+                )
+            )
         if not admission.formed and now - last_note >= 10.0:
             last_note = now
             log.info(

@@ -43,7 +43,7 @@ import redis
 
 from flodl_bus.bus.connection import ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.bus.run_secret import ENV_SECRET
+from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
 from flodl_bus.coordinator.supervisor import notice as supervisor_notice
 from flodl_bus.exits import (
     CONFIG,
@@ -59,7 +59,7 @@ from flodl_bus.launch.display import Progress, Summary
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
-from flodl_bus.protocol.signing import new_secret
+from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
 
@@ -263,6 +263,9 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.record = Recorder(self.run_dir / "up.jsonl", role="up")
         self.secret = new_secret()
+        # The coordinator's keys come from up: its console checks the ranks' entries as
+        # the coordinator does. Only the coordinator's environment carries the seed.
+        self.coordinator_seed = secrets.token_bytes(KEY_BYTES)
         self.view = RunView(args.workers, started)
         self.rows: list[EpochRow] = []
         self.children: list[Child] = []
@@ -352,7 +355,12 @@ class Launcher:
             )
             print(f"flodl-bus up: {self.start_error}", file=sys.stderr)
             return 2
-        self.watcher = StreamWatcher(self.client, self.keys, args.workers, self.secret)
+        self.watcher = StreamWatcher(
+            self.client,
+            self.keys,
+            args.workers,
+            CoordinatorIdentity.from_seed(self.coordinator_seed),
+        )
         # The URL (it may carry a password) and the secret reach the children through
         # their environment, never their command line (visible in ps and /proc).
         base_env = {
@@ -373,7 +381,7 @@ class Launcher:
                     "--supervisor-fd",
                     str(read_end),
                 ],
-                thread_env(base_env, 1),
+                {**thread_env(base_env, 1), ENV_COORD_SEED: self.coordinator_seed.hex()},
                 self.run_dir / "coordinator.log",
                 pass_fds=(read_end,),
             )

@@ -313,8 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
-    from flodl_bus.bus.run_secret import SecretError, fetch_run_secret
+    from flodl_bus.bus.run_secret import (
+        AuthenticationFailed,
+        SecretError,
+        fetch_identity,
+        fetch_run_secret,
+    )
     from flodl_bus.bus.streams import RedisRankBus
+    from flodl_bus.protocol.signing import RankKeys, RankKx
     from flodl_bus.record.log import configure_console
 
     try:
@@ -329,6 +335,19 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             raise ConfigError(str(exc)) from None
         try:
             secret = fetch_run_secret(client, keys, timeout=args.secret_timeout)
+        except SecretError as exc:
+            raise ConfigError(str(exc)) from None
+        kx = RankKx.generate()
+        worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        try:
+            # The identity is published after meta: once it is there, meta is too.
+            ident = fetch_identity(client, keys, secret, timeout=args.secret_timeout)
+        except AuthenticationFailed as exc:
+            # Say Hello anyway, so the coordinator names the failure in its log too.
+            JoinStream(client, keys, secret, where=redact_url(args.redis_url)).post(
+                Hello(worker_id, socket.gethostname(), "", kx_pub=kx.pub)
+            )
+            raise ConfigError(str(exc)) from None
         except SecretError as exc:
             raise ConfigError(str(exc)) from None
         meta = _run_meta(client.hgetall(keys.meta))  # type: ignore[arg-type]
@@ -347,13 +366,16 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         )
         splits = int(meta.get("epoch_splits") or 1)
         epochs = args.epochs if args.epochs is not None else _meta_int(meta, "epochs")
-        join = JoinStream(client, keys, secret, where=redact_url(args.redis_url))
         hello = Hello(
-            worker_id=f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            worker_id=worker_id,
             host=socket.gethostname(),
             dataset_sig=call_job("train_data", job.train_data).signature(),
             device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
+            kx_pub=kx.pub,
+        )
+        join = JoinStream(
+            client, keys, secret, answers=ident.sign_pub, where=redact_url(args.redis_url)
         )
         if args.rank is None:
             assign = _join(join, hello, args.run, args.join_timeout)
@@ -374,7 +396,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         return CONFIG
 
     configure_console(args.log_level)
-    bus = RedisRankBus(client, keys, rank, secret, where=f"rank{rank}")
+    bus = RedisRankBus(
+        client,
+        keys,
+        rank,
+        RankKeys(kx.rank_key(ident, args.run, rank), ident.sign_pub),
+        where=f"rank{rank}",
+    )
     options = RankOptions(
         world_size=world,
         runtime=RuntimeConfig(

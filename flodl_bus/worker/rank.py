@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,10 +14,11 @@ from torch import nn
 
 from flodl_bus.bus.api import RankBus
 from flodl_bus.exits import FAILED, OK, STOPPED, by_signal
-from flodl_bus.job import Job
+from flodl_bus.job import Job, JobError, call_job
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
-from flodl_bus.protocol.messages import ControlMsg, UpstreamMsg
+from flodl_bus.protocol import leaving
+from flodl_bus.protocol.messages import ControlMsg, Exiting, UpstreamMsg
 from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Inbox
@@ -100,10 +102,13 @@ def run_rank(
     if device.type == "cuda":
         # NCCL binds a communicator to the current device; set it before any group forms.
         torch.cuda.set_device(device)
-    model = job.build_model().to(device)
-    optimizer = job.build_optimizer(model)
-    train_data = job.train_data()
-    eval_data = job.eval_data() if job.eval_data is not None else None
+    try:
+        model = call_job("build_model", job.build_model).to(device)
+        optimizer = call_job("build_optimizer", job.build_optimizer, model)
+        train_data = call_job("train_data", job.train_data)
+        eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
+    except JobError as exc:
+        return _failed_before_start(bus, rank, exc)
 
     recording = None
     if options.record_dir is not None:
@@ -177,6 +182,8 @@ def run_rank(
         planned_epochs=options.epochs,
         epoch_fn=_bound_epoch_fn(job, model),
         on_take=on_take,
+        # The cpu averaging thread's failure (no caller to raise to); read at teardown.
+        failure_of=lambda: getattr(params, "failure", None),
     )
     runtime = RankRuntime(
         bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
@@ -189,11 +196,9 @@ def run_rank(
     try:
         clean = loop.run_until_shutdown()
     except Exception as exc:
-        # The loop already tore down in order (no Exiting: the coordinator must see a
-        # death, not a completion); one structured line instead of a traceback.
-        structlog.get_logger("flodl_bus.worker").error(
-            "rank_failed", rank=rank, error=f"{type(exc).__name__}: {exc}"[:500]
-        )
+        # The loop already tore down in order and said why upstream (``Exiting`` with
+        # ``loop.failure``); one line here, the traceback only in the record and at debug.
+        _log_failure(rank, loop.failure or repr(exc), exc, recording)
         clean = False
     finally:
         # The param plane first: its averaging thread may still publish a round's
@@ -205,12 +210,48 @@ def run_rank(
         if stop is not None and runtime.left is not None:
             assert stop.signum is not None
             code = by_signal(stop.signum)
-        elif not clean:
+        elif runtime.declared_dead.is_set():
+            code = STOPPED
+        elif not clean or loop.failure is not None:
+            if clean:  # a failure found off the training thread (an averaging round)
+                _log_failure(rank, loop.failure or "", None, recording)
             code = FAILED
         else:
             code = EXIT_COORDINATOR_LOST if runtime.coordinator_lost.is_set() else OK
         if recording is not None:
             # The closing line: a record without it was cut short (a kill, a crash).
-            recording.event("end", exit_code=code, clean=clean, left=runtime.left)
+            recording.event(
+                "end", exit_code=code, clean=clean, left=runtime.left, failure=loop.failure
+            )
             recording.close()
     return code
+
+
+def _log_failure(rank: int, why: str, exc: BaseException | None, recording: Any) -> None:
+    """One console line for a rank that failed; its traceback goes to the rank's record
+    (``rank_failed`` event) and, at ``--log-level debug``, to the console."""
+    log = structlog.get_logger("flodl_bus.worker")
+    log.error("rank_failed", rank=rank, reason=why)
+    if exc is None:
+        return
+    log.debug("rank_failed_traceback", rank=rank, exc_info=exc)
+    if recording is not None:
+        text = "".join(traceback.format_exception(exc))
+        recording.event("rank_failed", reason=why, traceback=text)
+
+
+def _failed_before_start(bus: RankBus, rank: int, exc: JobError) -> int:
+    """A builder raised before the rank had a loop: say so upstream and stop.
+
+    No record is written (nothing was dispatched to replay); the coordinator's record
+    holds the ``Exiting`` with the reason, and it stops the run on it.
+    """
+    why = leaving.reason(leaving.JOB_FAILED, exc.line)
+    _log_failure(rank, why, exc, None)
+    try:
+        bus.publish(Exiting(rank=rank, reason=why))
+        if not bus.flush(5.0):
+            structlog.get_logger("flodl_bus.worker").error("upstream_flush_timeout", rank=rank)
+    finally:
+        bus.close()
+    return FAILED

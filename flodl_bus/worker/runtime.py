@@ -90,6 +90,9 @@ class RankRuntime:
         self.shutdown_seen = False
         #: set when the escape hatch fired (coordinator silent, or the reader failed)
         self.coordinator_lost = threading.Event()
+        #: set when the coordinator declared *this* rank dead (it was silent too long, e.g.
+        #: SIGSTOPped): its work went to the survivors, so it must not go on
+        self.declared_dead = threading.Event()
         #: why the rank left mid-run on a request from outside (``leave``), if it did
         self.left: str | None = None
         self._session_cond = threading.Condition()
@@ -177,11 +180,21 @@ class RankRuntime:
         batch: list[ControlMsg],
         origins: list[Origin | None] | None = None,
     ) -> None:
+        if self.declared_dead.is_set():
+            return  # control for the survivors; this rank is out of the run
         for d in deliveries:
             msg = d.msg
             if isinstance(msg, CoordHeartbeat):
                 continue  # liveness only: the read itself reset the clock
             if isinstance(msg, DeclareDead):
+                if msg.rank == self.rank:
+                    self._declared_dead_self()
+                    # Shutdown after whatever came before the notice; nothing after it
+                    # (a RequestParams of the survivors' next round) reaches the core.
+                    batch.append(Shutdown())
+                    if origins is not None:
+                        origins.append((d.stream, d.entry_id))
+                    return
                 self._declare_dead((msg.rank,))
                 continue
             if isinstance(msg, RequestNewNcclId):
@@ -227,6 +240,24 @@ class RankRuntime:
                 self.params.abort()
             except Exception:
                 _log.exception("param_abort_failed", rank=self.rank)
+
+    def _declared_dead_self(self) -> None:
+        # A rank revived after the coordinator gave up on it (SIGSTOP/SIGCONT, a long
+        # stall): its chunks were re-served and the survivors re-formed without it, so
+        # going on would train work twice and enter collectives nobody else is in.
+        self.declared_dead.set()
+        self.shutdown_seen = True  # the coordinator's silence from now on is expected
+        _log.error(
+            "declared_dead",
+            rank=self.rank,
+            detail="the coordinator declared this rank dead (silent past its heartbeat "
+            "timeout); its work went to the survivors; stopping",
+        )
+        try:
+            # Its own collective (if any) waits on peers that left.
+            self.params.abort()
+        except Exception:
+            _log.exception("param_abort_failed", rank=self.rank)
 
     def _escape(self, why: str) -> None:
         # Losing the coordinator means losing the world: a rank parked in a collective

@@ -7,6 +7,7 @@ repository root, which ``python -m`` puts on the path).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import torch
@@ -38,4 +39,51 @@ def _other_train() -> ArrayDataset:
 
 other_data_job: Job = dataclasses.replace(
     digits.job, name="digits-mlp-other-data", train_data=_other_train
+)
+
+
+def _process_rank() -> int | None:
+    """This worker process's ``--rank`` (the tests start ranked workers)."""
+    argv = sys.argv
+    return int(argv[argv.index("--rank") + 1]) if "--rank" in argv else None
+
+
+#: Batches rank 1 trains before its job fails (sleeping like ``slow_job``, so the fault
+#: lands mid-run after the first averaging rounds).
+FAIL_AFTER = 40
+_calls = [0]
+
+
+def _rank1_raises(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    _calls[0] += 1
+    if _process_rank() == 1 and _calls[0] > FAIL_AFTER:
+        raise ValueError("labels out of range in batch")
+    return _slow_loss(model, batch)
+
+
+def _rank1_nan(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    _calls[0] += 1
+    loss = _slow_loss(model, batch)
+    if _process_rank() == 1 and _calls[0] > FAIL_AFTER and _calls[0] % 3 == 0:
+        return loss * float("nan")
+    return loss
+
+
+def _rank1_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    if _process_rank() == 1:
+        raise RuntimeError("no optimizer for this device")
+    return digits.job.build_optimizer(model)
+
+
+#: rank 1's loss_fn raises mid-run
+loss_raises_job = dataclasses.replace(slow_job, name="loss-raises", loss_fn=_rank1_raises)
+#: rank 1's loss turns NaN every third batch mid-run; the run stops (the default)
+nan_stop_job = dataclasses.replace(slow_job, name="nan-stop", loss_fn=_rank1_nan)
+#: the same, skipping those batches
+nan_skip_job = dataclasses.replace(
+    slow_job, name="nan-skip", loss_fn=_rank1_nan, on_nonfinite_loss="skip"
+)
+#: rank 1 cannot build its optimizer
+builder_raises_job = dataclasses.replace(
+    slow_job, name="builder-raises", build_optimizer=_rank1_optimizer
 )

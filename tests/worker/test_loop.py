@@ -421,3 +421,13 @@ def test_teardown_writes_a_queued_shutdown_with_save_bundle(tmp_path: Any) -> No
     assert rig.loop.run_until_shutdown() is True
     assert (tmp_path / "s.model.pt").exists()
     assert rig.published == [Exiting(rank=0)]
+
+
+def test_a_failure_found_off_the_training_thread_is_said_upstream_at_teardown() -> None:
+    why = "averaging_failed: averaging round 2: RuntimeError('no new session')"
+    rig = make_rig(failure_of=lambda: why)
+    # The averager injects Shutdown when its round failed for good.
+    rig.put(Shutdown())
+    assert rig.loop.run_until_shutdown() is True
+    assert rig.of(Exiting) == [Exiting(0, reason=why)]
+    assert rig.loop.failure == why

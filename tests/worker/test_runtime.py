@@ -266,7 +266,7 @@ def test_the_jobs_epoch_fn_fires_once_per_epoch_on_the_role_rank_and_is_timed() 
     assert timed == [0, 1]
 
 
-def test_a_failing_training_step_exits_1_without_claiming_a_clean_exit() -> None:
+def test_a_failing_training_step_exits_1_and_says_why_instead_of_a_clean_exit() -> None:
     hub = MemoryHub(1)
     size = len(digits.train_data())
     coordinator = Coordinator(hub.coordinator_bus(), [EpochPlan(0, 0, size)])
@@ -277,7 +277,27 @@ def test_a_failing_training_step_exits_1_without_claiming_a_clean_exit() -> None
 
     job = dataclasses.replace(digits.job, loss_fn=broken_loss)  # type: ignore[arg-type]
     assert run_rank(job, hub.rank_bus(0), RankOptions()) == 1
-    assert not any(isinstance(m, Exiting) for m in coordinator.received)
+    coordinator.join(timeout=30)  # it returns on the Exiting
+    exits = [m for m in coordinator.received if isinstance(m, Exiting)]
+    assert exits == [Exiting(0, reason="job_failed: loss_fn raised RuntimeError: loss exploded")]
+
+
+@pytest.mark.parametrize("builder", ["build_model", "build_optimizer", "train_data"])
+def test_a_raising_builder_exits_1_and_says_which_upstream(builder: str) -> None:
+    hub = MemoryHub(1)
+    coordinator = Coordinator(hub.coordinator_bus(), [EpochPlan(0, 0, 64)])
+    coordinator.start()
+
+    def broken(*_args: object) -> object:
+        raise OSError("no such file: data.npz")
+
+    job = dataclasses.replace(digits.job, **{builder: broken})
+    assert run_rank(job, hub.rank_bus(0), RankOptions()) == 1
+    coordinator.join(timeout=30)
+    exits = [m for m in coordinator.received if isinstance(m, Exiting)]
+    assert exits == [
+        Exiting(0, reason=f"job_failed: {builder} raised OSError: no such file: data.npz")
+    ]
 
 
 def test_run_rank_with_a_silent_coordinator_stops_within_the_timeout() -> None:

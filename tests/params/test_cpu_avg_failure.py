@@ -1,0 +1,55 @@
+"""A CPU averaging round that fails for good is not silent: the averager keeps the
+failure as the rank's ``Exiting`` reason, injects ``Shutdown`` (the core would wait for
+an ``Update`` forever) and sends no ``SyncAck``; the loop says the reason upstream."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from flodl_bus.params.cpu_avg import CpuAverager
+from flodl_bus.protocol import leaving
+from flodl_bus.protocol.messages import Shutdown, SnapshotReady, SyncAck
+
+
+class BrokenSessions:
+    """The session manager's verdict after its group broke and no new session came in
+    time (what ``SessionManager.run`` raises then); the averager is what is tested."""
+
+    def run(self, attempt: Any) -> bool:
+        raise RuntimeError("collective group broken; no new session within 60.0s")
+
+
+def test_a_round_that_fails_for_good_is_reported_not_silent() -> None:
+    injected: list[Any] = []
+    published: list[Any] = []
+    done = threading.Event()
+
+    def inject(msg: Any) -> None:
+        injected.append(msg)
+        done.set()
+
+    avg = CpuAverager(
+        [torch.ones(4)],
+        [],
+        BrokenSessions(),  # type: ignore[arg-type]
+        rank=1,
+        inject=inject,
+        publish=published.append,
+    )
+    try:
+        assert avg.failure is None
+        avg.snapshot(3)
+        assert done.wait(10)
+        assert avg.wait_idle(10)
+    finally:
+        avg.close()
+    assert injected == [Shutdown()]
+    assert avg.failure is not None
+    assert leaving.kind_of(avg.failure) == leaving.AVERAGING_FAILED
+    assert "no new session within 60.0s" in avg.failure
+    # No SyncAck: the coordinator must not count this round as done by this rank.
+    assert [type(m) for m in published] == [SnapshotReady]
+    assert not any(isinstance(m, SyncAck) for m in published)
