@@ -89,6 +89,7 @@ def test_the_exit_code_table() -> None:
         (0, [0, -9], {}, 1),
         (0, [0, 143], {}, 1),
         (3, [0, 3], {}, 3),  # ShutdownWithSave: stopped by the protocol
+        (3, [1, 0], {}, 1),  # ...because the job raised on a rank: that is the cause
         (-9, [3, 3], {}, 1),  # the coordinator was killed: its ranks lost it
         (143, [0, 0], {}, 143),  # someone sent the coordinator SIGTERM
         (2, [None, None], {}, 2),

@@ -104,7 +104,9 @@ def run_exit_code(
     if coordinator_rc is not None and signal_of(coordinator_rc) is not None:
         return coordinator_rc  # someone stopped the coordinator: the run was interrupted
     if coordinator_rc == STOPPED:
-        return STOPPED
+        # The protocol stopped the run; a rank's own failure (the job raised) is the
+        # cause, and says more than the stop it led to.
+        return FAILED if FAILED in worker_rcs else STOPPED
     if coordinator_rc != OK or lingered or any(rc != OK for rc in worker_rcs):
         return FAILED
     return FAILED if target_missed else OK
