@@ -27,8 +27,9 @@ from typing import Any, Final
 import redis
 import structlog
 
-from flodl_bus.bus import entries
+from flodl_bus.bus import entries, streams
 from flodl_bus.bus.connection import MAX_BLOCK_MS, BusUnavailable, Link
+from flodl_bus.bus.ids import ZERO, parse_id
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import Hello, JoinMsg
@@ -42,6 +43,12 @@ JOIN_RANK: Final = "join"
 READ_COUNT: Final = 256
 #: ``MAXLEN ~`` of the join stream: one Hello and one answer per worker.
 JOIN_MAXLEN: Final = 10_000
+#: how long a post waits for the coordinator to unwedge the stream
+WEDGED_WAIT_S: Final = 30.0
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 class JoinStream:
@@ -69,6 +76,8 @@ class JoinStream:
         self._link = Link(client, name="join", where=where)
         #: entries refused for authentication (a wrong secret, a forger)
         self.auth_failures = 0
+        #: foreign entries beyond the horizon already dead-lettered (left below them)
+        self._beyond: set[str] = set()
 
     def verify(self, data: bytes, mac: bytes) -> bool:
         if len(mac) == SIG_HEX:
@@ -91,7 +100,27 @@ class JoinStream:
             )
             return eid.decode() if isinstance(eid, bytes) else str(eid)
 
-        return self._link.call(op)
+        deadline = time.monotonic() + WEDGED_WAIT_S
+        while True:
+            try:
+                return self._link.call(op)
+            except redis.exceptions.ResponseError as exc:
+                # A foreign entry at the largest id: XADD * has no id left to give. The
+                # coordinator removes it; a worker waits for that, boundedly.
+                if not streams.id_refused(exc) or time.monotonic() > deadline:
+                    raise
+                log.warning("join_stream_blocked", stream=self.stream, error=str(exc)[:120])
+                if self.signer is not None:
+                    self._repair()
+                else:
+                    time.sleep(0.2)
+
+    def _repair(self) -> None:
+        self._link.call(
+            lambda retry: streams.repair_stream(
+                self.client, self.stream, self.keys.dlq, floor=ZERO, now_ms=_now_ms(), by="join"
+            )
+        )
 
     def read(self, after: str, block_ms: int | None) -> tuple[list[tuple[str, JoinMsg]], str]:
         """Entries after id ``after`` (``"0"`` = from the start) and the new cursor.
@@ -114,9 +143,20 @@ class JoinStream:
         cursor = after
         if isinstance(raw, dict):  # a RESP3 client: {stream: [entries]}
             raw = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in raw.items()]
+        limit = streams.writer_limit(_now_ms())
+        beyond = False
         for _name, items in raw or ():
             for eid_raw, fields in items:
                 eid = eid_raw.decode() if isinstance(eid_raw, bytes) else str(eid_raw)
+                if parse_id(eid)[0] > limit:
+                    # No writer of the run makes such an id. The cursor stays below it:
+                    # once the coordinator removed it, new entries come below it too.
+                    beyond = True
+                    if eid not in self._beyond:
+                        self._beyond.add(eid)
+                        why = "foreign: entry id beyond the horizon"
+                        rejected.append((eid, fields, why))
+                    continue
                 cursor = eid
                 parsed = entries.parse(
                     self, self.stream, b"", fields, channel=wire.JOIN, rank=JOIN_RANK
@@ -135,6 +175,8 @@ class JoinStream:
                     out.append((eid, parsed.msg))  # type: ignore[arg-type]
         if rejected:
             self._dead_letter(rejected)
+        if beyond and self.signer is not None:
+            self._repair()
         return out, cursor
 
     def _dead_letter(self, rejected: Sequence[tuple[str, dict[bytes, bytes], str]]) -> None:

@@ -86,7 +86,7 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def _id_refused(exc: redis.exceptions.ResponseError) -> bool:
+def id_refused(exc: redis.exceptions.ResponseError) -> bool:
     # "equal or smaller than the target stream top item", or, past the largest id,
     # "The stream has exhausted the last possible ID"
     text = str(exc)
@@ -861,7 +861,7 @@ class RedisCoordinatorBus:
                         )
                         return
                     except redis.exceptions.ResponseError as exc:
-                        if not _id_refused(exc):
+                        if not id_refused(exc):
                             raise
                     # Refused: the stream's top is ahead of our clock (an earlier
                     # coordinator, or a foreign entry). Renumber above it; every id we

@@ -11,9 +11,12 @@ import pytest
 import redis
 
 from flodl_bus.bus import entries
+from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
+from flodl_bus.protocol.messages import Assign, Hello
+from flodl_bus.protocol.signing import CoordinatorIdentity, new_secret
 from tests.bus.conftest import CK, FAST, RK, Backend
 from tests.bus.test_streams import _batch, _steps, collect, collect_up
 
@@ -180,3 +183,25 @@ def fields_id(fields: dict[bytes, bytes], stream: str, now: int) -> str:
         if not stream.endswith(":all")
         else f"{now}-7"
     )
+
+
+def test_the_join_stream_wedged_at_the_largest_id_is_repaired_by_the_coordinator(
+    real_backend: Backend,
+) -> None:
+    backend = real_backend
+    keys = RunKeys("joinmax")
+    secret = new_secret()
+    coordinator = CoordinatorIdentity.generate()
+    coord = JoinStream(backend.make(), keys, secret, signer=coordinator.signing)
+    worker = JoinStream(backend.make(), keys, secret, answers=coordinator.signing.public)
+    worker.post(Hello("w0", "h", "sig"))
+    backend.admin.xadd(keys.join, {"junk": "x"}, id=MAX_ID)
+    got, cursor = coord.read("0", None)
+    assert [m.worker_id for _, m in got] == ["w0"]  # type: ignore[union-attr]
+    # the coordinator removed it: both sides can write again, and read what follows
+    coord.post(Assign("w0", 0, 2))
+    worker.post(Hello("w1", "h", "sig"))
+    more, _ = coord.read(cursor, None)
+    assert [type(m).__name__ for _, m in more] == ["Assign", "Hello"]
+    reasons = _reasons(backend.admin, keys)
+    assert reasons and all(r.startswith("foreign") for r in reasons)
