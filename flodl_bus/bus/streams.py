@@ -338,7 +338,8 @@ class _GroupReader:
                 )
                 return pipe.execute()[-1]
             except redis.exceptions.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                # NOGROUP, or UNBLOCKED for a read that was blocked when it went
+                if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
                     raise
                 # The stream or group vanished (server restarted without AOF, key
                 # deleted): recreate and re-read pending (nothing is pending any more).

@@ -64,12 +64,12 @@ class Cluster:
     workdir: Path
     procs: list[Proc] = field(default_factory=list)
 
-    def spawn(self, name: str, *args: str) -> Proc:
+    def spawn(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
         popen = subprocess.Popen(
             [sys.executable, "-m", "flodl_bus.cli", *args],
             cwd=REPO,
-            env=_env(),
+            env={**_env(), **(env or {})},
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
         )
@@ -77,7 +77,9 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def coordinator(self, run: str, *args: str, job: str = DIGITS) -> Proc:
+    def coordinator(
+        self, run: str, *args: str, job: str = DIGITS, env: dict[str, str] | None = None
+    ) -> Proc:
         return self.spawn(
             f"coordinator-{run}",
             "coordinator",
@@ -92,9 +94,12 @@ class Cluster:
             "--exit-grace",
             "20",
             *args,
+            env=env,
         )
 
-    def worker(self, run: str, name: str, *args: str) -> Proc:
+    def worker(
+        self, run: str, name: str, *args: str, env: dict[str, str] | None = None
+    ) -> Proc:
         return self.spawn(
             f"{name}-{run}",
             "worker",
@@ -107,6 +112,7 @@ class Cluster:
             "--log-level",
             "warning",
             *args,
+            env=env,
         )
 
     def ranked_workers(self, run: str, n: int, *args: str) -> list[Proc]:
