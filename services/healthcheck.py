@@ -4,8 +4,9 @@
 
 Healthy when Redis answers with this service's own ACL user (FLODL_REDIS_URL plus
 FLODL_REDIS_USERNAME / FLODL_REDIS_PASSWORD), and, for the coordinator, once the run's
-secret is published (``flodl-secret:{RUN}``): workers can only join after that, which is what
-``depends_on: condition: service_healthy`` waits for. Exit status 0 healthy, 1 not.
+identity is published (``flodl:{RUN}:identity``, its public keys, written after the secret
+whether that came from FLODL_RUN_SECRET or was created in Redis): workers can only join
+after that, which is what ``depends_on: condition: service_healthy`` waits for. Exit status 0 healthy, 1 not.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def check(role: str, url: str, run: str | None) -> str | None:
             if not run:
                 return "FLODL_RUN is not set"
             keys = RunKeys(run)
-            # A volume-persisted Redis may still hold the previous compose run's secret
+            # A volume-persisted Redis may still hold the previous compose run's identity
             # and meta: healthy only once *this* coordinator has started the run.
             status = client.hget(keys.meta, "status")
-            if status not in (b"joining", b"running") or not client.exists(keys.secret):
+            if status not in (b"joining", b"running") or not client.exists(keys.identity):
                 return f"run {run!r} is not started by this coordinator yet"
         return None
     except Exception as exc:
