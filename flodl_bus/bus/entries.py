@@ -6,7 +6,8 @@ An entry is five plain fields, readable with ``redis-cli XRANGE``::
     rank  3 | all | join     the rank the stream belongs to
     seq   17                 the writer's sequence on this stream (1, 2, 3, ...)
     body  <msgpack>          ``flodl_bus.protocol.wire`` encoding of the message
-    mac   <hex>              HMAC (rank key, run secret) or Ed25519 signature (broadcast)
+    mac   <hex>              HMAC (rank key, run secret), or for a broadcast a MAC per rank
+                             (``m...``) or an Ed25519 signature
 
 The MAC covers the stream key, the entry's own id, and every field (see
 ``protocol.signing``), so an entry copied into another stream, another run, or re-added
@@ -36,8 +37,8 @@ FIELDS: Final = frozenset((F_TYPE, F_RANK, F_SEQ, F_BODY, F_MAC))
 MAX_BODY_BYTES: Final = wire.MAX_BODY_BYTES
 #: type names, rank and seq are short; anything longer is not ours.
 MAX_HEAD_BYTES: Final = 64
-#: an Ed25519 signature in hex is the longest mac
-MAX_MAC_BYTES: Final = signing.SIG_HEX
+#: the longest mac: a broadcast's MAC vector at its largest world, or an Ed25519 signature
+MAX_MAC_BYTES: Final = max(signing.SIG_HEX, 1 + signing.SLOT_HEX * signing.VECTOR_MAX_RANKS)
 #: the reason prefix of an entry refused as a replay (what the dlq and tests look for)
 REPLAYED: Final = "replayed"
 

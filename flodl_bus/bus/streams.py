@@ -699,7 +699,10 @@ class RedisRankBus:
         self._ctl = self.keys.ctl(rank)
         self._all = self.keys.ctl_all
         self._rank_fields = {self._ctl: str(rank), self._all: BROADCAST}
-        self._verifiers: dict[str, Verifier] = {self._ctl: keys.rank_key, self._all: keys.broadcast}
+        self._verifiers: dict[str, Verifier] = {
+            self._ctl: keys.rank_key,
+            self._all: keys.broadcast_verifier(rank),
+        }
         self._reader = _GroupReader(
             client,
             [self._ctl, self._all],
@@ -823,14 +826,14 @@ class RedisCoordinatorBus:
         self._write(self.keys.ctl(rank), str(rank), msg, self.signing.rank(rank))
 
     def broadcast(self, msg: ControlWire) -> None:
-        self._write(self.keys.ctl_all, BROADCAST, msg, self.signing.signing)
+        self._write(self.keys.ctl_all, BROADCAST, msg, self.signing.broadcast)
 
     def _next_seq(self, stream: str, rank_field: str, signer: Signer) -> int:
         seq = self._seqs.get(stream)
         if seq is None:
             # An earlier coordinator of the run wrote here: continue above its seq.
             verifier: Verifier = (
-                signer if isinstance(signer, MacKey) else self.signing.signing.public
+                signer if isinstance(signer, MacKey) else self.signing.broadcast_check
             )
             seq = self._link.call(
                 lambda retry: last_seq(self.client, stream, verifier, rank_field, wire.CONTROL)

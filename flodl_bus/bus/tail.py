@@ -76,12 +76,14 @@ def format_entry(
     # An observer can check what the coordinator signed for everyone (its public key is
     # in the run's identity); a rank's streams are MACed with keys only that rank and the
     # coordinator hold, so there tail shows what is there, unchecked.
-    if broadcast_key is not None and stream == keys.ctl_all:
+    mac = fields.get(F_MAC, b"")
+    # A per-rank MAC vector (``m...``) needs rank keys: only a signature is checked here.
+    if broadcast_key is not None and stream == keys.ctl_all and len(mac) == signing.SIG_HEX:
         signed = signing.signed_bytes(
             stream.encode(), format_id(eid).encode(), fields.get(F_TYPE, b""),
             fields.get(F_RANK, b""), fields.get(F_SEQ, b""), body,
         )  # fmt: skip
-        note = "" if broadcast_key.verify(signed, fields.get(F_MAC, b"")) else "  [BAD SIGNATURE]"
+        note = "" if broadcast_key.verify(signed, mac) else "  [BAD SIGNATURE]"
     try:
         data = wire.to_map(wire.decode(body))
         data.pop("v", None)

@@ -24,7 +24,13 @@ from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import Assign, Hello
-from flodl_bus.protocol.signing import SIG_HEX, CoordinatorIdentity, MacKey, Verifier
+from flodl_bus.protocol.signing import (
+    SIG_HEX,
+    BroadcastVerifier,
+    CoordinatorIdentity,
+    MacKey,
+    Verifier,
+)
 
 READ_COUNT = 1000
 
@@ -111,7 +117,14 @@ class StreamWatcher:
 
     def _verifier(self, rank: int | None) -> Verifier | None:
         if rank is None:
-            return self.identity.signing.public
+            # A broadcast carries a MAC per rank (or a signature, in large worlds): the
+            # slot of any rank whose key the watcher derived checks it.
+            if not self._rank_keys:
+                self._learn_keys()
+            if not self._rank_keys:
+                return None
+            first = min(self._rank_keys)
+            return BroadcastVerifier(first, self._rank_keys[first], self.identity.signing.public)
         if rank not in self._rank_keys:
             self._learn_keys()
         return self._rank_keys.get(rank)

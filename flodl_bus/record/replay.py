@@ -258,11 +258,16 @@ def _seed(
     by_stream: dict[str, list[tuple[EntryId, dict[str, Any]]]] = {}
     for (stream, raw_id), entry in inputs.items():
         by_stream.setdefault(stream, []).append((parse_id(raw_id), entry))
+    for stream in by_stream:
+        # every rank whose stream is replayed has its slot in the broadcasts' MAC vector
+        owner = keys.rank_of(stream)
+        if owner is not None:
+            REPLAY_KEYS.rank(owner)
     for stream in sorted(by_stream):
         rank_field = BROADCAST if stream == keys.ctl_all else stream.rsplit(":", 1)[1]
         pipe = client.pipeline(transaction=False)
         signer: signing.Signer = (
-            REPLAY_KEYS.signing if rank_field == BROADCAST else REPLAY_KEYS.rank(int(rank_field))
+            REPLAY_KEYS.broadcast if rank_field == BROADCAST else REPLAY_KEYS.rank(int(rank_field))
         )
         for seq, (eid, entry) in enumerate(sorted(by_stream[stream], key=lambda x: x[0]), 1):
             eid_s = f"{eid[0]}-{eid[1]}"

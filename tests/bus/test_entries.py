@@ -9,8 +9,8 @@ import pytest
 
 from flodl_bus.bus import entries
 from flodl_bus.protocol import messages as m
-from flodl_bus.protocol import wire
-from flodl_bus.protocol.signing import CoordinatorIdentity, MacKey, fixed_keys
+from flodl_bus.protocol import signing, wire
+from flodl_bus.protocol.signing import CoordinatorIdentity, MacKey, fixed_keys, rank_keys_for
 
 KEY = MacKey(b"k" * 32)
 STREAM = "flodl:{r}:ctl:2"
@@ -46,7 +46,7 @@ def test_an_entry_has_plain_readable_fields_and_parses_back() -> None:
         (lambda f: {**f, b"x": b"1"}, "bad fields"),
         (lambda f: {}, "trimmed"),
         (lambda f: {**f, b"type": b"T" * 100}, "oversized"),
-        (lambda f: {**f, b"mac": b"f" * 200}, "oversized"),
+        (lambda f: {**f, b"mac": b"f" * 2000}, "oversized"),
         (lambda f: {**f, b"seq": b"x1"}, "bad type, rank or seq"),
     ],
 )
@@ -98,6 +98,33 @@ def test_broadcast_entries_carry_an_ed25519_signature_that_rank_keys_cannot_make
     foreign = entries.build(other, stream, EID, m.Shutdown(), "all", 1)
     out = entries.parse(verify, stream, EID.encode(), foreign, channel=wire.CONTROL, rank="all")
     assert isinstance(out, str) and out.startswith("authentication failed")
+
+
+def test_a_small_worlds_broadcast_carries_a_mac_per_rank_each_checks_its_own() -> None:
+    keys = fixed_keys(b"vector")
+    for r in range(3):
+        keys.rank(r)
+    stream = "flodl:{r}:ctl:all"
+    f = entries.build(keys.broadcast, stream, EID, m.Shutdown(), "all", 1)
+    assert f[b"mac"].startswith(b"m") and len(f[b"mac"]) == 1 + 3 * 16
+    for r in range(3):
+        verify = rank_keys_for(keys, r).broadcast_verifier(r)
+        ok = entries.parse(verify, stream, EID.encode(), f, channel=wire.CONTROL, rank="all")
+        assert isinstance(ok, entries.Parsed), r
+    # rank 1 holds its own key: the vector it can make passes only its own slot
+    own = rank_keys_for(keys, 1)
+    slot = own.rank_key.slot(
+        signing.signed_bytes(stream.encode(), EID.encode(), b"Shutdown", b"all", b"1", f[b"body"])
+    )
+    forged = {**f, b"mac": b"m" + slot * 3}
+    for r, want in ((0, False), (1, True), (2, False)):
+        verify = rank_keys_for(keys, r).broadcast_verifier(r)
+        out = entries.parse(verify, stream, EID.encode(), forged, channel=wire.CONTROL, rank="all")
+        assert isinstance(out, entries.Parsed) is want, r
+    # a rank beyond the vector has no slot
+    verify = rank_keys_for(keys, 7).broadcast_verifier(7)
+    out = entries.parse(verify, stream, EID.encode(), f, channel=wire.CONTROL, rank="all")
+    assert isinstance(out, str)
 
 
 def test_one_ranks_key_cannot_make_another_ranks_entries() -> None:
