@@ -28,6 +28,7 @@ How each rule of DESIGN §3 is kept:
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
@@ -84,6 +85,18 @@ def rank_group(rank: int) -> str:
 
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def settle_heap() -> None:
+    """Move every object made so far out of the cyclic collector's view (``gc.freeze``).
+
+    A full collection walks every tracked object: with a process's imports alone (some
+    40,000 objects, more with torch) that is a 5-10 ms stall of every thread, and on an
+    H200 host it took the control dispatch p99 from 0.6 ms to 10-28 ms (one stall holds
+    up the ~20 messages behind it). What a bus process keeps from its start is never
+    garbage; after a freeze a full collection walks only what was made since.
+    """
+    gc.freeze()
 
 
 def id_refused(exc: redis.exceptions.ResponseError) -> bool:
@@ -717,6 +730,7 @@ class RedisRankBus:
         self._publisher = _Publisher(
             client, self.keys.up(rank), rank, keys.rank_key, self.config, where
         )
+        settle_heap()
 
     @property
     def reconnects(self) -> int:
@@ -793,6 +807,7 @@ class RedisCoordinatorBus:
         self._link.call(lambda retry: self._raise_floor(self.keys.ctl_all))
         for rank in ranks:
             self.add_rank(rank)
+        settle_heap()
 
     @property
     def ranks(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -192,6 +193,10 @@ def run_rank(
     runtimes.append(runtime)
     if stop is not None and stop.signum is not None:
         runtime.leave(signal_name(stop.signum))
+    # The model, the data and the imports are built: out of the collector's view with
+    # them, or each full collection stalls the training and reader threads for ms
+    # (``bus.streams.settle_heap``).
+    gc.freeze()
     clean = False
     try:
         clean = loop.run_until_shutdown()
