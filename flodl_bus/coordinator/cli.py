@@ -198,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    from flodl_bus.bus.ids import format_id
     from flodl_bus.bus.join import JoinStream
     from flodl_bus.bus.run_secret import (
         SecretError,
@@ -205,7 +206,6 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         ensure_run_secret,
         publish_identity,
     )
-    from flodl_bus.bus.ids import format_id
     from flodl_bus.bus.streams import RedisCoordinatorBus, stream_top
     from flodl_bus.coordinator.checkpoint import read_meta
     from flodl_bus.coordinator.core import Coordinator
