@@ -94,7 +94,9 @@ def settle_heap() -> None:
     40,000 objects, more with torch) that is a 5-10 ms stall of every thread, and on an
     H200 host it took the control dispatch p99 from 0.6 ms to 10-28 ms (one stall holds
     up the ~20 messages behind it). What a bus process keeps from its start is never
-    garbage; after a freeze a full collection walks only what was made since.
+    garbage; after a freeze a full collection walks only what was made since. Closing a
+    bus unfreezes: a frozen object is never collected, not even at exit, and a process
+    group left to the interpreter's teardown ends the process in std::terminate.
     """
     gc.freeze()
 
@@ -763,6 +765,7 @@ class RedisRankBus:
     def close(self) -> None:
         self._publisher.close()
         self._reader.close()
+        gc.unfreeze()
 
 
 # ------------------------------------------------------------------ coordinator
@@ -929,3 +932,4 @@ class RedisCoordinatorBus:
     def close(self) -> None:
         self._reader.close()
         self._link.close()
+        gc.unfreeze()

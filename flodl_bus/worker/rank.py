@@ -206,6 +206,10 @@ def run_rank(
         _log_failure(rank, loop.failure or repr(exc), exc, recording)
         clean = False
     finally:
+        # Back into the collector's view: what is frozen is never collected, so a
+        # process group caught in a cycle would outlive the interpreter and gloo's
+        # threads would end the process in std::terminate (exit -6) at teardown.
+        gc.unfreeze()
         # The param plane first: its averaging thread may still publish a round's
         # SyncAck, which needs the bus the runtime closes.
         close_params = getattr(params, "close", None)
