@@ -97,9 +97,7 @@ class Cluster:
             env=env,
         )
 
-    def worker(
-        self, run: str, name: str, *args: str, env: dict[str, str] | None = None
-    ) -> Proc:
+    def worker(self, run: str, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
         return self.spawn(
             f"{name}-{run}",
             "worker",
