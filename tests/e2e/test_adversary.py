@@ -245,15 +245,17 @@ def test_a_run_attacked_through_every_stream_trains_every_sample_exactly_once(
         ranges = [rg for rank_ranges in plans[epoch].values() for rg in rank_ranges]
         assert tiles(ranges, [(0, total)]), (epoch, plans[epoch])
 
-    # every bad entry a reader could see is in the dlq, with a reason
-    dead = {
-        (f[b"stream"].decode(), f[b"entry"].decode()): f[b"reason"].decode()
-        for _, f in admin.xrange(k.dlq)
-    }
+    # every bad entry a reader could see is in the dlq, with a reason (an entry may be
+    # there twice: read and refused by a rank, and removed by the coordinator)
+    dead: dict[tuple[str, str], list[str]] = {}
+    for _, f in admin.xrange(k.dlq):
+        dead.setdefault((f[b"stream"].decode(), f[b"entry"].decode()), []).append(
+            f[b"reason"].decode()
+        )
     missing = sorted(ledger.entries - set(dead))
     assert not missing, f"{len(missing)} of {len(ledger.entries)} not dead-lettered: {missing[:5]}"
     reasons = [dead[e] for e in ledger.entries]
-    assert sum(r.startswith("replayed") for r in reasons) >= 2 * WORLD + 1
-    assert sum(r.startswith("foreign") for r in reasons) >= 2
-    assert all(r for r in reasons)
+    assert sum(any(r.startswith("replayed") for r in rs) for rs in reasons) >= 2 * WORLD + 1
+    assert sum(any(r.startswith("foreign") for r in rs) for rs in reasons) >= 2
+    assert all(all(rs) for rs in reasons)
     admin.close()
