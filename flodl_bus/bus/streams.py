@@ -9,11 +9,15 @@ How each rule of DESIGN §3 is kept:
    explicit id from one ``IdClock``; a rank reads ``ctl:<r>`` and ``ctl:all`` in ONE
    XREADGROUP (atomic on the server) and ``GroupCursor`` releases them in id order.
 2. One upstream stream per rank, written only by the rank's publisher thread, in
-   ``publish()`` order (FIFO queue, one thread, pipelined batches in order).
+   ``publish()`` order (FIFO queue, one thread, each batch one WATCH/MULTI/EXEC
+   transaction above the stream's top, so a foreign entry cannot split it).
 3. No duplicates, no loss: explicit ids make a retried XADD harmless (Redis refuses an id
-   at or below the stream top; a refused retry whose id is present in the stream landed
-   the first time). Consumer groups with XACK after dispatch; pending entries are re-read
-   first after every start and every lost connection; ``GroupCursor`` drops redeliveries.
+   at or below the stream top; a retry after a lost reply first asks whether our entry,
+   same id and same MAC, is there). Consumer groups with XACK after dispatch; pending
+   entries are re-read first after every start and every lost connection;
+   ``GroupCursor`` drops redeliveries. A foreign entry that moved a stream's top is
+   followed up to ``FOLLOW_LIMIT_MS`` ahead, and beyond that removed by the coordinator
+   (``repair_stream``): nothing anyone writes stops a writer or wedges a stream.
 5. Bounded memory: every XADD trims with ``MAXLEN ~ maxlen``. The bound that keeps this
    from losing control entries: a reader must stay less than ``maxlen`` entries (default
    100,000) behind on a stream; in normal operation a rank holds a handful unread. A
@@ -23,7 +27,10 @@ How each rule of DESIGN §3 is kept:
    ``Link`` reconnects with exponential backoff and logs one line per reconnect.
 7. Bad input: ``entries.parse`` names the reason; the entry goes to ``dlq`` with it, is
    acked, is logged as one structured error, and reading goes on.
-8. Authentication: the MAC of every entry is checked with the run secret.
+8. Authentication: every entry's MAC (rank key, or a broadcast's per-rank MAC vector or
+   Ed25519 signature; ``protocol.signing``) covers the stream, the entry id and the
+   writer's seq; a reader is moved only by entries that verify.
+9. Replay protection: a seq at or below the last one accepted on a stream is ``replayed``.
 """
 
 from __future__ import annotations
