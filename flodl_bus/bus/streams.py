@@ -125,20 +125,21 @@ class StreamBlocked(BusError):
     """A foreign entry put the stream's top beyond any id a writer of the run may use."""
 
 
-def _entry_mac(fields: Any) -> bytes | None:
+def _as_map(fields: Any) -> dict[bytes, bytes]:
+    """An entry's fields as XRANGE gives them: a dict, or a flat [k, v, ...] list."""
     if not fields:
-        return None
+        return {}
     if isinstance(fields, dict):
-        return fields.get(entries.F_MAC)  # type: ignore[no-any-return]
+        return fields
     it = iter(fields)
-    return dict(zip(it, it)).get(entries.F_MAC)
+    return dict(zip(it, it))
 
 
 def landed(client: redis.Redis, stream: str, eid: str, mac: bytes) -> bool:
     """Whether our entry (same id AND same mac) is in ``stream``: after a lost reply a
     refused id only proves *someone's* entry is there."""
     found: Any = client.xrange(stream, min=eid, max=eid, count=1)
-    return bool(found) and _entry_mac(found[0][1]) == mac
+    return bool(found) and _as_map(found[0][1]).get(entries.F_MAC) == mac
 
 
 def last_seq(client: redis.Redis, stream: str, verifier: Verifier, rank: str, channel: str) -> int:
@@ -147,8 +148,7 @@ def last_seq(client: redis.Redis, stream: str, verifier: Verifier, rank: str, ch
     passed the old entries keep accepting. Foreign entries cannot move it."""
     found: Any = client.xrevrange(stream, "+", "-", count=64)
     for raw_id, fields in found or ():
-        flat = fields if isinstance(fields, dict) else dict(zip(*[iter(fields)] * 2))
-        p = entries.parse(verifier, stream, raw_id, flat, channel=channel, rank=rank)
+        p = entries.parse(verifier, stream, raw_id, _as_map(fields), channel=channel, rank=rank)
         if isinstance(p, entries.Parsed):
             return p.seq
     return 0
@@ -177,7 +177,7 @@ def repair_stream(
         pipe = client.pipeline(transaction=False)
         for raw_id, fields in found or ():
             eid = raw_id.decode()
-            flat = fields if isinstance(fields, dict) else dict(zip(*[iter(fields)] * 2))
+            flat = _as_map(fields)
             pipe.xadd(
                 dlq,
                 entries.dead_letter_fields(  # type: ignore[arg-type]
@@ -650,7 +650,7 @@ class _Publisher:
                         fields = entries.sign(
                             self.key, self.stream, eid, encoded, self.rank_field, seq
                         )
-                        if self._tried is None or seq == batch[0][0]:
+                        if seq == batch[0][0]:
                             self._tried = (eid, fields[entries.F_MAC])
                         pipe.xadd(
                             self.stream,
