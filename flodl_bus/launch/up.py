@@ -60,6 +60,7 @@ from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_p
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
 from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
+from flodl_bus.record.chain import raw_lines
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
 
@@ -423,10 +424,10 @@ class Launcher:
 
     def _coordinator_header(self) -> dict[str, Any] | None:
         try:
-            with open(self.run_dir / "coordinator.jsonl", "rb") as f:
-                first = f.readline()
+            # plain or zstd (readable while it is written): record.chain reads both
+            first = next(raw_lines(self.run_dir / "coordinator.jsonl"), b"")
             header = orjson.loads(first)
-        except (OSError, orjson.JSONDecodeError):
+        except (OSError, ValueError, orjson.JSONDecodeError):
             return None
         return header if isinstance(header, dict) and header.get("event") == "run" else None
 

@@ -11,10 +11,11 @@ chains from ``SEED``). A record is complete when its last line is an ``end`` rec
   not who wrote them (``flodl-bus replay``'s ``save_run`` re-chains a record it changed on
   purpose, e.g. after surgery).
 
-Compressed records (``*.jsonl.zst``) hold the same lines in zstd frames. The writer emits
-a block at least every ``FLUSH_S`` seconds (and when zstd's block fills), and ends a frame
-every ``FRAME_BYTES`` of input and at close: a reader gets every line up to the last
-emitted block, while the record is written and after a crash. ``*.jsonl.gz`` and records
+Compressed records (``*.jsonl.zst``) hold the same lines in zstd frames, compressed on a
+writer thread. It emits a block whenever it has been idle ``FLUSH_S`` seconds (and when
+zstd's block fills), and ends a frame every ``FRAME_BYTES`` of input and at close: a
+reader gets every line up to the last emitted block, while the record is written and
+after a crash (a kill loses at most the lines of the last moments). ``*.jsonl.gz`` and records
 without a chain (written before the chain existed) are read too; the latter are reported
 as unchained, never as verified.
 """
@@ -24,7 +25,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,9 +132,10 @@ class Sink:
 
 
 class ZstdSink(Sink):
-    """zstd frames written as they fill. The caller serialises ``write``/``flush``/
-    ``close`` (the recorder's lock); a timer thread flushes an idle block through the
-    same lock, so a hung process leaves everything it recorded readable."""
+    """zstd frames written by a thread of their own: the recording thread only queues the
+    line (compressing it would be most of a record's cost there). The writer emits a
+    block as soon as it has nothing queued for ``FLUSH_S``, so a hung process leaves
+    everything it recorded readable; a frame ends every ``FRAME_BYTES`` and at close."""
 
     def __init__(self, path: Path, lock: threading.Lock) -> None:
         super().__init__(path)
@@ -139,44 +143,73 @@ class ZstdSink(Sink):
         self._obj = self._cctx.compressobj()
         self._in_frame = 0
         self._dirty = False
-        self._lock = lock
-        self._stop = threading.Event()
-        self._timer = threading.Thread(target=self._flush_idle, name="flodl-record-zstd")
-        self._timer.daemon = True
-        self._timer.start()
+        self._flushed = time.monotonic()
+        self._q: queue.SimpleQueue[bytes | threading.Event | None] = queue.SimpleQueue()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="flodl-record-zstd")
+        self._thread.daemon = True
+        self._thread.start()
 
     def write(self, line: bytes) -> None:
-        out = self._obj.compress(line)
-        if out:
-            self._file.write(out)
-        self._dirty = True
-        self._in_frame += len(line)
-        if self._in_frame >= FRAME_BYTES:
-            self._end_frame()
+        self._q.put(line)
+
+    def flush(self) -> None:
+        """Everything queued so far is on disk as a whole block when this returns."""
+        if not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._q.put(done)
+        done.wait(10.0)
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._q.put(None)
+        self._thread.join(30.0)
+        self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing or self._file.closed
+
+    def _run(self) -> None:
+        get = self._q.get
+        while True:
+            try:
+                item = get(timeout=FLUSH_S) if self._dirty else get()
+            except queue.Empty:
+                self._flush_block()
+                continue
+            if item is None:
+                if self._in_frame:
+                    self._end_frame()
+                return
+            if isinstance(item, threading.Event):
+                self._flush_block()
+                item.set()
+                continue
+            out = self._obj.compress(item)
+            if out:
+                self._file.write(out)
+            self._dirty = True
+            self._in_frame += len(item)
+            if self._in_frame >= FRAME_BYTES:
+                self._end_frame()
+            elif time.monotonic() - self._flushed > FLUSH_S:
+                self._flush_block()  # a steady stream of lines is readable as it goes too
+
+    def _flush_block(self) -> None:
+        if self._dirty:
+            self._file.write(self._obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+            self._dirty = False
+        self._flushed = time.monotonic()
 
     def _end_frame(self) -> None:
         self._file.write(self._obj.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
         self._obj = self._cctx.compressobj()
         self._in_frame = 0
         self._dirty = False
-
-    def flush(self) -> None:
-        if self._dirty:
-            self._file.write(self._obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
-            self._dirty = False
-
-    def _flush_idle(self) -> None:
-        while not self._stop.wait(FLUSH_S):
-            with self._lock:
-                if self._file.closed:
-                    return
-                self.flush()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._in_frame:
-            self._end_frame()
-        self._file.close()
 
 
 def open_sink(path: Path, lock: threading.Lock) -> Sink:

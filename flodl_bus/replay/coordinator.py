@@ -187,12 +187,16 @@ class CoordinatorReplay(_Replay):
         self.keep(ev, {"msg": norm(d.msg), **actual})
 
     def _call(self, fn: Any) -> dict[str, Any]:
-        before = self.core.state_summary()
+        # The core changes only through these calls: the last "after" is this "before".
+        before = self._after if self._after is not None else norm(self.core.state_summary())
         out: list[Out] = fn()
-        after = self.core.state_summary()
+        after = norm(self.core.state_summary())
+        self._after = after
         for o in out:
             self._effect(o)
-        return {"before": norm(before), "out": norm(out), "after": norm(after)}
+        return {"before": before, "out": norm(out), "after": after}
+
+    _after: Any = None
 
     def _effect(self, o: Out) -> None:
         t = self._now_rel

@@ -87,6 +87,7 @@ class RankReplay(_Replay):
         self.pending: deque[tuple[ControlMsg, tuple[str, str] | None]] = deque()
         self.taken_plan: EpochPlan | None = None
         self.last_now: float | None = None
+        self._after: Any = None
 
     def inputs_of(self, ev: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         kind = ev.get("event")
@@ -202,7 +203,9 @@ class RankReplay(_Replay):
 
     def _run(self, msg: ControlMsg, calls: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
         control, cap = self.control, self.capture
-        before = control.state()
+        # The core changes only through the calls replayed here, each of which keeps its
+        # "after": the last one is this call's "before".
+        before = self._after if self._after is not None else norm(control.state())
         self.script.load(calls)
         cap.begin()
         actual: dict[str, Any] = {"msg": msg, "before": before}
@@ -219,8 +222,10 @@ class RankReplay(_Replay):
         _, logs = cap.end()
         actual["calls"] = self.script.actual
         actual["logs"] = logs
-        actual["after"] = control.state()
-        return {k: norm(v) for k, v in actual.items()}
+        after = norm(control.state())
+        self._after = after
+        out_json = {k: norm(v) for k, v in actual.items() if k != "before"}
+        return {**out_json, "before": before, "after": after}
 
     def _message_of(self, ev: Mapping[str, Any]) -> Any:
         """The message an event fed the core: the next one off its stream (None when the
@@ -264,6 +269,7 @@ class RankReplay(_Replay):
         actual = norm(
             {"plan": wire.to_map(StartEpoch(plan))["plan"], "partition_len": len(picks)}
         ) | {"after": norm(control.state()), "source": ev.get("source")}
+        self._after = actual["after"]
         self.keep(ev, actual)
         self.compare(ev, actual, ("plan", "partition_len", "after"))
 
@@ -280,12 +286,14 @@ class RankReplay(_Replay):
             "out": norm(list(out)),
             "after": norm(self.control.state()),
         }
+        self._after = actual["after"]
         self.keep(ev, actual)
         self.compare(ev, actual, ("calls", "out", "after"))
 
     def _closed(self, ev: Mapping[str, Any]) -> None:
         out = self.control.channel_closed()
         actual = {"out": norm(out), "after": norm(self.control.state())}
+        self._after = actual["after"]
         self.keep(ev, actual)
         self.compare(ev, actual, ("out", "after"))
 
