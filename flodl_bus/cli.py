@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("flodl_bus.launch.up:main", "start Redis (embedded if no URL), coordinator and workers"),
     "coordinator": ("flodl_bus.coordinator.cli:main", "run the coordinator of a run"),
-    "worker": ("flodl_bus.worker.cli:main", "run one rank (or join a run without --rank)"),
+    "worker": ("flodl_bus.worker.options:main", "run one rank (or join a run without --rank)"),
     "tail": ("flodl_bus.bus.tail:main", "print a run's control and upstream entries live"),
     "replay": ("flodl_bus.replay.cli:main", "replay a recorded run against fresh cores"),
     "acl": ("flodl_bus.bus.acl:main", "per-run Redis ACL users: create, drop, print rules"),

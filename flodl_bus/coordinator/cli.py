@@ -29,13 +29,16 @@ from typing import Any, NoReturn
 from flodl_bus.bus.connection import (
     DEFAULT_URL,
     ENV_URL,
+    REFUSALS,
     RedisUnreachable,
     connect_pinged,
+    describe_refusal,
     redact_url,
 )
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig, parse_mode
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
+from flodl_bus.options import LOG_LEVELS, log_level
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 
@@ -54,17 +57,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Run the coordinator of a run.")
-    p.add_argument("--run", required=True, help="run id shared with the workers")
+    p = _Parser(
+        prog=PROG,
+        description="Run the coordinator of a run.",
+        epilog="Give --world-size N, or --min-workers M (with --join-timeout S). "
+        "Credentials: in the URL, or FLODL_REDIS_USERNAME / FLODL_REDIS_PASSWORD.",
+    )
+    required = p.add_argument_group("required")
+    required.add_argument("--run", required=True, help="run id shared with the workers")
+    required.add_argument(
+        "--job",
+        required=True,
+        help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job); the "
+        "current directory is importable",
+    )
     p.add_argument(
         "--redis-url",
         default=os.environ.get(ENV_URL, DEFAULT_URL),
         help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
     )
+    # Not argparse choices: parse_mode's refusal names the fix (nccl-async -> cpu-async).
     p.add_argument(
-        "--job", help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job)"
+        "--mode",
+        default="nccl-cadence",
+        metavar="{" + ",".join(MODES) + "}",
+        help="averaging mode (default %(default)s)",
     )
-    p.add_argument("--mode", default="nccl-cadence", help=f"one of {', '.join(MODES)}")
     p.add_argument("--world-size", type=int, help="form the world when this many workers joined")
     p.add_argument(
         "--min-workers",
@@ -101,7 +119,13 @@ def _parser() -> argparse.ArgumentParser:
         help="delete what an earlier run with this id left in Redis (streams, meta, secret) "
         "before starting; without it such a run id is refused",
     )
-    p.add_argument("--log-level", default="info", help="console log level (default info)")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=log_level,
+        choices=LOG_LEVELS,
+        help="console log level (default info)",
+    )
     p.add_argument(
         "--supervisor-fd",
         type=int,
@@ -191,6 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main(args, stop)
         except ConfigError as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
+            return CONFIG
+        except REFUSALS as exc:
+            # A user whose ACL lacks a command or key, or whose password stopped working:
+            # one line naming the user, not redis-py's traceback.
+            print(f"{PROG}: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
             return CONFIG
         except SignalStop as exc:
             print(f"{PROG}: stopped by {signal_name(exc.signum)} during setup", file=sys.stderr)
