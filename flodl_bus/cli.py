@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "coordinator": ("flodl_bus.coordinator.cli:main", "run the coordinator of a run"),
     "worker": ("flodl_bus.worker.cli:main", "run one rank (or join a run without --rank)"),
     "tail": ("flodl_bus.bus.tail:main", "print a run's control and upstream entries live"),
-    "replay": ("flodl_bus.record.replay:main", "replay a recorded run against fresh cores"),
+    "replay": ("flodl_bus.replay.cli:main", "replay a recorded run against fresh cores"),
     "acl": ("flodl_bus.bus.acl:main", "per-run Redis ACL users: create, drop, print rules"),
 }
 

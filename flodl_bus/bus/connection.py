@@ -91,18 +91,20 @@ class RedisTarget:
         return f"{self.scheme}://{auth}{self.host}:{self.port}/{self.db}"
 
 
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^@/]*)@")
+# Anywhere in a text (a log field may hold a URL inside a sentence), not only at its start.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^@/\s]*)@")
+
+
+def _mask(m: re.Match[str]) -> str:
+    # Without a colon the userinfo is a user name (as redis-py reads it), not a secret.
+    user, sep, _ = m.group("userinfo").partition(":")
+    return f"{m.group('scheme')}{user}:***@" if sep else m.group(0)
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (also for URLs that do not parse)."""
-    m = _USERINFO.match(url)
-    if m is None:
-        return url
-    # Without a colon the userinfo is a user name (as redis-py reads it), not a secret.
-    user, sep, _ = m.group("userinfo").partition(":")
-    masked = f"{user}:***" if sep else user
-    return f"{m.group('scheme')}{masked}@{url[m.end() :]}"
+    """The URL (or every URL in a text) with any password replaced by ``***`` (also for
+    URLs that do not parse). The one redaction of URLs: the record's ``redact`` uses it."""
+    return _USERINFO.sub(_mask, url)
 
 
 def parse_url(url: str, env: Mapping[str, str] | None = None) -> RedisTarget:

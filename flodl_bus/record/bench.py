@@ -42,7 +42,7 @@ from flodl_bus.protocol.messages import (
 )
 from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.record.rank import RankRecording
-from flodl_bus.record.replay import load_run, replay
+from flodl_bus.replay import load_run, replay
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Inbox
 

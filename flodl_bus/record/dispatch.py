@@ -65,7 +65,8 @@ from typing import Any, Final, get_args
 
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import EpochPlan, Update, WireMsg
-from flodl_bus.record.log import Recorder, set_object_encoder
+from flodl_bus.record import log
+from flodl_bus.record.log import Recorder
 
 _WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
 _PLAIN: Final = (bool, int, float, str, bytes)
@@ -120,7 +121,9 @@ def record_value(value: Any) -> Any:
     return repr(value)
 
 
-set_object_encoder(record_value)
+def dumps(value: Any) -> bytes:
+    """``value`` as a record line holds it: messages, effects and dataclasses included."""
+    return log.dumps(value, record_value)
 
 
 def record_path(run_dir: str | Path, role: str, rank: int | None = None) -> Path:
@@ -140,7 +143,7 @@ class DispatchRecorder:
         self.role = role
         self.rank = rank
         self.path = record_path(run_dir, role, rank)
-        self._rec = Recorder(self.path)
+        self._rec = Recorder(self.path, encoder=record_value)
         # next() on itertools.count is atomic under the GIL: the reader and the training
         # thread of a rank share the numbering without a lock.
         self._counter = itertools.count()

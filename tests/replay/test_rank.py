@@ -36,9 +36,9 @@ from flodl_bus.protocol.messages import (
     WireUpdate,
 )
 from flodl_bus.protocol.signing import fixed_keys, new_secret
-from flodl_bus.record import surgery
-from flodl_bus.record.replay import Recording, load_run, main, replay
-from flodl_bus.record.testing import logged
+from flodl_bus.replay import Recording, load_run, replay, surgery
+from flodl_bus.replay.cli import main
+from flodl_bus.replay.testing import logged
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -82,7 +82,7 @@ def rank_run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         [
             sys.executable,
             "-m",
-            "tests.record.rank_proc",
+            "tests.replay.rank_proc",
             "--url",
             redis_url,
             "--run",
@@ -174,7 +174,7 @@ def test_a_changed_port_answer_is_named_as_the_first_divergence(rank_run: Path) 
 def test_a_changed_entry_diverges_at_its_dispatch_and_the_cli_exits_1(
     rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flodl_bus.record.replay import save_run
+    from flodl_bus.replay import save_run
 
     run = load_run(rank_run)
     rec = run["rank:0"]
