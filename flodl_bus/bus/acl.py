@@ -57,7 +57,8 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   ``params/store.py`` on store:*: SET GET MGET INCRBY APPEND DEL RPUSH SADD SREM SCARD
   SMEMBERS EXISTS BLMOVE, WATCH MULTI EXEC (compare_set), UNWATCH (redis-py's reset).
 - coordinator: XADD ctl:<r>/ctl:all (explicit ids), XRANGE, XREVRANGE, XINFO STREAM
-  and GROUPS, XDEL + XSETID + XGROUP SETID (``repair_stream``), XGROUP CREATE
+  and GROUPS, XDEL + XSETID + XGROUP SETID (``repair_stream``), XINFO GROUPS + XPENDING
+  + XTRIM MINID on ctl:* and up:* (``bus.trim``: what every reader consumed), XGROUP CREATE
   on ctl:* (rank groups) and up:* (its own), XREADGROUP/XACK up:*, XADD dlq, XADD/XREAD
   join; ``coordinator/cli.py``: EXISTS meta, HSET meta, SCAN + EXPIRE at the end
   (``--expire-after``), SCAN + UNLINK (``--reset-run``,
