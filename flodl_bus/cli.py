@@ -38,6 +38,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "train": ("flodl_bus.bench_train:main", "a training run under the bus vs plain loop and DDP"),
     "up": ("flodl_bus.launch.bench:main", "flodl-bus up: time to first step, wall time"),
     "kill": ("flodl_bus.bench_kill:main", "kill a rank mid-epoch: time to the survivors' recovery"),
+    "scale": ("flodl_bus.bench.scale:main", "N simulated ranks: epoch time, dispatch, CPU, memory"),
 }
 
 
