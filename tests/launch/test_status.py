@@ -70,6 +70,13 @@ def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
     assert f"run {run}  running  cpu-cadence  world 2  epoch {live['epoch']}/6" in text
     assert len(text.splitlines()) == 3 + 2
 
+    # the worker console said its rank, its progress and how it ended
+    for r in (0, 1):
+        log = (tmp_path / "runs" / run / f"rank{r}.log").read_text()
+        assert f"flodl-bus worker: rank {r} of 2 (given) in run '{run}'" in log
+        assert f"flodl-bus worker: rank {r}: epoch 0: " in log and "samples/s" in log
+        assert log.rstrip().endswith(f"flodl-bus worker: rank {r} finished (exit 0)"), log[-500:]
+
     # after the run: the command shows it finished; its keys and secret expire
     assert main(["--run", run, "--redis-url", redis_url]) == 0
     assert f"run {run}  finished" in capsys.readouterr().out
