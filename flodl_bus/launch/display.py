@@ -127,7 +127,7 @@ class Summary:
         sig = None if self.coordinator_rc is None else signal_of(self.coordinator_rc)
         if not self.interrupted and sig is not None:
             # someone signalled the coordinator: a stop in order, not a failure
-            status = f"stopped ({describe(self.coordinator_rc)})"
+            status = describe(self.coordinator_rc)
         elif not self.interrupted and self.coordinator_rc not in (0, None):
             status = f"failed (coordinator exit {self.coordinator_rc})"
         metric = _num(self.final_metric, ".4f", 0).strip()

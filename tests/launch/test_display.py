@@ -150,7 +150,8 @@ def test_the_summary_wraps_within_the_terminal_and_keeps_everything() -> None:
 def test_a_coordinator_stopped_by_a_signal_reads_as_a_stop_not_a_failure() -> None:
     s = Summary(**{**_summary(2).__dict__, "coordinator_rc": 130})
     first = s.lines()[0]
-    assert "stopped (stopped by SIGINT (exit 130))" in first and "failed" not in first
+    assert "run up-20261129-165849-5f1e stopped by SIGINT (exit 130):" in first
+    assert "failed" not in first
 
 
 def test_terminal_width_is_none_off_a_terminal_and_for_a_zero_column_pty() -> None:
