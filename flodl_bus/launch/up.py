@@ -143,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
         default=0.0,
         help="LR x (1 + (workers - 1) x RATIO) on every rank (flodl's linear scaling: 1.0)",
     )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="TensorBoard event files in DIR (the coordinator writes them; needs the "
+        "tensorboard extra)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no bars (the table still shows)")
     p.add_argument("--no-plot", action="store_true", help="skip plot.png")
     p.add_argument(
@@ -194,6 +200,8 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
             argv += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
         argv += ["--resume", args.resume]
+    if args.tensorboard:
+        argv += ["--tensorboard", args.tensorboard]
     return argv
 
 
@@ -731,6 +739,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.epochs is not None and args.epochs < 1:
         print("flodl-bus up: --epochs must be at least 1", file=sys.stderr)
         return 2
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        why = TensorBoardScalars.available()
+        if why is not None:
+            print(f"flodl-bus up: {why}", file=sys.stderr)
+            return 2
     bad_job = check_job_ref(args.job)
     if bad_job is not None:
         print(f"flodl-bus up: {bad_job}", file=sys.stderr)
