@@ -1,0 +1,1 @@
+"""Bench commands (``flodl-bus bench NAME``), one module each."""
