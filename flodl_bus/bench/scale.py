@@ -180,6 +180,7 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
         "--step-ms", str(args.step_ms), "--mode", args.mode,
         "--heartbeat-timeout", str(args.heartbeat_timeout), "--timeout", str(args.timeout),
         *(["--no-record"] if args.no_record else []),
+        *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
     ]  # fmt: skip
     started = time.monotonic()
     children = [_spawn("coordinator", common)]
@@ -250,6 +251,9 @@ def _figures(
     epoch_s = statistics.median(epochs[1:]) if len(epochs) > 1 else (epochs or [float("nan")])[0]
     ideal = args.steps * args.step_ms / 1000.0
     a, b = marks[0], marks[-1]
+    if not ends:
+        # No epoch completed (the coordinator fell behind): the window runs to its end.
+        b = coord["cpu"][-1][0] if coord["cpu"] else b
     coord_cpu = _share(coord["cpu"], a, b)
     harness = sum(_share(sim["cpu"], a, b) for sim in sims)
     redis_cpu = _share(watch.cpu, a, b)
@@ -265,6 +269,8 @@ def _figures(
     worst = max(shares, key=lambda k: shares[k])
     if shares[worst] >= SATURATED:
         saturated = worst
+        if coord["dead"]:
+            saturated += f"; {len(coord['dead'])} ranks declared dead unheard"
     elif max(host_cpu, coord_cpu + redis_cpu + harness) >= SATURATED * cores:
         saturated = f"host CPUs ({cores} cores shared by the ranks, coordinator and Redis)"
     else:
@@ -338,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--no-record", action="store_true", help="coordinator without its dispatch record"
     )
+    ap.add_argument("--profile", default=None, help="cProfile the coordinator into this file")
     ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)

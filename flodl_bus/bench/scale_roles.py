@@ -141,7 +141,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
         rank_of=keys.rank_of,
     )
     cpu = CpuSampler()
-    code = loop.run()
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        code = prof.runcall(loop.run)
+        prof.dump_stats(args.profile)
+    else:
+        code = loop.run()
     samples = cpu.stop()
     if rec is not None:
         rec.close()
@@ -350,6 +357,7 @@ def role_main(argv: Sequence[str]) -> int:
     ap.add_argument("--timeout", type=float, required=True)
     ap.add_argument("--slice", default="0:0")
     ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--profile", default=None)
     args = ap.parse_args(argv)
     return run_coordinator(args) if args.role == "coordinator" else run_sim(args)
 
