@@ -155,7 +155,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     bus.close()
     result = {
         "code": code,
-        "dead": [r for r in range(n) if core.dead[r]],
+        "dead": [r for r in range(n) if core.live.dead[r]],
         "dispatches": loop.dispatches,
         "sent": bus.sent,
         "cpu": samples,

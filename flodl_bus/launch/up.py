@@ -59,6 +59,7 @@ from flodl_bus.launch.display import Progress, Summary
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
+from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
@@ -113,7 +114,7 @@ def run_exit_code(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="flodl-bus up",
         description="Start Redis (embedded unless --redis-url), a coordinator and N workers "
         "on this machine, and watch the run.",
@@ -148,7 +149,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit 1 when the final metric misses the job's target_metric",
     )
-    p.add_argument("--log-level", default="info", help="children's console log level")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=log_level,
+        choices=LOG_LEVELS,
+        help="children's console log level (default info)",
+    )
     return p
 
 
@@ -203,6 +210,9 @@ def check_job_ref(ref: str) -> str | None:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         return f"--job {ref!r}: expected MODULE:NAME, e.g. {DEFAULT_JOB}"
+    cwd = os.getcwd()  # importable, as load_job makes it (the job's own folder)
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     try:
         spec = importlib.util.find_spec(module_name)
     except (ImportError, ValueError) as exc:
@@ -434,7 +444,7 @@ class Launcher:
         # On a thread, because Ctrl-C raises in the main thread only: a KeyboardInterrupt
         # in the middle of importing torch leaves it half-initialised, and the next
         # touch of it can crash the interpreter.
-        if self._job_loader is None:
+        if self._job_loader is None and self.job is None:
             self._job_loader = threading.Thread(
                 target=self._load_job, name="flodl-up-job", daemon=True
             )
@@ -615,8 +625,8 @@ class Launcher:
     def _finish(self, wall: float) -> int:
         args, view, run_dir = self.args, self.view, self.run_dir
         self._start_job_loader()
-        assert self._job_loader is not None
-        self._job_loader.join(timeout=60)
+        if self._job_loader is not None:
+            self._job_loader.join(timeout=60)
         if self._job_error is not None:
             print(f"flodl-bus up: {self._job_error}", flush=True)
         if self.rows and not (run_dir / "metrics.csv").exists():
@@ -709,4 +719,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidRunId as exc:
         print(f"flodl-bus up: --run: {exc}", file=sys.stderr)
         return 2
-    return Launcher(args, run, started, started_wall).run_all()
+    # The job is imported and checked to be a Job before anything starts (no server, no
+    # child, no run directory): a typo costs a second here, not three processes' start.
+    job, error = load_job_or_error(args.job)
+    if job is None:
+        print(f"flodl-bus up: {error}", file=sys.stderr)
+        return 2
+    launcher = Launcher(args, run, started, started_wall)
+    launcher.job = job
+    return launcher.run_all()
+
+
+def load_job_or_error(ref: str) -> tuple[Job | None, str]:
+    """The job ``ref`` names, or None and the one-line reason (``load_job``'s)."""
+    import torch
+
+    from flodl_bus.job import load_job
+
+    torch.set_num_threads(1)  # the workers get the cores
+    try:
+        return load_job(ref), ""
+    except SystemExit as exc:
+        return None, str(exc)

@@ -289,14 +289,17 @@ _scalar_sums = _map_of(_pair(_f64, _u64))
 # ------------------------------------------------------------------- field encoders
 
 
-def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
-    if p is None:
-        return None
+def plan_to_map(p: m.EpochPlan) -> dict[str, int]:
+    """An ``EpochPlan``'s map (the one spelling: records and rank logs use it too)."""
     return {
         "epoch": p.epoch,
         "partition_offset": p.partition_offset,
         "partition_size": p.partition_size,
     }
+
+
+def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
+    return None if p is None else plan_to_map(p)
 
 
 def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:

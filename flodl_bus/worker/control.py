@@ -23,6 +23,7 @@ import structlog
 
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
+from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
     Batch,
@@ -219,8 +220,8 @@ class WorkerControl:
                 self._log.error(
                     "one_chunk_in_flight_violated",
                     rank=self.rank,
-                    dropped_plan=_plan_fields(old),
-                    kept_plan=_plan_fields(msg.plan),
+                    dropped_plan=wire.plan_to_map(old),
+                    kept_plan=wire.plan_to_map(msg.plan),
                     detail="StartEpoch overwrote an unconsumed plan; a chunk was dropped",
                 )
             self.pending_plan = msg.plan
@@ -359,7 +360,9 @@ class WorkerControl:
             "current_version": self.current_version,
             "current_epoch": self.current_epoch,
             "partition_len": len(self.partition),
-            "pending_plan": None if self.pending_plan is None else _plan_fields(self.pending_plan),
+            "pending_plan": None
+            if self.pending_plan is None
+            else wire.plan_to_map(self.pending_plan),
             "throttled": self.throttled,
             "epoch_callback_role": self.epoch_callback_role,
         }
@@ -453,14 +456,6 @@ class WorkerControl:
             self.model.save_consensus()
         except Exception as exc:
             self._log.error("save_consensus_failed", rank=self.rank, error=_error_text(exc))
-
-
-def _plan_fields(plan: EpochPlan) -> dict[str, int]:
-    return {
-        "epoch": plan.epoch,
-        "partition_offset": plan.partition_offset,
-        "partition_size": plan.partition_size,
-    }
 
 
 def _error_text(exc: BaseException) -> str:
