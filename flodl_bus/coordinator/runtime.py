@@ -50,6 +50,7 @@ from flodl_bus.protocol.messages import (
     Hello,
     JoinMsg,
     Reject,
+    is_upstream,
 )
 from flodl_bus.record.dispatch import DispatchRecorder
 
@@ -399,8 +400,8 @@ class CoordinatorLoop:
                 "end",
                 now=self.clock(),
                 reason=None if self.finished is None else self.finished.reason,
-                exited=[r for r in range(core.ws) if core.exited[r]],
-                dead=[r for r in range(core.ws) if core.dead[r]],
+                exited=[r for r in range(core.ws) if core.live.exited[r]],
+                dead=[r for r in range(core.ws) if core.live.dead[r]],
                 dispatches=self.dispatches,
             )
             self.rec.flush()
@@ -460,9 +461,14 @@ class CoordinatorLoop:
             if rank is None:
                 log.error("upstream_from_unknown_stream", stream=d.stream, entry=d.entry_id)
                 continue
+            msg = d.msg
+            if not is_upstream(msg):
+                # The bus decodes upstream entries only; anything else is its bug.
+                log.error("not_an_upstream_message", stream=d.stream, type=type(msg).__name__)
+                continue
             now = self.clock()
             before = self._state_before() if rec is not None else None
-            outs = core.handle(rank, d.msg, now)
+            outs = core.handle(rank, msg, now)
             self.dispatches += 1
             if rec is not None:
                 assert before is not None
@@ -647,7 +653,7 @@ class CoordinatorLoop:
         if self.finished is None:
             return False
         core = self.core
-        waiting = [r for r in range(core.ws) if not core.exited[r] and not core.dead[r]]
+        waiting = [r for r in range(core.ws) if not core.live.exited[r] and not core.live.dead[r]]
         if not waiting:
             return True
         if self.hurry.is_set():
