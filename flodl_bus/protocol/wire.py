@@ -289,14 +289,17 @@ _scalar_sums = _map_of(_pair(_f64, _u64))
 # ------------------------------------------------------------------- field encoders
 
 
-def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
-    if p is None:
-        return None
+def plan_to_map(p: m.EpochPlan) -> dict[str, int]:
+    """An ``EpochPlan``'s map (the one spelling: records and rank logs use it too)."""
     return {
         "epoch": p.epoch,
         "partition_offset": p.partition_offset,
         "partition_size": p.partition_size,
     }
+
+
+def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
+    return None if p is None else plan_to_map(p)
 
 
 def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:
@@ -698,16 +701,3 @@ def decode_upstream(body: bytes) -> m.UpstreamMsg:
 
 def decode_join(body: bytes) -> m.JoinMsg:
     return decode(body, JOIN)  # type: ignore[no-any-return]
-
-
-def control_wire_to_msg(wire: m.ControlWire) -> m.ControlMsg | None:
-    """Seed 004's rule: which wire control messages reach ``WorkerControl``.
-
-    ``CoordHeartbeat`` only resets the rank's coordinator-liveness clock and
-    ``WireUpdate`` is informational (its ``next_plan`` is turned into a ``StartEpoch``
-    by the reader, and the real ``Update`` comes from the param plane), so both map
-    to None. Everything else reaches the core unchanged.
-    """
-    if isinstance(wire, (m.CoordHeartbeat, m.WireUpdate)):
-        return None
-    return wire

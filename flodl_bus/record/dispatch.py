@@ -106,11 +106,7 @@ def record_value(value: Any) -> Any:
     if t is Update:
         return local_update(value)
     if t is EpochPlan:
-        return {
-            "epoch": value.epoch,
-            "partition_offset": value.partition_offset,
-            "partition_size": value.partition_size,
-        }
+        return wire.plan_to_map(value)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, _PLAIN):

@@ -14,7 +14,7 @@ from flodl_bus.bus.streams import RedisCoordinatorBus
 from flodl_bus.coordinator.config import CoordinatorConfig, MaxFailure
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Broadcast, Out, Send
-from flodl_bus.protocol.messages import SyncAck
+from flodl_bus.protocol.messages import SyncAck, is_upstream
 from flodl_bus.replay.engine import (
     REPLAY_KEYS,
     REPLAY_STREAMS,
@@ -183,7 +183,9 @@ class CoordinatorReplay(_Replay):
         """An entry the record never consumed here: handled now, as the runtime would."""
         sender = _rank_of_stream(d.stream)
         ev = {"event": "dispatch", "i": -1, "stream": d.stream, "id": d.entry_id, "extra": True}
-        actual = self._call(lambda: self.core.handle(sender, d.msg, now))
+        msg = d.msg
+        assert is_upstream(msg), type(msg).__name__
+        actual = self._call(lambda: self.core.handle(sender, msg, now))
         self.keep(ev, {"msg": norm(d.msg), **actual})
 
     def _call(self, fn: Any) -> dict[str, Any]:

@@ -13,7 +13,6 @@ from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol import signing, wire
 from flodl_bus.protocol.messages import AveragedParams, ControlMsg, EpochPlan, StartEpoch, Update
-from flodl_bus.record.rank import Capture, CaptureLogger
 from flodl_bus.replay.engine import (
     REPLAY_KEYS,
     REPLAY_STREAMS,
@@ -30,6 +29,7 @@ from flodl_bus.replay.load import Recording
 from flodl_bus.replay.ports import RecordedClock, RecordedModel, RecordedParams, Script
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Inbox
+from flodl_bus.worker.recording import log_record
 from flodl_bus.worker.runtime import RankRuntime
 
 
@@ -62,7 +62,6 @@ class RankReplay(_Replay):
             where="replay",
         )
         self.script = Script()
-        self.capture = Capture()
         self.params = RecordedParams(self.script)
         self.inbox = Inbox()
         self.control = WorkerControl(
@@ -74,7 +73,6 @@ class RankReplay(_Replay):
             model=RecordedModel(self.script, h.get("model")),
             seed=int(h.get("seed", SHUFFLE_BASE_SEED)),
             splits=int(h.get("splits", 1)),
-            logger=CaptureLogger(None, self.capture),
         )
         # The runtime's router, not its threads: heartbeats, dead-rank notices, session
         # requests and the wire Update's next plan are handled exactly as in the run.
@@ -202,24 +200,24 @@ class RankReplay(_Replay):
     # -- core calls
 
     def _run(self, msg: ControlMsg, calls: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
-        control, cap = self.control, self.capture
+        control = self.control
         # The core changes only through the calls replayed here, each of which keeps its
         # "after": the last one is this call's "before".
         before = self._after if self._after is not None else norm(control.state())
         self.script.load(calls)
-        cap.begin()
         actual: dict[str, Any] = {"msg": msg, "before": before}
         try:
             out = control.dispatch(msg)
         except Exception as exc:
             actual["out"] = []
             actual["raised"] = [type(exc).__name__, str(exc)]
+            logs = []
         else:
             actual["out"] = list(out.upstream)
             actual["stop"] = out.stop
             actual["throttled"] = out.throttled
+            logs = [log_record(line) for line in out.logs]
             _encodable(out.upstream)
-        _, logs = cap.end()
         actual["calls"] = self.script.actual
         actual["logs"] = logs
         after = norm(control.state())
@@ -308,4 +306,4 @@ def _encodable(msgs: Sequence[object]) -> None:
 
 def route(runtime: RankRuntime, deliveries: Sequence[Delivery]) -> None:
     """The runtime's routing of one read, as its reader thread does it."""
-    runtime._route(deliveries)
+    runtime.route(deliveries)
