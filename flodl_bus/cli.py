@@ -16,9 +16,13 @@ from collections.abc import Callable, Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("flodl_bus.launch.up:main", "start Redis (embedded if no URL), coordinator and workers"),
     "coordinator": ("flodl_bus.coordinator.cli:main", "run the coordinator of a run"),
-    "worker": ("flodl_bus.worker.cli:main", "run one rank (or join a run without --rank)"),
+    "worker": ("flodl_bus.worker.options:main", "run one rank (or join a run without --rank)"),
+    "status": (
+        "flodl_bus.launch.status:main",
+        "a live run: world, epoch, each rank's steps/s and heartbeat, gate, dead letters",
+    ),
     "tail": ("flodl_bus.bus.tail:main", "print a run's control and upstream entries live"),
-    "replay": ("flodl_bus.record.replay:main", "replay a recorded run against fresh cores"),
+    "replay": ("flodl_bus.replay.cli:main", "replay a recorded run against fresh cores"),
     "acl": ("flodl_bus.bus.acl:main", "per-run Redis ACL users: create, drop, print rules"),
 }
 
@@ -34,13 +38,44 @@ BENCHES: dict[str, tuple[str, str]] = {
     "train": ("flodl_bus.bench.train:main", "a training run under the bus vs plain loop and DDP"),
     "up": ("flodl_bus.bench.up:main", "flodl-bus up: time to first step, wall time"),
     "kill": ("flodl_bus.bench.kill:main", "kill a rank mid-epoch: time to the survivors' recovery"),
+    "scale": ("flodl_bus.bench.scale:main", "N simulated ranks: epoch time, dispatch, CPU, memory"),
 }
 
 
+#: the help's sections, in order; every command is in exactly one (a test checks)
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("train", ("up", "coordinator", "worker")),
+    ("watch and inspect", ("status", "tail", "replay")),
+    ("operate", ("acl",)),
+)
+
+
+def version() -> str:
+    from flodl_bus import __version__
+
+    return __version__
+
+
 def _usage() -> str:
-    lines = ["usage: flodl-bus COMMAND [ARGS...]", "", "commands:"]
-    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += [f"  bench {name:<6} {help_}" for name, (_, help_) in BENCHES.items()]
+    width = max(len(name) for name in [*COMMANDS, "bench NAME"]) + 2
+    lines = [
+        "usage: flodl-bus COMMAND [ARGS...]      flodl-bus COMMAND --help: its flags",
+        "       flodl-bus --version",
+    ]
+    for title, names in GROUPS:
+        lines += ["", f"{title}:"]
+        lines += [f"  {name:<{width}}{COMMANDS[name][1]}" for name in names]
+    lines += [
+        f"  {'bench NAME':<{width}}measure a cost beside its reference "
+        "(flodl-bus bench --help lists them)",
+    ]
+    return "\n".join(lines)
+
+
+def _bench_usage() -> str:
+    width = max(len(name) for name in BENCHES) + 2
+    lines = ["usage: flodl-bus bench NAME [ARGS...]", "", "benches:"]
+    lines += [f"  {name:<{width}}{help_}" for name, (_, help_) in BENCHES.items()]
     return "\n".join(lines)
 
 
@@ -58,13 +93,24 @@ def _load(target: str) -> Callable[[Sequence[str]], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:
+        # No command is a mistake (exit 2, like argparse), not a request for help.
+        print(_usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"flodl-bus {version()}")
         return 0
     cmd, rest = args[0], args[1:]
     if cmd == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(_bench_usage())
+            return 0
         if not rest or rest[0] not in BENCHES:
-            print(_usage(), file=sys.stderr)
+            unknown = f"flodl-bus bench: unknown bench {rest[0]!r}\n\n" if rest else ""
+            print(f"{unknown}{_bench_usage()}", file=sys.stderr)
             return 2
         return _load(BENCHES[rest[0]][0])(rest[1:])
     if cmd not in COMMANDS:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
@@ -161,6 +163,12 @@ def load_job(ref: str) -> Job:
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise SystemExit(f"--job {ref!r}: expected MODULE:NAME, e.g. flodl_bus.examples.digits:job")
+    # The job's own folder is importable, as `python -m` makes it: `--job myjob:job` run
+    # from the folder of myjob.py works without PYTHONPATH=. (appended: an installed
+    # package of the same name still wins).
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
     # A relative name ('.mod') makes import_module raise TypeError, not ImportError.
     try:
         module = importlib.import_module(module_name)

@@ -11,8 +11,8 @@ import redis
 
 from flodl_bus.bus.server import RedisServer
 
-# The recorded-run fixtures and helpers (flodl_bus.record.testing) for every test module.
-pytest_plugins = ["flodl_bus.record.testing"]
+# The recorded-run fixtures and helpers (flodl_bus.replay.testing) for every test module.
+pytest_plugins = ["flodl_bus.replay.testing"]
 
 
 @pytest.fixture(scope="session")

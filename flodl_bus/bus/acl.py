@@ -57,15 +57,18 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   ``params/store.py`` on store:*: SET GET MGET INCRBY APPEND DEL RPUSH SADD SREM SCARD
   SMEMBERS EXISTS BLMOVE, WATCH MULTI EXEC (compare_set), UNWATCH (redis-py's reset).
 - coordinator: XADD ctl:<r>/ctl:all (explicit ids), XRANGE, XREVRANGE, XINFO STREAM
-  and GROUPS, XDEL + XSETID + XGROUP SETID (``repair_stream``), XGROUP CREATE
+  and GROUPS, XDEL + XSETID + XGROUP SETID (``repair_stream``), XINFO GROUPS + XPENDING
+  + XTRIM MINID on ctl:* and up:* (``bus.trim``: what every reader consumed), XGROUP CREATE
   on ctl:* (rank groups) and up:* (its own), XREADGROUP/XACK up:*, XADD dlq, XADD/XREAD
-  join; ``coordinator/cli.py``: EXISTS meta, HSET meta, SCAN + UNLINK (``--reset-run``,
+  join; ``coordinator/cli.py``: EXISTS meta, HSET meta, SCAN + EXPIRE at the end
+  (``--expire-after``), SCAN + UNLINK (``--reset-run``,
   its secret too), SET NX + GET flodl-secret:{RUN}; DEL + HSET identity in MULTI/EXEC
   (``publish_identity``); INFO memory (``connection.describe_transient``, optional);
   health check: HGET meta, EXISTS flodl-secret:{RUN}. Workers also try INFO memory on an
   OOM episode; refused, the line says "maxmemory reached" without figures.
 - observer: ``bus/tail.py``: EXISTS, SCAN ... TYPE stream, XINFO STREAM, XREAD, GET
   flodl-secret:{RUN} (a refusal is expected and handled); ``launch/watch.py``: XREAD;
+  ``launch/status.py``: HGETALL meta, XREVRANGE up:*, XLEN dlq, EXISTS, SCAN;
   ``ops/tail.sh`` and ``ops/README.md``: SCAN, TYPE, XREVRANGE, EVAL_RO (XRANGE inside),
   XRANGE, XINFO GROUPS, XPENDING, XLEN, HGETALL meta.
 - ``flodl-bus up`` and ``replay`` use an embedded server's default user / fakeredis.

@@ -91,18 +91,20 @@ class RedisTarget:
         return f"{self.scheme}://{auth}{self.host}:{self.port}/{self.db}"
 
 
-_USERINFO = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^@/]*)@")
+# Anywhere in a text (a log field may hold a URL inside a sentence), not only at its start.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^@/\s]*)@")
+
+
+def _mask(m: re.Match[str]) -> str:
+    # Without a colon the userinfo is a user name (as redis-py reads it), not a secret.
+    user, sep, _ = m.group("userinfo").partition(":")
+    return f"{m.group('scheme')}{user}:***@" if sep else m.group(0)
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***`` (also for URLs that do not parse)."""
-    m = _USERINFO.match(url)
-    if m is None:
-        return url
-    # Without a colon the userinfo is a user name (as redis-py reads it), not a secret.
-    user, sep, _ = m.group("userinfo").partition(":")
-    masked = f"{user}:***" if sep else user
-    return f"{m.group('scheme')}{masked}@{url[m.end() :]}"
+    """The URL (or every URL in a text) with any password replaced by ``***`` (also for
+    URLs that do not parse). The one redaction of URLs: the record's ``redact`` uses it."""
+    return _USERINFO.sub(_mask, url)
 
 
 def parse_url(url: str, env: Mapping[str, str] | None = None) -> RedisTarget:
@@ -475,15 +477,67 @@ class RedisUnreachable(ValueError):
     """A command line's Redis cannot be used; the message is one line naming the fix."""
 
 
+def credentials_of(url: str, env: Mapping[str, str] | None = None) -> str:
+    """Who a command talks to Redis as, and where that came from, for its error lines:
+    ``user 'worker' (from FLODL_REDIS_USERNAME)``. Never the password."""
+    env = os.environ if env is None else env
+    try:
+        parts = urlsplit(url)
+        in_url_user, in_url_pass = parts.username, parts.password
+    except ValueError:
+        in_url_user = in_url_pass = None
+    if in_url_user:
+        user, where = unquote(in_url_user), "the URL"
+    elif env.get(ENV_USERNAME):
+        user, where = env[ENV_USERNAME], ENV_USERNAME
+    else:
+        user, where = "default", "no username given"
+    if in_url_pass:
+        pw = "password from the URL"
+    elif env.get(ENV_PASSWORD):
+        pw = f"password from {ENV_PASSWORD}"
+    else:
+        pw = "no password"
+    return f"user {user!r} ({where}; {pw})"
+
+
+def describe_refusal(exc: BaseException, url: str, env: Mapping[str, str] | None = None) -> str:
+    """One line for Redis refusing who we are (wrong password, user off, an ACL that
+    lacks a command or key), naming the user and where its credentials came from."""
+    who = credentials_of(url, env)
+    where = redact_url(url)
+    detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (
+            f"Redis at {where} refused {who}: {detail}; give this user the role's rules "
+            "(ops/users.acl, or `flodl-bus acl create RUN`) or use the role's own user"
+        )
+    return (
+        f"Redis at {where} did not accept {who} ({detail}): fix the user or password "
+        f"(URL, or {ENV_USERNAME} / {ENV_PASSWORD})"
+    )
+
+
+#: what ``describe_refusal`` explains: an answer about who we are, not a lost link
+REFUSALS: Final = (
+    redis.exceptions.AuthenticationError,
+    redis.exceptions.AuthorizationError,
+    redis.exceptions.NoPermissionError,
+)
+
+
 def connect_pinged(url: str, *, client_name: str) -> redis.Redis:
-    """``connect`` plus a PING, for a command that cannot start without Redis: a bad URL
-    or a server that does not answer becomes one ``RedisUnreachable`` line (the URL's
-    password redacted), never a traceback."""
+    """``connect`` plus a PING, for a command that cannot start without Redis: a bad URL,
+    a server that does not answer, or one that refuses the credentials becomes one
+    ``RedisUnreachable`` line (the URL's password redacted, the user and where its
+    credentials came from named), never a traceback."""
     try:
         client = connect(url, client_name=client_name)
         client.ping()
     except BadRedisUrl as exc:
         raise RedisUnreachable(f"--redis-url: {exc}") from None
+    except REFUSALS as exc:
+        raise RedisUnreachable(describe_refusal(exc, url)) from None
     except Exception as exc:
         raise RedisUnreachable(
             f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}): "

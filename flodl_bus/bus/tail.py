@@ -7,11 +7,14 @@ everything written between two calls; this does not, however large the burst.
 
 Streams appear as ranks start, so the key space is rescanned about once a second;
 a stream found after the tail started is printed from its beginning.
+
+The command ends once the run has: after the coordinator's ``Shutdown`` (and the ranks'
+last words, until a read comes back empty), unless ``--follow``. A run id with nothing
+in Redis is an error (exit 2), not an empty wait.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -22,16 +25,29 @@ from typing import Any, TextIO
 import orjson
 import redis
 
-from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL, MAX_BLOCK_MS, connect, redact_url
+from flodl_bus.bus.connection import (
+    DEFAULT_URL,
+    ENV_URL,
+    MAX_BLOCK_MS,
+    REFUSALS,
+    RedisUnreachable,
+    connect_pinged,
+    describe_refusal,
+    redact_url,
+)
 from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import stream_top
+from flodl_bus.options import OneLineParser
 from flodl_bus.protocol import signing, wire
 from flodl_bus.protocol.signing import BadKey, RunIdentity, VerifyKey
 
 RESCAN_S = 1.0
 READ_COUNT = 1000
+#: after the run's Shutdown, the tail ends at the first empty read this long after it
+#: (the ranks' Exiting and last entries come within it)
+AFTER_SHUTDOWN_S = 2.0
 
 
 def _scan(client: redis.Redis, keys: RunKeys, rank: int | None) -> list[str]:
@@ -108,8 +124,11 @@ def tail(
     broadcast_key: VerifyKey | None = None,
     duration: float | None = None,
     block_ms: int = 500,
+    follow: bool = True,
 ) -> int:
-    """Print entries until ``count`` were printed or ``duration`` passed (else forever).
+    """Print entries until ``count`` were printed or ``duration`` passed (else forever;
+    without ``follow``, until the first empty read ``AFTER_SHUTDOWN_S`` after a
+    ``Shutdown`` was printed).
 
     Returns the number of entries printed.
     """
@@ -121,6 +140,7 @@ def tail(
     printed = 0
     stop_at = None if duration is None else time.monotonic() + duration
     block = min(block_ms, MAX_BLOCK_MS)
+    shutdown_seen: float | None = None
     while count is None or printed < count:
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
@@ -140,12 +160,25 @@ def tail(
         reply: Any = client.xread(
             {s: format_id(i) for s, i in last.items()}, count=READ_COUNT, block=block
         )
+        if (
+            not reply
+            and shutdown_seen is not None
+            and not follow
+            and time.monotonic() - shutdown_seen >= AFTER_SHUTDOWN_S
+        ):
+            break  # the run is over and its last entries are out
         lines = []
         for name, items in reply or ():
             stream = name.decode()
             for raw_id, fields in items:
                 eid = parse_id(raw_id)
                 last[stream] = eid
+                if (
+                    stream == keys.ctl_all
+                    and fields.get(F_TYPE) == b"Shutdown"
+                    and shutdown_seen is None
+                ):
+                    shutdown_seen = time.monotonic()
                 lines.append((eid, stream, format_entry(keys, stream, eid, fields, broadcast_key)))
         lines.sort()
         if count is not None:
@@ -166,25 +199,56 @@ def _broadcast_key(client: redis.Redis, keys: RunKeys) -> VerifyKey | None:
         return None
 
 
+def run_exists(client: redis.Redis, keys: RunKeys) -> bool:
+    """A coordinator wrote the run's meta, or some process wrote one of its streams."""
+    if client.exists(keys.meta, keys.join, keys.ctl_all):
+        return True
+    return any(True for _ in client.scan_iter(match=f"{keys.prefix}*", count=1000))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="flodl-bus tail", description="print a run's control and upstream entries live"
+    ap = OneLineParser(
+        prog="flodl-bus tail",
+        description="Print a run's control and upstream entries live, one line each; "
+        "ends after the run's Shutdown unless --follow.",
+        epilog="Credentials: in the URL, or FLODL_REDIS_USERNAME / FLODL_REDIS_PASSWORD "
+        "(the read-only observer user is enough).",
     )
-    ap.add_argument("--run", required=True, help="run id")
-    ap.add_argument("--redis-url", default=os.environ.get(ENV_URL, DEFAULT_URL))
+    required = ap.add_argument_group("required")
+    required.add_argument("--run", required=True, help="run id")
+    ap.add_argument(
+        "--redis-url",
+        default=os.environ.get(ENV_URL, DEFAULT_URL),
+        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
+    )
     ap.add_argument("--rank", type=int, help="only ctl:<rank>, ctl:all and up:<rank>")
     ap.add_argument("--from-start", action="store_true", help="print what is already there")
     ap.add_argument("--count", type=int, help="exit after printing this many entries")
     ap.add_argument("--duration", type=float, help="exit after this many seconds")
+    ap.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep printing after the run's Shutdown (a run id reused with --reset-run)",
+    )
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         keys = RunKeys(args.run)
-        client = connect(args.redis_url, client_name="flodl-tail")
-        client.ping()
-    except (ValueError, redis.exceptions.RedisError) as exc:
-        print(f"flodl-bus tail: {exc} ({redact_url(args.redis_url)})", file=sys.stderr)
+    except ValueError as exc:
+        print(f"flodl-bus tail: --run: {exc}", file=sys.stderr)
         return 2
     try:
+        client = connect_pinged(args.redis_url, client_name="flodl-tail")
+    except RedisUnreachable as exc:
+        print(f"flodl-bus tail: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if not run_exists(client, keys):
+            print(
+                f"flodl-bus tail: no run {args.run!r} at {redact_url(args.redis_url)} "
+                "(no meta, no streams): check --run and --redis-url",
+                file=sys.stderr,
+            )
+            return 2
         tail(
             client,
             args.run,
@@ -193,7 +257,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             count=args.count,
             duration=args.duration,
             broadcast_key=_broadcast_key(client, keys),
+            follow=args.follow,
         )
+    except REFUSALS as exc:
+        print(f"flodl-bus tail: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:

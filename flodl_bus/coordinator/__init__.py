@@ -1,5 +1,15 @@
-"""The coordinator: a sans-IO scheduling core (``core.Coordinator``) and its helpers.
+"""The coordinator: one scheduling core and the runtime that feeds it.
 
-The runtime (IO loop over the Redis transport) is built on top of ``core``; nothing in
-this package reads a clock, opens a socket or imports torch.
+Cores (sans-IO: no clock, socket, log or torch; they take a message and ``now`` and
+return ``effects``): ``core`` (routes each upstream message and tick to its rule),
+``dispatch`` (progressive pools | fixed partition), ``reduce`` (NCCL acks | CPU cycle),
+``liveness``, ``checkpoint``, ``elche``, ``guard``, ``chunk_pool``, ``roles``,
+``metrics``, ``membership`` (who joins at which rank), ``config``, ``effects``.
+
+Runtime (IO): ``runtime`` (the loop over the Redis bus: clock, reads, sends, record),
+``supervisor`` (the launcher's pipe, on a thread), ``cli`` (arguments, logging,
+signals), ``bench`` (a timed drive of the core).
+
+May import: ``exits``, ``protocol``, ``stop_signals``, ``partition``, ``bus``,
+``record`` (the write side).
 """

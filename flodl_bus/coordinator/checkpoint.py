@@ -1,13 +1,22 @@
-"""Checkpoint meta with coverage (reference §4.14.3) and its validation on resume."""
+"""Checkpoints (reference §4.14): when a save is due, its meta with coverage, and the
+validation of that meta on resume.
+
+Sans-IO like the core: a save is the effects ``WriteMeta`` then ``SaveConsensusModel``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flodl_bus.coordinator.chunk_pool import Range, coalesce
 from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.coordinator.effects import Out, Send, WriteMeta
+from flodl_bus.protocol.messages import SaveConsensusModel, SaveReason
+
+if TYPE_CHECKING:
+    from flodl_bus.coordinator.core import Coordinator
 
 SCHEMA = 5
 
@@ -77,3 +86,96 @@ def read_meta(config: CoordinatorConfig, meta: Mapping[str, Any]) -> Resume:
         elche_state=elche if isinstance(elche, Mapping) else None,
         trend_history=[float(x) for x in (elche or {}).get("trend_history", [])],
     )
+
+
+@dataclass(slots=True)
+class ArmedSave:
+    """A save due at the next reduce, its coverage captured when the reduce opened."""
+
+    coverage: dict[str, Any]
+    epoch: int
+
+
+class Checkpoints:
+    """When the consensus is saved, and the meta written beside it."""
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+        #: a save waits for the next reduce (a checkpoint epoch, the final reduce)
+        self.due = False
+        self.saved_at_version = -1
+        #: epoch -> ranges a resumed run has still to train (consumed as epochs open)
+        self.resume_holes: dict[int, list[Range]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.core.config.save_path is not None
+
+    def restore(self, res: Resume) -> None:
+        """Put a resumed core where the checkpoint left off."""
+        core = self.core
+        core.global_step = res.global_step
+        core.avg_count = res.sync_round
+        core.version = res.version
+        if res.elche_state is not None and len(res.elche_state.get("counts", [])) == core.ws:
+            core.elche.restore(res.elche_state)
+        core.guard.restore(res.trend_history)
+        core.start_epoch = res.start_epoch
+        core.last_aggregated = res.start_epoch - 1
+        core.dispatch.resume_at(res.start_epoch)
+        self.resume_holes = dict(res.holes)
+        # The resumed first epoch is not an epoch *transition*: no eval/checkpoint hook.
+        core.hooked_epoch = res.start_epoch - 1 if res.start_epoch == 0 else res.start_epoch
+
+    def arm(self) -> ArmedSave | None:
+        if not self.enabled or not self.due:
+            return None
+        self.due = False
+        # Coverage is captured now, before any rank freezes for this reduce.
+        return ArmedSave(self.coverage(), self.core.dispatch.current_epoch())
+
+    def finish(self, armed: ArmedSave | None, out: list[Out]) -> None:
+        if armed is None:
+            return
+        out.append(WriteMeta(self.meta(SaveReason.CHECKPOINT, armed.coverage)))
+        self._send_save(out)
+
+    def final(self, out: list[Out]) -> None:
+        """The graceful end: save the consensus unless this version is saved already."""
+        if self.enabled and self.saved_at_version != self.core.version:
+            out.append(WriteMeta(self.meta(SaveReason.GRACEFUL_SHUTDOWN, self.coverage())))
+            self._send_save(out)
+
+    def _send_save(self, out: list[Out]) -> None:
+        core = self.core
+        target = core.roles.checkpoint
+        if core.alive(target):
+            out.append(Send(target, SaveConsensusModel(target)))
+        self.saved_at_version = core.version
+
+    def coverage(self) -> dict[str, Any]:
+        next_epoch, epochs = self.core.dispatch.coverage()
+        holes = self.resume_holes
+        # A resumed epoch not yet re-opened keeps its holes in the next save.
+        epochs += [(e, list(h)) for e, h in sorted(holes.items())]
+        epochs.sort()
+        if holes:
+            next_epoch = max(next_epoch, max(holes) + 1)
+        return coverage_block(self.core.config, next_epoch, epochs)
+
+    def meta(self, reason: SaveReason, coverage: Mapping[str, Any]) -> dict[str, Any]:
+        core = self.core
+        elche = core.elche.state()
+        elche["trend_history"] = list(core.guard.history)
+        return {
+            "schema": SCHEMA,
+            "epoch": core.dispatch.current_epoch(),
+            "global_step": core.global_step,
+            "sync_round": core.avg_count,
+            "version": core.version,
+            "world_size": core.ws,
+            "mode": core.config.mode,
+            "reason": reason.snake,
+            "elche_state": elche,
+            "coverage": dict(coverage),
+        }

@@ -26,16 +26,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from redis.exceptions import RedisError
+
 from flodl_bus.bus.connection import (
     DEFAULT_URL,
     ENV_URL,
+    REFUSALS,
     RedisUnreachable,
     connect_pinged,
+    describe_refusal,
     redact_url,
 )
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig, parse_mode
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
+from flodl_bus.options import LOG_LEVELS, log_level
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 
@@ -54,17 +59,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Run the coordinator of a run.")
-    p.add_argument("--run", required=True, help="run id shared with the workers")
+    p = _Parser(
+        prog=PROG,
+        description="Run the coordinator of a run.",
+        epilog="Give --world-size N, or --min-workers M (with --join-timeout S). "
+        "Credentials: in the URL, or FLODL_REDIS_USERNAME / FLODL_REDIS_PASSWORD.",
+    )
+    required = p.add_argument_group("required")
+    required.add_argument("--run", required=True, help="run id shared with the workers")
+    required.add_argument(
+        "--job",
+        required=True,
+        help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job); the "
+        "current directory is importable",
+    )
     p.add_argument(
         "--redis-url",
         default=os.environ.get(ENV_URL, DEFAULT_URL),
         help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
     )
+    # Not argparse choices: parse_mode's refusal names the fix (nccl-async -> cpu-async).
     p.add_argument(
-        "--job", help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job)"
+        "--mode",
+        default="nccl-cadence",
+        metavar="{" + ",".join(MODES) + "}",
+        help="averaging mode (default %(default)s)",
     )
-    p.add_argument("--mode", default="nccl-cadence", help=f"one of {', '.join(MODES)}")
     p.add_argument("--world-size", type=int, help="form the world when this many workers joined")
     p.add_argument(
         "--min-workers",
@@ -101,7 +121,26 @@ def _parser() -> argparse.ArgumentParser:
         help="delete what an earlier run with this id left in Redis (streams, meta, secret) "
         "before starting; without it such a run id is refused",
     )
-    p.add_argument("--log-level", default="info", help="console log level (default info)")
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard event files to DIR: loss, eval metric, samples/s per "
+        "rank, anchor and syncs per epoch (needs the tensorboard extra)",
+    )
+    p.add_argument(
+        "--expire-after",
+        type=float,
+        default=7 * 24 * 3600.0,
+        help="seconds after the run ends that its keys and secret expire in Redis "
+        "(default 604800, a week; 0 keeps them); the records on disk stay",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        type=log_level,
+        choices=LOG_LEVELS,
+        help="console log level (default info)",
+    )
     p.add_argument(
         "--supervisor-fd",
         type=int,
@@ -160,6 +199,13 @@ def _check(args: argparse.Namespace) -> None:
     _positive("--eval-every", args.eval_every)
     _positive("--checkpoint-every", args.checkpoint_every)
     _positive("--exit-grace", args.exit_grace, zero_ok=True)
+    _positive("--expire-after", args.expire_after, zero_ok=True)
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        why = TensorBoardScalars.available()
+        if why is not None:
+            raise ConfigError(why)
     if args.checkpoint_every and not (args.save_path or args.resume):
         raise ConfigError("--checkpoint-every needs --save-path STEM (where checkpoints go)")
 
@@ -191,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main(args, stop)
         except ConfigError as exc:
             print(f"{PROG}: {exc}", file=sys.stderr)
+            return CONFIG
+        except REFUSALS as exc:
+            # A user whose ACL lacks a command or key, or whose password stopped working:
+            # one line naming the user, not redis-py's traceback.
+            print(f"{PROG}: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
             return CONFIG
         except SignalStop as exc:
             print(f"{PROG}: stopped by {signal_name(exc.signum)} during setup", file=sys.stderr)
@@ -417,11 +468,47 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     bus = RedisCoordinatorBus(
         client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
     )
-    loop = CoordinatorLoop(
+
+    metrics = MetricsTable(run_dir / "metrics.csv", ws)
+    board: Any = None
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        board = TensorBoardScalars(args.tensorboard)
+
+        class BoardedMetrics(MetricsTable):
+            """metrics.csv, and the same figures as TensorBoard scalars."""
+
+            def on_epoch(
+                self, em: Any, *, version: int, syncs: int, step: int, anchor: int
+            ) -> None:
+                super().on_epoch(em, version=version, syncs=syncs, step=step, anchor=anchor)
+                board.on_epoch(em, syncs=syncs, anchor=anchor)
+
+            def on_eval(self, scheduled_epoch: int, metric: float) -> None:
+                super().on_eval(scheduled_epoch, metric)
+                board.on_eval(scheduled_epoch - 1, metric)
+
+        metrics = BoardedMetrics(run_dir / "metrics.csv", ws)
+
+    class PublishingLoop(CoordinatorLoop):
+        """The loop, which also keeps the core's state in the run's ``meta`` about once a
+        second for ``flodl-bus status`` (an observer cannot ask the core). On the loop's
+        own thread: the core is read between two of its calls."""
+
+        next_publish = 0.0
+
+        def _tick(self) -> None:
+            super()._tick()
+            if time.monotonic() >= self.next_publish:
+                self.next_publish = time.monotonic() + STATE_EVERY_S
+                publish_state(client, keys.meta, self.core.state_summary())
+
+    loop = PublishingLoop(
         core,
         bus,
         recorder=recorder,
-        metrics=MetricsTable(run_dir / "metrics.csv", ws),
+        metrics=metrics,
         options=LoopOptions(exit_grace=args.exit_grace),
         rank_of=keys.rank_of,
         join=desk,
@@ -432,6 +519,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     try:
         code = loop.run()
     finally:
+        if board is not None:
+            board.close()
         recorder.close()
         bus.close()
         join.close()
@@ -440,7 +529,47 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         code = stopped_code()
     try:
         client.hset(keys.meta, "status", status)
+        if args.expire_after > 0:
+            expired = expire_run(client, keys, args.expire_after)
+            log.info("run_keys_expire", keys=expired, after_s=args.expire_after)
     finally:
         client.close()
     log.info("coordinator_exit", code=code, status=status, record=str(recorder.path))
     return code
+
+
+def expire_run(client: Any, keys: RunKeys, seconds: float) -> int:
+    """Let every key of the run and its secret expire ``seconds`` from now (a finished
+    run's streams would otherwise stay in Redis for good). Returns how many were set."""
+    ttl = max(1, int(seconds))
+    names = [*client.scan_iter(match=f"{keys.prefix}*", count=1000), keys.secret]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.expire(name, ttl)
+    return sum(1 for ok in pipe.execute() if ok)
+
+
+#: how often the coordinator refreshes its state in ``meta``
+STATE_EVERY_S = 1.0
+
+
+def publish_state(client: Any, meta_key: str, summary: dict[str, Any]) -> None:
+    """The fields of ``meta`` that ``flodl-bus status`` reads (launch/status.py)."""
+    gate = summary.get("gate") or {}
+    fields = {
+        "state_at": repr(time.time()),
+        "phase": str(summary.get("phase", "")),
+        "rank_epoch": json.dumps(list(summary.get("rank_epoch", []))),
+        "anchor": str(summary.get("anchor", "")),
+        "gate_open": "1" if gate.get("open") else "0",
+        "gate_why": str(gate.get("why", "")),
+        "syncs": str(summary.get("version", "")),
+    }
+    try:
+        client.hset(meta_key, mapping=fields)
+    except RedisError as exc:  # a status line must never stop the run
+        import structlog
+
+        structlog.get_logger("flodl_bus.coordinator").warning(
+            "state_not_published", error=repr(exc)[:200]
+        )

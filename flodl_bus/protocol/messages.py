@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, TypeAlias, TypeGuard, get_args
 
 #: Reserved by flodl for a future "the controller itself acts" mode; v1 ranks reject it.
 RESERVED_TARGET: Final = 2**64 - 1
@@ -366,9 +366,6 @@ ControlMsg: TypeAlias = (
     | StageAdvisory
     | SyncNow
     | StartEpoch
-    | DeclareDead
-    | NewNcclSession
-    | RequestNewNcclId
     | ShutdownWithSave
     | ExtendPartition
     | Throttle
@@ -382,7 +379,8 @@ ControlMsg: TypeAlias = (
     | EvalBroadcast
     | SaveConsensusModel
 )
-"""What a rank's ``WorkerControl`` dispatches."""
+"""What a rank's ``WorkerControl`` dispatches: the control wire less what the rank's
+reader consumes itself (``worker.control.route``), plus the param plane's ``Update``."""
 
 ControlWire: TypeAlias = (
     RequestParams
@@ -425,6 +423,14 @@ TimingMsg: TypeAlias = (
 
 UpstreamMsg: TypeAlias = TimingMsg | MetricsMsg
 """What travels on ``up:<r>``: timing and metrics share one ordered stream per rank."""
+
+_UPSTREAM_TYPES: Final[frozenset[type]] = frozenset(get_args(UpstreamMsg))
+
+
+def is_upstream(msg: object) -> TypeGuard[UpstreamMsg]:
+    """The typed boundary for a decoded upstream entry (``Delivery.msg`` is ``object``)."""
+    return type(msg) in _UPSTREAM_TYPES
+
 
 JoinMsg: TypeAlias = Hello | Assign | Reject
 

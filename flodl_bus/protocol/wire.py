@@ -17,7 +17,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Annotated, Any, Final, Literal
 
-import msgpack
 import msgspec
 
 from flodl_bus.protocol import messages as m
@@ -290,14 +289,17 @@ _scalar_sums = _map_of(_pair(_f64, _u64))
 # ------------------------------------------------------------------- field encoders
 
 
-def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
-    if p is None:
-        return None
+def plan_to_map(p: m.EpochPlan) -> dict[str, int]:
+    """An ``EpochPlan``'s map (the one spelling: records and rank logs use it too)."""
     return {
         "epoch": p.epoch,
         "partition_offset": p.partition_offset,
         "partition_size": p.partition_size,
     }
+
+
+def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
+    return None if p is None else plan_to_map(p)
 
 
 def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:
@@ -582,7 +584,7 @@ def to_map(msg: object) -> dict[str, Any]:
 
 def encode(msg: object) -> bytes:
     """Message -> msgpack body."""
-    return msgpack.packb(to_map(msg), use_bin_type=True)  # type: ignore[no-any-return]
+    return _ENCODER.encode(to_map(msg))
 
 
 def from_map(data: Any, channel: str | None = None) -> Any:
@@ -610,6 +612,53 @@ def from_map(data: Any, channel: str | None = None) -> Any:
     return spec.cls(**kwargs)
 
 
+# One msgpack library (msgspec) both ways. Its encoder writes the bytes msgpack-python
+# wrote with use_bin_type (smallest int and str headers, float64, bin for bytes), so
+# recorded sessions replay unchanged. Its generic decoder is looser than the wire: it
+# yields lists, any hashable map key, Ext objects and datetimes, and has no per-item
+# limits. `_plain` narrows what it returns to the wire's value space (None, bool, int,
+# float, str, bytes, tuples, str-keyed maps) within the limits above; an oversized header
+# cannot make msgspec allocate beyond the body, which MAX_BODY_BYTES already bounds.
+# What it refuses reads `body: not valid msgpack (...)`, as msgpack-python's limits did.
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_DECODER: Final = msgspec.msgpack.Decoder()
+#: deeper than any message nests (StageAdvisory.segments is 4 levels)
+_MAX_DEPTH: Final = 32
+_SCALARS: Final = frozenset((type(None), bool, int, float))
+
+
+def _plain(v: Any, depth: int) -> Any:
+    t = type(v)
+    if t in _SCALARS:
+        return v
+    if t is str:
+        if len(v) > MAX_STR_LEN:
+            raise ValueError(f"a string of {len(v)} chars exceeds max_str_len {MAX_STR_LEN}")
+        return v
+    if t is bytes:
+        if len(v) > MAX_BIN_LEN:
+            raise ValueError(f"{len(v)} bytes of binary exceed max_bin_len {MAX_BIN_LEN}")
+        return v
+    if depth >= _MAX_DEPTH:
+        raise ValueError(f"nested deeper than {_MAX_DEPTH} levels")
+    depth += 1
+    if t is list:
+        if len(v) > MAX_ARRAY_LEN:
+            raise ValueError(f"an array of {len(v)} items exceeds max_array_len {MAX_ARRAY_LEN}")
+        # numbers need no walk (most arrays are counts or throughputs)
+        return tuple([x if type(x) in _SCALARS else _plain(x, depth) for x in v])
+    if t is dict:
+        if len(v) > MAX_MAP_LEN:
+            raise ValueError(f"a map of {len(v)} entries exceeds max_map_len {MAX_MAP_LEN}")
+        for k, x in v.items():
+            if type(k) is not str:
+                raise ValueError(f"a map key of type {type(k).__name__}, not str")
+            if type(x) not in _SCALARS:
+                v[k] = _plain(x, depth)  # same keys: safe while iterating
+        return v
+    raise ValueError(f"{t.__name__} values are not part of the wire")
+
+
 def decode(body: bytes, channel: str | None = None, expect: str | None = None) -> Any:
     """msgpack body -> message, optionally requiring a channel (control/upstream/join).
 
@@ -628,17 +677,7 @@ def decode(body: bytes, channel: str | None = None, expect: str | None = None) -
         except (msgspec.ValidationError, msgspec.DecodeError):
             pass  # the full decoder below names the reason (or accepts)
     try:
-        data = msgpack.unpackb(
-            body,
-            raw=False,
-            use_list=False,
-            strict_map_key=True,
-            max_str_len=MAX_STR_LEN,
-            max_bin_len=MAX_BIN_LEN,
-            max_array_len=MAX_ARRAY_LEN,
-            max_map_len=MAX_MAP_LEN,
-            max_ext_len=0,
-        )
+        data = _plain(_DECODER.decode(body), 0)
     except Exception as exc:
         raise DecodeError(f"body: not valid msgpack ({type(exc).__name__}: {exc})") from None
     try:
@@ -662,16 +701,3 @@ def decode_upstream(body: bytes) -> m.UpstreamMsg:
 
 def decode_join(body: bytes) -> m.JoinMsg:
     return decode(body, JOIN)  # type: ignore[no-any-return]
-
-
-def control_wire_to_msg(wire: m.ControlWire) -> m.ControlMsg | None:
-    """Seed 004's rule: which wire control messages reach ``WorkerControl``.
-
-    ``CoordHeartbeat`` only resets the rank's coordinator-liveness clock and
-    ``WireUpdate`` is informational (its ``next_plan`` is turned into a ``StartEpoch``
-    by the reader, and the real ``Update`` comes from the param plane), so both map
-    to None. Everything else reaches the core unchanged.
-    """
-    if isinstance(wire, (m.CoordHeartbeat, m.WireUpdate)):
-        return None
-    return wire

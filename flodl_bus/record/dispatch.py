@@ -65,7 +65,8 @@ from typing import Any, Final, get_args
 
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import EpochPlan, Update, WireMsg
-from flodl_bus.record.log import Recorder, set_object_encoder
+from flodl_bus.record import log
+from flodl_bus.record.log import Recorder
 
 _WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
 _PLAIN: Final = (bool, int, float, str, bytes)
@@ -97,11 +98,7 @@ def record_value(value: Any) -> Any:
     if t is Update:
         return local_update(value)
     if t is EpochPlan:
-        return {
-            "epoch": value.epoch,
-            "partition_offset": value.partition_offset,
-            "partition_size": value.partition_size,
-        }
+        return wire.plan_to_map(value)
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, _PLAIN):
@@ -120,7 +117,9 @@ def record_value(value: Any) -> Any:
     return repr(value)
 
 
-set_object_encoder(record_value)
+def dumps(value: Any) -> bytes:
+    """``value`` as a record line holds it: messages, effects and dataclasses included."""
+    return log.dumps(value, record_value)
 
 
 def record_path(run_dir: str | Path, role: str, rank: int | None = None) -> Path:
@@ -140,7 +139,7 @@ class DispatchRecorder:
         self.role = role
         self.rank = rank
         self.path = record_path(run_dir, role, rank)
-        self._rec = Recorder(self.path)
+        self._rec = Recorder(self.path, encoder=record_value)
         # next() on itertools.count is atomic under the GIL: the reader and the training
         # thread of a rank share the numbering without a lock.
         self._counter = itertools.count()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import gzip
-import re
 import sys
 import threading
 from collections.abc import Callable, MutableMapping
@@ -25,15 +24,11 @@ from typing import IO, Any
 import orjson
 import structlog
 
+from flodl_bus.bus.connection import redact_url
+
 _SECRET_KEYS = frozenset({"secret", "password", "passwd", "token", "run_secret", "mac_key"})
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-z]+://)(?P<cred>[^@/\s]+)@")
 _configured = False
 _lock = threading.Lock()
-
-
-def redact_url(url: str) -> str:
-    """``redis://user:pw@host`` -> ``redis://***@host``."""
-    return _URL_CREDENTIALS.sub(r"\g<scheme>***@", url)
 
 
 def redact(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -80,33 +75,34 @@ def configure_console(level: str = "info") -> None:
         _configured = True
 
 
-#: Turns what orjson cannot write itself (messages, effects, other dataclasses) into
-#: JSON-ready data; ``record.dispatch`` installs ``record_value`` here. Encoding objects
-#: inside orjson's C walk, instead of converting whole events in Python first, is what
-#: keeps a record line cheap on the dispatching thread.
-_object_encoder: Callable[[Any], Any] | None = None
+#: What orjson cannot write itself (messages, effects, other dataclasses) is turned into
+#: JSON-ready data by an encoder the caller passes (``record.dispatch.record_value``):
+#: encoding objects inside orjson's C walk, instead of converting whole events in Python
+#: first, is what keeps a record line cheap on the dispatching thread.
+Encoder = Callable[[Any], Any]
 
 
-def set_object_encoder(encoder: Callable[[Any], Any]) -> None:
-    global _object_encoder
-    _object_encoder = encoder
+def _default_with(encoder: Encoder | None) -> Callable[[Any], Any]:
+    def default(obj: Any) -> Any:
+        if isinstance(obj, bytes):
+            return {"$b": base64.b64encode(obj).decode()}
+        if isinstance(obj, (set, frozenset)):
+            return sorted(obj)
+        if encoder is not None:
+            return encoder(obj)
+        raise TypeError(f"cannot record {type(obj).__name__}")
 
-
-def _default(obj: Any) -> Any:
-    if isinstance(obj, bytes):
-        return {"$b": base64.b64encode(obj).decode()}
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj)
-    if _object_encoder is not None:
-        return _object_encoder(obj)
-    raise TypeError(f"cannot record {type(obj).__name__}")
+    return default
 
 
 _OPTIONS = orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATACLASS
+_PLAIN_DEFAULT = _default_with(None)
 
 
-def _dumps(event: Any, **_kw: Any) -> bytes:
-    return orjson.dumps(event, default=_default, option=_OPTIONS)
+def dumps(event: Any, encoder: Encoder | None = None) -> bytes:
+    """One record value as the record writes it (no newline)."""
+    default = _PLAIN_DEFAULT if encoder is None else _default_with(encoder)
+    return orjson.dumps(event, default=default, option=_OPTIONS)
 
 
 def unjson(value: Any) -> Any:
@@ -123,12 +119,17 @@ def unjson(value: Any) -> Any:
 class Recorder:
     """Appends one JSON object per line to ``path``. Thread-safe; flushed on close."""
 
-    def __init__(self, path: str | Path, **context: Any) -> None:
+    def __init__(self, path: str | Path, *, encoder: Encoder | None = None, **context: Any) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[bytes] = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
         self._write_lock = threading.Lock()
-        render = structlog.processors.JSONRenderer(serializer=_dumps)
+        default = _default_with(encoder)
+
+        def serialize(event: Any, **_kw: Any) -> bytes:
+            return orjson.dumps(event, default=default, option=_OPTIONS)
+
+        render = structlog.processors.JSONRenderer(serializer=serialize)
         # An explicit BoundLogger: the default lazy proxy re-resolves its configuration
         # on every call, which costs more than the rest of a record.
         self._log = structlog.wrap_logger(

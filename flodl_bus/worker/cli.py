@@ -28,135 +28,38 @@ from pathlib import Path
 from torch import nn
 
 from flodl_bus.bus.connection import (
-    DEFAULT_URL,
-    ENV_URL,
+    REFUSALS,
     RedisUnreachable,
     connect,
     connect_pinged,
+    describe_refusal,
     redact_url,
 )
 from flodl_bus.bus.join import JoinStream
-from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.exits import CONFIG, by_signal
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.streams import RedisRankBus
+from flodl_bus.exits import CONFIG, by_signal, describe
 from flodl_bus.job import Job, JobError, call_job
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
-from flodl_bus.protocol.messages import Assign, ControlMsg, Hello, Reject, UpstreamMsg
+from flodl_bus.protocol.messages import (
+    Assign,
+    ControlMsg,
+    Hello,
+    MetricsMsg,
+    Reject,
+    UpstreamMsg,
+)
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
+from flodl_bus.worker.options import (
+    DEFAULT_JOB,
+    DEFAULT_MODE,
+    ConfigError,
+    check,
+    parser,
+)
 from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
-
-MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
-DEFAULT_MODE = "nccl-cadence"
-DEFAULT_JOB = "flodl_bus.examples.digits:job"
-
-
-class ConfigError(Exception):
-    """A configuration mistake; the message names the fix."""
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flodl-bus worker", description="Run one rank of a run.")
-    p.add_argument("--run", required=True, help="run id shared with the coordinator")
-    p.add_argument(
-        "--rank", type=int, help="this rank (0..world_size-1); omit to dial in and be assigned"
-    )
-    p.add_argument("--world-size", type=int, help="number of ranks (required with --rank)")
-    p.add_argument(
-        "--job",
-        help="MODULE:NAME of the flodl_bus Job to train (default: the coordinator's job, "
-        "else the digits example)",
-    )
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get(ENV_URL, DEFAULT_URL),
-        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
-    )
-    p.add_argument(
-        "--mode",
-        choices=MODES,
-        help=f"averaging mode; must match the coordinator's (default: the coordinator's, "
-        f"else {DEFAULT_MODE})",
-    )
-    p.add_argument(
-        "--save-path",
-        help="checkpoint stem (bundle, consensus and Checkpoint files; default: the coordinator's)",
-    )
-    p.add_argument(
-        "--resume",
-        help="start from the consensus model <STEM>.model.pt (default: the coordinator's --resume)",
-    )
-    p.add_argument(
-        "--join-timeout",
-        type=float,
-        default=300.0,
-        help="seconds to wait for the coordinator's answer when dialing in (default 300)",
-    )
-    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds (default 1)")
-    p.add_argument(
-        "--coord-liveness-timeout",
-        type=float,
-        default=30.0,
-        help="stop when the coordinator is silent this many seconds (default 30)",
-    )
-    p.add_argument(
-        "--secret-timeout",
-        type=float,
-        default=30.0,
-        help="seconds to wait for the coordinator to publish the run secret (default 30)",
-    )
-    p.add_argument(
-        "--run-dir",
-        help="record every dispatch to RUN_DIR/rank<r>.jsonl (default runs/<run>, "
-        "beside the coordinator's record when they share a disk)",
-    )
-    p.add_argument(
-        "--lr-scale-ratio",
-        type=float,
-        help="LR x (1 + (world_size - 1) x RATIO) (default: the coordinator's, else 0)",
-    )
-    p.add_argument(
-        "--epochs",
-        type=int,
-        help="the run's epochs, which size the job's LR schedule (default: the "
-        "coordinator's, else the job's)",
-    )
-    p.add_argument("--no-record", action="store_true", help="do not record dispatches")
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="cpu, cuda, cuda:N, or auto (default: cuda:<rank mod GPUs> when CUDA is "
-        "available, else cpu)",
-    )
-    p.add_argument("--log-level", default="info", help="console log level (default info)")
-    return p
-
-
-def _check(args: argparse.Namespace) -> None:
-    if args.world_size is not None and args.world_size < 1:
-        raise ConfigError(f"--world-size must be at least 1, got {args.world_size}")
-    if args.rank is not None and args.world_size is None:
-        raise ConfigError("--rank needs --world-size N (or omit --rank to dial in)")
-    if args.rank is not None and not 0 <= args.rank < args.world_size:
-        raise ConfigError(
-            f"--rank {args.rank} is outside --world-size {args.world_size}: "
-            f"use a rank in 0..{args.world_size - 1}"
-        )
-    if args.join_timeout <= 0:
-        raise ConfigError("--join-timeout must be positive")
-    if args.epochs is not None and args.epochs < 0:
-        raise ConfigError(f"--epochs must be 0 or more, got {args.epochs}")
-    if args.heartbeat_interval <= 0:
-        raise ConfigError("--heartbeat-interval must be positive")
-    if args.coord_liveness_timeout <= args.heartbeat_interval:
-        raise ConfigError(
-            "--coord-liveness-timeout must exceed --heartbeat-interval, or a healthy "
-            "coordinator would look dead"
-        )
-    try:
-        RunKeys(args.run)
-    except InvalidRunId as exc:
-        raise ConfigError(f"--run: {exc}") from None
 
 
 def _params_factory(url: str, run: str, rank: int, world: int, mode: str) -> ParamsFactory | None:
@@ -297,7 +200,11 @@ def _join(join: JoinStream, hello: Hello, run: str, timeout: float) -> Assign:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Exit codes: the table of ``flodl_bus.exits`` (README.md, "Exit codes")."""
-    args = _parser().parse_args(argv)
+    return run(parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The rank of a parsed command line (``worker.options.main`` parsed it without torch)."""
     # Our own handlers first, whatever was inherited (an ignored SIGINT in a background
     # job, an ignored SIGTERM as PID 1 in a container): during setup a stop signal
     # raises SignalStop; once the rank runs, it leaves in order (``run_rank``).
@@ -310,21 +217,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return by_signal(exc.signum)
+        except REFUSALS as exc:
+            # An ACL that lacks a command or key, a password that stopped working: one
+            # line naming the user and where its credentials came from.
+            print(f"flodl-bus worker: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
+            return CONFIG
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from flodl_bus.bus.run_secret import (
+        ENV_SECRET,
         AuthenticationFailed,
         SecretError,
         fetch_identity,
         fetch_run_secret,
+        secret_from_env,
     )
-    from flodl_bus.bus.streams import RedisRankBus
     from flodl_bus.protocol.signing import RankKeys, RankKx
     from flodl_bus.record.log import configure_console
 
     try:
-        _check(args)
+        check(args)
         # An explicit job is checked before Redis is reached: its error is the useful one.
         job = _load_job(args.job) if args.job else None
         keys = RunKeys(args.run)
@@ -333,6 +246,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             client = connect_pinged(args.redis_url, client_name=f"flodl-{who}")
         except RedisUnreachable as exc:
             raise ConfigError(str(exc)) from None
+        if secret_from_env() is None and not client.exists(keys.secret):
+            _say(
+                f"waiting up to {args.secret_timeout:.0f}s for the coordinator of run "
+                f"{args.run!r} at {redact_url(args.redis_url)} to start (it publishes the "
+                f"run secret; or give it in {ENV_SECRET})"
+            )
         try:
             secret = fetch_run_secret(client, keys, timeout=args.secret_timeout)
         except SecretError as exc:
@@ -378,6 +297,10 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             client, keys, secret, answers=ident.sign_pub, where=redact_url(args.redis_url)
         )
         if args.rank is None:
+            _say(
+                f"joining run {args.run!r}: waiting up to {args.join_timeout:.0f}s for the "
+                "coordinator to assign a rank"
+            )
             assign = _join(join, hello, args.run, args.join_timeout)
             rank, world = assign.rank, assign.world_size
         else:
@@ -396,7 +319,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         return CONFIG
 
     configure_console(args.log_level)
-    bus = RedisRankBus(
+    how = "assigned" if args.rank is None else "given"
+    _say(f"rank {rank} of {world} ({how}) in run {args.run!r}: {mode}, {job.name}, {device}")
+    bus = _ConsoleRankBus(
         client,
         keys,
         rank,
@@ -419,7 +344,30 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         lr_scale=1.0 + (world - 1) * lr_scale_ratio,
         epochs=epochs,
     )
+    code: int | None = None
     try:
-        return run_rank(job, bus, options, factory, stop)
+        code = run_rank(job, bus, options, factory, stop)
+        return code
     finally:
         client.close()
+        _say(f"rank {rank} {'raised (above)' if code is None else describe(code)}")
+
+
+def _say(line: str) -> None:
+    """The worker's own console lines (its logs stay structured): what it waits for,
+    its rank, its progress per chunk of work, how it ended."""
+    print(f"flodl-bus worker: {line}", file=sys.stderr, flush=True)
+
+
+class _ConsoleRankBus(RedisRankBus):
+    """The rank's bus, which also says each finished chunk of work on the console (the
+    rank's Metrics, as it goes upstream)."""
+
+    def publish(self, msg: UpstreamMsg) -> None:
+        super().publish(msg)
+        if isinstance(msg, MetricsMsg) and msg.batches_processed:
+            rate = msg.samples_processed / (msg.epoch_ms / 1000) if msg.epoch_ms > 0 else 0.0
+            _say(
+                f"rank {msg.rank}: epoch {msg.epoch}: {msg.batches_processed} batches, "
+                f"loss {msg.avg_loss:.4f}, {rate:.0f} samples/s"
+            )

@@ -282,6 +282,10 @@ def observer_may(k: RunKeys) -> list[Cmd]:
         ("TYPE", k.ctl(0)),
         ("SCAN", "0", "MATCH", f"{k.prefix}*", "COUNT", "1000", "TYPE", "stream"),
         ("EVAL_RO", "return redis.call('XRANGE', KEYS[1], '-', '+')", "1", k.ctl(0)),
+        # flodl-bus status and tail: does the run exist, its dead letters
+        ("EXISTS", k.meta, k.join, k.ctl_all),
+        ("SCAN", "0", "MATCH", f"{k.prefix}*", "COUNT", "1000"),
+        ("XLEN", k.dlq),
     ]
 
 
@@ -315,6 +319,7 @@ def coordinator_may(k: RunKeys) -> list[Cmd]:
         ("CLIENT", "SETNAME", "flodl-coordinator"),
         ("EXISTS", k.meta),
         ("HSET", k.meta, "status", "joining"),
+        ("EXPIRE", k.meta, "604800"),
         ("SET", k.secret, "22" * 16, "NX"),
         ("GET", k.secret),
         ("EXISTS", k.secret),

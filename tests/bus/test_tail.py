@@ -122,3 +122,62 @@ def test_ops_tail_script_prints_every_entry_with_plain_fields(redis_url: str) ->
     assert all("rank=" in line and "seq=" in line for line in lines)
     coord.close()
     admin.close()
+
+
+@pytest.mark.redis
+def test_tail_of_a_run_that_does_not_exist_is_an_error(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--run", "never-ran", "--redis-url", redis_url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no run 'never-ran'" in err, err
+
+
+@pytest.mark.redis
+def test_tail_ends_after_shutdown_with_the_ranks_last_words_unless_follow(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.bus.connection import connect
+
+    keys = RunKeys("ends")
+    admin = connect(redis_url)
+    admin.delete(*admin.keys(f"{keys.prefix}*") or [keys.meta])
+    coord = RedisCoordinatorBus(connect(redis_url), keys, CK, ranks=[0], config=FAST)
+    rank = RedisRankBus(connect(redis_url), keys, 0, RK(0), config=FAST)
+    rank.publish(_batch(1))
+    coord.broadcast(m.Shutdown())
+    rank.publish(m.Exiting(rank=0, reason=None))
+    deadline = time.monotonic() + 30
+    while admin.xlen(keys.up(0)) < 2 and time.monotonic() < deadline:  # the rank's writes landed
+        time.sleep(0.01)
+    # no --count, no --duration: it returns by itself, having printed the Exiting too
+    assert main(["--run", "ends", "--redis-url", redis_url, "--from-start"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(line.split()[3] for line in lines) == ["Batch", "Exiting", "Shutdown"], lines
+
+    # --follow: an entry written after the Shutdown was printed still comes
+    out = io.StringIO()
+    done: list[int] = []
+    t = threading.Thread(
+        target=lambda: done.append(
+            tail(
+                connect(redis_url),
+                "ends",
+                from_start=True,
+                count=4,
+                out=out,
+                follow=True,
+                duration=60,
+            )
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while "Exiting" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    rank.publish(_batch(2))
+    t.join(timeout=60)
+    assert done == [4], out.getvalue()
+    coord.close()
+    rank.close()
+    admin.close()

@@ -19,7 +19,8 @@ DEAD_REDIS = "redis://127.0.0.1:1/0"
     [
         ([*BASE, "--mode", "nccl-async"], "use cpu-async, or nccl-cadence"),
         ([*BASE, "--mode", "gpu-sync"], "expected one of"),
-        (["--run", "r1", "--world-size", "2"], "--job is required"),
+        (["--run", "r1", "--world-size", "2"], "required: --job"),
+        ([*BASE, "--log-level", "LOUD"], "invalid choice: 'loud'"),
         (["--run", "r1", "--job", "flodl_bus.examples.digits:job"], "give --world-size N"),
         (["--run", "bad run!", *BASE[2:]], "--run"),
         ([*BASE, "--min-workers", "3"], "exceeds --world-size"),

@@ -27,7 +27,7 @@ def started(mode: str, **kw: Any) -> tuple[Coordinator, list[Out]]:
 def feed(core: Coordinator, rank: int, n: int, now: float = 0.0, ms: float = 10.0) -> list[Out]:
     out: list[Out] = []
     for _ in range(n):
-        step = core.last_step_count[rank] + 1
+        step = core.reduce.last_step_count[rank] + 1
         out += core.handle(rank, m.Batch(rank, ms, 0.0, step, 0.5), now)
     return out
 
@@ -93,7 +93,7 @@ def test_cpu_rearm_is_independent_of_nccl_ack() -> None:
         core.handle(r, m.SyncAck(r, 2**62, 0.01, 1.0, 1.0), 0.02)
     out = core.tick(0.03)
     assert [o.msg for o in msgs(out, m.WireUpdate)] == [m.WireUpdate(1), m.WireUpdate(1)]
-    assert core.last_step_count == [1, 1]
+    assert core.reduce.last_step_count == [1, 1]
     feed(core, 0, 1)
     feed(core, 1, 1)
     assert core.should_average()
@@ -136,7 +136,7 @@ def test_quiesced_zero_step_tail_rank_does_not_block_reduce() -> None:
     core.handle(0, metrics(0, 0, 2), 0.03)
     # rank 1 has zero steps, nothing in flight and nothing left: it cannot block
     assert core.ledger.steps == [3, 0]
-    assert core.pools[0].remaining() == 0
+    assert core.dispatch.pools[0].remaining() == 0
     assert core.should_average()
 
 
@@ -147,11 +147,11 @@ def test_slot_zero_final_window_rank_does_not_block_the_gate() -> None:
     out = core.start(0.0)
     # after rank 0's take 12 batches are left (< 13 + 3): the split [6, 6, 0] is pinned
     assert {r: p.partition_size for r, p in plans(out).items()} == {0: 6, 1: 6}
-    assert core.final_windows[0].slots == [6, 0, 0]
+    assert core.dispatch.final_windows[0].slots == [6, 0, 0]
     for r in (0, 1):
         feed(core, r, 6)
         core.handle(r, metrics(r, 0, 6), 0.0)
-    assert core.pools[0].remaining() == 6  # rank 0's next slot, held by its budget
+    assert core.dispatch.pools[0].remaining() == 6  # rank 0's next slot, held by its budget
     # rank 2 holds a zero slot: with zero steps it must not hold the reduce
     assert core.ledger.steps == [6, 6, 0]
     assert core.should_average(), core.gate()
@@ -172,13 +172,13 @@ def test_sync_ack_above_snapshot_acks_and_reopens_the_gate() -> None:
     out = core.tick(0.01)
     assert msgs(out, m.SyncNow)
     feed(core, 0, 0)
-    assert core.nccl_ack == [False, False]
+    assert core.reduce.acked == [False, False]
     core.handle(0, m.SyncAck(0, 2, 0.1, 1.0, 1.0), 0.02)  # not above snapshot 2
-    assert core.nccl_ack == [False, False]
+    assert core.reduce.acked == [False, False]
     core.handle(0, m.SyncAck(0, 3, 0.1, 1.0, 1.0), 0.02)
     core.handle(1, m.SyncAck(1, 4, 0.1, 1.0, 1.0), 0.03)
-    assert core.nccl_ack == [True, True]
-    assert abs(core.last_nccl_sync_ms - 20.0) < 1e-9
+    assert core.reduce.acked == [True, True]
+    assert abs(core.reduce.last_sync_ms - 20.0) < 1e-9
 
 
 def test_sync_ack_never_inflates_steps() -> None:
@@ -187,7 +187,7 @@ def test_sync_ack_never_inflates_steps() -> None:
     core.handle(0, m.SyncAck(0, 7), 0.0)
     assert core.ledger.steps == [1, 0]
     assert core.ledger.wall_ms == [10.0, 0.0]
-    assert core.last_step_count[0] == 7
+    assert core.reduce.last_step_count[0] == 7
 
 
 def test_second_sync_now_waits_for_every_ack() -> None:
@@ -369,10 +369,10 @@ def test_heartbeat_stale_declares_rank_dead_and_unblocks_should_average() -> Non
     assert not core.should_average()
     beat(core, [0, 1], 29.5)
     core.tick(29.5)
-    assert not core.dead[2]
+    assert not core.live.dead[2]
     beat(core, [0, 1], 31.0)
     out = core.tick(31.0)
-    assert core.dead == [False, False, True]
+    assert core.live.dead == [False, False, True]
     assert msgs(out, m.RequestParams)  # the reduce fires without the dead rank
 
 
@@ -402,8 +402,8 @@ def test_progressive_death_forfeits_chunks_to_survivors() -> None:
         core.handle(r, metrics(r, 0, first[r].partition_size), 1.0)
     beat(core, [0, 1], 31.0)
     out = core.tick(31.0)
-    assert core.dead == [False, False, True]
-    assert not core.pools[0].has_in_flight(2)
+    assert core.live.dead == [False, False, True]
+    assert not core.dispatch.pools[0].has_in_flight(2)
     assert msgs(out, m.RequestParams)  # the dead rank no longer holds the gate
     for r in (0, 1):
         core.handle(r, m.SyncAck(r, 0), 31.1)
@@ -454,7 +454,7 @@ def test_rendezvous_retry_picks_next_survivor_on_generator_death() -> None:
     assert [o.rank for o in msgs(core.tick(11.0), m.RequestNewNcclId)] == [0]
     beat(core, [1, 2], 21.5)
     out = core.tick(21.5)  # rank 0 (the generator) went silent too
-    assert core.dead[0]
+    assert core.live.dead[0]
     assert [o.rank for o in msgs(out, m.RequestNewNcclId)] == [1]
     stray = core.handle(0, m.NewNcclIdGenerated(0, b"x" * 128), 21.6)
     assert not msgs(stray, m.NewNcclSession)
@@ -522,11 +522,11 @@ def test_exiting_decrements_active_count_once() -> None:
     core, _ = started("cpu-sync", ws=3)
     core.handle(1, m.Exiting(1), 0.0)
     core.handle(1, m.Exiting(1), 0.0)
-    assert core.active_count == 2
+    assert core.live.active_count == 2
     # an exited rank is not declared dead by the staleness sweep
     beat(core, [0, 2], 40.0)
     core.tick(40.0)
-    assert not any(core.dead)
+    assert not any(core.live.dead)
 
 
 # ================================================================= shutdown (§4.16.1)
@@ -628,7 +628,7 @@ def test_failed_start_epoch_is_rolled_back_and_reoffered_on_the_next_tick() -> N
     core, out = started("nccl-cadence", total=1000)
     lost = msgs(out, m.StartEpoch)[0]
     core.send_failed(lost.rank, lost.msg, 0.0)
-    assert not core.pools[0].has_in_flight(lost.rank)
+    assert not core.dispatch.pools[0].has_in_flight(lost.rank)
     again = plans(core.tick(0.01))
     assert again == {lost.rank: lost.msg.plan}  # the cursor was rewound: same chunk
 
@@ -677,5 +677,5 @@ def test_checkpoint_every_n_epochs_goes_to_the_checkpoint_role_only() -> None:
         out = core.tick(0.01 * (epoch + 1))
         sent += [(o.rank, o.msg) for o in msgs(out, m.Checkpoint)]
         for r in (0, 1):
-            core.handle(r, m.SyncAck(r, core.last_step_count[r] + 1), 0.0)
+            core.handle(r, m.SyncAck(r, core.reduce.last_step_count[r] + 1), 0.0)
     assert sent == [(core.roles.checkpoint, m.Checkpoint(2, core.roles.checkpoint))]

@@ -23,14 +23,14 @@ def test_a_job_failure_stops_the_run_with_its_reason_and_names_rank_and_exceptio
     alerts = [o for o in out if isinstance(o, Alert) and o.event == "job_failed"]
     assert [a.detail for a in alerts] == ["rank 1: loss_fn raised ValueError: bad batch"]
     # The failed rank is gone (not waited for), and no re-formation was started.
-    assert core.exited[1] and not core.alive(1)
+    assert core.live.exited[1] and not core.alive(1)
     assert not msgs(out, m.RequestNewNcclId)
     assert core.finished
 
 
 def test_a_job_failure_on_nccl_releases_peers_parked_in_the_collective() -> None:
     core, _ = started("nccl-cadence", ws=2, total=2000, heartbeat_timeout=30.0)
-    core.nccl_armed, core.nccl_ack, core._unacked = True, [True, False], 1
+    core.reduce.armed, core.reduce.acked, core.reduce.unacked = True, [True, False], 1
     out = core.handle(1, m.Exiting(1, reason=JOB), 0.5)
     assert [o.msg.rank for o in msgs(out, m.DeclareDead)] == [1]
     assert msgs(out, m.ShutdownWithSave)
@@ -41,7 +41,7 @@ def test_an_averaging_failure_is_one_rank_s_death_and_the_survivors_re_form() ->
     why = leaving.reason(leaving.AVERAGING_FAILED, "averaging round 3: RuntimeError('gone')")
     out = core.handle(2, m.Exiting(2, reason=why), 0.5)
     assert [o.msg.rank for o in msgs(out, m.DeclareDead)] == [2]
-    assert core.dead[2] and not msgs(out, m.ShutdownWithSave)
+    assert core.live.dead[2] and not msgs(out, m.ShutdownWithSave)
     assert len(msgs(out, m.RequestNewNcclId)) == 1
 
 
@@ -49,7 +49,7 @@ def test_a_job_failure_after_the_run_stopped_changes_nothing() -> None:
     core, _ = started("cpu-cadence", ws=2, total=2000)
     core.handle(0, m.Exiting(0, reason=JOB), 0.5)
     out = core.handle(1, m.Exiting(1, reason=JOB), 0.6)
-    assert not msgs(out, m.ShutdownWithSave) and core.exited[1]
+    assert not msgs(out, m.ShutdownWithSave) and core.live.exited[1]
 
 
 def test_reason_kinds_and_the_wire() -> None:

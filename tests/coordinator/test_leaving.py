@@ -14,7 +14,7 @@ def test_exiting_with_a_reason_mid_run_declares_the_rank_dead_and_re_forms_at_on
     # Long before any heartbeat timeout could fire.
     out = core.handle(2, m.Exiting(2, reason="SIGTERM"), 0.5)
     assert [o.msg.rank for o in msgs(out, m.DeclareDead)] == [2]
-    assert core.dead[2] and not core.alive(2)
+    assert core.live.dead[2] and not core.alive(2)
     # The survivors are asked for a new group at once (a generator among them).
     new_id = msgs(out, m.RequestNewNcclId)
     assert len(new_id) == 1 and new_id[0].rank in (0, 1)
@@ -26,7 +26,7 @@ def test_exiting_without_a_reason_is_still_a_clean_completion() -> None:
     core, _ = started("cpu-cadence", ws=3, total=3000)
     out = core.handle(2, m.Exiting(2), 0.5)
     assert not msgs(out, m.DeclareDead)
-    assert core.exited[2] and not core.dead[2]
+    assert core.live.exited[2] and not core.live.dead[2]
 
 
 def test_the_last_rank_leaving_stops_the_run_with_a_save() -> None:

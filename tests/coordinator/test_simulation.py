@@ -70,7 +70,7 @@ def test_a_rank_dying_mid_run_leaves_every_sample_covered(mode: str) -> None:
     trained = cluster.trained_by_epoch()
     for e in range(cfg.num_epochs):
         assert set(trained[e]) == set(cluster.expected_epoch(e)), f"epoch {e}"
-    assert cluster.core.dead == [False, False, True, False]
+    assert cluster.core.live.dead == [False, False, True, False]
     assert cluster.finished is not None and cluster.finished.reason is None
     if mode.startswith("nccl"):
         assert cluster.count_sent(m.DeclareDead) == 1

@@ -12,6 +12,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
+#: the override that makes the gpu profile (compose -f compose.yaml -f compose.gpu.yaml)
+COMPOSE_GPU = ROOT / "compose.gpu.yaml"
 #: where services/Dockerfile puts the checkout (WORKDIR)
 IMAGE_ROOT = "/app"
 
@@ -45,9 +47,19 @@ def _resolve(node: Any, env: Mapping[str, str]) -> Any:
     return node
 
 
-def load(env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """compose.yaml with YAML merge keys applied and variables interpolated."""
+def _merge(base: Any, over: Any) -> Any:
+    # compose's rule for -f files: mappings merge key by key, anything else is replaced
+    if isinstance(base, dict) and isinstance(over, dict):
+        return {**base, **{k: _merge(base.get(k), v) for k, v in over.items()}}
+    return over
+
+
+def load(env: Mapping[str, str] | None = None, gpu: bool = False) -> dict[str, Any]:
+    """compose.yaml (with compose.gpu.yaml over it when ``gpu``), YAML merge keys applied
+    and variables interpolated."""
     raw = yaml.safe_load(COMPOSE.read_text())
+    if gpu:
+        raw = _merge(raw, yaml.safe_load(COMPOSE_GPU.read_text()))
     resolved: dict[str, Any] = _resolve(raw, env or {})
     return resolved
 

@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.server import RedisServer
+from flodl_bus.bus.server import RedisServer, free_port
 from flodl_bus.record.log import read_records
 from tests.deploy.compose import COMPOSE, ROOT, host_argv, interpolate, load, service_env
 
@@ -77,7 +77,125 @@ def test_the_dockerfile_installs_cpu_torch_first_then_the_package() -> None:
     assert "FROM python:3.11-slim" in text
     assert "ARG TORCH_VERSION=2.13.0" in text
     assert "whl/cpu" in text
-    assert text.index('"torch==${TORCH_VERSION}"') < text.index("RUN pip install .")
+    assert text.index('"torch==${TORCH_VERSION}"') < text.index("RUN pip install --no-deps .")
+
+
+def test_the_dockerfile_installs_the_dependencies_in_a_layer_before_the_code() -> None:
+    lines = (ROOT / "services" / "Dockerfile").read_text().splitlines()
+
+    def at(prefix: str) -> int:
+        return next(i for i, line in enumerate(lines) if line.startswith(prefix))
+
+    deps = at('RUN python -c "import tomllib')
+    # only the project file is in the image when the dependencies install...
+    assert at("COPY pyproject.toml") < deps < at("COPY flodl_bus")
+    # ...and the package goes in after the code, without touching them
+    assert at("COPY flodl_bus") < at("RUN pip install --no-deps .")
+    # what that layer installs is the project's dependency list (run its command here)
+    cmd = " ".join(line.rstrip("\\") for line in lines[deps : deps + 3])
+    listed = subprocess.run(
+        ["sh", "-c", cmd[len("RUN ") :].split(" > ")[0]], cwd=ROOT, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert listed.stdout.split() == [*project["dependencies"],
+                                     *project["optional-dependencies"]["plot"]]  # fmt: skip
+
+
+def test_the_image_and_the_services_run_as_a_non_root_user() -> None:
+    lines = (ROOT / "services" / "Dockerfile").read_text().splitlines()
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+    for name, svc in load({})["services"].items():
+        if name != "redis":
+            uid = svc["user"].split(":")[0]
+            assert uid.isdigit() and int(uid) != 0, (name, svc["user"])
+    assert load({"FLODL_UID": "1234"})["services"]["worker"]["user"].startswith("1234:")
+
+
+def _seconds(duration: str) -> float:
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    for unit in sorted(units, key=len, reverse=True):
+        if duration.endswith(unit) and duration[: -len(unit)].replace(".", "").isdigit():
+            return float(duration[: -len(unit)]) * units[unit]
+    raise ValueError(duration)
+
+
+def test_stop_grace_period_outlasts_the_coordinators_exit_grace() -> None:
+    from flodl_bus.coordinator.runtime import LoopOptions
+
+    grace = LoopOptions().exit_grace
+    for gpu in (False, True):
+        for name, svc in load({}, gpu=gpu)["services"].items():
+            if name != "redis":
+                assert _seconds(svc["stop_grace_period"]) > grace + 5, name
+
+
+def test_the_gpu_profile_defaults_the_run_to_an_nccl_mode_and_leaves_cpu_workers_out() -> None:
+    plain = load({})["services"]
+    assert plain["coordinator"]["environment"]["FLODL_MODE"] == "cpu-cadence"
+    gpu = load({}, gpu=True)["services"]
+    # the coordinator picks the run's mode: the default must reach it, and the GPU
+    # workers pin the same one (a mismatch is refused at join)
+    assert gpu["coordinator"]["environment"]["FLODL_MODE"] == "nccl-cadence"
+    assert gpu["worker-gpu"]["environment"]["FLODL_MODE"] == "nccl-cadence"
+    assert gpu["worker-gpu"]["profiles"] == ["gpu"]
+    assert "gpu" not in gpu["worker"].get("profiles", []) and gpu["worker"].get("profiles")
+    # FLODL_MODE still wins
+    chosen = load({"FLODL_MODE": "cpu-sync"}, gpu=True)["services"]
+    assert chosen["coordinator"]["environment"]["FLODL_MODE"] == "cpu-sync"
+    # the rest of the coordinator's environment survives the override
+    assert gpu["coordinator"]["environment"]["FLODL_ROLE"] == "coordinator"
+
+
+def test_the_readme_advises_exit_code_from_the_coordinator() -> None:
+    readme = (ROOT / "README.md").read_text()
+    compose_lines = [line for line in readme.splitlines() if "docker compose" in line
+                     and " up" in line]  # fmt: skip
+    assert compose_lines and all("--exit-code-from coordinator" in line
+                                 for line in compose_lines)  # fmt: skip
+
+
+def test_redis_conf_binds_loopback_and_compose_widens_it_on_its_own_network() -> None:
+    binds = [line.split()[1:] for line in CONF.read_text().splitlines()
+             if line.startswith("bind ")]  # fmt: skip
+    assert binds == [["127.0.0.1", "-::1"]]
+    command = load({})["services"]["redis"]["command"]
+    assert command[command.index("--bind") + 1] == "0.0.0.0"
+    ports = load({})["services"]["redis"]["ports"]
+    assert all(p.startswith("127.0.0.1:") for p in ports)
+
+
+@pytest.mark.redis
+def test_the_ops_readme_redis_command_works_as_written(tmp_path: Path) -> None:
+    text = (ROOT / "ops" / "README.md").read_text()
+    [command] = [line for line in text.splitlines() if "redis-server ops/redis.conf" in line]
+    (tmp_path / "ops").symlink_to(ROOT / "ops")
+    port = free_port()
+    proc = subprocess.Popen(
+        ["bash", "-c", f"{command} --port {port}"], cwd=tmp_path, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        client = redis.Redis(port=port, username="observer", password="flodl-observer-dev",
+                             socket_timeout=5)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.exceptions.ConnectionError:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        client.close()
+        assert (tmp_path / "runs" / "redis").is_dir()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no docker-compose binary")

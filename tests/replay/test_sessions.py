@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.record.replay import Recording, load_run, main, save_run
-from flodl_bus.record.testing import assert_identical, recorded_sessions
+from flodl_bus.replay import Recording, load_run, save_run
+from flodl_bus.replay.cli import main
+from flodl_bus.replay.testing import assert_identical, recorded_sessions
 
 SESSIONS = Path(__file__).resolve().parents[1] / "sessions"
 GOLDEN = recorded_sessions(SESSIONS)

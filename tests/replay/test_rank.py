@@ -36,9 +36,9 @@ from flodl_bus.protocol.messages import (
     WireUpdate,
 )
 from flodl_bus.protocol.signing import fixed_keys, new_secret
-from flodl_bus.record import surgery
-from flodl_bus.record.replay import Recording, load_run, main, replay
-from flodl_bus.record.testing import logged
+from flodl_bus.replay import Recording, load_run, replay, surgery
+from flodl_bus.replay.cli import main
+from flodl_bus.replay.testing import logged
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -68,7 +68,7 @@ class _Upstream:
 
 @pytest.fixture(scope="module")
 def rank_run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One scripted session: a plan taken while idle, a Throttle, an ExtendPartition, a
+    """One scripted session: a plan read while idle, a Throttle, an ExtendPartition, a
     Checkpoint and the next plan serviced while throttled, SyncNow, a CPU round
     (RequestParams, the plane's Update, the wire Update's plan), SetGlobalStep, Shutdown."""
     run_dir = tmp_path_factory.mktemp("rank-run")
@@ -82,7 +82,7 @@ def rank_run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         [
             sys.executable,
             "-m",
-            "tests.record.rank_proc",
+            "tests.replay.rank_proc",
             "--url",
             redis_url,
             "--run",
@@ -134,8 +134,15 @@ def _rank(run_dir: Path) -> Recording:
 def test_the_rank_record_replays_identically(rank_run: Path) -> None:
     result = replay(_rank(rank_run))
     assert result.identical, result.summary()
-    kinds = {e["event"] for e in _rank(rank_run).core_events()}
-    assert kinds >= {"dispatch", "take", "plan", "step"}
+    events = _rank(rank_run).core_events()
+    assert {e["event"] for e in events} >= {"dispatch", "plan", "step"}
+    # One path for a plan: a StartEpoch dispatched into the core's mailbox (the one read
+    # while idle too), then taken from it.
+    plans = [e for e in events if e["event"] == "plan"]
+    starts = [e for e in events if e["event"] == "dispatch" and e["msg"]["type"] == "StartEpoch"]
+    assert len(plans) == len(starts) == 3
+    assert all(e["source"] == "pending" for e in plans)
+    assert not any(e["event"] == "take" and e["why"] == "plan" for e in events)
     assert result.replayed == len(_rank(rank_run).core_events())
 
 
@@ -174,7 +181,7 @@ def test_a_changed_port_answer_is_named_as_the_first_divergence(rank_run: Path) 
 def test_a_changed_entry_diverges_at_its_dispatch_and_the_cli_exits_1(
     rank_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flodl_bus.record.replay import save_run
+    from flodl_bus.replay import save_run
 
     run = load_run(rank_run)
     rec = run["rank:0"]

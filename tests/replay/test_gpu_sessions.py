@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.record.replay import Recording
-from flodl_bus.record.testing import assert_identical, recorded_sessions
+from flodl_bus.replay import Recording
+from flodl_bus.replay.testing import assert_identical, recorded_sessions
 
 GPU_SESSIONS = recorded_sessions(Path(__file__).resolve().parents[1] / "sessions_gpu")
 

@@ -1,4 +1,4 @@
-"""A real rank process that records itself: ``python -m tests.record.rank_proc``.
+"""A real rank process that records itself: ``python -m tests.replay.rank_proc``.
 
 The same assembly as ``flodl-bus worker`` (``run_rank`` over ``RedisRankBus``) with the
 record directory passed explicitly, so these tests do not depend on the worker CLI's flags.

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from flodl_bus.bus.ids import format_id, parse_id
-from flodl_bus.record.replay import Recording
+from flodl_bus.replay.load import Recording
 
 Run = Mapping[str, Recording]
 

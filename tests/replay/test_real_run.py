@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.record.replay import load_run, replay
-from tests.record.runs import record_run
+from flodl_bus.replay import load_run, replay
+from tests.replay.runs import record_run
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 

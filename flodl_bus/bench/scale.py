@@ -1,0 +1,370 @@
+"""``flodl-bus bench scale --ranks N[,N...] [--step-ms 50]``: where the control plane breaks.
+
+Per N: one redis-server, the real coordinator (core, loop, bus, recorder) in its own
+process, and N simulated ranks spread over ``--procs`` processes (``bench.scale_roles``:
+the real bus, runtime threads and ``WorkerControl``; a step is a sleep, a collective
+returns at once). Every rank trains ``--steps`` batches per epoch for ``--epochs``
+epochs, so an epoch ideally lasts steps x step time. Figures, each beside its reference
+from the same run:
+
+* epoch time (median of the epochs after the first, from the ranks' ``EpochAggregated``
+  arrivals) vs the ideal; the excess is the control plane's cost plus the harness's;
+* control dispatch latency (the coordinator's send → the rank's reader holding the
+  entry, both on CLOCK_MONOTONIC), p50 and p99, vs a PING round trip on the same server;
+* CPU share (cores) of the coordinator process, of redis-server (INFO), and of the
+  simulation processes, over the training window; one core is where a single-threaded
+  part saturates;
+* Redis memory (INFO used_memory above the empty server) and the run's stream bytes per
+  rank (MEMORY USAGE);
+* coordinator record bytes per training step.
+
+"Saturated" names the part at or near its CPU limit. Runs write JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.server import RedisServer
+
+#: what ``MAXLEN ~ 100000`` alone let each rank's streams hold (issue 21's soak)
+MAXLEN_BYTES_PER_RANK = 16_000_000
+SATURATED = 0.85
+
+
+@dataclass(frozen=True)
+class ScaleResult:
+    ranks: int
+    procs: int
+    step_ms: float
+    steps: int
+    epochs: int
+    epoch_s: float
+    ideal_s: float
+    overhead: float
+    dispatch_p50_ms: float
+    dispatch_p99_ms: float
+    dispatches_timed: int
+    ping_p50_ms: float
+    coordinator_cpu: float
+    redis_cpu: float
+    harness_cpu: float
+    host_cpu: float
+    host_cores: int
+    redis_memory_bytes: int
+    stream_bytes_per_rank: int
+    record_bytes_per_step: float
+    recorded: bool
+    steps_done: int
+    ranks_clean: int
+    declared_dead: int
+    wall_s: float
+    saturated: str
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _share(samples: Sequence[Sequence[float]], a: float, b: float) -> float:
+    """Mean CPU share (cores) over [a, b] from (time, cpu seconds) samples."""
+
+    def at(t: float) -> float:
+        prev = samples[0]
+        for cur in samples:
+            if cur[0] >= t:
+                if cur[0] == prev[0]:
+                    return float(cur[1])
+                w = (t - prev[0]) / (cur[0] - prev[0])
+                return float(prev[1] + w * (cur[1] - prev[1]))
+            prev = cur
+        return float(samples[-1][1])
+
+    if not samples or b <= a:
+        return float("nan")
+    return (at(b) - at(a)) / (b - a)
+
+
+class _RedisWatch:
+    """INFO cpu/memory, PING round trips and the run's stream bytes, sampled."""
+
+    def __init__(self, client: redis.Redis, keys: RunKeys, ranks: int) -> None:
+        self.client = client
+        self.keys = keys
+        self.ranks = ranks
+        self.cpu: list[tuple[float, float]] = []
+        self.memory: list[tuple[float, int]] = []
+        self.stream_bytes: list[tuple[float, int]] = []
+        self.pings: list[float] = []
+        #: (time, busy CPU seconds of the whole host) from /proc/stat
+        self.host: list[tuple[float, float]] = []
+
+    def sample(self) -> None:
+        info: Any = self.client.info("all")
+        t = time.monotonic()
+        self.cpu.append((t, float(info["used_cpu_sys"]) + float(info["used_cpu_user"])))
+        self.memory.append((t, int(info["used_memory"])))
+        for _ in range(5):
+            t0 = time.perf_counter()
+            self.client.ping()
+            self.pings.append((time.perf_counter() - t0) * 1000.0)
+        self.stream_bytes.append((t, self._stream_bytes()))
+        busy = _host_busy()
+        if busy is not None:
+            self.host.append((t, busy))
+
+    def _stream_bytes(self) -> int:
+        """Bytes of the run's streams per rank: a sample of ranks, plus ctl:all / N."""
+        picks = sorted({0, self.ranks // 2, self.ranks - 1, *range(0, self.ranks, 97)})
+        pipe = self.client.pipeline(transaction=False)
+        for r in picks:
+            pipe.memory_usage(self.keys.up(r))
+            pipe.memory_usage(self.keys.ctl(r))
+        pipe.memory_usage(self.keys.ctl_all)
+        got = [int(x or 0) for x in pipe.execute()]
+        per_rank = sum(got[:-1]) / len(picks)
+        return int(per_rank + got[-1] / self.ranks)
+
+
+def _host_busy() -> float | None:
+    """Busy CPU seconds of every core of the host since boot (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
+
+
+def _spawn(role: str, base: list[str], extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "flodl_bus.bench.scale_roles", "--role", role, *base, *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
+    procs = max(1, min(args.procs, n))
+    work = Path(tempfile.mkdtemp(prefix=f"flodl-scale-{n}-"))
+    server = None
+    url = args.redis_url
+    if url is None:
+        server = RedisServer(extra_args=["--maxclients", str(max(10_000, 4 * n + 256))]).start()
+        url = server.url
+    run = f"scale{n}-{os.getpid()}"
+    keys = RunKeys(run)
+    admin = connect(url, client_name="bench-scale-driver")
+    base_memory = int(admin.info("memory")["used_memory"])  # type: ignore[index]
+    common = [
+        "--url", url, "--run", run, "--dir", str(work), "--ranks", str(n),
+        "--steps", str(args.steps), "--epochs", str(args.epochs),
+        "--step-ms", str(args.step_ms), "--mode", args.mode,
+        "--heartbeat-timeout", str(args.heartbeat_timeout), "--timeout", str(args.timeout),
+        *(["--no-record"] if args.no_record else []),
+        *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
+    ]  # fmt: skip
+    started = time.monotonic()
+    children = [_spawn("coordinator", common)]
+    per = -(-n // procs)
+    for lo in range(0, n, per):
+        children.append(_spawn("sim", common, ["--slice", f"{lo}:{min(n, lo + per)}"]))
+    watch = _RedisWatch(admin, keys, n)
+    deadline = started + args.timeout + 60
+    try:
+        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+            watch.sample()
+            time.sleep(0.5)
+    finally:
+        for c in children:
+            if c.poll() is None:
+                c.kill()
+            c.wait()
+        wall = time.monotonic() - started
+        admin.close()
+        if server is not None:
+            server.stop()
+            server.cleanup()
+    failed = [c for c in children if c.returncode != 0]
+    if failed:
+        err = (failed[0].stderr.read() if failed[0].stderr else b"").decode(errors="replace")
+        shutil.rmtree(work, ignore_errors=True)
+        raise RuntimeError(f"a bench process failed (rc {failed[0].returncode}): {err[-2000:]}")
+    coord = json.loads((work / "coordinator.json").read_text())
+    sims = [json.loads(p.read_text()) for p in sorted(work.glob("sim*.json"))]
+    shutil.rmtree(work, ignore_errors=True)
+    return _figures(args, n, procs, wall, coord, sims, watch, base_memory)
+
+
+def _figures(
+    args: argparse.Namespace,
+    n: int,
+    procs: int,
+    wall: float,
+    coord: dict[str, Any],
+    sims: list[dict[str, Any]],
+    watch: _RedisWatch,
+    base_memory: int,
+) -> ScaleResult:
+    # Latency counts from the first StartEpoch: before it, ranks still starting up hold
+    # the coordinator's early heartbeats unread.
+    first = min((t for _, _, k, t in coord["sent"] if k == "StartEpoch"), default=0.0)
+    sent = {(s, e): t for s, e, _, t in coord["sent"] if t >= first}
+    latencies: list[float] = []
+    starts: list[float] = []
+    ends: dict[int, list[float]] = {}
+    ranks = [r for sim in sims for r in sim["ranks"]]
+    for r in ranks:
+        epoch = 0
+        started = False
+        for stream, eid, kind, t in r["arrivals"]:
+            t0 = sent.get((stream, eid))
+            if t0 is not None:
+                latencies.append((t - t0) * 1000.0)
+            if kind == "StartEpoch" and not started:
+                started = True
+                starts.append(t)
+            if kind == "EpochAggregated":
+                ends.setdefault(epoch, []).append(t)
+                epoch += 1
+    start = min(starts) if starts else float("nan")
+    marks = [start] + [min(ends[e]) for e in sorted(ends)]
+    epochs = [b - a for a, b in itertools.pairwise(marks)]
+    epoch_s = statistics.median(epochs[1:]) if len(epochs) > 1 else (epochs or [float("nan")])[0]
+    ideal = args.steps * args.step_ms / 1000.0
+    a, b = marks[0], marks[-1]
+    if not ends:
+        # No epoch completed (the coordinator fell behind): the window runs to its end.
+        b = coord["cpu"][-1][0] if coord["cpu"] else b
+    coord_cpu = _share(coord["cpu"], a, b)
+    harness = sum(_share(sim["cpu"], a, b) for sim in sims)
+    redis_cpu = _share(watch.cpu, a, b)
+    host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
+    mem = [m for t, m in watch.memory if a <= t <= b] or [m for _, m in watch.memory]
+    stream = [x for t, x in watch.stream_bytes if a <= t <= b] or [x for _, x in watch.stream_bytes]
+    steps_done = sum(r["steps"] for r in ranks)
+    cores = os.cpu_count() or 1
+    shares = {
+        "coordinator (one core)": coord_cpu,
+        "redis-server (one core)": redis_cpu,
+    }
+    worst = max(shares, key=lambda k: shares[k])
+    if shares[worst] >= SATURATED:
+        saturated = worst
+        if coord["dead"]:
+            saturated += f"; {len(coord['dead'])} ranks declared dead unheard"
+    elif max(host_cpu, coord_cpu + redis_cpu + harness) >= SATURATED * cores:
+        saturated = f"host CPUs ({cores} cores shared by the ranks, coordinator and Redis)"
+    else:
+        saturated = "none"
+    return ScaleResult(
+        ranks=n,
+        procs=procs,
+        step_ms=args.step_ms,
+        steps=args.steps,
+        epochs=args.epochs,
+        epoch_s=epoch_s,
+        ideal_s=ideal,
+        overhead=epoch_s / ideal - 1.0,
+        dispatch_p50_ms=_quantile(latencies, 0.5),
+        dispatch_p99_ms=_quantile(latencies, 0.99),
+        dispatches_timed=len(latencies),
+        ping_p50_ms=_quantile(watch.pings, 0.5),
+        coordinator_cpu=coord_cpu,
+        redis_cpu=redis_cpu,
+        harness_cpu=harness,
+        host_cpu=host_cpu,
+        host_cores=cores,
+        redis_memory_bytes=int(statistics.median(mem)) - base_memory if mem else 0,
+        stream_bytes_per_rank=int(statistics.median(stream)) if stream else 0,
+        record_bytes_per_step=coord["record_bytes"] / steps_done if steps_done else float("nan"),
+        recorded=not args.no_record,
+        steps_done=steps_done,
+        ranks_clean=sum(1 for r in ranks if r["clean"]),
+        declared_dead=len(coord["dead"]),
+        wall_s=wall,
+        saturated=saturated,
+    )
+
+
+def report(r: ScaleResult) -> str:
+    return "\n".join(
+        [
+            f"ranks {r.ranks} ({r.procs} sim processes, {r.host_cores} cores), "
+            f"step {r.step_ms:g} ms x {r.steps} steps x {r.epochs} epochs, wall {r.wall_s:.1f} s",
+            f"  epoch time        {r.epoch_s:8.3f} s   ideal {r.ideal_s:.3f} s   "
+            f"overhead {100 * r.overhead:+.1f}%",
+            f"  dispatch p50      {r.dispatch_p50_ms:8.2f} ms  PING p50 {r.ping_p50_ms:.3f} ms  "
+            f"({r.dispatch_p50_ms / r.ping_p50_ms:.1f}x)   p99 {r.dispatch_p99_ms:.2f} ms "
+            f"({r.dispatches_timed} deliveries)",
+            f"  coordinator CPU   {r.coordinator_cpu:8.2f} cores (saturates at 1)",
+            f"  redis-server CPU  {r.redis_cpu:8.2f} cores (saturates at 1)",
+            f"  sim ranks CPU     {r.harness_cpu:8.2f} cores of {r.host_cores}   "
+            f"(host busy: {r.host_cpu:.2f} cores, every process)",
+            f"  redis memory      {r.redis_memory_bytes / 1e6:8.2f} MB above empty "
+            f"({r.redis_memory_bytes / r.ranks / 1e3:.1f} kB per rank, clients included)",
+            f"  stream bytes      {r.stream_bytes_per_rank / 1e3:8.1f} kB per rank  "
+            f"(MAXLEN cap alone: {MAXLEN_BYTES_PER_RANK / 1e6:.0f} MB per rank)",
+            f"  record            {r.record_bytes_per_step:8.0f} B per step (coordinator)",
+            f"  ranks clean {r.ranks_clean}/{r.ranks}, declared dead {r.declared_dead}, "
+            f"steps {r.steps_done}/{r.ranks * r.steps * r.epochs}",
+            f"  saturated: {r.saturated}",
+        ]
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="flodl-bus bench scale", description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", default="64", help="comma-separated rank counts (64,256,1024)")
+    ap.add_argument("--step-ms", type=float, default=50.0, help="simulated step time")
+    ap.add_argument("--steps", type=int, default=40, help="batches per rank per epoch")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--procs", type=int, default=max(2, os.cpu_count() or 2))
+    ap.add_argument("--mode", default="nccl-cadence", choices=("nccl-cadence", "nccl-sync"))
+    ap.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per rank count")
+    ap.add_argument(
+        "--no-record", action="store_true", help="coordinator without its dispatch record"
+    )
+    ap.add_argument("--profile", default=None, help="cProfile the coordinator into this file")
+    ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    try:
+        counts = [int(x) for x in args.ranks.split(",") if x]
+    except ValueError:
+        print(f"--ranks: expected numbers like 64,256, got {args.ranks!r}", file=sys.stderr)
+        return 2
+    if not counts or min(counts) < 1 or args.steps < 1 or args.epochs < 1 or args.step_ms <= 0:
+        print("--ranks, --steps, --epochs and --step-ms must be positive", file=sys.stderr)
+        return 2
+    results = []
+    for n in counts:
+        r = run_one(args, n)
+        results.append(r)
+        print(report(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""The two process roles of ``flodl-bus bench scale``: the coordinator and a sim host.
+
+* ``coordinator``: the real ``Coordinator`` core driven by the real ``CoordinatorLoop``
+  over the real ``RedisCoordinatorBus``, recording every dispatch as production does.
+  Its bus notes when each control entry was handed to Redis (CLOCK_MONOTONIC, which
+  every process of one host shares) and under which id.
+* ``sim``: many ranks in one process. Each rank is the real ``RedisRankBus`` with the
+  real ``RankRuntime`` (reader, heartbeat and session threads) and the real
+  ``WorkerControl``; its training thread is the loop of ``worker.loop`` without torch: a
+  step is a sleep of the given length, and a collective returns at once. Each rank notes
+  when each control entry reached its reader.
+
+Both write what they measured as JSON for the driver (``bench.scale``), with samples of
+their own CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.ids import format_id
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
+from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.runtime import CoordinatorLoop, LoopOptions
+from flodl_bus.params.port import SyncResult
+from flodl_bus.protocol import wire
+from flodl_bus.protocol.messages import (
+    AveragedParams,
+    ControlMsg,
+    ControlWire,
+    EpochPlan,
+    Exiting,
+    MetricsMsg,
+    Shutdown,
+    ShutdownWithSave,
+    StartEpoch,
+)
+from flodl_bus.protocol.signing import fixed_keys, rank_keys_for
+from flodl_bus.record.dispatch import DispatchRecorder
+from flodl_bus.worker.control import WorkerControl
+from flodl_bus.worker.inbox import Closed, Inbox
+from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
+
+SEED = b"flodl-bench-scale"
+
+
+def raise_fd_limit() -> None:
+    """Hundreds of ranks hold hundreds of sockets: lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+class CpuSampler:
+    """(monotonic, process CPU seconds) every ``every`` seconds, on a thread."""
+
+    def __init__(self, every: float = 0.25) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._every = every
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), time.process_time()))
+            if self._stop.wait(self._every):
+                self.samples.append((time.monotonic(), time.process_time()))
+                return
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+# ------------------------------------------------------------------ coordinator
+
+
+class TimedCoordinatorBus(RedisCoordinatorBus):
+    """Notes (stream, entry id, type, monotonic time before the write) of every send."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[tuple[str, str, str, float]] = []
+        super().__init__(*args, **kwargs)
+
+    def _timed(self, stream: str, msg: ControlWire, t0: float) -> None:
+        top = self._tops.get(stream)
+        if top is not None:
+            self.sent.append((stream, format_id(top), wire.type_name(msg), t0))
+
+    def send(self, rank: int, msg: ControlWire) -> None:
+        t0 = time.monotonic()
+        super().send(rank, msg)
+        self._timed(self.keys.ctl(rank), msg, t0)
+
+    def broadcast(self, msg: ControlWire) -> None:
+        t0 = time.monotonic()
+        super().broadcast(msg)
+        self._timed(self.keys.ctl_all, msg, t0)
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    raise_fd_limit()
+    out = Path(args.dir)
+    keys = RunKeys(args.run)
+    ck = fixed_keys(SEED)
+    n = args.ranks
+    config = CoordinatorConfig(
+        mode=args.mode,
+        world_size=n,
+        total_samples=n * args.steps,
+        batch_size=1,
+        num_epochs=args.epochs,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+    core = Coordinator(config)
+    client = connect(args.url, client_name="bench-coordinator")
+    bus = TimedCoordinatorBus(client, keys, ck, ranks=range(n))
+    rec = None
+    if not args.no_record:
+        rec = DispatchRecorder(out, "coordinator")
+        rec.header(run=args.run, bench="scale", ranks=n, mode=args.mode, clock="time.monotonic")
+    loop = CoordinatorLoop(
+        core,
+        bus,
+        recorder=rec,
+        options=LoopOptions(first_contact=args.timeout, exit_grace=30.0),
+        rank_of=keys.rank_of,
+    )
+    cpu = CpuSampler()
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        code = prof.runcall(loop.run)
+        prof.dump_stats(args.profile)
+    else:
+        code = loop.run()
+    samples = cpu.stop()
+    if rec is not None:
+        rec.close()
+    bus.close()
+    result = {
+        "code": code,
+        "dead": [r for r in range(n) if core.live.dead[r]],
+        "dispatches": loop.dispatches,
+        "sent": bus.sent,
+        "cpu": samples,
+        "record_bytes": rec.path.stat().st_size if rec is not None else 0,
+        "trim_passes": bus.trimmed_passes,
+    }
+    (out / "coordinator.json").write_text(json.dumps(result))
+    return 0
+
+
+# ------------------------------------------------------------------------ sim
+
+
+class NoParams:
+    """A parameter plane whose collectives return at once (the bench measures control)."""
+
+    def sync_now(self, steps_since_avg: int) -> SyncResult:
+        return SyncResult(None, None, None)
+
+    def snapshot(self, steps_since_avg: int) -> None:
+        raise RuntimeError("bench scale runs the nccl backend only")
+
+    def load_averaged(self, avg: AveragedParams) -> None:
+        return None
+
+    def param_norm(self) -> float:
+        return 1.0
+
+    def abort(self) -> None:
+        return None
+
+    def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
+        return None
+
+
+class TimedRankBus(RedisRankBus):
+    """Notes (stream, entry id, type, monotonic arrival) of every control delivery."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.arrivals: list[tuple[str, str, str, float]] = []
+        super().__init__(*args, **kwargs)
+
+    def read_control(self, block_ms: int) -> list[Delivery]:
+        got = super().read_control(block_ms)
+        if got:
+            t = time.monotonic()
+            note = self.arrivals.append
+            for d in got:
+                note((d.stream, d.entry_id, type(d.msg).__name__, t))
+        return got
+
+
+class SimRank:
+    """One rank: real bus, runtime and control core; a sleep for a training step."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.rank = rank
+        self.step_s = args.step_ms / 1000.0
+        keys = RunKeys(args.run)
+        ck = fixed_keys(SEED)
+        bus = TimedRankBus(connect(args.url), keys, rank, rank_keys_for(ck, rank))
+        self.bus = bus
+        self.inbox = Inbox()
+        params = NoParams()
+        self.control = WorkerControl(
+            rank=rank,
+            params=params,
+            batch_size=1,
+            pick_space=args.ranks * args.steps,
+            clock=time.perf_counter,
+        )
+        self.runtime = RankRuntime(
+            bus=bus,
+            inbox=self.inbox,
+            params=params,
+            world_size=args.ranks,
+            config=RuntimeConfig(coord_liveness_timeout=args.heartbeat_timeout),
+        )
+        self.clean = False
+        self.steps = 0
+        self.thread = threading.Thread(target=self.run, name=f"sim{rank}", daemon=True)
+
+    def start(self) -> None:
+        self.runtime.start()
+        self.thread.start()
+
+    # the loop of worker.loop.RankLoop, minus the model
+    def _service(self, msg: ControlMsg) -> bool:
+        out = self.control.dispatch(msg)
+        for up in out.upstream:
+            self.bus.publish(up)
+        while out.throttled and not out.stop:
+            nxt = self.inbox.get()
+            if nxt is None or isinstance(nxt, Closed):
+                return self.control.channel_closed().stop
+            out = self.control.dispatch(nxt)
+            for up in out.upstream:
+                self.bus.publish(up)
+        return out.stop
+
+    def _wait_plan(self) -> EpochPlan | None:
+        while True:
+            plan = self.control.take_pending_plan()
+            if plan is not None:
+                return plan
+            msg = self.inbox.get()
+            if msg is None or isinstance(msg, (Closed, Shutdown)):
+                return None
+            if isinstance(msg, StartEpoch):
+                return msg.plan
+            if self._service(msg):
+                return None
+
+    def _train(self, plan: EpochPlan) -> bool:
+        start = time.perf_counter()
+        ctl = self.control
+        ctl.begin_plan(plan)
+        done = 0
+        while done < ctl.num_batches:
+            time.sleep(self.step_s)
+            done += 1
+            self.steps += 1
+            batch, lr = ctl.step_done(0.5, self.step_s * 1000.0, 0.0, 0.1)
+            self.bus.publish(batch)
+            self.bus.publish(lr)
+            while (msg := self.inbox.poll()) is not None:
+                if isinstance(msg, Closed) or self._service(msg):
+                    return True
+        ms = (time.perf_counter() - start) * 1000.0
+        self.bus.publish(
+            MetricsMsg(
+                rank=self.rank,
+                epoch=plan.epoch,
+                avg_loss=0.5 if done else 0.0,
+                batches_processed=done,
+                epoch_ms=ms,
+                samples_processed=done,
+                share_complete_ms=done * self.step_s * 1000.0,
+                compute_only_ms=done * self.step_s * 1000.0,
+                data_starve_ms=0.0,
+                scalars={},
+            )
+        )
+        return False
+
+    def run(self) -> None:
+        try:
+            while (plan := self._wait_plan()) is not None:
+                if self._train(plan):
+                    break
+            while (msg := self.inbox.poll()) is not None:
+                if isinstance(msg, ShutdownWithSave):
+                    self.control.dispatch(msg)
+            self.bus.publish(Exiting(rank=self.rank))
+            self.clean = True
+        finally:
+            self.runtime.close()
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    raise_fd_limit()
+    lo, hi = (int(x) for x in args.slice.split(":"))
+    ranks = [SimRank(args, r) for r in range(lo, hi)]
+    cpu = CpuSampler()
+    for r in ranks:
+        r.start()
+    deadline = time.monotonic() + args.timeout
+    for r in ranks:
+        r.thread.join(max(0.0, deadline - time.monotonic()))
+    samples = cpu.stop()
+    result: dict[str, Any] = {
+        "ranks": [
+            {
+                "rank": r.rank,
+                "clean": r.clean and not r.thread.is_alive(),
+                "steps": r.steps,
+                "arrivals": r.bus.arrivals,
+            }
+            for r in ranks
+        ],
+        "cpu": samples,
+    }
+    Path(args.dir, f"sim{lo}.json").write_text(json.dumps(result))
+    return 0
+
+
+def role_main(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="flodl-bus bench scale --role")
+    ap.add_argument("--role", choices=("coordinator", "sim"), required=True)
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--run", required=True)
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--ranks", type=int, required=True)
+    ap.add_argument("--steps", type=int, required=True)
+    ap.add_argument("--epochs", type=int, required=True)
+    ap.add_argument("--step-ms", type=float, required=True)
+    ap.add_argument("--mode", required=True)
+    ap.add_argument("--heartbeat-timeout", type=float, required=True)
+    ap.add_argument("--timeout", type=float, required=True)
+    ap.add_argument("--slice", default="0:0")
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--profile", default=None)
+    args = ap.parse_args(argv)
+    return run_coordinator(args) if args.role == "coordinator" else run_sim(args)
+
+
+if __name__ == "__main__":
+    sys.exit(role_main(sys.argv[1:]))

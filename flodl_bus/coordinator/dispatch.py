@@ -1,0 +1,552 @@
+"""Dispatch strategy (reference §4.10): one interface, two strategies, chosen once.
+
+``PoolDispatch`` (progressive): each epoch is a ``ChunkPool``; a rank gets its next chunk
+when it reports the last one, sized by its ElChe count, and may stream into the next
+epoch. ``PartitionDispatch`` (fixed partition): each epoch is cut once into one share
+per rank; a rank holds one plan at a time, the rest of its share queued, and a dead
+rank's remainder is split among the survivors.
+
+Sans-IO like the core: effects are appended to ``out``, time comes in as ``now``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flodl_bus.coordinator.chunk_pool import (
+    ChunkPool,
+    Range,
+    coalesce,
+    equal_sizes,
+    final_window_alloc,
+    ratio_to_sizes,
+    throughput_sizes,
+)
+from flodl_bus.coordinator.config import Policy
+from flodl_bus.coordinator.effects import Out, Send
+from flodl_bus.protocol.messages import EpochPlan, ExtendPartition, MetricsMsg, StartEpoch
+
+if TYPE_CHECKING:
+    from flodl_bus.coordinator.core import Coordinator
+
+MIN_CHUNK = 4
+
+
+class Dispatch:
+    """What the core asks of a dispatch strategy."""
+
+    #: the cpu reduce throttles every rank before RequestParams (a hard barrier)
+    barrier_on_reduce = False
+
+    def __init__(self, core: Coordinator) -> None:
+        self.core = core
+
+    def start(self, now: float, out: list[Out]) -> None:
+        raise NotImplementedError
+
+    def resume_at(self, epoch: int) -> None:
+        """A resumed run starts in ``epoch``."""
+
+    def has_in_flight(self, r: int) -> bool:
+        raise NotImplementedError
+
+    def in_flight(self, r: int) -> int:
+        """Samples sent to ``r`` and not yet reported."""
+        raise NotImplementedError
+
+    def quiesced(self, r: int) -> bool:
+        """Nothing in flight and nothing this rank could be given in its epoch (§4.5)."""
+        raise NotImplementedError
+
+    def current_epoch(self) -> int:
+        raise NotImplementedError
+
+    def rank_epochs(self) -> list[int]:
+        raise NotImplementedError
+
+    def remaining(self) -> dict[int, int]:
+        """Epoch -> samples not yet handed out, for the state summary."""
+        return {}
+
+    def on_batch(self, r: int) -> None:
+        pass
+
+    def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
+        raise NotImplementedError
+
+    def rollback(self, r: int, plan: EpochPlan) -> None:
+        """The send of ``plan`` to ``r`` failed: take its chunk back."""
+        raise NotImplementedError
+
+    def retry(self, now: float, out: list[Out]) -> None:
+        pass
+
+    def aggregate_ready(self, now: float, out: list[Out]) -> bool:
+        raise NotImplementedError
+
+    def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
+        raise NotImplementedError
+
+    def take_back(self, r: int) -> list[Range]:
+        """``r`` died: what it was given and did not train."""
+        return []
+
+    def reassign(self, r: int, remainder: list[Range], now: float, out: list[Out]) -> None:
+        """Hand a dead rank's work to the survivors (training phase only)."""
+        raise NotImplementedError
+
+    def plans_for_update(self, now: float, out: list[Out]) -> dict[int, EpochPlan]:
+        """Plans that ride each rank's Update (none unless atomic dispatch)."""
+        return {}
+
+    def after_reduce(self, now: float, out: list[Out]) -> None:
+        pass
+
+    def coverage(self) -> tuple[int, list[tuple[int, list[Range]]]]:
+        """(first epoch never started, [(epoch, samples not trained)])."""
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class FinalWindow:
+    #: (ElChe counts generation, liveness generation) the split was built from
+    key: tuple[int, int]
+    slots: list[int]
+    total: int
+
+
+class PoolDispatch(Dispatch):
+    """Progressive dispatch: one chunk in flight per rank, drawn from per-epoch pools."""
+
+    def __init__(self, core: Coordinator) -> None:
+        super().__init__(core)
+        self.pools: dict[int, ChunkPool] = {}
+        self.final_windows: dict[int, FinalWindow] = {}
+        self.rank_epoch = [core.start_epoch] * core.ws
+        #: ranks whose plan could not be sent: offered again on the next tick
+        self.redispatch: list[int] = []
+        self._live_sum_key = (-1, -1)
+        self._live_sum = 0
+
+    def start(self, now: float, out: list[Out]) -> None:
+        for r in range(self.core.ws):
+            self.next_chunk(r, now, out)
+
+    def resume_at(self, epoch: int) -> None:
+        self.rank_epoch = [epoch] * self.core.ws
+
+    def has_in_flight(self, r: int) -> bool:
+        return any(p.has_in_flight(r) for p in self.pools.values())
+
+    def in_flight(self, r: int) -> int:
+        return sum(p.in_flight(r) for p in self.pools.values())
+
+    def quiesced(self, r: int) -> bool:
+        if self.has_in_flight(r):
+            return False
+        pool = self.pools.get(self.rank_epoch[r])
+        if pool is None or pool.remaining() == 0:
+            return True
+        fw = self.final_windows.get(pool.epoch)
+        return fw is not None and fw.slots[r] == 0
+
+    def current_epoch(self) -> int:
+        return max(self.rank_epoch)
+
+    def rank_epochs(self) -> list[int]:
+        return list(self.rank_epoch)
+
+    def remaining(self) -> dict[int, int]:
+        return {e: p.remaining() for e, p in sorted(self.pools.items())}
+
+    def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
+        pool = self.pools.get(msg.epoch)
+        if pool is not None:
+            pool.mark_completed(r, msg.samples_processed)
+        if self.core.training:
+            self.next_chunk(r, now, out)
+
+    def rollback(self, r: int, plan: EpochPlan) -> None:
+        bs = self.core.bs
+        pool = self.pools.get(plan.epoch)
+        if pool is None or not pool.rollback_take(r, plan.partition_offset, plan.partition_size):
+            return
+        fw = self.final_windows.get(plan.epoch)
+        if fw is not None:
+            fw.slots[r] += plan.partition_size // bs
+            fw.total += plan.partition_size // bs
+        # Re-offered on the next tick (not here: a dead link would spin).
+        if r not in self.redispatch:
+            self.redispatch.append(r)
+
+    def retry(self, now: float, out: list[Out]) -> None:
+        if self.redispatch and self.core.training:
+            retry, self.redispatch = self.redispatch, []
+            for r in retry:
+                if not self.has_in_flight(r):
+                    self.next_chunk(r, now, out)
+
+    def aggregate_ready(self, now: float, out: list[Out]) -> bool:
+        done_any = False
+        for e in sorted(self.pools):
+            pool = self.pools[e]
+            if e != self.core.last_aggregated + 1 or not pool.is_epoch_done():
+                break
+            epoch_ms = (now - pool.created_at) * 1000.0
+            del self.pools[e]
+            self.final_windows.pop(e, None)
+            self.core.publish_epoch(e, epoch_ms, out)
+            done_any = True
+        return done_any
+
+    def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
+        if aggregated and self.core.training:
+            self._fill_idle(now, out)
+
+    def _fill_idle(self, now: float, out: list[Out]) -> None:
+        for r in range(self.core.ws):
+            if not self.has_in_flight(r):
+                self.next_chunk(r, now, out)
+
+    def reassign(self, r: int, remainder: list[Range], now: float, out: list[Out]) -> None:
+        for e in sorted(self.pools):
+            self.pools[e].forfeit(r)
+        self._fill_idle(now, out)
+
+    def plans_for_update(self, now: float, out: list[Out]) -> dict[int, EpochPlan]:
+        if self.core.policy is not Policy.CADENCE:
+            return {}
+        # Atomic dispatch: the next chunk rides the Update, so a rank never idles between
+        # adopting the consensus and receiving work.
+        plans: dict[int, EpochPlan] = {}
+        for r in range(self.core.ws):
+            plan = self.next_chunk(r, now, out, via_update=True)
+            if plan is not None:
+                plans[r] = plan
+        return plans
+
+    def after_reduce(self, now: float, out: list[Out]) -> None:
+        if self.core.training:
+            # A rank parked in wait_for_epoch_plan sends nothing, so nothing else would
+            # ever dispatch to it; its StartEpoch queues behind the reduce's messages.
+            self._fill_idle(now, out)
+
+    def coverage(self) -> tuple[int, list[tuple[int, list[Range]]]]:
+        epochs = [(e, self.pools[e].uncovered_ranges()) for e in sorted(self.pools)]
+        next_epoch = max(self.pools) + 1 if self.pools else self.core.last_aggregated + 1
+        return next_epoch, epochs
+
+    # ------------------------------------------------------------- choosing a chunk
+    def _live_counts_sum(self) -> int:
+        core = self.core
+        key = (core.elche.generation, core.live.generation)
+        if key != self._live_sum_key:
+            self._live_sum = sum(c for c, a in zip(core.elche.counts, core.live.alive) if a)
+            self._live_sum_key = key
+        return self._live_sum
+
+    def _budget(self, r: int) -> int:
+        core = self.core
+        extra = core.max_overshoot if core.policy is Policy.ASYNC else 0
+        return core.elche.counts[r] + extra
+
+    def _pool_weights(self) -> list[float]:
+        alive = self.core.alive_mask()
+        if self.core.elche.calibrated:
+            return [float(c) if a else 0.0 for c, a in zip(self.core.elche.counts, alive)]
+        return [1.0 if a else 0.0 for a in alive]
+
+    def _get_pool(self, epoch: int, now: float, out: list[Out]) -> ChunkPool:
+        core = self.core
+        pool = self.pools.get(epoch)
+        if pool is None:
+            core.epoch_hooks(epoch, out)
+            holes = core.resume_holes.pop(epoch, None)
+            if holes is not None:
+                pool = ChunkPool.from_coverage(epoch, holes, core.ws, now)
+            else:
+                batches = core.config.epoch_batches(epoch)
+                pool = ChunkPool.create(epoch, batches, core.bs, self._pool_weights(), now)
+            self.pools[epoch] = pool
+        return pool
+
+    def next_chunk(
+        self, r: int, now: float, out: list[Out], via_update: bool = False
+    ) -> EpochPlan | None:
+        core = self.core
+        if not core.alive(r) or not core.training:
+            return None
+        # One chunk in flight per rank: the rank has a single pending-plan slot, and a
+        # second plan would overwrite an unconsumed one and wedge the epoch (§6 #1).
+        if self.has_in_flight(r):
+            return None
+        budget = self._budget(r)
+        if core.ledger.steps[r] >= budget:
+            return None
+        num_epochs = core.config.num_epochs
+        epoch = self.rank_epoch[r]
+        pool = self.pools.get(epoch)
+        if pool is None and core.last_aggregated < epoch < num_epochs:
+            pool = self._get_pool(epoch, now, out)
+        if pool is None or pool.remaining() == 0:
+            nxt = max(epoch + 1, core.last_aggregated + 1)
+            if nxt >= num_epochs:
+                return None
+            live_older = any(e < nxt for e in self.pools)
+            # Epoch barrier: a barrier-paced rank never streams into the next epoch while
+            # an older one is still in flight (§6 #17).
+            if core.config.barrier_paced and live_older:
+                return None
+            if nxt > core.last_aggregated + 2:
+                return None
+            pool = self._get_pool(nxt, now, out)
+            self.rank_epoch[r] = nxt
+            epoch = nxt
+            if pool.remaining() == 0:
+                return None
+        batches = self._chunk_batches(r, pool, budget)
+        if batches <= 0:
+            return None
+        got = pool.take_chunk(batches * core.bs, r)
+        if got is None:
+            return None
+        fw = self.final_windows.get(epoch)
+        if fw is not None:
+            used = min(fw.slots[r], got[1] // core.bs)
+            fw.slots[r] -= used
+            fw.total -= used
+        plan = EpochPlan(epoch, got[0], got[1])
+        if not via_update:
+            out.append(Send(r, StartEpoch(plan)))
+        return plan
+
+    def _chunk_batches(self, r: int, pool: ChunkPool, budget: int) -> int:
+        core = self.core
+        remaining = pool.remaining() // core.bs
+        if remaining <= 0:
+            return 0
+        barrier_paced = core.config.barrier_paced
+        if barrier_paced:
+            fw = self._refresh_final_window(pool, remaining)
+            if fw is not None:
+                return fw.slots[r]
+        counts = core.elche.counts
+        left = max(budget - core.ledger.steps[r], 1)
+        live_sum = self._live_counts_sum()
+        if remaining < live_sum or barrier_paced:
+            return min(counts[r], remaining, left)
+        if not core.elche.calibrated:
+            probe = max(core.config.epoch_batches(pool.epoch) // (core.ws * 10), MIN_CHUNK)
+            return min(probe, remaining, left)
+        share = math.ceil(remaining * counts[r] / max(live_sum, 1))
+        return min(max(share, MIN_CHUNK), remaining, left)
+
+    def _refresh_final_window(self, pool: ChunkPool, remaining: int) -> FinalWindow | None:
+        core = self.core
+        key = (core.elche.generation, core.live.generation)
+        fw = self.final_windows.get(pool.epoch)
+        # A pinned split stays valid while the counts and liveness it was built from
+        # hold and its slots still sum to what is left; otherwise re-pin from the live
+        # remainder (a stale pin can leave a zero-slot rank the gate waits for, §6 #34).
+        if fw is not None and fw.key == key and fw.total == remaining:
+            return fw
+        if remaining < self._live_counts_sum() + core.live.active_count:
+            slots = final_window_alloc(remaining, core.elche.counts, core.live.alive)
+            fw = FinalWindow(key, slots, remaining)
+            self.final_windows[pool.epoch] = fw
+            return fw
+        self.final_windows.pop(pool.epoch, None)
+        return None
+
+
+class PartitionDispatch(Dispatch):
+    """Fixed partition: each epoch cut once into per-rank shares, one plan in flight."""
+
+    barrier_on_reduce = True
+
+    def __init__(self, core: Coordinator) -> None:
+        super().__init__(core)
+        ws = core.ws
+        #: the epoch being trained (-1 before the first)
+        self.epoch = -1
+        #: ranges sent to each rank and not yet reported (a plan and its extensions)
+        self.sent: list[list[Range]] = [[] for _ in range(ws)]
+        #: the rest of each rank's share, sent one plan at a time
+        self.queued: list[deque[Range]] = [deque() for _ in range(ws)]
+        #: batches each rank reported since its current plan was sent
+        self.batches_done = [0] * ws
+
+    def start(self, now: float, out: list[Out]) -> None:
+        self._open_epoch(self.core.start_epoch, out)
+
+    def has_in_flight(self, r: int) -> bool:
+        return bool(self.sent[r])
+
+    def in_flight(self, r: int) -> int:
+        return sum(s for _, s in self.sent[r])
+
+    def quiesced(self, r: int) -> bool:
+        # flodl applies this to pools only: a rank that finished its epoch share would
+        # otherwise hold the gate, and any Throttle, until the epoch ends.
+        return not self.sent[r] and not self.queued[r]
+
+    def current_epoch(self) -> int:
+        return max(self.epoch, 0)
+
+    def rank_epochs(self) -> list[int]:
+        return [self.epoch] * self.core.ws
+
+    def on_batch(self, r: int) -> None:
+        self.batches_done[r] += 1
+
+    def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
+        if msg.epoch != self.epoch or not self.sent[r]:
+            return
+        # Whatever of the plan (and its extensions) the rank did not train goes back in
+        # front of its queue: an ExtendPartition that raced the plan's end is not lost.
+        trained = msg.samples_processed
+        leftover: list[Range] = []
+        for off, size in self.sent[r]:
+            done = min(trained, size)
+            trained -= done
+            if done < size:
+                leftover.append((off + done, size - done))
+        self.sent[r] = []
+        self.batches_done[r] = 0
+        for rng in reversed(leftover):
+            self.queued[r].appendleft(rng)
+        if self.core.training:
+            self._send_next(r, out)
+
+    def rollback(self, r: int, plan: EpochPlan) -> None:
+        if plan.epoch != self.epoch:
+            return
+        rng = (plan.partition_offset, plan.partition_size)
+        if rng in self.sent[r]:
+            self.sent[r].remove(rng)
+            self.queued[r].appendleft(rng)
+
+    def aggregate_ready(self, now: float, out: list[Out]) -> bool:
+        core = self.core
+        busy = any(self.sent[r] or self.queued[r] for r in range(core.ws) if core.alive(r))
+        if self.epoch == core.last_aggregated + 1 and self.epoch >= 0 and not busy:
+            core.publish_epoch(self.epoch, None, out)
+            return True
+        return False
+
+    def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
+        core = self.core
+        if core.last_aggregated + 1 > self.epoch:
+            self._open_epoch(core.last_aggregated + 1, out)
+        elif core.training:
+            # A plan whose send failed went back to its queue; resend it.
+            for r in range(core.ws):
+                if core.alive(r) and not self.sent[r] and self.queued[r]:
+                    self._send_next(r, out)
+
+    def take_back(self, r: int) -> list[Range]:
+        done = self.batches_done[r] * self.core.bs
+        remainder: list[Range] = []
+        for off, size in self.sent[r]:
+            skip = min(done, size)
+            done -= skip
+            if skip < size:
+                remainder.append((off + skip, size - skip))
+        remainder += list(self.queued[r])
+        self.sent[r] = []
+        self.queued[r].clear()
+        return remainder
+
+    def reassign(self, r: int, remainder: list[Range], now: float, out: list[Out]) -> None:
+        core = self.core
+        survivors = [s for s in range(core.ws) if core.alive(s)]
+        if not survivors or not remainder:
+            return
+        total = sum(size for _, size in remainder)
+        units = equal_sizes(total // core.bs, len(survivors))
+        shares = split_ranges(remainder, [u * core.bs for u in units])
+        for s, share in zip(survivors, shares):
+            if not share:
+                continue
+            if self.sent[s]:
+                for off, size in share:
+                    out.append(Send(s, ExtendPartition(off, size)))
+                    self.sent[s].append((off, size))
+            else:
+                self.queued[s].extend(share)
+                self._send_next(s, out)
+
+    def coverage(self) -> tuple[int, list[tuple[int, list[Range]]]]:
+        last = self.core.last_aggregated
+        epochs: list[tuple[int, list[Range]]] = []
+        if self.epoch > last:
+            holes: list[Range] = []
+            for r in range(self.core.ws):
+                holes += self.sent[r] + list(self.queued[r])
+            epochs.append((self.epoch, holes))
+        return max(self.epoch + 1, last + 1), epochs
+
+    def _shares(self, total: int, alive: Sequence[bool]) -> list[int]:
+        """Batches per rank: fixed ratios, else by measured speed, else equal."""
+        core = self.core
+        ws = core.ws
+        live = [r for r in range(ws) if alive[r]]
+        ratios = core.config.partition_ratios
+        if ratios is not None:
+            return ratio_to_sizes(total, [ratios[r] if alive[r] else 0.0 for r in range(ws)])
+        if core.policy is not Policy.SYNC and core.elche.calibrated:
+            sub = throughput_sizes(total, [core.elche.smoothed_ms(r) for r in live])
+        else:
+            sub = equal_sizes(total, len(live)) if live else []
+        sizes = [0] * ws
+        for r, s in zip(live, sub):
+            sizes[r] = s
+        return sizes
+
+    def _open_epoch(self, epoch: int, out: list[Out]) -> None:
+        core = self.core
+        core.epoch_hooks(epoch, out)
+        holes = core.resume_holes.pop(epoch, None)
+        bs = core.bs
+        ranges = holes if holes is not None else [(0, core.config.epoch_batches(epoch) * bs)]
+        total = sum(s for _, s in ranges) // bs
+        alive = core.alive_mask()
+        shares = split_ranges(ranges, [b * bs for b in self._shares(total, alive)])
+        self.epoch = epoch
+        for r in range(core.ws):
+            self.sent[r] = []
+            self.queued[r] = deque(shares[r])
+            self.batches_done[r] = 0
+            if alive[r]:
+                self._send_next(r, out)
+
+    def _send_next(self, r: int, out: list[Out]) -> None:
+        if self.sent[r] or not self.queued[r]:
+            return
+        off, size = self.queued[r].popleft()
+        self.sent[r] = [(off, size)]
+        self.batches_done[r] = 0
+        out.append(Send(r, StartEpoch(EpochPlan(self.epoch, off, size))))
+
+
+def split_ranges(ranges: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:
+    """Cut ``ranges`` (in order) into consecutive shares of ``sizes`` samples each."""
+    queue = deque(coalesce(ranges) if len(ranges) > 1 else [r for r in ranges if r[1] > 0])
+    shares: list[list[Range]] = []
+    for want in sizes:
+        share: list[Range] = []
+        while want > 0 and queue:
+            off, size = queue[0]
+            take = min(want, size)
+            share.append((off, take))
+            want -= take
+            if take == size:
+                queue.popleft()
+            else:
+                queue[0] = (off + take, size - take)
+        shares.append(share)
+    return shares

@@ -1,0 +1,195 @@
+"""``flodl-bus status --run RUN``: where a live run is, read from Redis alone.
+
+    flodl-bus status --run RUN [--redis-url URL] [--json]
+
+Everything comes from what the run keeps in Redis, readable by the read-only observer:
+the ``meta`` hash (mode, world, status, and the coordinator's state, which it refreshes
+about once a second: each rank's epoch, the anchor, whether the averaging gate is open
+and why not), each rank's ``up:<r>`` stream (its step rate over the last seconds, from
+the entry ids of its ``Batch`` entries, and its last ``Heartbeat``) and the dead-letter
+stream's length. Nothing is taken from a consumer group and nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from flodl_bus.bus.connection import (
+    DEFAULT_URL,
+    ENV_URL,
+    REFUSALS,
+    RedisUnreachable,
+    connect_pinged,
+    describe_refusal,
+    redact_url,
+)
+from flodl_bus.bus.entries import F_TYPE
+from flodl_bus.bus.ids import parse_id
+from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.bus.tail import run_exists
+from flodl_bus.options import OneLineParser
+
+#: the newest entries of ``up:<r>`` looked at (a rank writes a Batch per step and a
+#: Heartbeat a second: enough for the rate and, at up to ~1000 steps/s, the heartbeat)
+SCAN_ENTRIES = 1000
+#: the step rate is over the newest Batch entries within this window
+RATE_WINDOW_MS = 10_000
+
+#: the meta fields the coordinator refreshes while it runs (coordinator/cli.py)
+STATE_FIELDS = ("state_at", "rank_epoch", "anchor", "gate_open", "gate_why", "syncs", "phase")
+
+
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def rank_status(client: redis.Redis, stream: str, now_ms: int) -> dict[str, Any]:
+    """A rank's step rate (steps/s over its newest Batch entries), when it last stepped
+    and when it last sent a Heartbeat (seconds ago; None: not among the newest)."""
+    entries: Any = client.xrevrange(stream, "+", "-", count=SCAN_ENTRIES)
+    batches: list[int] = []
+    heartbeat_ms: int | None = None
+    for raw_id, fields in entries:
+        kind = fields.get(F_TYPE)
+        ms = parse_id(raw_id)[0]
+        if kind == b"Batch" and (not batches or batches[0] - ms <= RATE_WINDOW_MS):
+            batches.append(ms)
+        elif kind == b"Heartbeat" and heartbeat_ms is None:
+            heartbeat_ms = ms
+    rate = None
+    if len(batches) >= 2 and batches[0] > batches[-1]:
+        rate = (len(batches) - 1) / ((batches[0] - batches[-1]) / 1000)
+    return {
+        "steps_per_s": rate,
+        "last_step_s": None if not batches else max(0.0, (now_ms - batches[0]) / 1000),
+        "heartbeat_s": None if heartbeat_ms is None else max(0.0, (now_ms - heartbeat_ms) / 1000),
+    }
+
+
+def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dict[str, Any]:
+    """The run's status as a plain dict (what ``--json`` prints)."""
+    keys = RunKeys(run)
+    now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+    raw: Any = client.hgetall(keys.meta)
+    meta = {_text(k): _text(v) for k, v in raw.items() if _text(k) != "secret"}
+    try:
+        world = int(meta.get("world_size") or 0)
+    except ValueError:
+        world = 0
+    if world == 0:  # still joining: count the ranks whose streams exist
+        world = sum(1 for _ in client.scan_iter(match=keys.up_pattern, count=1000))
+    rank_epoch: list[Any] = json.loads(meta.get("rank_epoch") or "[]")
+    ranks = []
+    for r in range(world):
+        info = rank_status(client, keys.up(r), now_ms)
+        info["rank"] = r
+        info["epoch"] = rank_epoch[r] if r < len(rank_epoch) else None
+        ranks.append(info)
+    state_at = float(meta["state_at"]) if meta.get("state_at") else None
+    gate_open = meta.get("gate_open")
+    return {
+        "run": run,
+        "status": meta.get("status", "unknown"),
+        "mode": meta.get("mode"),
+        "job": meta.get("job"),
+        "world_size": world,
+        "epochs": int(meta["epochs"]) if meta.get("epochs", "").isdigit() else None,
+        "epoch": min((e for e in rank_epoch if e is not None), default=None),
+        "anchor": int(meta["anchor"]) if meta.get("anchor", "").isdigit() else None,
+        "gate": None
+        if gate_open is None
+        else {"open": gate_open == "1", "why": meta.get("gate_why")},
+        "syncs": int(meta["syncs"]) if meta.get("syncs", "").isdigit() else None,
+        "state_age_s": None if state_at is None else max(0.0, now_ms / 1000 - state_at),
+        "dead_letters": int(client.xlen(keys.dlq)),
+        "ranks": ranks,
+    }
+
+
+def _num(v: float | None, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def render(st: dict[str, Any]) -> str:
+    """The status as a few aligned lines."""
+    epoch = "-" if st["epoch"] is None else str(st["epoch"])
+    if st["epochs"] is not None:
+        epoch += f"/{st['epochs']}"
+    head = (
+        f"run {st['run']}  {st['status']}  {st['mode'] or '-'}  world {st['world_size']}  "
+        f"epoch {epoch}"
+    )
+    if st["state_age_s"] is not None:
+        head += f"  (coordinator state {st['state_age_s']:.1f}s old)"
+    gate = st["gate"]
+    if gate is None:
+        gate_text = "-"
+    elif gate["open"]:
+        gate_text = "open"
+    else:
+        gate_text = f"shut: {gate['why']}"
+    lines = [
+        head,
+        f"anchor {_num(st['anchor'], 'd')}  averaging rounds {_num(st['syncs'], 'd')}  "
+        f"gate {gate_text}  dead letters {st['dead_letters']}",
+        f"{'rank':>4} {'epoch':>5} {'steps/s':>9} {'last step':>10} {'heartbeat':>10}",
+    ]
+    for r in st["ranks"]:
+        lines.append(
+            f"{r['rank']:>4} {_num(r['epoch'], 'd'):>5} {_num(r['steps_per_s'], '.1f'):>9} "
+            f"{_num(r['last_step_s'], '.1f') + 's':>10} "
+            f"{_num(r['heartbeat_s'], '.1f') + 's':>10}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = OneLineParser(
+        prog="flodl-bus status",
+        description="Where a live run is: world, epoch, each rank's step rate and last "
+        "heartbeat, the anchor, the averaging gate and why it is shut, dead letters.",
+        epilog="Read-only: the observer user is enough. Credentials: in the URL, or "
+        "FLODL_REDIS_USERNAME / FLODL_REDIS_PASSWORD.",
+    )
+    required = ap.add_argument_group("required")
+    required.add_argument("--run", required=True, help="run id")
+    ap.add_argument(
+        "--redis-url",
+        default=os.environ.get(ENV_URL, DEFAULT_URL),
+        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        RunKeys(args.run)
+    except InvalidRunId as exc:
+        print(f"flodl-bus status: --run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        client = connect_pinged(args.redis_url, client_name="flodl-status")
+    except RedisUnreachable as exc:
+        print(f"flodl-bus status: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if not run_exists(client, RunKeys(args.run)):
+            print(
+                f"flodl-bus status: no run {args.run!r} at {redact_url(args.redis_url)} "
+                "(no meta, no streams): check --run and --redis-url",
+                file=sys.stderr,
+            )
+            return 2
+        st = read_status(client, args.run)
+    except REFUSALS as exc:
+        print(f"flodl-bus status: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
+        return 2
+    finally:
+        client.close()
+    print(json.dumps(st) if args.json else render(st))
+    return 0

@@ -1,0 +1,127 @@
+"""``flodl-bus status`` against a real run on a real redis-server, and what a run leaves
+behind in Redis: keys and secret that expire."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.launch.status import main, read_status, render
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+
+def _up(tmp_path: Path, redis_url: str, run: str, *extra: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k != "FLODL_RUN_SECRET"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "flodl_bus.cli", "up", "--no-progress", "--no-plot",
+         "--redis-url", redis_url, "--run", run, *extra],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
+    tmp_path: Path, redis_url: str, real_redis: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = "status-live"
+    from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+    board = [] if TensorBoardScalars.available() else ["--tensorboard", str(tmp_path / "tb")]
+    proc = _up(tmp_path, redis_url, run, "--epochs", "6", "--workers", "2", *board)
+    live: dict[str, Any] | None = None
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if real_redis.exists(RunKeys(run).meta):
+                st = read_status(real_redis, run)
+                seen.append(st["status"])
+                if (
+                    st["status"] == "running"
+                    and st["gate"] is not None
+                    and all(r["steps_per_s"] for r in st["ranks"])
+                    and all(r["heartbeat_s"] is not None for r in st["ranks"])
+                    and st["epoch"] is not None
+                ):
+                    live = st
+                    break
+            time.sleep(0.1)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert live is not None, (seen[-5:], out)
+    assert live["world_size"] == 2 and live["mode"] == "cpu-cadence" and live["epochs"] == 6
+    assert 0 <= live["epoch"] < 6
+    assert live["anchor"] is not None and live["anchor"] >= 1
+    assert live["gate"]["open"] or live["gate"]["why"]  # shut says why
+    assert live["state_age_s"] is not None and live["state_age_s"] < 30
+    assert live["dead_letters"] == 0
+    for r in live["ranks"]:
+        assert r["steps_per_s"] > 0 and r["heartbeat_s"] < 30 and r["last_step_s"] < 30
+    text = render(live)
+    assert f"run {run}  running  cpu-cadence  world 2  epoch {live['epoch']}/6" in text
+    assert len(text.splitlines()) == 3 + 2
+
+    # the worker console said its rank, its progress and how it ended
+    for r in (0, 1):
+        log = (tmp_path / "runs" / run / f"rank{r}.log").read_text()
+        assert f"flodl-bus worker: rank {r} of 2 (given) in run '{run}'" in log
+        assert f"flodl-bus worker: rank {r}: epoch 0: " in log and "samples/s" in log
+        assert log.rstrip().endswith(f"flodl-bus worker: rank {r} finished (exit 0)"), log[-500:]
+
+    if board:  # the coordinator wrote the same figures for TensorBoard
+        from tests.coordinator.test_metrics import _scalars
+
+        scalars = _scalars(str(tmp_path / "tb"))
+        assert [step for step, _ in scalars["loss"]] == list(range(6))
+        assert {"anchor", "syncs/epoch", "samples_per_s/rank1", "eval/metric"} <= set(scalars)
+
+    # after the run: the command shows it finished; its keys and secret expire
+    assert main(["--run", run, "--redis-url", redis_url]) == 0
+    assert f"run {run}  finished" in capsys.readouterr().out
+    keys = RunKeys(run)
+    names = list(real_redis.scan_iter(match=f"{keys.prefix}*"))
+    assert len(names) > 5
+    # up hands the secret over in the environment; a coordinator that made one stores it
+    if real_redis.exists(keys.secret):
+        names.append(keys.secret)
+    week = 7 * 24 * 3600
+    for name in names:
+        ttl = real_redis.ttl(name)
+        assert 0 < ttl <= week, (name, ttl)
+
+
+def test_status_of_an_unknown_run_is_an_error(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--run", "never-there", "--redis-url", redis_url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no run 'never-there'" in err
+
+
+def test_expire_run_sets_a_ttl_on_every_key_of_the_run_and_its_secret_only(
+    real_redis: redis.Redis,
+) -> None:
+    from flodl_bus.coordinator.cli import expire_run
+
+    keys, other = RunKeys("expiring"), RunKeys("expiring2")
+    for k in (keys, other):
+        real_redis.hset(k.meta, "status", "finished")
+        real_redis.xadd(k.ctl(0), {"type": "x"})
+        real_redis.set(k.secret, "ab" * 16)
+    assert expire_run(real_redis, keys, 120) == 3
+    for name in (keys.meta, keys.ctl(0), keys.secret):
+        assert 0 < real_redis.ttl(name) <= 120
+    for name in (other.meta, other.ctl(0), other.secret):
+        assert real_redis.ttl(name) == -1  # another run is untouched
