@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+import sys
 from pathlib import Path
+
+import pytest
 
 from flodl_bus.launch.display import Progress, Summary, format_row, table_header
 from flodl_bus.launch.plot import write_plot, write_rows_csv
@@ -261,3 +264,27 @@ def test_the_plot_has_sane_axes_one_legend_and_integer_epochs(tmp_path: Path) ->
     ticks = [t for t in ax_thru.get_xticks() if ax_thru.get_xlim()[0] <= t <= ax_thru.get_xlim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks)
     assert metric_limits([0.99, 0.995]) == (0.9, 1.0)
+
+
+class _FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bars_keep_a_total_for_a_fast_rank_and_leave_nothing_half_drawn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    term = _FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    progress = Progress(2, None, bars=True, out=io.StringIO())
+    progress.set_total(10)
+    view = RunView(2, started_at=0.0)
+    for i in range(15):  # rank 0 runs past its fair share of 10
+        view.on_upstream(0, Batch(0, 1.0, 0.0, i, 1.0), now=0.1 * i)
+    view.on_upstream(1, Batch(1, 1.0, 0.0, 0, 1.0), now=0.1)
+    progress.update(view)
+    fast, slow = progress.bars
+    assert (fast.n, fast.total) == (15, 15) and (slow.n, slow.total) == (1, 10)
+    progress.close()
+    # the last thing on the terminal clears the bar line: a stop mid-draw leaves none
+    assert term.getvalue().endswith("\r\x1b[K")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_bus.record.bench import main
+from flodl_bus.bench.record import main
 
 
 def test_bench_record_prints_costs_beside_the_core_and_replay_rates(
