@@ -72,6 +72,10 @@ class Dispatch:
         """Epoch -> samples not yet handed out, for the state summary."""
         return {}
 
+    def epoch_remaining(self) -> int | None:
+        """Batches the oldest open epoch has still to hand out (None: not tracked)."""
+        return None
+
     def on_batch(self, r: int) -> None:
         pass
 
@@ -162,6 +166,11 @@ class PoolDispatch(Dispatch):
 
     def remaining(self) -> dict[int, int]:
         return {e: p.remaining() for e, p in sorted(self.pools.items())}
+
+    def epoch_remaining(self) -> int | None:
+        if not self.pools:
+            return None
+        return self.pools[min(self.pools)].remaining() // self.core.bs
 
     def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
         pool = self.pools.get(msg.epoch)
@@ -256,7 +265,8 @@ class PoolDispatch(Dispatch):
 
     def _pool_weights(self) -> list[float]:
         alive = self.core.alive_mask()
-        if self.core.elche.calibrated:
+        if self.core.elche.calibrated or self.core.config.speed_hints is not None:
+            # Hinted counts stand in for measured ones until the first calibration.
             return [float(c) if a else 0.0 for c, a in zip(self.core.elche.counts, alive)]
         return [1.0 if a else 0.0 for a in alive]
 
@@ -498,8 +508,11 @@ class PartitionDispatch(Dispatch):
         ratios = core.config.partition_ratios
         if ratios is not None:
             return ratio_to_sizes(total, [ratios[r] if alive[r] else 0.0 for r in range(ws)])
+        hints = core.config.speed_hints
         if core.policy is not Policy.SYNC and core.elche.calibrated:
             sub = throughput_sizes(total, [core.elche.smoothed_ms(r) for r in live])
+        elif core.policy is not Policy.SYNC and hints is not None:
+            sub = throughput_sizes(total, [1.0 / hints[r] for r in live])
         else:
             sub = equal_sizes(total, len(live)) if live else []
         sizes = [0] * ws
