@@ -66,10 +66,12 @@ class ScaleResult:
     coordinator_cpu: float
     redis_cpu: float
     harness_cpu: float
+    host_cpu: float
     host_cores: int
     redis_memory_bytes: int
     stream_bytes_per_rank: int
     record_bytes_per_step: float
+    recorded: bool
     steps_done: int
     ranks_clean: int
     declared_dead: int
@@ -114,6 +116,8 @@ class _RedisWatch:
         self.memory: list[tuple[float, int]] = []
         self.stream_bytes: list[tuple[float, int]] = []
         self.pings: list[float] = []
+        #: (time, busy CPU seconds of the whole host) from /proc/stat
+        self.host: list[tuple[float, float]] = []
 
     def sample(self) -> None:
         info: Any = self.client.info("all")
@@ -125,6 +129,9 @@ class _RedisWatch:
             self.client.ping()
             self.pings.append((time.perf_counter() - t0) * 1000.0)
         self.stream_bytes.append((t, self._stream_bytes()))
+        busy = _host_busy()
+        if busy is not None:
+            self.host.append((t, busy))
 
     def _stream_bytes(self) -> int:
         """Bytes of the run's streams per rank: a sample of ranks, plus ctl:all / N."""
@@ -137,6 +144,17 @@ class _RedisWatch:
         got = [int(x or 0) for x in pipe.execute()]
         per_rank = sum(got[:-1]) / len(picks)
         return int(per_rank + got[-1] / self.ranks)
+
+
+def _host_busy() -> float | None:
+    """Busy CPU seconds of every core of the host since boot (None off Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
 
 
 def _spawn(role: str, base: list[str], extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
@@ -161,6 +179,8 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
         "--steps", str(args.steps), "--epochs", str(args.epochs),
         "--step-ms", str(args.step_ms), "--mode", args.mode,
         "--heartbeat-timeout", str(args.heartbeat_timeout), "--timeout", str(args.timeout),
+        *(["--no-record"] if args.no_record else []),
+        *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
     ]  # fmt: skip
     started = time.monotonic()
     children = [_spawn("coordinator", common)]
@@ -231,9 +251,13 @@ def _figures(
     epoch_s = statistics.median(epochs[1:]) if len(epochs) > 1 else (epochs or [float("nan")])[0]
     ideal = args.steps * args.step_ms / 1000.0
     a, b = marks[0], marks[-1]
+    if not ends:
+        # No epoch completed (the coordinator fell behind): the window runs to its end.
+        b = coord["cpu"][-1][0] if coord["cpu"] else b
     coord_cpu = _share(coord["cpu"], a, b)
     harness = sum(_share(sim["cpu"], a, b) for sim in sims)
     redis_cpu = _share(watch.cpu, a, b)
+    host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
     mem = [m for t, m in watch.memory if a <= t <= b] or [m for _, m in watch.memory]
     stream = [x for t, x in watch.stream_bytes if a <= t <= b] or [x for _, x in watch.stream_bytes]
     steps_done = sum(r["steps"] for r in ranks)
@@ -245,7 +269,9 @@ def _figures(
     worst = max(shares, key=lambda k: shares[k])
     if shares[worst] >= SATURATED:
         saturated = worst
-    elif coord_cpu + redis_cpu + harness >= SATURATED * cores:
+        if coord["dead"]:
+            saturated += f"; {len(coord['dead'])} ranks declared dead unheard"
+    elif max(host_cpu, coord_cpu + redis_cpu + harness) >= SATURATED * cores:
         saturated = f"host CPUs ({cores} cores shared by the ranks, coordinator and Redis)"
     else:
         saturated = "none"
@@ -265,10 +291,12 @@ def _figures(
         coordinator_cpu=coord_cpu,
         redis_cpu=redis_cpu,
         harness_cpu=harness,
+        host_cpu=host_cpu,
         host_cores=cores,
         redis_memory_bytes=int(statistics.median(mem)) - base_memory if mem else 0,
         stream_bytes_per_rank=int(statistics.median(stream)) if stream else 0,
         record_bytes_per_step=coord["record_bytes"] / steps_done if steps_done else float("nan"),
+        recorded=not args.no_record,
         steps_done=steps_done,
         ranks_clean=sum(1 for r in ranks if r["clean"]),
         declared_dead=len(coord["dead"]),
@@ -289,7 +317,8 @@ def report(r: ScaleResult) -> str:
             f"({r.dispatches_timed} deliveries)",
             f"  coordinator CPU   {r.coordinator_cpu:8.2f} cores (saturates at 1)",
             f"  redis-server CPU  {r.redis_cpu:8.2f} cores (saturates at 1)",
-            f"  sim ranks CPU     {r.harness_cpu:8.2f} cores of {r.host_cores}",
+            f"  sim ranks CPU     {r.harness_cpu:8.2f} cores of {r.host_cores}   "
+            f"(host busy: {r.host_cpu:.2f} cores, every process)",
             f"  redis memory      {r.redis_memory_bytes / 1e6:8.2f} MB above empty "
             f"({r.redis_memory_bytes / r.ranks / 1e3:.1f} kB per rank, clients included)",
             f"  stream bytes      {r.stream_bytes_per_rank / 1e3:8.1f} kB per rank  "
@@ -312,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--mode", default="nccl-cadence", choices=("nccl-cadence", "nccl-sync"))
     ap.add_argument("--heartbeat-timeout", type=float, default=30.0)
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per rank count")
+    ap.add_argument(
+        "--no-record", action="store_true", help="coordinator without its dispatch record"
+    )
+    ap.add_argument("--profile", default=None, help="cProfile the coordinator into this file")
     ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)

@@ -129,8 +129,10 @@ def run_coordinator(args: argparse.Namespace) -> int:
     core = Coordinator(config)
     client = connect(args.url, client_name="bench-coordinator")
     bus = TimedCoordinatorBus(client, keys, ck, ranks=range(n))
-    rec = DispatchRecorder(out, "coordinator")
-    rec.header(run=args.run, bench="scale", ranks=n, mode=args.mode, clock="time.monotonic")
+    rec = None
+    if not args.no_record:
+        rec = DispatchRecorder(out, "coordinator")
+        rec.header(run=args.run, bench="scale", ranks=n, mode=args.mode, clock="time.monotonic")
     loop = CoordinatorLoop(
         core,
         bus,
@@ -139,9 +141,17 @@ def run_coordinator(args: argparse.Namespace) -> int:
         rank_of=keys.rank_of,
     )
     cpu = CpuSampler()
-    code = loop.run()
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        code = prof.runcall(loop.run)
+        prof.dump_stats(args.profile)
+    else:
+        code = loop.run()
     samples = cpu.stop()
-    rec.close()
+    if rec is not None:
+        rec.close()
     bus.close()
     result = {
         "code": code,
@@ -149,7 +159,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         "dispatches": loop.dispatches,
         "sent": bus.sent,
         "cpu": samples,
-        "record_bytes": rec.path.stat().st_size,
+        "record_bytes": rec.path.stat().st_size if rec is not None else 0,
         "trim_passes": bus.trimmed_passes,
     }
     (out / "coordinator.json").write_text(json.dumps(result))
@@ -346,6 +356,8 @@ def role_main(argv: Sequence[str]) -> int:
     ap.add_argument("--heartbeat-timeout", type=float, required=True)
     ap.add_argument("--timeout", type=float, required=True)
     ap.add_argument("--slice", default="0:0")
+    ap.add_argument("--no-record", action="store_true")
+    ap.add_argument("--profile", default=None)
     args = ap.parse_args(argv)
     return run_coordinator(args) if args.role == "coordinator" else run_sim(args)
 
