@@ -25,6 +25,7 @@ GUARDS: tuple[str, ...] = ("trend", "msf", "none")
 LEGACY_DEFAULTS: dict[str, object] = {
     "meta_controller": False,
     "callback_slack": False,
+    "stage_advisories": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -110,6 +111,8 @@ class CoordinatorConfig:
     callback_slack: bool = True
     #: relative per-rank speeds (higher = faster) used before ElChe has measured any
     speed_hints: tuple[float, ...] | None = None
+    #: progressive dispatch tells each rank what it will train next (prefetch hints)
+    stage_advisories: bool = True
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)

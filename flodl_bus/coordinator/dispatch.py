@@ -28,7 +28,13 @@ from flodl_bus.coordinator.chunk_pool import (
 )
 from flodl_bus.coordinator.config import Policy
 from flodl_bus.coordinator.effects import Out, Send
-from flodl_bus.protocol.messages import EpochPlan, ExtendPartition, MetricsMsg, StartEpoch
+from flodl_bus.protocol.messages import (
+    EpochPlan,
+    ExtendPartition,
+    MetricsMsg,
+    StageAdvisory,
+    StartEpoch,
+)
 
 if TYPE_CHECKING:
     from flodl_bus.coordinator.core import Coordinator
@@ -133,12 +139,15 @@ class PoolDispatch(Dispatch):
         self.rank_epoch = [core.start_epoch] * core.ws
         #: ranks whose plan could not be sent: offered again on the next tick
         self.redispatch: list[int] = []
+        #: a pool opened since the last advisories went out
+        self._advise_due = False
         self._live_sum_key = (-1, -1)
         self._live_sum = 0
 
     def start(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
             self.next_chunk(r, now, out)
+        self._advise(out)
 
     def resume_at(self, epoch: int) -> None:
         self.rank_epoch = [epoch] * self.core.ws
@@ -178,6 +187,7 @@ class PoolDispatch(Dispatch):
             pool.mark_completed(r, msg.samples_processed)
         if self.core.training:
             self.next_chunk(r, now, out)
+        self._advise(out)
 
     def rollback(self, r: int, plan: EpochPlan) -> None:
         bs = self.core.bs
@@ -215,6 +225,7 @@ class PoolDispatch(Dispatch):
     def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
         if aggregated and self.core.training:
             self._fill_idle(now, out)
+        self._advise(out)
 
     def _fill_idle(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
@@ -243,11 +254,55 @@ class PoolDispatch(Dispatch):
             # A rank parked in wait_for_epoch_plan sends nothing, so nothing else would
             # ever dispatch to it; its StartEpoch queues behind the reduce's messages.
             self._fill_idle(now, out)
+        self._advise(out, force=True)
 
     def coverage(self) -> tuple[int, list[tuple[int, list[Range]]]]:
         epochs = [(e, self.pools[e].uncovered_ranges()) for e in sorted(self.pools)]
         next_epoch = max(self.pools) + 1 if self.pools else self.core.last_aggregated + 1
         return next_epoch, epochs
+
+    # ------------------------------------------------------------- stage advisories
+    def _advise(self, out: list[Out], force: bool = False) -> None:
+        """Tell each live rank what it will likely train next (prefetch hints), at an
+        epoch's start and after every reduce (§4.10.7)."""
+        core = self.core
+        if not core.config.stage_advisories or not (force or self._advise_due):
+            return
+        self._advise_due = False
+        if not core.training or not self.pools:
+            return
+        counts = tuple(core.elche.counts)
+        for r in range(core.ws):
+            if core.alive(r):
+                out.append(Send(r, StageAdvisory(counts, self.segments(r))))
+
+    def segments(self, r: int) -> tuple[tuple[int, tuple[Range, ...]], ...]:
+        """Per open epoch: ``r``'s unconsumed span, then the tail of every other span it
+        may steal (its count of batches each, taken from the end as steals are), then
+        its predicted span of the next epoch."""
+        core = self.core
+        margin = max(core.elche.counts[r], 1) * core.bs
+        out: list[tuple[int, tuple[Range, ...]]] = []
+        for e in sorted(self.pools):
+            pool = self.pools[e]
+            own = pool.residue_range(r)
+            ranges = [own] if own[1] > 0 else []
+            for s in range(pool.world_size):
+                if s == r:
+                    continue
+                start, size = pool.residue_range(s)
+                take = min(margin, size)
+                if take > 0:
+                    ranges.append((start + size - take, take))
+            out.append((e, tuple(ranges)))
+        nxt = max(self.pools) + 1
+        if nxt < core.config.num_epochs and nxt not in self.pools:
+            batches = core.config.epoch_batches(nxt)
+            weights = self._pool_weights()
+            span = ChunkPool.create(nxt, batches, core.bs, weights).residue_range(r)
+            if span[1] > 0:
+                out.append((nxt, (span,)))
+        return tuple(out)
 
     # ------------------------------------------------------------- choosing a chunk
     def _live_counts_sum(self) -> int:
@@ -282,6 +337,7 @@ class PoolDispatch(Dispatch):
                 batches = core.config.epoch_batches(epoch)
                 pool = ChunkPool.create(epoch, batches, core.bs, self._pool_weights(), now)
             self.pools[epoch] = pool
+            self._advise_due = True
         return pool
 
     def next_chunk(

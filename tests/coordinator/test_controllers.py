@@ -123,3 +123,36 @@ def test_speed_hints_need_one_positive_entry_per_rank() -> None:
             assert "speed_hints" in str(e)
         else:
             raise AssertionError(f"speed_hints={bad} was accepted")
+
+
+# ------------------------------------------------------------------ stage advisories
+def advisories(out: list[Any]) -> dict[int, m.StageAdvisory]:
+    return {o.rank: o.msg for o in out if isinstance(o.msg, m.StageAdvisory)}
+
+
+def test_epoch_start_advises_each_rank_its_span_the_tails_it_may_steal_and_the_next_epoch() -> None:
+    core = make(total_samples=200, num_epochs=2)
+    out = core.start(0.0)
+    kinds = [type(o.msg).__name__ for o in out if hasattr(o, "msg")]
+    # each rank's advisory follows the StartEpochs of the epoch it describes
+    assert kinds.index("StageAdvisory") > max(i for i, k in enumerate(kinds) if k == "StartEpoch")
+    adv = advisories(out)
+    assert set(adv) == {0, 1} and adv[0].counts == (10, 10)
+    # epoch 0: spans [0,100) and [100,200); each rank took a 10-batch probe chunk
+    assert adv[0].segments[0] == (0, ((10, 90), (190, 10)))
+    assert adv[1].segments[0] == (0, ((110, 90), (90, 10)))
+    assert adv[0].segments[1] == (1, ((0, 100),)) and adv[1].segments[1] == (1, ((100, 100),))
+
+
+def test_every_reduce_re_advises_and_a_dead_rank_is_not_advised() -> None:
+    core = make(ws=3, total_samples=300)
+    core.start(0.0)
+    core.declare_dead(2, 0.0)
+    out: list[Any] = []
+    core.reduce.after_window(0.0, out)
+    assert set(advisories(out)) == {0, 1}
+
+
+def test_advisories_are_off_when_disabled_and_absent_for_a_fixed_partition() -> None:
+    assert advisories(make(stage_advisories=False).start(0.0)) == {}
+    assert advisories(make(progressive=False).start(0.0)) == {}
