@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.bench_kill import _events, main
+from flodl_bus.bench.kill import _events, main
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 

@@ -39,7 +39,7 @@ opt.step()
 
 _PLAIN = """
 import sys
-from flodl_bus.baselines import plain_loop
+from flodl_bus.bench.baselines import plain_loop
 from flodl_bus.job import load_job
 epochs = int(sys.argv[2]) if len(sys.argv) > 2 else None
 result = plain_loop(load_job(sys.argv[1]), epochs=epochs)

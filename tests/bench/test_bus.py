@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_bus.bus.bench import main
+from flodl_bus.bench.bus import main
 
 
 @pytest.mark.redis

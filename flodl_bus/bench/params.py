@@ -131,7 +131,7 @@ def run_config(url: str, size: int, world: int, args: argparse.Namespace) -> lis
             [
                 sys.executable,
                 "-m",
-                "flodl_bus.params.bench",
+                "flodl_bus.bench.params",
                 "--child",
                 "--url",
                 url,

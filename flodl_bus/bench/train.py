@@ -29,7 +29,7 @@ from flodl_bus.record.log import read_records
 
 _PLAIN = """
 import json, sys, torch
-from flodl_bus.baselines import plain_loop
+from flodl_bus.bench.baselines import plain_loop
 from flodl_bus.job import load_job
 torch.set_num_threads(int(sys.argv[4]))
 job = load_job(sys.argv[1])
@@ -40,7 +40,7 @@ print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps, "met
 
 _DDP = """
 import json, sys
-from flodl_bus.baselines import ddp_loop
+from flodl_bus.bench.baselines import ddp_loop
 epochs = int(sys.argv[4]) or None
 r = ddp_loop(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cuda", epochs)
 print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_bus.worker.bench import main
+from flodl_bus.bench.worker import main
 
 
 def test_the_worker_bench_prints_the_bus_cost_next_to_a_plain_step(
