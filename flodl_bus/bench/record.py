@@ -11,16 +11,22 @@ each on the same message sequence and core state, median over ``--repeats`` runs
   call's "before") + ``DispatchRecorder.dispatch`` (what the coordinator runtime does per
   entry) vs ``handle`` alone.
 
-Each figure is printed beside the core's own cost (the reference, same run). Replay speed
-is core calls per second of ``replay`` on the records written here (fakeredis transport
-included), or on ``--run-dir`` when given.
+Each figure is printed beside the core's own cost (the reference, same run) and its
+target. Replay speed is core calls per second of ``replay`` on the records written here
+(fakeredis transport included), or on ``--run-dir`` when given. A real digits run
+(``flodl-bus up``) gives the bytes on disk per recorded core call of compressed records
+and the replay's peak memory; replays of N and 4N synthetic dispatches show that memory
+does not grow with the record.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -41,11 +47,18 @@ from flodl_bus.protocol.messages import (
     SetGlobalStep,
     StartEpoch,
 )
+from flodl_bus.record import chain
 from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.replay import load_run, replay
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.recording import RankRecording
+
+#: The targets of issue 16, printed beside the figures.
+TARGET_RECORD_US = 15.0
+TARGET_BYTES = 100.0
+TARGET_REPLAY_RATE = 20_000
+TARGET_PEAK_MB = 200.0
 
 
 class _Params:
@@ -152,6 +165,7 @@ def bench_rank(n: int, run_dir: Path) -> tuple[float, float, float, float]:
         t2 = clock()
         plain_steps.append(t1 - t0)
         rec_steps.append(t2 - t1)
+    recording.event("end", exit_code=0)
     recording.close()
     return (
         _median_us(plain_us),
@@ -211,6 +225,7 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
         t2 = clock()
         plain_ns.append(t1 - t0)
         rec_ns.append(t2 - t1)
+    rec.end(dispatches=n)
     rec.close()
     return _median_us(plain_ns), _median_us(rec_ns)
 
@@ -219,7 +234,7 @@ def replay_rate(run_dir: Path) -> list[tuple[str, int, float]]:
     out = []
     for key, rec in load_run(run_dir).items():
         t0 = time.perf_counter()
-        result = replay(rec)
+        result = replay(rec, keep_actual=False)
         dt = time.perf_counter() - t0
         if not result.identical:
             raise SystemExit(f"bench record: {key} did not replay identically: {result.summary()}")
@@ -227,11 +242,64 @@ def replay_rate(run_dir: Path) -> list[tuple[str, int, float]]:
     return out
 
 
+def record_size(run_dir: Path) -> tuple[int, int]:
+    """(bytes on disk of the run's process records, core calls recorded in them)."""
+    size = events = 0
+    for rec in load_run(run_dir).values():
+        assert rec.path is not None
+        size += chain.size_on_disk(rec.path)
+        events += len(rec.core_events())
+    return size, events
+
+
+def digits_run(tmp: Path, workers: int, epochs: int) -> Path | None:
+    """A real digits run (``flodl-bus up``: Redis, a coordinator, ``workers`` ranks)."""
+    run_dir = tmp / "digits"
+    cmd = [
+        sys.executable, "-m", "flodl_bus.cli", "up", "--workers", str(workers),
+        "--epochs", str(epochs), "--run", "bench-record", "--run-dir", str(run_dir),
+        "--no-progress", "--no-plot", "--log-level", "warning",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        print(f"  (digits run failed, exit {done.returncode}: {done.stdout[-400:]})")
+        return None
+    return run_dir
+
+
+def replay_peak_rss(run_dir: Path) -> tuple[int, float, str]:
+    """(exit status, peak resident MB, stderr) of ``flodl-bus replay run_dir`` in its own
+    process."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flodl_bus.cli", "replay", str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    errors = proc.stderr.read()
+    proc.stderr.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss / 1024.0, errors.decode(errors="replace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flodl-bus bench record", description=__doc__)
     p.add_argument("--dispatches", type=int, default=4000, help="per run (default 4000)")
     p.add_argument("--repeats", type=int, default=5, help="runs; medians of medians (default 5)")
     p.add_argument("--run-dir", help="also measure replay speed on this recorded run")
+    p.add_argument(
+        "--digits-epochs",
+        type=int,
+        default=2,
+        help="epochs of the real digits run whose record is measured (0: skip it)",
+    )
+    p.add_argument(
+        "--memory",
+        type=int,
+        default=5000,
+        help="peak memory of replays of N and 4N recorded dispatches (0: skip)",
+    )
     args = p.parse_args(argv)
 
     from flodl_bus.record.log import configure_console
@@ -255,11 +323,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  rank dispatch:        {rd - pd:6.2f} us   (core dispatch itself {pd:5.2f} us)")
     print(f"  rank training step:   {rs - ps:6.2f} us   (core step_done itself {ps:5.2f} us)")
     print(f"  coordinator dispatch: {rh - ph:6.2f} us   (core handle itself {ph:5.2f} us)")
-    print("  target: <= 15 us per dispatch")
-    print("replay speed (fresh core, fakeredis transport, compare included)")
+    print(f"  target: <= {TARGET_RECORD_US:.0f} us per dispatch")
+    print("replay speed, one core (fresh core, fakeredis transport, verify + compare)")
     for k, (key, n, _rate) in enumerate(rates[0]):
         rate = statistics.median(r[k][2] for r in rates)
         print(f"  {key:<12} {rate:10.0f} dispatches/s   ({n} per replay)")
+    print(f"  target: >= {TARGET_REPLAY_RATE:,} dispatches/s")
+    if args.digits_epochs > 0:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir = digits_run(Path(tmp), workers=2, epochs=args.digits_epochs)
+            if run_dir is not None:
+                size, events = record_size(run_dir)
+                print(
+                    f"record size over a digits run (2 ranks, {args.digits_epochs} epochs, "
+                    f"zstd): {size / max(events, 1):6.1f} bytes/dispatch on disk "
+                    f"({size} bytes, {events} recorded core calls)"
+                )
+                print(f"  target: <= {TARGET_BYTES:.0f} bytes/dispatch")
+                for key, n, rate in replay_rate(run_dir):
+                    print(f"  replay {key:<12} {rate:10.0f} dispatches/s   ({n} dispatches)")
+                rc, peak, errors = replay_peak_rss(run_dir)
+                lines = len(errors.splitlines())
+                print(
+                    f"  flodl-bus replay: exit {rc}, peak {peak:.0f} MB resident, "
+                    f"{lines} line(s) on stderr (healthy: 0)"
+                )
+    if args.memory > 0:
+        print("replay memory (flodl-bus replay in its own process; bounded: flat in N)")
+        for n in (args.memory, 4 * args.memory):
+            with tempfile.TemporaryDirectory() as tmp:
+                bench_coordinator(n, Path(tmp))
+                rc, peak, errors = replay_peak_rss(Path(tmp))
+                print(
+                    f"  {n:8d} recorded dispatches: peak {peak:6.0f} MB resident (exit {rc}, "
+                    f"{len(errors.splitlines())} line(s) on stderr)"
+                )
+        print(f"  target: <= {TARGET_PEAK_MB:.0f} MB whatever the length")
     if args.run_dir:
         for key, n, rate in replay_rate(Path(args.run_dir)):
             print(f"  {args.run_dir} {key}: {rate:10.0f} dispatches/s   ({n} dispatches)")
