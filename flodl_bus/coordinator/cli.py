@@ -122,6 +122,12 @@ def _parser() -> argparse.ArgumentParser:
         "before starting; without it such a run id is refused",
     )
     p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard event files to DIR: loss, eval metric, samples/s per "
+        "rank, anchor and syncs per epoch (needs the tensorboard extra)",
+    )
+    p.add_argument(
         "--expire-after",
         type=float,
         default=7 * 24 * 3600.0,
@@ -194,6 +200,12 @@ def _check(args: argparse.Namespace) -> None:
     _positive("--checkpoint-every", args.checkpoint_every)
     _positive("--exit-grace", args.exit_grace, zero_ok=True)
     _positive("--expire-after", args.expire_after, zero_ok=True)
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        why = TensorBoardScalars.available()
+        if why is not None:
+            raise ConfigError(why)
     if args.checkpoint_every and not (args.save_path or args.resume):
         raise ConfigError("--checkpoint-every needs --save-path STEM (where checkpoints go)")
 
@@ -457,6 +469,28 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
     )
 
+    metrics = MetricsTable(run_dir / "metrics.csv", ws)
+    board: Any = None
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        board = TensorBoardScalars(args.tensorboard)
+
+        class BoardedMetrics(MetricsTable):
+            """metrics.csv, and the same figures as TensorBoard scalars."""
+
+            def on_epoch(
+                self, em: Any, *, version: int, syncs: int, step: int, anchor: int
+            ) -> None:
+                super().on_epoch(em, version=version, syncs=syncs, step=step, anchor=anchor)
+                board.on_epoch(em, syncs=syncs, anchor=anchor)
+
+            def on_eval(self, scheduled_epoch: int, metric: float) -> None:
+                super().on_eval(scheduled_epoch, metric)
+                board.on_eval(scheduled_epoch - 1, metric)
+
+        metrics = BoardedMetrics(run_dir / "metrics.csv", ws)
+
     class PublishingLoop(CoordinatorLoop):
         """The loop, which also keeps the core's state in the run's ``meta`` about once a
         second for ``flodl-bus status`` (an observer cannot ask the core). On the loop's
@@ -474,7 +508,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         core,
         bus,
         recorder=recorder,
-        metrics=MetricsTable(run_dir / "metrics.csv", ws),
+        metrics=metrics,
         options=LoopOptions(exit_grace=args.exit_grace),
         rank_of=keys.rank_of,
         join=desk,
@@ -485,6 +519,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     try:
         code = loop.run()
     finally:
+        if board is not None:
+            board.close()
         recorder.close()
         bus.close()
         join.close()

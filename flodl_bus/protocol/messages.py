@@ -366,9 +366,6 @@ ControlMsg: TypeAlias = (
     | StageAdvisory
     | SyncNow
     | StartEpoch
-    | DeclareDead
-    | NewNcclSession
-    | RequestNewNcclId
     | ShutdownWithSave
     | ExtendPartition
     | Throttle
@@ -382,7 +379,8 @@ ControlMsg: TypeAlias = (
     | EvalBroadcast
     | SaveConsensusModel
 )
-"""What a rank's ``WorkerControl`` dispatches."""
+"""What a rank's ``WorkerControl`` dispatches: the control wire less what the rank's
+reader consumes itself (``worker.control.route``), plus the param plane's ``Update``."""
 
 ControlWire: TypeAlias = (
     RequestParams

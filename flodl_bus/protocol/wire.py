@@ -701,16 +701,3 @@ def decode_upstream(body: bytes) -> m.UpstreamMsg:
 
 def decode_join(body: bytes) -> m.JoinMsg:
     return decode(body, JOIN)  # type: ignore[no-any-return]
-
-
-def control_wire_to_msg(wire: m.ControlWire) -> m.ControlMsg | None:
-    """Seed 004's rule: which wire control messages reach ``WorkerControl``.
-
-    ``CoordHeartbeat`` only resets the rank's coordinator-liveness clock and
-    ``WireUpdate`` is informational (its ``next_plan`` is turned into a ``StartEpoch``
-    by the reader, and the real ``Update`` comes from the param plane), so both map
-    to None. Everything else reaches the core unchanged.
-    """
-    if isinstance(wire, (m.CoordHeartbeat, m.WireUpdate)):
-        return None
-    return wire

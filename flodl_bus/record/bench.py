@@ -4,8 +4,9 @@ a record replays.
 Recording cost is measured as the difference between a recorded and a plain core call,
 each on the same message sequence and core state, median over ``--repeats`` runs:
 
-* rank: ``RecordedControl.dispatch`` (state before/after, the record line) vs
-  ``WorkerControl.dispatch``; and a recorded training step vs a plain ``step_done``;
+* rank: a dispatch observed by ``worker.recording.CoreRecorder`` (state before/after,
+  the record line) vs ``WorkerControl.dispatch``; and a recorded training step vs a
+  plain ``step_done``;
 * coordinator: ``handle`` + one ``state_summary`` (the previous call's "after" is this
   call's "before") + ``DispatchRecorder.dispatch`` (what the coordinator runtime does per
   entry) vs ``handle`` alone.
@@ -41,10 +42,10 @@ from flodl_bus.protocol.messages import (
     StartEpoch,
 )
 from flodl_bus.record.dispatch import DispatchRecorder
-from flodl_bus.record.rank import RankRecording
 from flodl_bus.replay import load_run, replay
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Inbox
+from flodl_bus.worker.recording import RankRecording
 
 
 class _Params:
@@ -103,21 +104,18 @@ def bench_rank(n: int, run_dir: Path) -> tuple[float, float, float, float]:
     )
     recording = RankRecording(run_dir, 0)
     recording.header(run="bench", world_size=1, batch_size=32, pick_space=4096, splits=1)
-    recorded = recording.control(
-        inbox=inbox,
+    recorded = WorkerControl(
         rank=0,
         params=recording.params(_Params()),
         batch_size=32,
         pick_space=4096,
         clock=recording.clock(time.perf_counter),
     )
+    observer = recording.observer(recorded, inbox)
     # The recorded side reads its messages through an inbox with origins, as in a run.
     entries = [(stream, f"1-{k}", m) for k, m in enumerate(msgs)]
     recording.recorder.read(now=0.0, entries=entries)
     inbox.put_many(list(msgs), [(s, e) for s, e, _ in entries])
-
-    def fed(msg: ControlMsg) -> object:
-        return recorded.dispatch(msg)
 
     def plain_call(msg: ControlMsg) -> object:
         out = plain.dispatch(msg)
@@ -131,11 +129,16 @@ def bench_rank(n: int, run_dir: Path) -> tuple[float, float, float, float]:
         msg = inbox.poll()
         assert msg is not None
         t0 = clock()
-        recorded.dispatch(msg)
+        # What the loop does around a dispatch when it records (``worker.loop``).
+        observer.before()
+        out = recorded.dispatch(msg)
+        observer.dispatched(msg, out, None)
         rec_samples.append(clock() - t0)
         plan = recorded.take_pending_plan()
         if plan is not None:
+            observer.before()
             recorded.begin_plan(plan)
+            observer.planned(plan)
     steps = n
     plain_steps = []
     rec_steps = []
@@ -143,7 +146,9 @@ def bench_rank(n: int, run_dir: Path) -> tuple[float, float, float, float]:
         t0 = clock()
         plain.step_done(0.5, 1.0, 0.1, 0.01)
         t1 = clock()
-        recorded.step_done(0.5, 1.0, 0.1, 0.01)
+        observer.before()
+        stepped = recorded.step_done(0.5, 1.0, 0.1, 0.01)
+        observer.stepped((0.5, 1.0, 0.1, 0.01), stepped)
         t2 = clock()
         plain_steps.append(t1 - t0)
         rec_steps.append(t2 - t1)

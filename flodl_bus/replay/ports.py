@@ -1,7 +1,7 @@
 """Ports that answer from the record, so a replayed core needs no model and no group.
 
 Each core call of a recorded rank carries the list of port calls it made, in order, with
-the answers (``record.rank.Capture``). ``Script`` hands those answers back one by one and
+the answers (``worker.recording.Capture``). ``Script`` hands those answers back one by one and
 keeps what the replayed core actually asked, so replay can compare the two lists: a core
 that asks for a different call (or different arguments) has diverged. A call the record
 has no answer for (a what-if replay after message surgery) gets a neutral default.

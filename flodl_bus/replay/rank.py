@@ -11,7 +11,6 @@ from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol import signing, wire
 from flodl_bus.protocol.messages import AveragedParams, ControlMsg, EpochPlan, StartEpoch, Update
-from flodl_bus.record.rank import Capture, CaptureLogger
 from flodl_bus.replay.engine import (
     REPLAY_KEYS,
     ReplayResult,
@@ -27,6 +26,7 @@ from flodl_bus.replay.load import Recording
 from flodl_bus.replay.ports import RecordedClock, RecordedModel, RecordedParams, Script
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Inbox
+from flodl_bus.worker.recording import log_record
 from flodl_bus.worker.runtime import RankRuntime
 
 
@@ -49,7 +49,6 @@ class RankReplay(_Replay):
             self.client, self.keys, rank, signing.rank_keys_for(REPLAY_KEYS, rank), where="replay"
         )
         self.script = Script()
-        self.capture = Capture()
         self.params = RecordedParams(self.script)
         self.inbox = Inbox()
         self.control = WorkerControl(
@@ -61,7 +60,6 @@ class RankReplay(_Replay):
             model=RecordedModel(self.script, h.get("model")),
             seed=int(h.get("seed", SHUFFLE_BASE_SEED)),
             splits=int(h.get("splits", 1)),
-            logger=CaptureLogger(None, self.capture),
         )
         # The runtime's router, not its threads: heartbeats, dead-rank notices, session
         # requests and the wire Update's next plan are handled exactly as in the run.
@@ -77,7 +75,7 @@ class RankReplay(_Replay):
     def run(self) -> ReplayResult:
         try:
             deliveries = _drain(self.bus.read_control)
-            self.runtime._route(deliveries)
+            self.runtime.route(deliveries)
             self.bus.ack(deliveries)
             while (msg := self.inbox.poll()) is not None:
                 self.pending.append((msg, self.inbox.last_origin))
@@ -144,23 +142,23 @@ class RankReplay(_Replay):
     # -- core calls
 
     def _run(self, msg: ControlMsg, calls: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
-        control, cap = self.control, self.capture
+        control = self.control
         before = control.state()
         self.script.load(calls)
-        cap.begin()
         actual: dict[str, Any] = {"msg": msg, "before": before}
         try:
             out = control.dispatch(msg)
         except Exception as exc:
             actual["out"] = []
             actual["raised"] = [type(exc).__name__, str(exc)]
+            logs = []
         else:
             actual["out"] = list(out.upstream)
             actual["stop"] = out.stop
             actual["throttled"] = out.throttled
+            logs = [log_record(line) for line in out.logs]
             for up in out.upstream:
                 self.bus.publish(up)
-        _, logs = cap.end()
         actual["calls"] = self.script.actual
         actual["logs"] = logs
         actual["after"] = control.state()

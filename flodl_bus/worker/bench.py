@@ -22,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flodl_bus.bus.api import RankBus
-from flodl_bus.examples import digits
-from flodl_bus.job import Job
+from flodl_bus.job import Job, load_job
 from flodl_bus.partition import make_partition
 from flodl_bus.worker.control import PARAM_NORM_EVERY, WorkerControl
 from flodl_bus.worker.inbox import Inbox
@@ -176,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     from flodl_bus.bus.memory import MemoryHub
 
-    job = digits.job
+    # Loaded by name: examples sit above the worker plane.
+    job = load_job("flodl_bus.examples.digits:job")
     buses: list[tuple[str, Callable[[], RankBus]]] = [
         ("memory", lambda: MemoryHub(1, roundtrip=False).rank_bus(0))
     ]

@@ -1,25 +1,31 @@
-"""``WorkerControl``: a rank's control-message state machine (seed 000, reference §3.5).
+"""``WorkerControl``: every rule of a rank's control protocol (seed 000, reference §3.5).
 
-Sans-IO in the h11 manner: every rule of the rank's protocol lives in this file and
-nowhere else. ``dispatch(msg)`` takes one decoded control message and returns a
-``Dispatched`` (upstream messages to publish, whether to stop, whether the rank is now
-throttled). Parameters are reached only through the injected ``ParamPort``; checkpoint,
-eval and save through ``ModelPort``; elapsed times through an injected ``clock``. No
-thread, socket, queue or ``time`` call lives here, so replaying the same messages against
-ports that answer from the record reproduces every decision.
+Sans-IO in the h11 manner. Two entry points, both pure decisions:
+
+* ``route(msg, rank)`` (reader thread): what one wire control message means to the rank:
+  liveness only, a dead peer, this rank declared dead, a session request or session, or
+  a message for the core (the wire ``Update``'s next plan becomes a ``StartEpoch`` here).
+* ``WorkerControl.dispatch(msg)`` (training thread): one control message in, a
+  ``Dispatched`` out (upstream messages to publish, log lines to write, whether to stop,
+  whether the rank is throttled). Every plan reaches the rank one way: a ``StartEpoch``
+  dispatched into the one-slot mailbox, taken by the loop with ``take_pending_plan``.
+
+Parameters are reached only through the injected ``ParamPort``; checkpoint, eval and save
+through ``ModelPort``; elapsed times through an injected ``clock``. This module imports no
+torch, no transport and no clock, and logs nothing itself (log lines are effects the
+runtime writes), so replaying the same messages against ports that answer from the record
+reproduces every decision.
 
 The blocking parts of flodl's state machine (the Throttle receive loop, waiting for a
-plan, draining at teardown) are expressed as state here (``throttled``,
-``pending_plan``) and driven by ``worker.loop``, which owns the queue.
+plan, the teardown drain) are the ``Phase`` here and the queue in ``worker.loop``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Final
-
-import structlog
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, assert_never
 
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
@@ -30,6 +36,8 @@ from flodl_bus.protocol.messages import (
     Checkpoint,
     CheckpointResult,
     ControlMsg,
+    ControlWire,
+    CoordHeartbeat,
     DeclareDead,
     EpochAggregated,
     EpochMetrics,
@@ -54,6 +62,7 @@ from flodl_bus.protocol.messages import (
     Throttle,
     Update,
     UpstreamMsg,
+    WireUpdate,
 )
 from flodl_bus.worker.ports import ModelPort, Stager
 
@@ -62,22 +71,135 @@ from flodl_bus.worker.ports import ModelPort, Stager
 PARAM_NORM_EVERY: Final = 10
 
 
+# ------------------------------------------------------------------------ routing
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Queue ``msg`` for the training thread. ``ends_run``: the coordinator is stopping
+    the run, so its silence from now on is expected (no liveness escape)."""
+
+    msg: ControlMsg
+    ends_run: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PeerDead:
+    """``rank`` is dead: abort any collective with it (it would never complete)."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredDead:
+    """The coordinator declared this rank dead (it was silent past the timeout): abort
+    its collective, deliver ``Shutdown`` after what came before the notice, and route
+    nothing more (what follows is the survivors' control)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MakeSessionId:
+    """Generate a fresh session uid and publish it (``NewNcclIdGenerated``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JoinSession:
+    """Hand ``session`` to the param plane off the reader thread (latest wins)."""
+
+    session: NewNcclSession
+
+
+#: What the reader does with one wire control message; None: nothing (liveness only).
+Routed = Deliver | PeerDead | DeclaredDead | MakeSessionId | JoinSession | None
+
+_FOR_THE_CORE: Final = (
+    RequestParams,
+    StageAdvisory,
+    SyncNow,
+    StartEpoch,
+    ShutdownWithSave,
+    ExtendPartition,
+    Throttle,
+    SetGlobalStep,
+    Checkpoint,
+    ExecuteEvalCallback,
+    ArmConsensusEval,
+    SetEpochCallbackRole,
+    Shutdown,
+    EpochAggregated,
+    EvalBroadcast,
+    SaveConsensusModel,
+)
+
+
+def route(msg: ControlWire, rank: int) -> Routed:
+    """The reader's rule for one decoded control entry of ``rank``."""
+    if isinstance(msg, CoordHeartbeat):
+        return None  # liveness only: the read itself reset the clock
+    if isinstance(msg, DeclareDead):
+        return DeclaredDead() if msg.rank == rank else PeerDead(msg.rank)
+    if isinstance(msg, RequestNewNcclId):
+        return MakeSessionId()
+    if isinstance(msg, NewNcclSession):
+        return JoinSession(msg)
+    if isinstance(msg, WireUpdate):
+        # The param plane queued Update(avg) before its SyncAck, and the coordinator
+        # sends this only after every SyncAck, so the core sees the averaged tensors
+        # before the next plan. Without a plan it only says the round is over.
+        return None if msg.next_plan is None else Deliver(StartEpoch(msg.next_plan))
+    if isinstance(msg, _FOR_THE_CORE):
+        return Deliver(msg, ends_run=isinstance(msg, (Shutdown, ShutdownWithSave)))
+    assert_never(msg)
+
+
+# ---------------------------------------------------------------------- the core
+
+
+class Phase(enum.Enum):
+    """Where the rank stands in its protocol."""
+
+    #: trains its plan, or waits for one; control is serviced between batches
+    RUNNING = "running"
+    #: must not train: the loop blocks on control and feeds every message here until a
+    #: release (the end of an averaging round, or a stop) — flodl's nested receive loop
+    THROTTLED = "throttled"
+    #: told to stop (or its control channel died): the loop ends; at teardown only a
+    #: queued shutdown is still acted on (``acts_at_teardown``)
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """A line for the rank's log, written by the runtime (and kept in the record)."""
+
+    level: Literal["warning", "error"]
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class Dispatched:
     """What the runtime must do after one dispatch.
 
-    ``throttled`` is the state *after* the dispatch: while it is True the runtime must
-    block on its control queue and keep feeding ``dispatch`` (flodl's nested Throttle
-    receive loop), because a throttled rank must not train.
+    ``throttled`` is the phase *after* the dispatch: while it is True the runtime must
+    block on its control queue and keep feeding ``dispatch``, because a throttled rank
+    must not train.
     """
 
     upstream: tuple[UpstreamMsg, ...] = ()
     stop: bool = False
     throttled: bool = False
+    logs: tuple[Log, ...] = ()
 
 
 _NOTHING: Final = Dispatched()
 _STOP: Final = Dispatched(stop=True)
+
+
+def acts_at_teardown(msg: ControlMsg) -> bool:
+    """Teardown rule: a queued ``ShutdownWithSave`` (the bundle is written) or
+    ``Shutdown`` is dispatched; everything else is dropped (training is over)."""
+    return isinstance(msg, (ShutdownWithSave, Shutdown))
 
 
 class WorkerControl:
@@ -95,7 +217,6 @@ class WorkerControl:
         stager: Stager | None = None,
         seed: int = SHUFFLE_BASE_SEED,
         splits: int = 1,
-        logger: Any = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -108,7 +229,7 @@ class WorkerControl:
         self.seed = seed
         self.splits = splits
         self._clock = clock
-        self._log = logger if logger is not None else structlog.get_logger("flodl_bus.worker")
+        self.phase = Phase.RUNNING
 
         # Step accounting (reference §3.8).
         self.local_step = 0
@@ -120,9 +241,8 @@ class WorkerControl:
         # The plan being trained and its expanded picks (grown by ExtendPartition).
         self.current_epoch = 0
         self.partition: list[int] = []
-        #: single-slot mailbox: one chunk in flight (reference §3.9)
+        #: the one-slot mailbox of the next plan: one chunk in flight (reference §3.9)
         self.pending_plan: EpochPlan | None = None
-        self.throttled = False
 
         # Stored for the user / the main loop.
         self.epoch_callback_role: int | None = None
@@ -130,37 +250,50 @@ class WorkerControl:
         self.last_eval_broadcast: tuple[int, float] | None = None
         self.pending_consensus_eval: tuple[int, int] | None = None
 
+    @property
+    def throttled(self) -> bool:
+        return self.phase is Phase.THROTTLED
+
     # ------------------------------------------------------------------ dispatch
 
     def dispatch(self, msg: ControlMsg) -> Dispatched:
         """Apply one control message. Exceptions from the ports propagate (a failed
         collective or a mismatched average is fatal to the rank, as in flodl)."""
-        if self.throttled:
+        phase = self.phase
+        if phase is Phase.THROTTLED:
             return self._dispatch_throttled(msg)
         if isinstance(msg, Throttle):
+            if phase is Phase.STOPPED:
+                return _STOP  # nothing left to pause
             # Entering: the runtime now blocks and feeds us until a release.
-            self.throttled = True
+            self.phase = Phase.THROTTLED
             return Dispatched(throttled=True)
-        return self._dispatch(msg)
+        out = self._apply(msg)
+        if out.stop:
+            self.phase = Phase.STOPPED
+        return out
 
     def _dispatch_throttled(self, msg: ControlMsg) -> Dispatched:
         # Throttle never nests. Everything else is serviced, so the reduce that will
         # release us (RequestParams, a StartEpoch for the next chunk) can complete; only
-        # the end of an averaging round or a shutdown lets the rank train again.
+        # the end of an averaging round or a stop lets the rank go on.
         if isinstance(msg, Throttle):
             return Dispatched(throttled=True)
-        out = self._dispatch(msg)
-        if out.stop or isinstance(msg, (SyncNow, Update, Shutdown)):
-            self.throttled = False
-            return Dispatched(upstream=out.upstream, stop=out.stop, throttled=False)
-        return Dispatched(upstream=out.upstream, stop=False, throttled=True)
+        out = self._apply(msg)
+        if out.stop:
+            self.phase = Phase.STOPPED
+            return out
+        if isinstance(msg, (SyncNow, Update, Shutdown)):
+            self.phase = Phase.RUNNING
+            return out
+        return Dispatched(upstream=out.upstream, throttled=True, logs=out.logs)
 
     def channel_closed(self) -> Dispatched:
         """The control channel is gone (reader dead): nothing can release us any more."""
-        self.throttled = False
+        self.phase = Phase.STOPPED
         return _STOP
 
-    def _dispatch(self, msg: ControlMsg) -> Dispatched:
+    def _apply(self, msg: ControlMsg) -> Dispatched:
         if isinstance(msg, RequestParams):
             # The matching Update subtracts exactly what this snapshot ships, so steps
             # taken during the round trip keep their mass for the next round.
@@ -169,29 +302,7 @@ class WorkerControl:
             return _NOTHING
 
         if isinstance(msg, Update):
-            self.params.load_averaged(msg.avg)
-            # Subtract, never zero: cpu-async overshoot steps survive the blend. The
-            # marker reset makes a duplicate Update subtract 0.
-            self.steps_since_avg = max(0, self.steps_since_avg - self.steps_at_snapshot)
-            self.steps_at_snapshot = 0
-            self.current_version = msg.avg.version
-            armed = self.pending_consensus_eval
-            if armed is None or not msg.avg.realized:
-                # An unrealized round is the rank's own state, not a consensus: the
-                # armed eval waits for the next realized one.
-                return _NOTHING
-            self.pending_consensus_eval = None
-            if self.model is None or not self.model.has_eval_fn:
-                return _NOTHING
-            # Scored right after adoption, before any further step: with overwrite
-            # adoption the model *is* this round's consensus (under the cpu-async EASGD
-            # blend it is the blend; scoring the exact consensus would need the port to
-            # swap it in and back).
-            schedule_id, epoch = armed
-            eval_msg = ExecuteEvalCallback(
-                schedule_id=schedule_id, epoch=epoch, target_rank=self.rank
-            )
-            return Dispatched(upstream=(self._evaluate(eval_msg),))
+            return self._adopt(msg)
 
         if isinstance(msg, SyncNow):
             result = self.params.sync_now(self.steps_since_avg)
@@ -212,20 +323,23 @@ class WorkerControl:
             return Dispatched(upstream=(ack,))
 
         if isinstance(msg, StartEpoch):
-            old = self.pending_plan
-            if old is not None:
-                # Overwriting an unconsumed plan strands a chunk the coordinator counts as
-                # in flight, wedging its reduce gate. Make it loud; keep the newer plan
-                # because the coordinator's bookkeeping tracks the newest dispatch.
-                self._log.error(
-                    "one_chunk_in_flight_violated",
-                    rank=self.rank,
-                    dropped_plan=wire.plan_to_map(old),
-                    kept_plan=wire.plan_to_map(msg.plan),
-                    detail="StartEpoch overwrote an unconsumed plan; a chunk was dropped",
-                )
-            self.pending_plan = msg.plan
-            return _NOTHING
+            old, self.pending_plan = self.pending_plan, msg.plan
+            if old is None:
+                return _NOTHING
+            # Overwriting an unconsumed plan strands a chunk the coordinator counts as
+            # in flight, wedging its reduce gate. Make it loud; keep the newer plan
+            # because the coordinator's bookkeeping tracks the newest dispatch.
+            violated = Log(
+                "error",
+                "one_chunk_in_flight_violated",
+                {
+                    "rank": self.rank,
+                    "dropped_plan": wire.plan_to_map(old),
+                    "kept_plan": wire.plan_to_map(msg.plan),
+                    "detail": "StartEpoch overwrote an unconsumed plan; a chunk was dropped",
+                },
+            )
+            return Dispatched(logs=(violated,))
 
         if isinstance(msg, ExtendPartition):
             # Same epoch, seed, pick space and splits as the plan's own expansion, so the
@@ -242,14 +356,8 @@ class WorkerControl:
             )
             return _NOTHING
 
-        if isinstance(msg, (DeclareDead, NewNcclSession, RequestNewNcclId)):
-            # The runtime's reader consumes these; one that slips through has nothing to
-            # act on here.
-            return _NOTHING
-
         if isinstance(msg, ShutdownWithSave):
-            self._save_bundle(msg)
-            return _STOP
+            return Dispatched(stop=True, logs=self._save_bundle(msg))
 
         if isinstance(msg, SetGlobalStep):
             self.global_step = msg.global_step
@@ -287,20 +395,48 @@ class WorkerControl:
             return _NOTHING
 
         if isinstance(msg, SaveConsensusModel):
-            if msg.target_rank == self.rank:
-                self._save_consensus()
-            return _NOTHING
+            if msg.target_rank != self.rank:
+                return _NOTHING
+            return Dispatched(logs=self._save_consensus())
 
         if isinstance(msg, StageAdvisory):
             if self.stager is not None:
                 self.stager.advise(msg)
             return _NOTHING
 
-        raise TypeError(f"not a control message: {type(msg).__name__}")
+        if isinstance(msg, Throttle):
+            # Phase transitions are ``dispatch``'s; here a Throttle changes nothing.
+            return _NOTHING
+
+        assert_never(msg)
+
+    def _adopt(self, msg: Update) -> Dispatched:
+        self.params.load_averaged(msg.avg)
+        # Subtract, never zero: cpu-async overshoot steps survive the blend. The marker
+        # reset makes a duplicate Update subtract 0.
+        self.steps_since_avg = max(0, self.steps_since_avg - self.steps_at_snapshot)
+        self.steps_at_snapshot = 0
+        self.current_version = msg.avg.version
+        armed = self.pending_consensus_eval
+        if armed is None or not msg.avg.realized:
+            # An unrealized round is the rank's own state, not a consensus: the armed
+            # eval waits for the next realized one.
+            return _NOTHING
+        self.pending_consensus_eval = None
+        if self.model is None or not self.model.has_eval_fn:
+            return _NOTHING
+        # Scored right after adoption, before any further step: with overwrite adoption
+        # the model *is* this round's consensus (under the cpu-async EASGD blend it is
+        # the blend; scoring the exact consensus would need the port to swap it in and
+        # back).
+        schedule_id, epoch = armed
+        eval_msg = ExecuteEvalCallback(schedule_id=schedule_id, epoch=epoch, target_rank=self.rank)
+        return Dispatched(upstream=(self._evaluate(eval_msg),))
 
     # ------------------------------------------------------------- plan and steps
 
     def take_pending_plan(self) -> EpochPlan | None:
+        """The plan to train next, emptying the mailbox (None: keep waiting)."""
         plan, self.pending_plan = self.pending_plan, None
         return plan
 
@@ -423,39 +559,33 @@ class WorkerControl:
             error=error,
         )
 
-    def _save_bundle(self, msg: ShutdownWithSave) -> None:
+    def _save_bundle(self, msg: ShutdownWithSave) -> tuple[Log, ...]:
         # A failed save is logged loudly but never blocks the exit: a stuck shutdown
         # would hold the whole cluster.
         if self.model is None or not self.model.has_save_path:
-            self._log.warning(
-                "shutdown_with_save_without_save_path",
-                rank=self.rank,
-                reason=msg.reason.snake,
-                detail="no save path set; exiting without saving",
-            )
-            return
+            fields = {
+                "rank": self.rank,
+                "reason": msg.reason.snake,
+                "detail": "no save path set; exiting without saving",
+            }
+            return (Log("warning", "shutdown_with_save_without_save_path", fields),)
         try:
             self.model.save_bundle(msg.reason)
         except Exception as exc:
-            self._log.error(
-                "checkpoint_bundle_failed",
-                rank=self.rank,
-                reason=msg.reason.snake,
-                error=_error_text(exc),
-            )
+            fields = {"rank": self.rank, "reason": msg.reason.snake, "error": _error_text(exc)}
+            return (Log("error", "checkpoint_bundle_failed", fields),)
+        return ()
 
-    def _save_consensus(self) -> None:
+    def _save_consensus(self) -> tuple[Log, ...]:
         if self.model is None or not self.model.has_save_path:
-            self._log.warning(
-                "save_consensus_without_save_path",
-                rank=self.rank,
-                detail="no save path set; consensus model not written",
-            )
-            return
+            fields = {"rank": self.rank, "detail": "no save path set; consensus model not written"}
+            return (Log("warning", "save_consensus_without_save_path", fields),)
         try:
             self.model.save_consensus()
         except Exception as exc:
-            self._log.error("save_consensus_failed", rank=self.rank, error=_error_text(exc))
+            fields = {"rank": self.rank, "error": _error_text(exc)}
+            return (Log("error", "save_consensus_failed", fields),)
+        return ()
 
 
 def _error_text(exc: BaseException) -> str:

@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import structlog
 import torch
@@ -19,20 +20,17 @@ from torch import nn
 from flodl_bus.job import ArrayDataset, Job, JobError, call_job
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
+    Batch,
     ControlMsg,
     EpochFnElapsed,
     EpochPlan,
     EvalResult,
     Exiting,
+    LrUpdate,
     MetricsMsg,
-    Shutdown,
-    ShutdownWithSave,
-    StartEpoch,
-    SyncNow,
-    Throttle,
     UpstreamMsg,
 )
-from flodl_bus.worker.control import Dispatched, WorkerControl
+from flodl_bus.worker.control import Dispatched, WorkerControl, acts_at_teardown
 from flodl_bus.worker.inbox import Closed, Inbox
 
 _log = structlog.get_logger("flodl_bus.worker")
@@ -53,6 +51,28 @@ def record_scalar(tag: str, value: float) -> None:
         loop.record_scalar(tag, value)
 
 
+class CoreObserver(Protocol):
+    """Watches every call the loop makes into the core, in order (the rank's recorder,
+    ``worker.recording``). ``before`` is called right before each core call, on the
+    training thread; the other hooks right after it, with what it returned."""
+
+    def before(self) -> None: ...
+
+    def dispatched(
+        self, msg: ControlMsg, out: Dispatched | None, raised: BaseException | None
+    ) -> None: ...
+
+    def planned(self, plan: EpochPlan) -> None: ...
+
+    def stepped(
+        self, args: tuple[float, float, float, float], out: tuple[Batch, LrUpdate]
+    ) -> None: ...
+
+    def closed(self, out: Dispatched) -> None: ...
+
+    def dropped(self, msg: ControlMsg) -> None: ...
+
+
 class RankLoop:
     def __init__(
         self,
@@ -68,8 +88,7 @@ class RankLoop:
         planned_epochs: int | None = None,
         epoch_fn: Callable[[int], None] | None = None,
         final_snapshot: Callable[[], None] | None = None,
-        on_dispatch: Callable[[ControlMsg, Dispatched], None] | None = None,
-        on_take: Callable[[ControlMsg, str], None] | None = None,
+        observer: CoreObserver | None = None,
         failure_of: Callable[[], str | None] | None = None,
     ) -> None:
         self.job = job
@@ -85,10 +104,7 @@ class RankLoop:
         self.planned_steps = job.planned_steps(planned_epochs or job.num_epochs, len(train_data))
         self.epoch_fn = epoch_fn
         self.final_snapshot = final_snapshot
-        self.on_dispatch = on_dispatch
-        #: called with (msg, why) for a message the loop consumes without dispatching it
-        #: (``plan``, ``shutdown``, ``skip``, ``drop``), so a recorder sees every input
-        self.on_take = on_take
+        self.observer = observer
         #: asked at teardown for a failure found outside the loop (the param plane's
         #: averaging thread): an ``Exiting`` reason, or None
         self.failure_of = failure_of
@@ -102,11 +118,21 @@ class RankLoop:
     # ------------------------------------------------------------------ control
 
     def _dispatch(self, msg: ControlMsg) -> Dispatched:
-        out = self.control.dispatch(msg)
+        obs = self.observer
+        if obs is None:
+            out = self.control.dispatch(msg)
+        else:
+            obs.before()
+            try:
+                out = self.control.dispatch(msg)
+            except BaseException as exc:
+                obs.dispatched(msg, None, exc)
+                raise
+            obs.dispatched(msg, out, None)
+        for line in out.logs:
+            getattr(_log, line.level)(line.event, **line.fields)
         for up in out.upstream:
             self.publish(up)
-        if self.on_dispatch is not None:
-            self.on_dispatch(msg, out)
         for up in out.upstream:
             if isinstance(up, EvalResult) and up.error is not None:
                 # The core reports a raising eval_fn (flodl's EvalResult.error); the job's
@@ -123,7 +149,12 @@ class RankLoop:
             nxt = self.inbox.get()
             if nxt is None or isinstance(nxt, Closed):
                 # Nothing can ever release us: treat the dead channel as a shutdown.
-                return self.control.channel_closed().stop
+                if self.observer is not None:
+                    self.observer.before()
+                out = self.control.channel_closed()
+                if self.observer is not None:
+                    self.observer.closed(out)
+                return out.stop
             out = self._dispatch(nxt)
         return out.stop
 
@@ -139,64 +170,26 @@ class RankLoop:
                 return True
 
     def wait_for_epoch_plan(self) -> EpochPlan | None:
-        """Block until there is a plan to train; service everything else meanwhile
-        (peers may be waiting on us in a collective). None means shut down."""
-        while True:
-            plan = self.control.take_pending_plan()
-            if plan is not None:
-                return plan
+        """Block until the core holds a plan to train; everything read meanwhile is
+        dispatched (peers may be waiting on us in a collective). None means shut down."""
+        while (plan := self.control.take_pending_plan()) is None:
             msg = self.inbox.get()
-            if msg is None or isinstance(msg, Closed):
+            if msg is None or isinstance(msg, Closed) or self.service(msg):
                 return None
-            if isinstance(msg, StartEpoch):
-                self._took(msg, "plan")
-                return msg.plan
-            if isinstance(msg, Shutdown):
-                self._took(msg, "shutdown")
-                return None
-            if self.service(msg):
-                return None
-
-    def _took(self, msg: ControlMsg, why: str) -> None:
-        if self.on_take is not None:
-            self.on_take(msg, why)
-
-    def drain_until_shutdown(self) -> None:
-        """Block on control after training ended, until Shutdown or a closed channel.
-
-        SyncNow is skipped: peers may be gone, and entering the collective could wait
-        forever; the coordinator stops asking once it sees Exiting. Throttle is skipped
-        too (a deviation from flodl, whose nested loop would service a SyncNow): it only
-        pauses training, which is over.
-        """
-        while True:
-            msg = self.inbox.get()
-            if msg is None or isinstance(msg, Closed):
-                return
-            if isinstance(msg, (SyncNow, Throttle)):
-                self._took(msg, "skip")
-                continue
-            if isinstance(msg, Shutdown):
-                self._took(msg, "shutdown")
-                return
-            try:
-                if self.service(msg):
-                    return
-            except Exception:
-                _log.exception("drain_dispatch_failed", rank=self.rank)
-                return
+        return plan
 
     def drain_pending_shutdown(self) -> None:
-        """Teardown: act on a queued ShutdownWithSave (write the bundle) or Shutdown;
-        drop everything else. Never blocks."""
+        """Teardown: dispatch what ``acts_at_teardown`` says (a queued ShutdownWithSave
+        writes the bundle), drop everything else. Never blocks."""
         while True:
             msg = self.inbox.poll()
             if msg is None:
                 return
-            if isinstance(msg, (ShutdownWithSave, Shutdown)):
+            if acts_at_teardown(msg):
                 self._dispatch(msg)
                 return
-            self._took(msg, "drop")
+            if self.observer is not None:
+                self.observer.dropped(msg)
 
     # ----------------------------------------------------------------- training
 
@@ -220,8 +213,12 @@ class RankLoop:
     def run_epoch_plan(self, plan: EpochPlan) -> bool:
         """Train one plan (an epoch share or a chunk). True means shut down."""
         start = time.perf_counter()
-        control = self.control
+        control, obs = self.control, self.observer
+        if obs is not None:
+            obs.before()
         control.begin_plan(plan)
+        if obs is not None:
+            obs.planned(plan)
         if control.num_batches == 0:
             # The coordinator still has to see this plan complete.
             self.publish(_zero_metrics(self.rank, plan.epoch, self._drain_scalars()))
@@ -272,7 +269,11 @@ class RankLoop:
                     loss_sum += loss_value
                     finite_done += 1
                 done += 1
+                if obs is not None:
+                    obs.before()
                 batch_msg, lr_msg = control.step_done(loss_value, compute_ms, data_ms, lr)
+                if obs is not None:
+                    obs.stepped((loss_value, compute_ms, data_ms, lr), (batch_msg, lr_msg))
                 publish(batch_msg)
                 publish(lr_msg)
                 if self.handle_control():

@@ -113,7 +113,7 @@ def run_rank(
 
     recording = None
     if options.record_dir is not None:
-        from flodl_bus.record.rank import RankRecording
+        from flodl_bus.worker.recording import RankRecording
 
         recording = RankRecording(options.record_dir, rank)
         bus = recording.bus(bus)
@@ -133,20 +133,10 @@ def run_rank(
         save_path=options.save_path,
     )
     clock: Callable[[], float] = time.perf_counter
-    on_take = None
-    if recording is None:
-        control = WorkerControl(
-            rank=rank,
-            params=params,
-            batch_size=job.batch_size,
-            pick_space=len(train_data),
-            clock=clock,
-            model=model_port,
-            seed=options.shuffle_seed,
-            splits=options.epoch_splits,
-        )
-    else:
+    if recording is not None:
+        # Recording wraps the ports; the core is the plain one (replay drives another).
         recorded_model = recording.model(model_port)
+        model_port = recorded_model
         recording.header(
             **dict(options.record_header),
             world_size=options.world_size,
@@ -157,20 +147,18 @@ def run_rank(
             model=recorded_model.capabilities(),
         )
         params = recording.params(params)
-        recorded = recording.control(
-            inbox=inbox,
-            rank=rank,
-            params=params,
-            batch_size=job.batch_size,
-            pick_space=len(train_data),
-            clock=recording.clock(clock),
-            model=recorded_model,
-            seed=options.shuffle_seed,
-            splits=options.epoch_splits,
-            logger=recording.logger(structlog.get_logger("flodl_bus.worker")),
-        )
-        on_take = recorded.took
-        control = recorded
+        clock = recording.clock(clock)
+    control = WorkerControl(
+        rank=rank,
+        params=params,
+        batch_size=job.batch_size,
+        pick_space=len(train_data),
+        clock=clock,
+        model=model_port,
+        seed=options.shuffle_seed,
+        splits=options.epoch_splits,
+    )
+    observer = None if recording is None else recording.observer(control, inbox)
     loop = RankLoop(
         job=job,
         control=control,
@@ -182,7 +170,7 @@ def run_rank(
         lr_scale=options.lr_scale,
         planned_epochs=options.epochs,
         epoch_fn=_bound_epoch_fn(job, model),
-        on_take=on_take,
+        observer=observer,
         # The cpu averaging thread's failure (no caller to raise to); read at teardown.
         failure_of=lambda: getattr(params, "failure", None),
     )

@@ -1,8 +1,9 @@
 """The threads around a rank's training loop (reference §3.12).
 
-* **reader**: reads merged control from ``RankBus.read_control``, absorbs what only the
-  runtime acts on (coordinator heartbeats, dead-rank notices, NCCL re-session requests,
-  the wire ``Update``'s next plan), puts everything else in the local ``Inbox`` and acks.
+* **reader**: reads merged control from ``RankBus.read_control``, does what
+  ``worker.control.route`` decides for each entry (coordinator heartbeats, dead-rank
+  notices and NCCL re-session requests are acted on here; the rest, the wire ``Update``'s
+  next plan as a ``StartEpoch``, goes to the local ``Inbox``) and acks.
   It also runs the coordinator-liveness escape hatch.
 * **heartbeat**: ``Heartbeat`` every second, independent of training, so a rank parked
   in a collective still looks alive.
@@ -19,26 +20,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import assert_never
 
 import structlog
 
 from flodl_bus.bus.api import Delivery, RankBus
 from flodl_bus.params.port import ParamPort
-from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import (
     ControlMsg,
-    CoordHeartbeat,
-    DeclareDead,
     Exiting,
     Heartbeat,
     NewNcclIdGenerated,
     NewNcclSession,
-    RequestNewNcclId,
     Shutdown,
-    ShutdownWithSave,
-    StartEpoch,
-    WireUpdate,
 )
+from flodl_bus.worker import control
 from flodl_bus.worker.inbox import Inbox, Origin
 
 _log = structlog.get_logger("flodl_bus.worker")
@@ -151,7 +147,7 @@ class RankRuntime:
                 now = self._clock()
                 if deliveries:
                     last_seen = now
-                    self._route(deliveries)
+                    self.route(deliveries)
                     self.bus.ack(deliveries)
                 elif not self.shutdown_seen and now - last_seen > cfg.coord_liveness_timeout:
                     self._escape(f"no coordinator entry for {now - last_seen:.1f}s")
@@ -164,7 +160,9 @@ class RankRuntime:
             # Nothing more can arrive: wake a training thread blocked on the inbox.
             self.inbox.close()
 
-    def _route(self, deliveries: Sequence[Delivery]) -> None:
+    def route(self, deliveries: Sequence[Delivery]) -> None:
+        """Act on one read of control (``worker.control.route`` decides each entry) and
+        queue what the training thread must see. Replay feeds recorded reads here."""
         # One read becomes visible to the training thread at once, so messages the
         # coordinator sent together (a plan and a Throttle) are not split by a batch.
         batch: list[ControlMsg] = []
@@ -175,58 +173,41 @@ class RankRuntime:
             self.inbox.put_many(batch, origins)
 
     def _route_into(
-        self,
-        deliveries: Sequence[Delivery],
-        batch: list[ControlMsg],
-        origins: list[Origin | None] | None = None,
+        self, deliveries: Sequence[Delivery], batch: list[ControlMsg], origins: list[Origin | None]
     ) -> None:
         if self.declared_dead.is_set():
             return  # control for the survivors; this rank is out of the run
         for d in deliveries:
-            msg = d.msg
-            if isinstance(msg, CoordHeartbeat):
-                continue  # liveness only: the read itself reset the clock
-            if isinstance(msg, DeclareDead):
-                if msg.rank == self.rank:
-                    self._declared_dead_self()
-                    # Shutdown after whatever came before the notice; nothing after it
-                    # (a RequestParams of the survivors' next round) reaches the core.
-                    batch.append(Shutdown())
-                    if origins is not None:
-                        origins.append((d.stream, d.entry_id))
-                    return
-                self._declare_dead((msg.rank,))
+            try:
+                routed = control.route(d.msg, self.rank)  # type: ignore[arg-type]
+            except AssertionError:
+                # Not a control message at all (the transport decodes the control channel
+                # only, so this is a bug, not an attack): nothing to act on.
+                _log.error("control_not_routable", rank=self.rank, entry_id=d.entry_id)
                 continue
-            if isinstance(msg, RequestNewNcclId):
+            if routed is None:
+                continue
+            if isinstance(routed, control.Deliver):
+                if routed.ends_run:
+                    self.shutdown_seen = True
+                batch.append(routed.msg)
+                origins.append((d.stream, d.entry_id))
+            elif isinstance(routed, control.PeerDead):
+                self._declare_dead((routed.rank,))
+            elif isinstance(routed, control.DeclaredDead):
+                self._declared_dead_self()
+                batch.append(Shutdown())
+                origins.append((d.stream, d.entry_id))
+                return
+            elif isinstance(routed, control.MakeSessionId):
                 uid = secrets.token_bytes(NEW_SESSION_UID_BYTES)
                 self.bus.publish(NewNcclIdGenerated(rank=self.rank, uid_bytes=uid))
-                continue
-            if isinstance(msg, NewNcclSession):
+            elif isinstance(routed, control.JoinSession):
                 with self._session_cond:
-                    self._session = msg  # latest wins
+                    self._session = routed.session  # latest wins
                     self._session_cond.notify_all()
-                continue
-            if isinstance(msg, WireUpdate):
-                # The param plane queued Update(avg) before its SyncAck, and the
-                # coordinator sends this only after every SyncAck, so the core sees the
-                # averaged tensors before the next plan.
-                if msg.next_plan is not None:
-                    batch.append(StartEpoch(msg.next_plan))
-                    if origins is not None:
-                        origins.append((d.stream, d.entry_id))
-                continue
-            try:
-                ctl = wire.control_wire_to_msg(msg)  # type: ignore[arg-type]
-            except Exception:
-                _log.error("control_not_convertible", rank=self.rank, entry_id=d.entry_id)
-                continue
-            if ctl is None:
-                continue
-            if isinstance(ctl, (Shutdown, ShutdownWithSave)):
-                self.shutdown_seen = True
-            batch.append(ctl)
-            if origins is not None:
-                origins.append((d.stream, d.entry_id))
+            else:
+                assert_never(routed)
 
     def _declare_dead(self, ranks: Sequence[int]) -> None:
         with self._dead_lock:

@@ -26,7 +26,6 @@ from flodl_bus.protocol.wire import (
     UPSTREAM,
     UPSTREAM_TYPES,
     DecodeError,
-    control_wire_to_msg,
     decode,
     decode_control,
     decode_join,
@@ -160,28 +159,6 @@ def test_optional_fields_may_be_omitted_and_take_their_default() -> None:
     back = decode_upstream(msgpack.packb(data))
     assert isinstance(back, m.Batch)
     assert back.param_norm is None and back.sync_divergence is None
-
-
-# -------------------------------------------------------------- seed 004 conversions
-
-
-@pytest.mark.parametrize("name", sorted(CONTROL_TYPES))
-@settings(max_examples=10, deadline=None)
-@given(data=st.data())
-def test_control_wire_to_msg_absorbs_wire_update_and_coord_heartbeat_only(
-    name: str, data: st.DataObject
-) -> None:
-    msg = data.draw(STRATEGIES[name])
-    converted = control_wire_to_msg(decode_control(encode(msg)))
-    if name in ("Update", "CoordHeartbeat"):
-        assert converted is None
-    else:
-        assert converted is not None and same(converted, msg)
-
-
-def test_control_wire_to_msg_passes_the_same_object_through() -> None:
-    msg = SAMPLES["StartEpoch"]
-    assert control_wire_to_msg(msg) is msg
 
 
 @pytest.mark.parametrize("name", TARGETED)

@@ -101,6 +101,6 @@ def record_run(
 
 
 def _worker_records() -> bool:
-    from flodl_bus.worker import cli
+    from flodl_bus.worker.options import parser
 
-    return "--run-dir" in cli._parser().format_help()
+    return "--run-dir" in parser().format_help()

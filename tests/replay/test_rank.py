@@ -68,7 +68,7 @@ class _Upstream:
 
 @pytest.fixture(scope="module")
 def rank_run(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One scripted session: a plan taken while idle, a Throttle, an ExtendPartition, a
+    """One scripted session: a plan read while idle, a Throttle, an ExtendPartition, a
     Checkpoint and the next plan serviced while throttled, SyncNow, a CPU round
     (RequestParams, the plane's Update, the wire Update's plan), SetGlobalStep, Shutdown."""
     run_dir = tmp_path_factory.mktemp("rank-run")
@@ -134,8 +134,15 @@ def _rank(run_dir: Path) -> Recording:
 def test_the_rank_record_replays_identically(rank_run: Path) -> None:
     result = replay(_rank(rank_run))
     assert result.identical, result.summary()
-    kinds = {e["event"] for e in _rank(rank_run).core_events()}
-    assert kinds >= {"dispatch", "take", "plan", "step"}
+    events = _rank(rank_run).core_events()
+    assert {e["event"] for e in events} >= {"dispatch", "plan", "step"}
+    # One path for a plan: a StartEpoch dispatched into the core's mailbox (the one read
+    # while idle too), then taken from it.
+    plans = [e for e in events if e["event"] == "plan"]
+    starts = [e for e in events if e["event"] == "dispatch" and e["msg"]["type"] == "StartEpoch"]
+    assert len(plans) == len(starts) == 3
+    assert all(e["source"] == "pending" for e in plans)
+    assert not any(e["event"] == "take" and e["why"] == "plan" for e in events)
     assert result.replayed == len(_rank(rank_run).core_events())
 
 

@@ -1,18 +1,24 @@
-"""WorkerControl, arm by arm (seed 000, reference §3.5-3.11)."""
+"""WorkerControl and the reader's ``route``, rule by rule, without torch (the sans-IO
+promise: the core's ports here are plain Python). ``test_control_torch.py`` drives the same
+core through the torch-backed ports of a real rank."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
-from structlog.testing import capture_logs
-from torch import nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from flodl_bus.examples import digits
-from flodl_bus.job import accuracy
+from flodl_bus.params.port import SyncResult
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
+from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
     AveragedParams,
@@ -20,11 +26,9 @@ from flodl_bus.protocol.messages import (
     Checkpoint,
     CheckpointResult,
     ControlMsg,
+    CoordHeartbeat,
     DeclareDead,
-    EpochAggregated,
-    EpochMetrics,
     EpochPlan,
-    EvalBroadcast,
     EvalResult,
     ExecuteEvalCallback,
     ExtendPartition,
@@ -34,451 +38,539 @@ from flodl_bus.protocol.messages import (
     RequestParams,
     SaveConsensusModel,
     SaveReason,
-    SetEpochCallbackRole,
     SetGlobalStep,
     Shutdown,
     ShutdownWithSave,
-    StageAdvisory,
     StartEpoch,
     SyncAck,
     SyncNow,
     Throttle,
     Update,
+    WireUpdate,
 )
-from flodl_bus.worker.control import PARAM_NORM_EVERY, Dispatched
-from tests.worker.conftest import Core, ListStager, StepClock, make_core
+from flodl_bus.worker.control import (
+    PARAM_NORM_EVERY,
+    DeclaredDead,
+    Deliver,
+    Dispatched,
+    JoinSession,
+    Log,
+    MakeSessionId,
+    PeerDead,
+    Phase,
+    WorkerControl,
+    acts_at_teardown,
+    route,
+)
+from tests.protocol.strategies import STRATEGIES, same
+
+ROOT = Path(__file__).resolve().parents[2]
+PICK_SPACE = 1000
+#: set in the subprocess that reruns this module with torch unimportable
+NO_TORCH_RUN = "FLODL_TEST_CONTROL_WITHOUT_TORCH"
 
 
-def steps(core: Core, n: int) -> None:
-    for _ in range(n):
-        core.control.step_done(1.0, 1.0, 0.0, 0.1)
+# ----------------------------------------------------------------------- ports
 
 
-def averaged(core: Core, version: int, scale: float = 0.0) -> AveragedParams:
-    params = tuple(torch.full_like(p, scale) for p in core.model.parameters())
-    buffers = tuple(b.clone() for b in core.model.buffers())
-    return AveragedParams(params=params, buffers=buffers, version=version)
+class ListParams:
+    """A ParamPort in plain Python: fixed answers, every call noted."""
+
+    def __init__(self) -> None:
+        self.sync = SyncResult(0.5, 2.0, 3.0)
+        self.norm = 4.0
+        self.calls: list[tuple[str, Any]] = []
+
+    def sync_now(self, steps_since_avg: int) -> SyncResult:
+        self.calls.append(("sync_now", steps_since_avg))
+        return self.sync
+
+    def snapshot(self, steps_since_avg: int) -> None:
+        self.calls.append(("snapshot", steps_since_avg))
+
+    def load_averaged(self, avg: AveragedParams) -> None:
+        self.calls.append(("load_averaged", avg.version))
+
+    def param_norm(self) -> float:
+        self.calls.append(("param_norm", None))
+        return self.norm
+
+    def abort(self) -> None:
+        self.calls.append(("abort", None))
+
+    def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
+        self.calls.append(("new_session", (new_rank, new_world_size)))
 
 
-# ---------------------------------------------------------------- step accounting
+@dataclass
+class ListModel:
+    """A ModelPort in plain Python: what it can do, what it answers, every call noted."""
+
+    has_checkpoint_fn: bool = True
+    has_eval_fn: bool = True
+    has_eval_dataset: bool = True
+    has_save_path: bool = True
+    metric: float = 0.75
+    raises: dict[str, Exception] = field(default_factory=dict)
+    calls: list[str] = field(default_factory=list)
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.raises:
+            raise self.raises[name]
+
+    def checkpoint(self, version: int) -> None:
+        self._call(f"checkpoint {version}")
+
+    def eval_mode(self) -> None:
+        self._call("eval_mode")
+
+    def train_mode(self) -> None:
+        self._call("train_mode")
+
+    def evaluate(self) -> float:
+        self._call("evaluate")
+        return self.metric
+
+    def save_bundle(self, reason: SaveReason) -> None:
+        self._call(f"save_bundle {reason.snake}")
+
+    def save_consensus(self) -> None:
+        self._call("save_consensus")
 
 
-def test_request_params_records_steps_at_snapshot_and_ships_that_mass(core: Core) -> None:
-    steps(core, 5)
-    out = core.control.dispatch(RequestParams())
-    assert out == Dispatched()
-    assert core.control.steps_at_snapshot == 5
-    assert core.params.calls == [("snapshot", 5)]
-    # The world-of-one plane hands back the "average" as an Update on the control queue.
-    assert len(core.injected) == 1 and isinstance(core.injected[0], Update)
-    assert core.injected[0].avg.realized
+class StepClock:
+    """Every reading advances by ``step`` seconds."""
+
+    def __init__(self, step: float = 0.25) -> None:
+        self.now, self.step = 100.0, step
+
+    def __call__(self) -> float:
+        t, self.now = self.now, self.now + self.step
+        return t
 
 
-def test_update_after_overshoot_keeps_the_steps_taken_since_the_snapshot(core: Core) -> None:
-    steps(core, 5)
-    core.control.dispatch(RequestParams())
-    steps(core, 3)
-    core.control.dispatch(core.injected[0])
-    assert core.control.steps_since_avg == 3
-    assert core.control.steps_at_snapshot == 0
-    assert core.control.local_step == 8  # monotone, untouched by averaging
+@dataclass
+class Rank:
+    control: WorkerControl
+    params: ListParams
+    model: ListModel
+
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.control.step_done(1.0, 1.0, 0.0, 0.1)
 
 
-def test_duplicate_update_subtracts_nothing(core: Core) -> None:
-    steps(core, 5)
-    core.control.dispatch(RequestParams())
-    steps(core, 3)
-    update = core.injected[0]
-    core.control.dispatch(update)
-    core.control.dispatch(update)
-    assert core.control.steps_since_avg == 3
-    assert core.params.names().count("load_averaged") == 2
-
-
-def test_update_loads_the_average_into_the_model_and_records_its_version(core: Core) -> None:
-    steps(core, 2)
-    core.control.dispatch(RequestParams())
-    core.control.dispatch(Update(averaged(core, version=7, scale=0.5)))
-    assert all(torch.all(p == 0.5) for p in core.model.parameters())
-    assert core.control.current_version == 7
-    assert core.control.steps_since_avg == 0
-
-
-def test_update_subtraction_saturates_at_zero(core: Core) -> None:
-    steps(core, 4)
-    core.control.dispatch(RequestParams())
-    core.control.steps_since_avg = 1  # fewer steps than shipped can never go negative
-    core.control.dispatch(core.injected[0])
-    assert core.control.steps_since_avg == 0
-
-
-def test_update_with_a_wrong_tensor_count_is_fatal(core: Core) -> None:
-    bad = AveragedParams(params=(torch.zeros(1),), buffers=(), version=1)
-    with pytest.raises(ValueError, match="params"):
-        core.control.dispatch(Update(bad))
-
-
-def test_sync_now_zeroes_both_counters_bumps_local_step_and_acks_not_batches(
-    core: Core,
-) -> None:
-    steps(core, 6)
-    core.control.dispatch(RequestParams())
-    steps(core, 1)
-    out = core.control.dispatch(SyncNow())
-    assert core.params.calls[-1] == ("sync_now", 7)
-    assert core.control.steps_since_avg == 0
-    assert core.control.steps_at_snapshot == 0
-    assert core.control.local_step == 8
-    assert len(out.upstream) == 1
-    ack = out.upstream[0]
-    assert isinstance(ack, SyncAck) and not any(isinstance(u, Batch) for u in out.upstream)
-    norm = core.params.param_norm()
-    assert ack == SyncAck(rank=0, step_count=8, divergence=0.0, post_norm=norm, pre_norm=norm)
-    assert not out.stop
-
-
-def test_step_done_reports_batch_and_lr_with_param_norm_every_tenth_step(core: Core) -> None:
-    reports = [core.control.step_done(0.5, 2.0, 0.25, 0.01) for _ in range(2 * PARAM_NORM_EVERY)]
-    norms = [b.param_norm for b, _ in reports]
-    assert [i + 1 for i, n in enumerate(norms) if n is not None] == [10, 20]
-    assert norms[9] == pytest.approx(core.params.param_norm())
-    batch, lr = reports[0]
-    assert batch == Batch(
-        rank=0, batch_ms=2.0, data_ms=0.25, step_count=1, batch_loss=0.5, param_norm=None
+def make(rank: int = 0, batch_size: int = 32, **model: Any) -> Rank:
+    params, port = ListParams(), ListModel(**model)
+    control = WorkerControl(
+        rank=rank,
+        params=params,
+        batch_size=batch_size,
+        pick_space=PICK_SPACE,
+        clock=StepClock(),
+        model=port,
     )
-    assert lr == LrUpdate(rank=0, lr=0.01)
+    return Rank(control, params, port)
 
 
-def test_param_norm_cadence_follows_steps_since_avg_not_local_step(core: Core) -> None:
-    steps(core, 4)
-    core.control.dispatch(SyncNow())  # local_step 5, steps_since_avg 0
-    reports = [core.control.step_done(0.5, 1.0, 0.0, 0.1) for _ in range(PARAM_NORM_EVERY)]
-    assert [b.step_count for b, _ in reports if b.param_norm is not None] == [15]
+def update(version: int, realized: bool = True) -> Update:
+    return Update(AveragedParams(params=(), buffers=(), version=version, realized=realized))
 
 
-def test_lr_position_is_global_step_plus_steps_since_avg(core: Core) -> None:
-    core.control.dispatch(SetGlobalStep(100))
-    assert core.control.global_step == 100
-    steps(core, 3)
-    assert core.control.lr_position == 103
+# -------------------------------------------------------------------- sans-IO
 
 
-# ---------------------------------------------------------------------- plans
-
-
-def test_start_epoch_fills_the_single_pending_slot(core: Core) -> None:
-    plan = EpochPlan(epoch=1, partition_offset=0, partition_size=64)
-    assert core.control.dispatch(StartEpoch(plan)) == Dispatched()
-    assert core.control.pending_plan == plan
-    assert core.control.take_pending_plan() == plan
-    assert core.control.pending_plan is None
-
-
-def test_start_epoch_overwrite_logs_loudly_naming_both_plans_and_keeps_the_newer(
-    core: Core,
-) -> None:
-    old = EpochPlan(epoch=1, partition_offset=0, partition_size=64)
-    new = EpochPlan(epoch=1, partition_offset=64, partition_size=32)
-    core.control.dispatch(StartEpoch(old))
-    with capture_logs() as logs:
-        core.control.dispatch(StartEpoch(new))
-    errors = [e for e in logs if e["log_level"] == "error"]
-    assert len(errors) == 1
-    err = errors[0]
-    assert err["event"] == "one_chunk_in_flight_violated"
-    assert err["dropped_plan"] == {"epoch": 1, "partition_offset": 0, "partition_size": 64}
-    assert err["kept_plan"] == {"epoch": 1, "partition_offset": 64, "partition_size": 32}
-    assert core.control.pending_plan == new
-
-
-def test_extend_partition_appends_the_same_permutation_slice(core: Core) -> None:
-    space = len(digits.train_data())
-    core.control.begin_plan(EpochPlan(epoch=3, partition_offset=100, partition_size=64))
-    assert core.control.num_batches == 2
-    core.control.dispatch(ExtendPartition(partition_offset=500, partition_size=40))
-    expected = make_partition(100, 64, space, 3, SHUFFLE_BASE_SEED) + make_partition(
-        500, 40, space, 3, SHUFFLE_BASE_SEED
+def test_the_core_module_imports_no_torch_no_transport_and_no_logger() -> None:
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'redis', 'structlog'):\n"
+        "    sys.modules[name] = None\n"
+        "import flodl_bus.worker.control as c\n"
+        "assert 'time' not in vars(c) and 'structlog' not in vars(c)\n"
+        "print('ok')\n"
     )
-    assert core.control.partition == expected
-    assert core.control.num_batches == 104 // 32
-    # Same epoch's permutation: a different epoch would give other picks.
-    assert core.control.partition[64:] != make_partition(500, 40, space, 4, SHUFFLE_BASE_SEED)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-# -------------------------------------------------------------------- throttle
+@pytest.mark.skipif(NO_TORCH_RUN in os.environ, reason="this is the run without torch")
+def test_these_unit_tests_pass_with_torch_unimportable() -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "import pytest\n"
+        f"rc = pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}])\n"
+        "assert 'torch' not in sys.modules or sys.modules['torch'] is None\n"
+        "sys.exit(rc)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    env[NO_TORCH_RUN] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout
 
 
-def throttled(core: Core) -> Core:
-    out = core.control.dispatch(Throttle())
-    assert out == Dispatched(throttled=True)
-    return core
+# --------------------------------------------------------------------- routing
 
 
-@pytest.mark.parametrize("release", ["SyncNow", "Update", "Shutdown"])
-def test_throttle_is_released_by_sync_now_update_or_shutdown(core: Core, release: str) -> None:
-    throttled(core)
-    steps(core, 2)
-    if release == "SyncNow":
-        msg: ControlMsg = SyncNow()
-    elif release == "Update":
-        core.control.dispatch(RequestParams())
-        msg = core.injected[0]
+@pytest.mark.parametrize("name", sorted(wire.CONTROL_TYPES))
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_route_decides_every_control_type_off_the_wire(name: str, data: st.DataObject) -> None:
+    msg = wire.decode_control(wire.encode(data.draw(STRATEGIES[name])))
+    rank = data.draw(st.integers(min_value=0, max_value=3))
+    routed = route(msg, rank)
+    if isinstance(msg, CoordHeartbeat):
+        assert routed is None
+    elif isinstance(msg, WireUpdate):
+        if msg.next_plan is None:
+            assert routed is None
+        else:
+            assert routed == Deliver(StartEpoch(msg.next_plan))
+    elif isinstance(msg, DeclareDead):
+        assert routed == (DeclaredDead() if msg.rank == rank else PeerDead(msg.rank))
+    elif isinstance(msg, RequestNewNcclId):
+        assert routed == MakeSessionId()
+    elif isinstance(msg, NewNcclSession):
+        assert isinstance(routed, JoinSession) and routed.session is msg
     else:
-        msg = Shutdown()
-    out = core.control.dispatch(msg)
-    assert not out.throttled and not core.control.throttled
-    assert out.stop == (release == "Shutdown")
+        assert isinstance(routed, Deliver) and same(routed.msg, msg)
+        assert routed.ends_run == isinstance(msg, (Shutdown, ShutdownWithSave))
 
 
-def test_throttle_services_request_params_and_start_epoch_without_releasing(
-    core: Core,
-) -> None:
-    throttled(core)
-    steps(core, 4)
-    out = core.control.dispatch(RequestParams())
-    assert out.throttled and core.params.calls == [("snapshot", 4)]
-    plan = EpochPlan(epoch=0, partition_offset=0, partition_size=32)
-    out = core.control.dispatch(StartEpoch(plan))
-    assert out.throttled and core.control.pending_plan == plan
-    out = core.control.dispatch(SetGlobalStep(9))
-    assert out.throttled and core.control.global_step == 9
+def test_route_passes_the_same_object_to_the_core() -> None:
+    msg = StartEpoch(EpochPlan(1, 2, 3))
+    routed = route(msg, 0)
+    assert isinstance(routed, Deliver) and routed.msg is msg
 
 
-def test_throttle_while_throttled_is_ignored(core: Core) -> None:
-    throttled(core)
-    assert core.control.dispatch(Throttle()) == Dispatched(throttled=True)
-    out = core.control.dispatch(SyncNow())  # one release suffices: it never nests
+def test_route_and_dispatch_refuse_what_is_not_a_control_message() -> None:
+    with pytest.raises(AssertionError):
+        route(SyncAck(rank=0, step_count=1), 0)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError):
+        make().control.dispatch(SyncAck(rank=0, step_count=1))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- phases
+
+
+def test_a_rank_starts_running_and_a_throttle_pauses_it_until_a_release() -> None:
+    r = make()
+    assert r.control.phase is Phase.RUNNING
+    assert r.control.dispatch(Throttle()) == Dispatched(throttled=True)
+    assert r.control.phase is Phase.THROTTLED and r.control.throttled
+    assert r.control.dispatch(SetGlobalStep(3)) == Dispatched(throttled=True)
+    assert r.control.dispatch(Throttle()) == Dispatched(throttled=True)  # never nests
+    out = r.control.dispatch(SyncNow())
+    assert not out.throttled and r.control.phase is Phase.RUNNING
+
+
+@pytest.mark.parametrize("release", ["SyncNow", "Update", "Shutdown", "ShutdownWithSave"])
+def test_each_release_ends_the_throttle(release: str) -> None:
+    r = make()
+    r.control.dispatch(Throttle())
+    msg: ControlMsg = {
+        "SyncNow": SyncNow(),
+        "Update": update(1),
+        "Shutdown": Shutdown(),
+        "ShutdownWithSave": ShutdownWithSave(SaveReason.REDUCE_STALL),
+    }[release]
+    out = r.control.dispatch(msg)
     assert not out.throttled
+    stops = release.startswith("Shutdown")
+    assert out.stop == stops
+    assert r.control.phase is (Phase.STOPPED if stops else Phase.RUNNING)
 
 
-def test_shutdown_with_save_while_throttled_releases_and_stops(core: Core) -> None:
-    throttled(core)
-    out = core.control.dispatch(ShutdownWithSave(SaveReason.REDUCE_STALL))
-    assert out.stop and not out.throttled
+def test_a_throttled_rank_services_rounds_and_plans_without_releasing() -> None:
+    r = make()
+    r.control.dispatch(Throttle())
+    r.steps(4)
+    assert r.control.dispatch(RequestParams()).throttled
+    plan = EpochPlan(0, 0, 32)
+    assert r.control.dispatch(StartEpoch(plan)).throttled
+    assert r.params.calls == [("snapshot", 4)] and r.control.pending_plan == plan
+    assert r.control.state()["throttled"] is True
 
 
-def test_a_closed_channel_while_throttled_means_stop(core: Core) -> None:
-    throttled(core)
-    assert core.control.channel_closed().stop
-    assert not core.control.throttled
+def test_a_stop_is_final_and_a_late_throttle_does_not_pause_a_stopped_rank() -> None:
+    r = make()
+    assert r.control.dispatch(Shutdown()) == Dispatched(stop=True)
+    assert r.control.phase is Phase.STOPPED
+    assert r.control.dispatch(Throttle()).stop
+    assert r.control.phase is Phase.STOPPED and not r.control.throttled
+    # The teardown's queued save is still acted on.
+    assert r.control.dispatch(ShutdownWithSave(SaveReason.GRACEFUL_SHUTDOWN)).stop
+    assert r.model.calls == ["save_bundle graceful_shutdown"]
 
 
-# ------------------------------------------------------------------- targeting
+def test_a_closed_channel_stops_a_throttled_rank() -> None:
+    r = make()
+    r.control.dispatch(Throttle())
+    assert r.control.channel_closed() == Dispatched(stop=True)
+    assert r.control.phase is Phase.STOPPED and not r.control.throttled
 
 
-def test_checkpoint_on_its_target_runs_the_callback_and_reports_elapsed(tmp_path: Path) -> None:
-    seen: list[int] = []
-    c = make_core(rank=1, checkpoint_fn=lambda v, m: seen.append(v), clock=StepClock(0.25))
-    out = c.control.dispatch(Checkpoint(version=4, target_rank=1))
-    assert seen == [4]
+def test_teardown_acts_only_on_a_shutdown() -> None:
+    assert acts_at_teardown(Shutdown())
+    assert acts_at_teardown(ShutdownWithSave(SaveReason.GRACEFUL_SHUTDOWN))
+    for msg in (SyncNow(), Throttle(), RequestParams(), StartEpoch(EpochPlan(0, 0, 1))):
+        assert not acts_at_teardown(msg)
+
+
+# ----------------------------------------------------------------------- plans
+
+
+def test_a_plan_waits_in_the_one_slot_mailbox_until_taken() -> None:
+    r = make()
+    assert r.control.take_pending_plan() is None
+    plan = EpochPlan(1, 0, 64)
+    assert r.control.dispatch(StartEpoch(plan)) == Dispatched()
+    assert r.control.state()["pending_plan"] == {
+        "epoch": 1,
+        "partition_offset": 0,
+        "partition_size": 64,
+    }
+    assert r.control.take_pending_plan() == plan
+    assert r.control.take_pending_plan() is None
+
+
+def test_overwriting_an_unconsumed_plan_returns_an_error_line_and_keeps_the_newer() -> None:
+    r = make(rank=2)
+    old, new = EpochPlan(1, 0, 64), EpochPlan(1, 64, 32)
+    r.control.dispatch(StartEpoch(old))
+    out = r.control.dispatch(StartEpoch(new))
+    assert (out.upstream, out.stop, out.throttled) == ((), False, False)
+    (line,) = out.logs
+    assert (line.level, line.event) == ("error", "one_chunk_in_flight_violated")
+    assert line.fields["rank"] == 2
+    assert line.fields["dropped_plan"] == {"epoch": 1, "partition_offset": 0, "partition_size": 64}
+    assert line.fields["kept_plan"] == {"epoch": 1, "partition_offset": 64, "partition_size": 32}
+    assert r.control.pending_plan == new
+
+
+def test_begin_plan_and_extend_partition_use_one_permutation_of_the_epoch() -> None:
+    r = make()
+    r.control.begin_plan(EpochPlan(epoch=3, partition_offset=100, partition_size=64))
+    assert r.control.num_batches == 2
+    r.control.dispatch(ExtendPartition(partition_offset=500, partition_size=40))
+    expected = make_partition(100, 64, PICK_SPACE, 3, SHUFFLE_BASE_SEED) + make_partition(
+        500, 40, PICK_SPACE, 3, SHUFFLE_BASE_SEED
+    )
+    assert r.control.partition == expected
+    assert r.control.num_batches == 104 // 32
+    assert r.control.batch_picks(1) == expected[32:64]
+    assert r.control.partition[64:] != make_partition(500, 40, PICK_SPACE, 4, SHUFFLE_BASE_SEED)
+
+
+# -------------------------------------------------------------- step accounting
+
+
+def test_a_round_ships_the_steps_at_snapshot_and_keeps_those_taken_since() -> None:
+    r = make()
+    r.steps(5)
+    assert r.control.dispatch(RequestParams()) == Dispatched()
+    assert r.params.calls == [("snapshot", 5)] and r.control.steps_at_snapshot == 5
+    r.steps(3)
+    r.control.dispatch(update(7))
+    assert (r.control.steps_since_avg, r.control.steps_at_snapshot) == (3, 0)
+    assert r.control.current_version == 7 and r.control.local_step == 8
+    r.control.dispatch(update(7))  # a duplicate subtracts nothing
+    assert r.control.steps_since_avg == 3
+    assert [c for c, _ in r.params.calls].count("load_averaged") == 2
+
+
+def test_the_subtraction_saturates_at_zero() -> None:
+    r = make()
+    r.steps(4)
+    r.control.dispatch(RequestParams())
+    r.control.steps_since_avg = 1
+    r.control.dispatch(update(1))
+    assert r.control.steps_since_avg == 0
+
+
+def test_sync_now_zeroes_the_counters_bumps_local_step_and_acks_with_the_triple() -> None:
+    r = make(rank=1)
+    r.steps(6)
+    r.control.dispatch(RequestParams())
+    r.steps(1)
+    out = r.control.dispatch(SyncNow())
+    assert r.params.calls[-1] == ("sync_now", 7)
+    assert (r.control.steps_since_avg, r.control.steps_at_snapshot) == (0, 0)
+    assert out == Dispatched(
+        upstream=(SyncAck(rank=1, step_count=8, divergence=0.5, post_norm=2.0, pre_norm=3.0),)
+    )
+
+
+def test_step_done_reports_a_batch_and_an_lr_with_a_norm_every_tenth_step() -> None:
+    r = make()
+    reports = [r.control.step_done(0.5, 2.0, 0.25, 0.01) for _ in range(2 * PARAM_NORM_EVERY)]
+    assert [i + 1 for i, (b, _) in enumerate(reports) if b.param_norm is not None] == [10, 20]
+    assert reports[9][0].param_norm == 4.0
+    assert reports[0] == (
+        Batch(rank=0, batch_ms=2.0, data_ms=0.25, step_count=1, batch_loss=0.5, param_norm=None),
+        LrUpdate(rank=0, lr=0.01),
+    )
+    r.control.dispatch(SyncNow())  # local_step 21, steps_since_avg 0
+    later = [r.control.step_done(0.5, 1.0, 0.0, 0.1) for _ in range(PARAM_NORM_EVERY)]
+    assert [b.step_count for b, _ in later if b.param_norm is not None] == [31]
+
+
+def test_the_lr_is_read_at_global_step_plus_steps_since_avg() -> None:
+    r = make()
+    r.control.dispatch(SetGlobalStep(100))
+    r.steps(3)
+    assert r.control.lr_position == 103
+
+
+# ------------------------------------------------------------------ targeting
+
+
+def test_a_checkpoint_on_its_target_reports_its_elapsed_time_or_its_error() -> None:
+    r = make(rank=1)
+    out = r.control.dispatch(Checkpoint(version=4, target_rank=1))
     assert out.upstream == (CheckpointResult(rank=1, version=4, elapsed_ms=250.0, error=None),)
-
-
-def test_checkpoint_for_another_rank_is_ignored() -> None:
-    seen: list[int] = []
-    c = make_core(rank=0, checkpoint_fn=lambda v, m: seen.append(v))
-    assert c.control.dispatch(Checkpoint(version=4, target_rank=1)) == Dispatched()
-    assert seen == []
-
-
-def test_checkpoint_without_a_callback_reports_an_error() -> None:
-    c = make_core(rank=2)
-    (result,) = c.control.dispatch(Checkpoint(version=1, target_rank=2)).upstream
-    assert isinstance(result, CheckpointResult)
-    assert result.error is not None and "checkpoint_fn" in result.error and "rank 2" in result.error
-
-
-def test_checkpoint_callback_failure_is_reported_not_raised() -> None:
-    def boom(version: int, model: nn.Module) -> None:
-        raise OSError("disk full")
-
-    c = make_core(checkpoint_fn=boom)
-    (result,) = c.control.dispatch(Checkpoint(version=1, target_rank=0)).upstream
+    assert r.control.dispatch(Checkpoint(version=5, target_rank=0)) == Dispatched()
+    assert r.model.calls == ["checkpoint 4"]
+    failing = make(raises={"checkpoint 1": OSError("disk full")})
+    (result,) = failing.control.dispatch(Checkpoint(version=1, target_rank=0)).upstream
     assert isinstance(result, CheckpointResult) and result.error == "OSError: disk full"
+    absent = make(rank=2, has_checkpoint_fn=False)
+    (result,) = absent.control.dispatch(Checkpoint(version=1, target_rank=2)).upstream
+    assert isinstance(result, CheckpointResult) and result.error is not None
+    assert "checkpoint_fn" in result.error and "rank 2" in result.error
 
 
-def test_eval_on_its_target_runs_in_eval_mode_then_returns_to_train_mode() -> None:
-    modes: list[bool] = []
-
-    def eval_fn(model: nn.Module, data: object) -> float:
-        modes.append(model.training)
-        return accuracy(model, data)  # type: ignore[arg-type]
-
-    c = make_core(rank=1, eval_fn=eval_fn, clock=StepClock(0.5))
-    c.model.train()
-    (result,) = c.control.dispatch(
-        ExecuteEvalCallback(schedule_id=3, epoch=3, target_rank=1)
-    ).upstream
-    assert modes == [False]
-    assert c.model.training
-    assert isinstance(result, EvalResult)
-    assert result.error is None and 0.0 <= result.metric <= 1.0
-    assert (result.rank, result.schedule_id, result.epoch, result.elapsed_ms) == (1, 3, 3, 500.0)
+def test_an_eval_flips_to_eval_mode_and_always_back() -> None:
+    r = make(rank=1)
+    (result,) = r.control.dispatch(ExecuteEvalCallback(3, 3, target_rank=1)).upstream
+    assert r.model.calls == ["eval_mode", "evaluate", "train_mode"]
+    assert result == EvalResult(
+        rank=1, schedule_id=3, epoch=3, metric=0.75, elapsed_ms=250.0, error=None
+    )
+    bad = make(raises={"evaluate": RuntimeError("bad eval")})
+    (result,) = bad.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0)).upstream
+    assert isinstance(result, EvalResult) and math.isnan(result.metric)
+    assert result.error == "RuntimeError: bad eval"
+    assert bad.model.calls == ["eval_mode", "evaluate", "train_mode"]
 
 
-def test_eval_without_an_eval_dataset_reports_an_error_and_nan() -> None:
-    c = make_core(eval_fn=lambda m, d: 1.0, with_eval_data=False)
-    (result,) = c.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0)).upstream
-    assert isinstance(result, EvalResult)
-    assert math.isnan(result.metric)
+def test_an_eval_without_a_dataset_reports_an_error_and_touches_no_mode() -> None:
+    r = make(has_eval_dataset=False)
+    (result,) = r.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0)).upstream
+    assert isinstance(result, EvalResult) and math.isnan(result.metric)
     assert result.error is not None and "eval dataset" in result.error
+    assert r.model.calls == []
 
 
-def test_eval_callback_failure_reports_nan_and_still_returns_to_train_mode() -> None:
-    def eval_fn(model: nn.Module, data: object) -> float:
-        raise RuntimeError("bad eval")
-
-    c = make_core(eval_fn=eval_fn)
-    c.model.train()
-    (result,) = c.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0)).upstream
-    assert isinstance(result, EvalResult)
-    assert math.isnan(result.metric) and result.error == "RuntimeError: bad eval"
-    assert c.model.training
-
-
-def test_eval_for_another_rank_or_without_eval_fn_is_silent() -> None:
-    calls: list[int] = []
-    c = make_core(rank=0, eval_fn=lambda m, d: float(calls.append(1) or 0))
-    assert c.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=1)) == Dispatched()
-    assert calls == []
-    no_fn = make_core(rank=0, eval_fn=None)
+def test_an_eval_for_another_rank_or_without_an_eval_fn_is_silent() -> None:
+    r = make()
+    assert r.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=1)) == Dispatched()
+    no_fn = make(has_eval_fn=False)
     assert no_fn.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0)) == Dispatched()
-
-
-def test_save_consensus_model_writes_only_on_its_target(tmp_path: Path) -> None:
-    stem = tmp_path / "run" / "ckpt"
-    other = make_core(rank=1, save_path=str(stem))
-    assert other.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
-    assert not (tmp_path / "run").exists()
-    target = make_core(rank=0, save_path=str(stem))
-    assert target.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
-    saved = torch.load(tmp_path / "run" / "ckpt.model.pt")
-    assert set(saved) == set(target.model.state_dict())
-
-
-def test_save_consensus_model_without_a_save_path_logs_and_goes_on() -> None:
-    c = make_core()
-    with capture_logs() as logs:
-        assert c.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
-    assert [e["event"] for e in logs] == ["save_consensus_without_save_path"]
-
-
-def test_arm_consensus_eval_is_stored_only_on_its_target(core: Core) -> None:
-    core.control.dispatch(ArmConsensusEval(schedule_id=5, epoch=2, target_rank=1))
-    assert core.control.pending_consensus_eval is None
-    core.control.dispatch(ArmConsensusEval(schedule_id=5, epoch=2, target_rank=0))
-    core.control.dispatch(ArmConsensusEval(schedule_id=6, epoch=3, target_rank=0))
-    assert core.control.pending_consensus_eval == (6, 3)
+    assert r.model.calls == no_fn.model.calls == []
 
 
 def test_an_armed_eval_scores_the_next_realized_consensus_once() -> None:
-    seen: list[float] = []
+    r = make()
+    r.control.dispatch(ArmConsensusEval(schedule_id=5, epoch=2, target_rank=1))
+    assert r.control.pending_consensus_eval is None
+    r.control.dispatch(ArmConsensusEval(schedule_id=4, epoch=4, target_rank=0))
+    assert r.control.dispatch(update(1, realized=False)) == Dispatched()
+    assert r.control.pending_consensus_eval == (4, 4)
+    (result,) = r.control.dispatch(update(2)).upstream
+    assert isinstance(result, EvalResult) and (result.schedule_id, result.epoch) == (4, 4)
+    assert r.control.pending_consensus_eval is None
+    assert r.control.dispatch(update(3)) == Dispatched()
+    assert r.model.calls.count("evaluate") == 1
 
-    def eval_fn(model: torch.nn.Module, data: object) -> float:
-        value = float(next(model.parameters()).detach().flatten()[0])
-        seen.append(value)
-        return value
 
-    c = make_core(rank=0, eval_fn=eval_fn)
-    c.control.dispatch(ArmConsensusEval(schedule_id=4, epoch=4, target_rank=0))
-    # An unrealized round (nobody moved) is no consensus: the eval stays armed.
-    unrealized = AveragedParams(
-        params=averaged(c, 1).params, buffers=averaged(c, 1).buffers, version=1, realized=False
+# ------------------------------------------------------------ saves, log lines
+
+
+def test_saves_without_a_save_path_return_a_warning_and_go_on() -> None:
+    r = make(has_save_path=False)
+    out = r.control.dispatch(SaveConsensusModel(target_rank=0))
+    assert out == Dispatched(logs=(out.logs[0],)) and out.logs[0].level == "warning"
+    assert out.logs[0].event == "save_consensus_without_save_path"
+    out = r.control.dispatch(ShutdownWithSave(SaveReason.GRACEFUL_SHUTDOWN))
+    assert out.stop and [line.event for line in out.logs] == [
+        "shutdown_with_save_without_save_path"
+    ]
+    assert out.logs[0].fields["reason"] == "graceful_shutdown"
+    assert r.model.calls == []
+
+
+def test_failed_saves_return_an_error_line_and_never_raise() -> None:
+    r = make(
+        raises={
+            "save_consensus": OSError("read-only"),
+            "save_bundle single_survivor": OSError("full"),
+        }
     )
-    assert c.control.dispatch(Update(unrealized)) == Dispatched()
-    assert c.control.pending_consensus_eval == (4, 4)
-    # The realized one is adopted, then scored: the metric is the consensus (0.25).
-    (result,) = c.control.dispatch(Update(averaged(c, version=2, scale=0.25))).upstream
-    assert isinstance(result, EvalResult)
-    assert (result.schedule_id, result.epoch, result.metric) == (4, 4, 0.25)
-    assert c.control.pending_consensus_eval is None
-    assert c.control.dispatch(Update(averaged(c, version=3, scale=0.5))) == Dispatched()
-    assert seen == [0.25]
+    out = r.control.dispatch(SaveConsensusModel(target_rank=0))
+    assert out.logs == (
+        Log("error", "save_consensus_failed", {"rank": 0, "error": "OSError: read-only"}),
+    )
+    out = r.control.dispatch(ShutdownWithSave(SaveReason.SINGLE_SURVIVOR))
+    assert out.stop and out.logs == (
+        Log(
+            "error",
+            "checkpoint_bundle_failed",
+            {"rank": 0, "reason": "single_survivor", "error": "OSError: full"},
+        ),
+    )
 
 
-# -------------------------------------------------------------------- shutdown
+def test_a_save_for_another_rank_does_nothing() -> None:
+    r = make()
+    assert r.control.dispatch(SaveConsensusModel(target_rank=1)) == Dispatched()
+    assert r.model.calls == []
 
 
-def test_shutdown_stops(core: Core) -> None:
-    assert core.control.dispatch(Shutdown()) == Dispatched(stop=True)
+def test_a_port_failure_propagates_out_of_dispatch() -> None:
+    class Broken(ListParams):
+        def sync_now(self, steps_since_avg: int) -> SyncResult:
+            raise RuntimeError("peer gone")
+
+    r = make()
+    r.control.params = Broken()
+    with pytest.raises(RuntimeError, match="peer gone"):
+        r.control.dispatch(SyncNow())
 
 
-def test_shutdown_with_save_writes_the_bundle_and_stops(tmp_path: Path) -> None:
-    stem = tmp_path / "final"
-    c = make_core(rank=0, save_path=str(stem))
-    out = c.control.dispatch(ShutdownWithSave(SaveReason.SINGLE_SURVIVOR))
-    assert out.stop
-    assert (tmp_path / "final.model.pt").exists()
-    assert (tmp_path / "final.rank0.optim.pt").exists()
-    assert '"single_survivor"' in (tmp_path / "final.bundle.json").read_text()
-    # the coordinator's checkpoint meta (resume coverage) is left alone
-    assert not (tmp_path / "final.meta.json").exists()
-
-
-def test_shutdown_with_save_without_a_save_path_logs_and_stops(core: Core) -> None:
-    with capture_logs() as logs:
-        out = core.control.dispatch(ShutdownWithSave(SaveReason.GRACEFUL_SHUTDOWN))
-    assert out.stop
-    assert [e["event"] for e in logs] == ["shutdown_with_save_without_save_path"]
-
-
-# ---------------------------------------------------------------- stored state
-
-
-def test_set_epoch_callback_role_is_stored(core: Core) -> None:
-    core.control.dispatch(SetEpochCallbackRole(rank=3))
-    assert core.control.epoch_callback_role == 3
-
-
-def test_epoch_aggregated_keeps_the_latest(core: Core) -> None:
-    first = EpochMetrics(epoch=0, avg_loss=2.0, epoch_ms=10.0)
-    second = EpochMetrics(epoch=1, avg_loss=1.0, epoch_ms=9.0)
-    core.control.dispatch(EpochAggregated(first))
-    core.control.dispatch(EpochAggregated(second))
-    assert core.control.aggregated_metrics == second
-
-
-def test_eval_broadcast_keeps_the_latest(core: Core) -> None:
-    core.control.dispatch(EvalBroadcast(epoch=1, metric=0.8))
-    core.control.dispatch(EvalBroadcast(epoch=2, metric=0.9))
-    assert core.control.last_eval_broadcast == (2, 0.9)
-
-
-def test_stage_advisory_is_forwarded_to_the_stager_and_ignored_without_one() -> None:
-    advisory = StageAdvisory(counts=(3, 4), segments=((0, ((0, 32), (64, 32))),))
-    stager = ListStager()
-    c = make_core(stager=stager)
-    assert c.control.dispatch(advisory) == Dispatched()
-    assert stager.advisories == [advisory]
-    assert make_core().control.dispatch(advisory) == Dispatched()
-
-
-@pytest.mark.parametrize(
-    "msg", [DeclareDead(rank=1), NewNcclSession(b"x" * 16, 0, 1), RequestNewNcclId()]
-)
-def test_runtime_only_messages_are_ignored_by_the_core(core: Core, msg: ControlMsg) -> None:
-    before = core.control.state()
-    assert core.control.dispatch(msg) == Dispatched()
-    assert core.control.state() == before
-    assert core.params.calls == []
-
-
-def test_the_same_messages_replayed_into_a_fresh_core_give_the_same_outputs() -> None:
+def test_the_same_messages_into_a_fresh_core_give_the_same_effects() -> None:
     def run() -> tuple[list[Dispatched], dict[str, object]]:
-        c = make_core(checkpoint_fn=lambda v, m: None, clock=StepClock(0.125))
+        r = make()
         script: list[ControlMsg] = [
             SetGlobalStep(10),
             StartEpoch(EpochPlan(0, 0, 64)),
+            StartEpoch(EpochPlan(0, 64, 64)),
             Throttle(),
             RequestParams(),
             SyncNow(),
             Checkpoint(1, 0),
             ExtendPartition(64, 32),
+            ShutdownWithSave(SaveReason.GRACEFUL_SHUTDOWN),
         ]
         outs = []
         for i, msg in enumerate(script):
-            steps(c, i)
-            outs.append(c.control.dispatch(msg))
-        return outs, c.control.state()
+            r.steps(i)
+            outs.append(r.control.dispatch(msg))
+        return outs, r.control.state()
 
     assert run() == run()

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 from torch import nn
 
 from flodl_bus.examples import digits
@@ -36,10 +37,10 @@ from flodl_bus.protocol.messages import (
     Throttle,
     UpstreamMsg,
 )
-from flodl_bus.worker.control import WorkerControl
+from flodl_bus.worker.control import Dispatched, Phase, WorkerControl
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.loop import RankLoop, record_scalar
-from tests.worker.conftest import ObservedParams
+from tests.worker.rig import ObservedParams
 
 TRAIN = digits.train_data()
 BS = digits.job.batch_size
@@ -159,23 +160,43 @@ def test_a_throttle_with_a_closed_channel_stops() -> None:
     assert rig.loop.handle_control() is True
 
 
-def test_drain_until_shutdown_skips_every_sync_now() -> None:
+def test_teardown_drops_everything_but_a_queued_shutdown() -> None:
     rig = make_rig()
-    rig.put(SyncNow(), SetGlobalStep(5), SyncNow(), Throttle(), SyncNow(), Shutdown())
-    rig.put(SetGlobalStep(99))  # after Shutdown: never reached
-    rig.loop.drain_until_shutdown()
+    rig.put(SyncNow(), SetGlobalStep(5), Throttle(), Shutdown(), SetGlobalStep(99))
+    rig.loop.drain_pending_shutdown()
     assert "sync_now" not in rig.params.names()
     assert rig.of(SyncAck) == []
-    assert rig.control.global_step == 5
-    assert len(rig.inbox) == 1
+    assert rig.control.global_step == 0 and not rig.control.throttled
+    assert rig.control.phase is Phase.STOPPED
+    assert len(rig.inbox) == 1  # after the Shutdown: never reached
 
 
-def test_drain_until_shutdown_returns_when_the_channel_closes() -> None:
+def test_a_plan_read_while_idle_goes_through_the_core_mailbox() -> None:
     rig = make_rig()
-    rig.put(SyncNow())
-    rig.inbox.close()
-    rig.loop.drain_until_shutdown()
-    assert rig.params.calls == []
+    plan = EpochPlan(0, 0, 64)
+    rig.put(StartEpoch(plan))
+    seen: list[object] = []
+    real = rig.control.dispatch
+
+    def dispatch(msg: ControlMsg) -> Dispatched:
+        seen.append(msg)
+        return real(msg)
+
+    rig.control.dispatch = dispatch  # type: ignore[method-assign]
+    assert rig.loop.wait_for_epoch_plan() == plan
+    assert seen == [StartEpoch(plan)] and rig.control.pending_plan is None
+
+
+def test_the_loop_writes_the_log_lines_the_core_returns() -> None:
+    rig = make_rig()
+    old, new = EpochPlan(0, 0, 64), EpochPlan(0, 64, 64)
+    rig.put(StartEpoch(old), StartEpoch(new))
+    with capture_logs() as logs:
+        assert rig.loop.handle_control() is False
+    (err,) = [e for e in logs if e["log_level"] == "error"]
+    assert err["event"] == "one_chunk_in_flight_violated"
+    assert err["dropped_plan"] == {"epoch": 0, "partition_offset": 0, "partition_size": 64}
+    assert rig.control.pending_plan == new
 
 
 def test_wait_for_epoch_plan_returns_a_pending_plan_first() -> None:

@@ -39,7 +39,7 @@ from flodl_bus.protocol.messages import (
 from flodl_bus.worker.inbox import Closed, Inbox
 from flodl_bus.worker.rank import EXIT_COORDINATOR_LOST, RankOptions, run_rank
 from flodl_bus.worker.runtime import NEW_SESSION_UID_BYTES, RankRuntime, RuntimeConfig
-from tests.worker.conftest import ObservedParams
+from tests.worker.rig import ObservedParams
 
 
 @dataclass

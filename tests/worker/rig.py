@@ -1,4 +1,4 @@
-"""Shared parts for the rank tests: real models, real param math, observable calls."""
+"""Shared torch parts for the rank tests: real models, real param math, observable calls."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import torch
 from torch import nn
 
@@ -128,8 +127,3 @@ def make_core(
         stager=stager,
     )
     return Core(control, params, model, port, injected, published)
-
-
-@pytest.fixture
-def core() -> Core:
-    return make_core()

@@ -2,15 +2,17 @@
 
 The rank's core is ``WorkerControl``; what makes a replay of it exact is recording, for
 each core call, the message and where it came from, the state before and after, what it
-emitted, and every answer a port gave it while it ran (the divergence triple of a
-``sync_now``, a parameter norm, a clock reading, an eval metric, a checkpoint error).
-The ports are wrapped here; the wrappers write into a ``Capture`` that only listens to
-the thread running the core call, because the reader and session threads use the same
-param port (``abort``, ``new_session``) at times that are not part of any dispatch.
+emitted (upstream messages, log lines: both are the core's effects), and every answer a
+port gave it while it ran (the divergence triple of a ``sync_now``, a parameter norm, a
+clock reading, an eval metric, a checkpoint error). The core is not changed for this: the
+ports are wrapped, and ``CoreRecorder`` observes each call the loop makes into the core
+(``worker.loop.CoreObserver``). Port answers are kept by a ``Capture`` that only listens
+to the thread running the core call, because the reader and session threads use the same
+param port (``abort``, ``new_session``) at times that are not part of any core call.
 
 The training loop's own inputs are recorded too: measured step values (``step``), the
-plan it trains and where it came from (``plan``), and messages it consumed without a
-dispatch (``take``). See ``record.dispatch`` for the schema.
+plan it trains (``plan``), and messages it dropped at teardown (``take``). See
+``record.dispatch`` for the schema.
 """
 
 from __future__ import annotations
@@ -30,13 +32,17 @@ from flodl_bus.protocol.messages import (
     EpochPlan,
     LrUpdate,
     SaveReason,
-    StartEpoch,
     UpstreamMsg,
 )
 from flodl_bus.record.dispatch import DispatchRecorder, record_value
-from flodl_bus.worker.control import Dispatched, WorkerControl
+from flodl_bus.worker.control import Dispatched, Log, WorkerControl
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.ports import ModelPort
+
+
+def log_record(line: Log) -> dict[str, Any]:
+    """A core log effect as the record holds it."""
+    return {"level": line.level, "event": line.event, **record_value(dict(line.fields))}
 
 
 def error_fields(exc: BaseException) -> list[str]:
@@ -44,27 +50,22 @@ def error_fields(exc: BaseException) -> list[str]:
 
 
 class Capture:
-    """Port calls and log lines of the core call running on one thread."""
+    """Port calls of the core call running on one thread."""
 
-    __slots__ = ("calls", "logs", "tid")
+    __slots__ = ("calls", "tid")
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] | None = None
-        self.logs: list[dict[str, Any]] | None = None
         self.tid = 0
 
     def begin(self) -> None:
         self.tid = threading.get_ident()
         self.calls = []
-        self.logs = []
 
-    def end(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        calls, logs = self.calls or [], self.logs or []
-        self.calls = self.logs = None
-        return calls, logs
-
-    def active(self) -> bool:
-        return self.calls is not None and threading.get_ident() == self.tid
+    def end(self) -> list[dict[str, Any]]:
+        calls = self.calls or []
+        self.calls = None
+        return calls
 
     def call(self, port: str, name: str, args: Sequence[Any], result: Any = None) -> None:
         if self.calls is not None and threading.get_ident() == self.tid:
@@ -194,30 +195,6 @@ class RecordingClock:
         return t
 
 
-class CaptureLogger:
-    """The core's structlog logger: forwards every line, and keeps the ones logged
-    during a core call for the record (the one-chunk-in-flight violation lives here)."""
-
-    def __init__(self, inner: Any, capture: Capture) -> None:
-        self.inner = inner
-        self._cap = capture
-
-    def _method(self, level: str) -> Callable[..., None]:
-        def log(event: str, *args: Any, **fields: Any) -> None:
-            cap = self._cap
-            if cap.logs is not None and cap.active():
-                cap.logs.append({"level": level, "event": event, **record_value(fields)})
-            if self.inner is not None:
-                getattr(self.inner, level)(event, *args, **fields)
-
-        return log
-
-    def __getattr__(self, level: str) -> Callable[..., None]:
-        if level.startswith("_"):
-            raise AttributeError(level)
-        return self._method(level)
-
-
 class RecordingRankBus:
     """The rank's bus, recording every control read (the rank's input) on the reader."""
 
@@ -252,108 +229,89 @@ class RecordingRankBus:
         return getattr(self.inner, name)
 
 
-class RecordedControl(WorkerControl):
-    """``WorkerControl`` that writes each core call to the record. The rules are the
-    parent's, untouched: replay drives a plain ``WorkerControl`` and must agree."""
+class CoreRecorder:
+    """Writes each core call of the loop to the record (a ``worker.loop.CoreObserver``).
+    The core is a plain ``WorkerControl``: replay drives another one and must agree."""
 
     def __init__(
         self,
+        control: WorkerControl,
         *,
         recorder: DispatchRecorder,
         inbox: Inbox,
         capture: Capture,
         t0: float,
-        **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        self.control = control
         self._rec = recorder
         self._inbox = inbox
         self._cap = capture
         self._t0 = t0
-        self._plan_source = "pending"
+        self._now = 0.0
+        self._before: dict[str, Any] = {}
 
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
+    def before(self) -> None:
+        self._now = time.perf_counter() - self._t0
+        self._before = self.control.state()
+        self._cap.begin()
 
-    def dispatch(self, msg: ControlMsg) -> Dispatched:
+    def dispatched(
+        self, msg: ControlMsg, out: Dispatched | None, raised: BaseException | None
+    ) -> None:
+        calls = self._cap.end()
         # The loop dispatches what it just took from the inbox, so the inbox's last
         # origin is this message's (None: injected in process).
         origin = self._inbox.last_origin
-        now = self._now()
-        before = self.state()
-        cap = self._cap
-        cap.begin()
         result: dict[str, Any]
-        try:
-            out = super().dispatch(msg)
-        except BaseException as exc:
-            # A raising dispatch is recorded too (replay must raise the same), then re-raised.
-            result = {"out": (), "raised": error_fields(exc)}
-            raise
+        if out is None:
+            # A raising dispatch is recorded too: replay must raise the same.
+            assert raised is not None
+            result = {"out": (), "raised": [type(raised).__name__, str(raised)], "logs": []}
         else:
-            result = {"out": out.upstream, "stop": out.stop, "throttled": out.throttled}
-        finally:
-            calls, logs = cap.end()
-            self._rec.dispatch(
-                stream=origin[0] if origin else None,
-                entry_id=origin[1] if origin else None,
-                msg=msg,
-                now=now,
-                before=before,
-                after=self.state(),
-                calls=calls,
-                logs=logs,
-                **result,
-            )
-        return out
+            result = {
+                "out": out.upstream,
+                "stop": out.stop,
+                "throttled": out.throttled,
+                "logs": [log_record(line) for line in out.logs],
+            }
+        self._rec.dispatch(
+            stream=origin[0] if origin else None,
+            entry_id=origin[1] if origin else None,
+            msg=msg,
+            now=self._now,
+            before=self._before,
+            after=self.control.state(),
+            calls=calls,
+            **result,
+        )
 
-    def took(self, msg: ControlMsg, why: str) -> None:
-        """``RankLoop.on_take``: a message consumed without a dispatch."""
+    def planned(self, plan: EpochPlan) -> None:
+        self._cap.end()
+        # Every plan comes out of the core's mailbox (``take_pending_plan``).
+        self._rec.plan(
+            source="pending",
+            plan=plan,
+            now=time.perf_counter() - self._t0,
+            partition_len=len(self.control.partition),
+            after=self.control.state(),
+        )
+
+    def stepped(self, args: tuple[float, float, float, float], out: tuple[Batch, LrUpdate]) -> None:
+        calls = self._cap.end()
+        self._rec.step(args=args, calls=calls, out=out, after=self.control.state())
+
+    def closed(self, out: Dispatched) -> None:
+        self._cap.end()
+        self._rec.closed(out=out, after=self.control.state())
+
+    def dropped(self, msg: ControlMsg) -> None:
         origin = self._inbox.last_origin
-        if why == "plan" and isinstance(msg, StartEpoch):
-            self._plan_source = "taken"
         self._rec.take(
             stream=origin[0] if origin else None,
             entry_id=origin[1] if origin else None,
             msg=msg,
-            why=why,
+            why="drop",
         )
-
-    def take_pending_plan(self) -> EpochPlan | None:
-        plan = super().take_pending_plan()
-        if plan is not None:
-            self._plan_source = "pending"
-        return plan
-
-    def begin_plan(self, plan: EpochPlan) -> list[int]:
-        picks = super().begin_plan(plan)
-        self._rec.plan(
-            source=self._plan_source,
-            plan=plan,
-            now=self._now(),
-            partition_len=len(picks),
-            after=self.state(),
-        )
-        return picks
-
-    def step_done(
-        self, batch_loss: float, batch_ms: float, data_ms: float, lr: float
-    ) -> tuple[Batch, LrUpdate]:
-        cap = self._cap
-        cap.begin()
-        try:
-            out = super().step_done(batch_loss, batch_ms, data_ms, lr)
-        finally:
-            calls, _ = cap.end()
-        self._rec.step(
-            args=(batch_loss, batch_ms, data_ms, lr), calls=calls, out=out, after=self.state()
-        )
-        return out
-
-    def channel_closed(self) -> Dispatched:
-        out = super().channel_closed()
-        self._rec.closed(out=out, after=self.state())
-        return out
 
 
 class RankRecording:
@@ -377,12 +335,9 @@ class RankRecording:
     def clock(self, clock: Callable[[], float]) -> RecordingClock:
         return RecordingClock(clock, self.capture)
 
-    def logger(self, inner: Any) -> CaptureLogger:
-        return CaptureLogger(inner, self.capture)
-
-    def control(self, *, inbox: Inbox, **kwargs: Any) -> RecordedControl:
-        return RecordedControl(
-            recorder=self.recorder, inbox=inbox, capture=self.capture, t0=self.t0, **kwargs
+    def observer(self, control: WorkerControl, inbox: Inbox) -> CoreRecorder:
+        return CoreRecorder(
+            control, recorder=self.recorder, inbox=inbox, capture=self.capture, t0=self.t0
         )
 
     def header(self, **fields: Any) -> None:
