@@ -301,7 +301,11 @@ def _figures(
     redis_cpu = _share(watch.cpu, a, b)
     host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
     mem = [m for t, m in watch.memory if a <= t <= b] or [m for _, m in watch.memory]
-    stream = [x for t, x in watch.stream_bytes if a <= t <= b] or [x for _, x in watch.stream_bytes]
+    # a short run may fall between two samples: then every sample taken while the run's
+    # streams existed (before the ranks start there are none)
+    stream = [x for t, x in watch.stream_bytes if a <= t <= b and x] or [
+        x for _, x in watch.stream_bytes if x
+    ]
     steps_done = sum(r["steps"] for r in ranks)
     cores = os.cpu_count() or 1
     shares = {
