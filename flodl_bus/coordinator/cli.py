@@ -111,9 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scale-ratio",
         type=float,
-        default=0.0,
-        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (flodl's linear "
-        "scaling is 1.0; default 0: the job's schedule as given)",
+        default=1.0,
+        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (default 1.0: "
+        "flodl's linear scaling; 0: the job's schedule as given)",
     )
     p.add_argument(
         "--reset-run",
@@ -249,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    # the record's origin of time: `replay --until T` counts from the launch
+    launched_wall, launched_at = time.time(), time.monotonic()
     from flodl_bus.bus.ids import format_id
     from flodl_bus.bus.join import JoinStream
     from flodl_bus.bus.run_secret import (
@@ -446,6 +448,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     run_dir = Path(args.run_dir or Path("runs") / args.run)
     run_dir.mkdir(parents=True, exist_ok=True)
     recorder = DispatchRecorder(run_dir, "coordinator")
+    run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record
     recorder.header(
         run=args.run,
         config=dataclasses.asdict(config),
@@ -455,6 +458,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         members=[dataclasses.asdict(m) for m in admission.members],
         clock="time.monotonic",
         started_wall=time.time(),
+        launched_wall=launched_wall,
+        launched_at=launched_at,
         replay_note="core = Coordinator.from_meta(config, resume_meta) if resume_meta "
         "else Coordinator(config); then core.start(now) at the 'start' event",
     )

@@ -385,8 +385,6 @@ class SessionManager:
             world_size=spec.world_size,
             backend=self.backend,
             form_s=round(time.monotonic() - started, 4),
-            # CLOCK_MONOTONIC is host-wide: a driver on the same host lines these up.
-            mono=round(time.monotonic(), 4),
         )
         return group
 
@@ -426,7 +424,6 @@ class SessionManager:
                     uid=group.spec.uid.hex(),
                     rank=group.rank,
                     world_size=group.world_size,
-                    mono=round(time.monotonic(), 4),
                 )
             return result
         raise CollectiveFailed(f"gave up after {self.max_attempts} attempts: {last}")
