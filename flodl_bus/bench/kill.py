@@ -3,14 +3,15 @@
 Starts Redis (embedded unless ``--redis-url``), a coordinator and ``--workers`` ranks as
 separate processes (one GPU each when CUDA is there, gloo on the CPU otherwise), lets
 ``--after`` epochs finish, then ``SIGKILL``s ``--victim`` in the middle of the next one.
-Every process runs on this host, so their ``mono`` log fields (CLOCK_MONOTONIC) and the
-kill instant are on one clock. It prints, each beside the heartbeat timeout (the
-detection floor: a silent rank is only declared dead after it):
+The figures are read from the run's own streams: a stream entry's id is its writer's wall
+clock in milliseconds, and every process runs on this host, so the ids and the kill
+instant are on one clock. It prints, each beside the heartbeat timeout (the detection
+floor: a silent rank is only declared dead after it):
 
 - kill -> the coordinator's ``DeclareDead``;
-- kill -> the survivors' new group formed (``RequestNewNcclId`` / ``NewNcclIdGenerated``
-  / ``NewNcclSession``);
-- kill -> the first collective completed on the new group (the recovery's end);
+- kill -> the survivors' new group announced (``NewNcclSession``);
+- kill -> the first ``SyncAck`` of a survivor after it: the first collective completed
+  on the new group (the recovery's end);
 
 then the exit codes and the final eval. With two ranks the single survivor cannot form an
 NCCL group: the coordinator stops the run with a save (flodl's ``SingleSurvivor``), and
@@ -28,14 +29,74 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import redis
+
+from flodl_bus.bus.entries import F_TYPE
+from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
 
 _FIELD = re.compile(r"(\w+)=(\S+)")
+
+
+class Entry(NamedTuple):
+    """One stream entry as this bench needs it: when Redis took it, where, and its type."""
+
+    at: float  # wall-clock seconds: the writer's clock, in the entry id's milliseconds
+    stream: str
+    type: str
+
+
+class _Watch(threading.Thread):
+    """Copies every entry of the run's control and upstream streams as it lands.
+
+    The coordinator trims each stream to what its readers consumed (a few seconds of
+    entries), so the entries must be read while the run goes, not after it."""
+
+    def __init__(self, url: str, keys: RunKeys, workers: int) -> None:
+        super().__init__(name="bench-kill-watch", daemon=True)
+        self._client: Any = redis.Redis.from_url(url)
+        names = [keys.ctl_all] + [keys.ctl(r) for r in range(workers)]
+        names += [keys.up(r) for r in range(workers)]
+        self._last = dict.fromkeys(names, b"-")
+        self._keys = keys
+        self._done = threading.Event()
+        self.seen: list[Entry] = []
+
+    def run(self) -> None:
+        while not self._done.wait(0.02):
+            self.poll()
+
+    def poll(self) -> None:
+        for name, last in self._last.items():
+            start = last if last == b"-" else b"(" + last
+            for eid, fields in self._client.xrange(name, min=start):
+                ms = int(eid.split(b"-")[0])
+                self.seen.append(Entry(ms / 1000, self._keys.short(name), fields[F_TYPE].decode()))
+                self._last[name] = eid
+
+    def stop(self) -> list[Entry]:
+        """Stop, take what is left, and return every entry seen, oldest first."""
+        self._done.set()
+        self.join()
+        self.poll()
+        self._client.close()
+        return sorted(self.seen)
+
+
+def _first(
+    entries: Sequence[Entry], type_: str, after: float, streams: Sequence[str]
+) -> float | None:
+    """When the first entry of ``type_`` on one of ``streams`` came at or after ``after``."""
+    return next(
+        (e.at for e in entries if e.type == type_ and e.stream in streams and e.at >= after), None
+    )
 
 
 def _events(log: Path, event: str) -> list[dict[str, str]]:
@@ -45,12 +106,6 @@ def _events(log: Path, event: str) -> list[dict[str, str]]:
         if f" {event} " in f"{line} ":
             out.append(dict(_FIELD.findall(line)))
     return out
-
-
-def _first_mono(logs: Sequence[Path], event: str, after: float) -> float | None:
-    stamps = [float(e["mono"]) for log in logs for e in _events(log, event) if "mono" in e]
-    later = [s for s in stamps if s >= after]
-    return min(later) if later else None
 
 
 def _epochs_done(run_dir: Path) -> int:
@@ -136,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--world-size", str(args.workers), "--epochs", str(args.epochs), *device,
             )  # fmt: skip
         deadline = time.monotonic() + args.timeout
+        watch = _Watch(url, RunKeys(run), args.workers)
+        watch.start()
         try:
             while _epochs_done(run_dir) < args.after:
                 if time.monotonic() > deadline or any(q.poll() is not None for q in procs.values()):
@@ -143,22 +200,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(0.05)
             time.sleep(0.2)  # into the next epoch, not at its boundary
             procs[f"rank{victim}"].send_signal(signal.SIGKILL)
-            killed_at = time.monotonic()
+            killed_at = time.time()
             codes = {}
             for name, q in procs.items():
                 codes[name] = q.wait(timeout=max(1.0, deadline - time.monotonic()))
-            ended_at = time.monotonic()
+            ended_at = time.time()
+            entries = watch.stop()
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             for q in procs.values():
                 if q.poll() is None:
                     q.kill()
+            watch.stop()
             print(f"bench kill failed: {exc}; logs in {run_dir}", file=sys.stderr)
             return 1
 
-    survivors = [logs[f"rank{r}"] for r in range(args.workers) if r != victim]
-    dead = _first_mono([logs["coordinator"]], "rank_declared_dead", killed_at)
-    formed = _first_mono(survivors, "param_session_formed", killed_at)
-    first = _first_mono(survivors, "param_first_collective_after_resession", killed_at)
+    survivors = [r for r in range(args.workers) if r != victim]
+    dead = _first(entries, "DeclareDead", killed_at, ["ctl:all", *(f"ctl:{r}" for r in survivors)])
+    formed = _first(entries, "NewNcclSession", killed_at, [f"ctl:{r}" for r in survivors])
+    first = None
+    if formed is not None:
+        first = _first(entries, "SyncAck", formed, [f"up:{r}" for r in survivors])
     hb = args.heartbeat_timeout
 
     def line(what: str, at: float | None) -> None:
@@ -168,9 +229,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             s = at - killed_at
             print(f"  {what:<44} {s:7.2f} s  ({s / hb:4.2f}x heartbeat timeout {hb:g} s)")
 
-    print(f"\nrecovery after SIGKILL of rank {victim} (all on CLOCK_MONOTONIC)")
+    print(f"\nrecovery after SIGKILL of rank {victim} (stream entry ids, one host's clock)")
     line("kill -> DeclareDead at the coordinator", dead)
-    line("kill -> new group formed by the survivors", formed)
+    line("kill -> new group announced to the survivors", formed)
     line("kill -> first collective on the new group", first)
     line("kill -> every process exited", ended_at)
     finished = _events(logs["coordinator"], "run_finished")

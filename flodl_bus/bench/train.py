@@ -73,8 +73,7 @@ def _bus(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     ]
     if args.epochs:
         cmd += ["--epochs", str(args.epochs)]
-    if args.lr_scale_ratio:
-        cmd += ["--lr-scale-ratio", repr(args.lr_scale_ratio)]
+    cmd += ["--lr-scale-ratio", repr(args.lr_scale_ratio)]
     subprocess.run(cmd, check=True)
     records = read_records(run_dir / "up.jsonl")
     first = next(r["after_s"] for r in records if r.get("event") == "first_step")
@@ -107,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="device of the plain loop (auto: cuda:0)")
     p.add_argument("--ddp", action="store_true", help="also run torch DDP on --workers ranks")
     p.add_argument(
-        "--lr-scale-ratio", type=float, default=0.0, help="passed to the bus run (flodl: 1.0)"
+        "--lr-scale-ratio", type=float, default=1.0, help="passed to the bus run (flodl's 1.0)"
     )
     p.add_argument("--run-dir", help="keep the bus run's record here")
     args = p.parse_args(argv)

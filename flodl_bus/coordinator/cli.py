@@ -111,9 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scale-ratio",
         type=float,
-        default=0.0,
-        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (flodl's linear "
-        "scaling is 1.0; default 0: the job's schedule as given)",
+        default=1.0,
+        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (default 1.0: "
+        "flodl's linear scaling; 0: the job's schedule as given)",
     )
     p.add_argument(
         "--reset-run",

@@ -141,8 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scale-ratio",
         type=float,
-        default=0.0,
-        help="LR x (1 + (workers - 1) x RATIO) on every rank (flodl's linear scaling: 1.0)",
+        default=1.0,
+        help="LR x (1 + (workers - 1) x RATIO) on every rank (default 1.0: flodl's linear "
+        "scaling; 0: the job's LR as given)",
     )
     p.add_argument(
         "--tensorboard",

@@ -11,7 +11,7 @@ from typing import Any
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.ids import parse_id
 from flodl_bus.bus.streams import RedisCoordinatorBus
-from flodl_bus.coordinator.config import CoordinatorConfig, MaxFailure
+from flodl_bus.coordinator.config import LEGACY_DEFAULTS, CoordinatorConfig, MaxFailure
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Broadcast, Out, Send
 from flodl_bus.protocol.messages import SyncAck, is_upstream
@@ -34,13 +34,13 @@ def config_from_header(header: Mapping[str, Any]) -> CoordinatorConfig:
     if not isinstance(raw, Mapping):
         raise ValueError("the coordinator record has no config in its run header")
     known = set(CoordinatorConfig.__dataclass_fields__)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {k: v for k, v in LEGACY_DEFAULTS.items() if k not in raw}
     for k, v in raw.items():
         if k not in known:
             continue
         if k == "max_failure" and isinstance(v, Mapping):
             v = MaxFailure(absolute=v.get("absolute"), percent=v.get("percent"))
-        elif k == "partition_ratios" and v is not None:
+        elif k in ("partition_ratios", "speed_hints") and v is not None:
             v = tuple(v)
         kwargs[k] = v
     return CoordinatorConfig(**kwargs)

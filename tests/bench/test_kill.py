@@ -34,7 +34,7 @@ def test_three_cpu_ranks_one_killed_report_detection_reform_and_first_collective
     seconds = {what: float(s) for what, s in re.findall(r"kill -> (.+?)\s{2,}(\d+\.\d+) s", out)}
     assert set(seconds) == {
         "DeclareDead at the coordinator",
-        "new group formed by the survivors",
+        "new group announced to the survivors",
         "first collective on the new group",
         "every process exited",
     }, out
@@ -43,7 +43,7 @@ def test_three_cpu_ranks_one_killed_report_detection_reform_and_first_collective
     assert seconds["DeclareDead at the coordinator"] >= 2.0
     assert (
         seconds["DeclareDead at the coordinator"]
-        <= seconds["new group formed by the survivors"]
+        <= seconds["new group announced to the survivors"]
         <= seconds["first collective on the new group"]
         <= seconds["every process exited"]
     )
