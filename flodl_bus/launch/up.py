@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import redis
 
+from flodl_bus import settings
 from flodl_bus.bus.connection import ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
@@ -139,13 +140,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
     p.add_argument(
-        "--lr-scale-ratio",
-        type=float,
-        default=1.0,
-        help="LR x (1 + (workers - 1) x RATIO) on every rank (default 1.0: flodl's linear "
-        "scaling; 0: the job's LR as given)",
-    )
-    p.add_argument(
         "--tensorboard",
         metavar="DIR",
         help="TensorBoard event files in DIR (the coordinator writes them; needs the "
@@ -165,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         help="children's console log level (default info)",
     )
+    settings.add_arguments(p)
     return p
 
 
@@ -186,7 +181,6 @@ def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]
         "--mode", args.mode,
         "--world-size", str(args.workers),
         "--run-dir", str(run_dir),
-        "--lr-scale-ratio", repr(args.lr_scale_ratio),
     ]  # fmt: skip
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
@@ -195,6 +189,9 @@ def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]
 
 def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
     argv = _cli("coordinator", *_shared_argv(args, run, run_dir))
+    # The run settings go to the coordinator alone: it publishes the ranks' share in
+    # the run's meta, where every rank reads it.
+    argv += settings.argv(args)
     argv += ["--eval-every", str(args.eval_every)]
     if args.save_path:
         argv += ["--save-path", args.save_path]
@@ -748,6 +745,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if why is not None:
             print(f"flodl-bus up: {why}", file=sys.stderr)
             return 2
+    try:
+        settings.resolve(args)  # a bad flag or --config file fails here, before any start
+    except settings.SettingsError as exc:
+        print(f"flodl-bus up: {exc}", file=sys.stderr)
+        return 2
     bad_job = check_job_ref(args.job)
     if bad_job is not None:
         print(f"flodl-bus up: {bad_job}", file=sys.stderr)

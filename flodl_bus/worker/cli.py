@@ -24,9 +24,11 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
+from flodl_bus import settings
 from flodl_bus.bus.connection import (
     REFUSALS,
     RedisUnreachable,
@@ -41,7 +43,6 @@ from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.exits import CONFIG, by_signal, describe
 from flodl_bus.job import Job, JobError, call_job
 from flodl_bus.params.port import ParamPort
-from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol.messages import (
     Assign,
     ControlMsg,
@@ -62,7 +63,9 @@ from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
 
 
-def _params_factory(url: str, run: str, rank: int, world: int, mode: str) -> ParamsFactory | None:
+def _params_factory(
+    url: str, run: str, rank: int, world: int, mode: str, knobs: Mapping[str, Any]
+) -> ParamsFactory | None:
     if world == 1:
         return None  # a world of one: LocalParams is the exact average
     try:
@@ -72,7 +75,12 @@ def _params_factory(url: str, run: str, rank: int, world: int, mode: str) -> Par
             f"--world-size {world} needs the param plane (flodl_bus.params.plane), "
             f"which is not available here ({exc}); run with --world-size 1"
         ) from None
-    config = ParamConfig.for_mode(mode)
+    overrides: dict[str, Any] = {
+        k: knobs[k] for k in ("easgd_alpha", "outer_lr", "outer_momentum") if knobs[k] is not None
+    }
+    if knobs["outer"] != "none":
+        overrides["outer"] = knobs["outer"]
+    config = ParamConfig.for_mode(mode, **overrides)
 
     def build(
         model: nn.Module,
@@ -277,13 +285,15 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         resume = args.resume or meta.get("resume") or None
         if resume:
             job = _with_resumed_model(job, resume)
-        seed = int(meta.get("seed") or SHUFFLE_BASE_SEED)
+        try:
+            knobs = settings.from_meta(meta)
+        except settings.SettingsError as exc:
+            raise ConfigError(f"the run's meta: {exc}") from None
+        seed = knobs["seed"]
         lr_scale_ratio = (
-            args.lr_scale_ratio
-            if args.lr_scale_ratio is not None
-            else float(meta.get("lr_scale_ratio") or 0.0)
+            args.lr_scale_ratio if args.lr_scale_ratio is not None else knobs["lr_scale_ratio"]
         )
-        splits = int(meta.get("epoch_splits") or 1)
+        splits = knobs["epoch_splits"]
         epochs = args.epochs if args.epochs is not None else _meta_int(meta, "epochs")
         hello = Hello(
             worker_id=worker_id,
@@ -308,7 +318,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             rank, world = args.rank, args.world_size
         join.close()
         device = _resolve_device(args.device, rank)
-        factory = _params_factory(args.redis_url, args.run, rank, world, mode)
+        factory = _params_factory(args.redis_url, args.run, rank, world, mode, knobs)
     except JobError as exc:
         # The job's bug, met before the rank reached the run: one line (the same job
         # fails the coordinator the same way, so the run does not start either).
@@ -338,7 +348,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         shuffle_seed=seed,
         epoch_splits=splits,
         record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
-        record_header={"run": args.run, "mode": mode, "job": args.job or meta.get("job")},
+        record_header={
+            "run": args.run,
+            "mode": mode,
+            "job": args.job or meta.get("job"),
+            "settings": knobs,
+        },
         device=device,
         # flodl's LR scaling (reference §3.13): every rank the same factor of the world
         lr_scale=1.0 + (world - 1) * lr_scale_ratio,
