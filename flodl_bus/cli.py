@@ -39,6 +39,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "up": ("flodl_bus.bench.up:main", "flodl-bus up: time to first step, wall time"),
     "kill": ("flodl_bus.bench.kill:main", "kill a rank mid-epoch: time to the survivors' recovery"),
     "scale": ("flodl_bus.bench.scale:main", "N simulated ranks: epoch time, dispatch, CPU, memory"),
+    "latency": ("flodl_bus.bench.latency:main", "ranks behind 0.5-10 ms RTT in namespaces"),
 }
 
 

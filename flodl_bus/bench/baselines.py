@@ -35,10 +35,6 @@ class BaselineResult:
     metric: float | None
     collectives: int = 0
 
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
-
 
 def _train_epochs(
     job: Job,

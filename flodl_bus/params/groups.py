@@ -53,11 +53,6 @@ class SessionTimeout(RuntimeError):
     """No new session arrived within the mailbox cap after the group broke."""
 
 
-def new_session_uid() -> bytes:
-    """A fresh uid for ``NewNcclIdGenerated`` (any rank may be asked to generate one)."""
-    return os.urandom(16)
-
-
 def session_prefix(base: str, uid: bytes) -> str:
     return f"{base}{uid.hex()}/"
 
