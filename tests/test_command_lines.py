@@ -224,3 +224,17 @@ def test_a_user_whose_acl_lacks_a_command_gets_one_line_not_a_traceback(
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "refused user 'observer' (FLODL_REDIS_USERNAME" in err
     assert "ops/users.acl" in err
+
+
+@pytest.mark.redis
+def test_a_worker_without_a_coordinator_says_what_it_waits_for(
+    redis_url: str, job_dir: Path
+) -> None:
+    result = flodl_bus(job_dir, "worker", "--run", "nobody-here", "--redis-url", redis_url,
+                       "--secret-timeout", "1")  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    first, *rest = result.stderr.splitlines()
+    assert first.startswith("flodl-bus worker: waiting up to 1s for the coordinator of run "
+                            "'nobody-here'")  # fmt: skip
+    assert "FLODL_RUN_SECRET" in first
+    assert len(rest) == 1 and "no run secret" in rest[0]

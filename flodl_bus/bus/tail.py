@@ -45,6 +45,9 @@ from flodl_bus.protocol.signing import BadKey, RunIdentity, VerifyKey
 
 RESCAN_S = 1.0
 READ_COUNT = 1000
+#: after the run's Shutdown, the tail ends at the first empty read this long after it
+#: (the ranks' Exiting and last entries come within it)
+AFTER_SHUTDOWN_S = 2.0
 
 
 def _scan(client: redis.Redis, keys: RunKeys, rank: int | None) -> list[str]:
@@ -124,7 +127,8 @@ def tail(
     follow: bool = True,
 ) -> int:
     """Print entries until ``count`` were printed or ``duration`` passed (else forever;
-    without ``follow``, until the first empty read after a ``Shutdown`` was printed).
+    without ``follow``, until the first empty read ``AFTER_SHUTDOWN_S`` after a
+    ``Shutdown`` was printed).
 
     Returns the number of entries printed.
     """
@@ -136,7 +140,7 @@ def tail(
     printed = 0
     stop_at = None if duration is None else time.monotonic() + duration
     block = min(block_ms, MAX_BLOCK_MS)
-    shutdown_seen = False
+    shutdown_seen: float | None = None
     while count is None or printed < count:
         now = time.monotonic()
         if stop_at is not None and now >= stop_at:
@@ -156,7 +160,12 @@ def tail(
         reply: Any = client.xread(
             {s: format_id(i) for s, i in last.items()}, count=READ_COUNT, block=block
         )
-        if not reply and shutdown_seen and not follow:
+        if (
+            not reply
+            and shutdown_seen is not None
+            and not follow
+            and time.monotonic() - shutdown_seen >= AFTER_SHUTDOWN_S
+        ):
             break  # the run is over and its last entries are out
         lines = []
         for name, items in reply or ():
@@ -164,8 +173,12 @@ def tail(
             for raw_id, fields in items:
                 eid = parse_id(raw_id)
                 last[stream] = eid
-                if stream == keys.ctl_all and fields.get(F_TYPE) == b"Shutdown":
-                    shutdown_seen = True
+                if (
+                    stream == keys.ctl_all
+                    and fields.get(F_TYPE) == b"Shutdown"
+                    and shutdown_seen is None
+                ):
+                    shutdown_seen = time.monotonic()
                 lines.append((eid, stream, format_entry(keys, stream, eid, fields, broadcast_key)))
         lines.sort()
         if count is not None:

@@ -111,15 +111,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scale-ratio",
         type=float,
-        default=0.0,
-        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (flodl's linear "
-        "scaling is 1.0; default 0: the job's schedule as given)",
+        default=1.0,
+        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (default 1.0: "
+        "flodl's linear scaling; 0: the job's schedule as given)",
     )
     p.add_argument(
         "--reset-run",
         action="store_true",
         help="delete what an earlier run with this id left in Redis (streams, meta, secret) "
         "before starting; without it such a run id is refused",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard event files to DIR: loss, eval metric, samples/s per "
+        "rank, anchor and syncs per epoch (needs the tensorboard extra)",
     )
     p.add_argument(
         "--expire-after",
@@ -194,6 +200,12 @@ def _check(args: argparse.Namespace) -> None:
     _positive("--checkpoint-every", args.checkpoint_every)
     _positive("--exit-grace", args.exit_grace, zero_ok=True)
     _positive("--expire-after", args.expire_after, zero_ok=True)
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        why = TensorBoardScalars.available()
+        if why is not None:
+            raise ConfigError(why)
     if args.checkpoint_every and not (args.save_path or args.resume):
         raise ConfigError("--checkpoint-every needs --save-path STEM (where checkpoints go)")
 
@@ -237,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    # the record's origin of time: `replay --until T` counts from the launch
+    launched_wall, launched_at = time.time(), time.monotonic()
     from flodl_bus.bus.ids import format_id
     from flodl_bus.bus.join import JoinStream
     from flodl_bus.bus.run_secret import (
@@ -440,6 +454,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     run_dir = Path(args.run_dir or Path("runs") / args.run)
     run_dir.mkdir(parents=True, exist_ok=True)
     recorder = DispatchRecorder(run_dir, "coordinator")
+    run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record
     recorder.header(
         run=args.run,
         config=dataclasses.asdict(config),
@@ -449,6 +464,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         members=[dataclasses.asdict(m) for m in admission.members],
         clock="time.monotonic",
         started_wall=time.time(),
+        launched_wall=launched_wall,
+        launched_at=launched_at,
         replay_note="core = Coordinator.from_meta(config, resume_meta) if resume_meta "
         "else Coordinator(config); then core.start(now) at the 'start' event",
     )
@@ -462,6 +479,28 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     bus = RedisCoordinatorBus(
         client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
     )
+
+    metrics = MetricsTable(run_dir / "metrics.csv", ws)
+    board: Any = None
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        board = TensorBoardScalars(args.tensorboard)
+
+        class BoardedMetrics(MetricsTable):
+            """metrics.csv, and the same figures as TensorBoard scalars."""
+
+            def on_epoch(
+                self, em: Any, *, version: int, syncs: int, step: int, anchor: int
+            ) -> None:
+                super().on_epoch(em, version=version, syncs=syncs, step=step, anchor=anchor)
+                board.on_epoch(em, syncs=syncs, anchor=anchor)
+
+            def on_eval(self, scheduled_epoch: int, metric: float) -> None:
+                super().on_eval(scheduled_epoch, metric)
+                board.on_eval(scheduled_epoch - 1, metric)
+
+        metrics = BoardedMetrics(run_dir / "metrics.csv", ws)
 
     class PublishingLoop(CoordinatorLoop):
         """The loop, which also keeps the core's state in the run's ``meta`` about once a
@@ -480,7 +519,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         core,
         bus,
         recorder=recorder,
-        metrics=MetricsTable(run_dir / "metrics.csv", ws),
+        metrics=metrics,
         options=LoopOptions(exit_grace=args.exit_grace),
         rank_of=keys.rank_of,
         join=desk,
@@ -491,6 +530,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     try:
         code = loop.run()
     finally:
+        if board is not None:
+            board.close()
         recorder.close()
         bus.close()
         join.close()

@@ -103,3 +103,52 @@ def aggregate(
         ),
         per_rank_samples=tuple(a.samples for a in accs),
     )
+
+
+class TensorBoardScalars:
+    """The run's per-epoch figures as TensorBoard scalars (``--tensorboard DIR``).
+
+    Written by the coordinator, which sees every epoch's aggregate: ``loss``,
+    ``eval/metric`` (at the epoch whose model it scored), ``samples_per_s/rank<r>``,
+    ``anchor``, ``syncs/epoch`` and ``syncs/total``; the step is the epoch. Needs the
+    ``tensorboard`` package (``pip install 'flodl_bus[tensorboard]'``), checked by
+    ``available`` before the run starts.
+    """
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=log_dir)
+        self._syncs_before = 0
+
+    @staticmethod
+    def available() -> str | None:
+        """None when event files can be written here, else why not (one line)."""
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as exc:
+            return (
+                f"--tensorboard needs the tensorboard package ({exc}): "
+                "pip install 'flodl_bus[tensorboard]'"
+            )
+        return None
+
+    def on_epoch(self, em: EpochMetrics, *, syncs: int, anchor: int) -> None:
+        w, e = self.writer, em.epoch
+        if math.isfinite(em.avg_loss):
+            w.add_scalar("loss", em.avg_loss, e)
+        for r, per_ms in enumerate(em.per_rank_throughput):
+            w.add_scalar(f"samples_per_s/rank{r}", per_ms * 1000.0, e)  # wire: per ms
+        w.add_scalar("anchor", anchor, e)
+        w.add_scalar("syncs/epoch", max(0, syncs - self._syncs_before), e)
+        w.add_scalar("syncs/total", syncs, e)
+        self._syncs_before = syncs
+        w.flush()
+
+    def on_eval(self, scored_epoch: int, metric: float) -> None:
+        if math.isfinite(metric):
+            self.writer.add_scalar("eval/metric", metric, scored_epoch)
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

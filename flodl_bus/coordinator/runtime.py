@@ -245,13 +245,16 @@ class MetricsTable:
         self.ws = world_size
         self.rows: dict[int, dict[str, str]] = {}
         self.evals: dict[int, float] = {}
+        self._syncs_before = 0
 
+    #: Units and counts are the console's (launch/display.py): samples per second, and
+    #: ``syncs`` the averaging rounds of that epoch beside ``syncs_total`` for the run.
     @property
     def columns(self) -> list[str]:
-        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "version", "syncs", "global_step"]
-        cols += ["anchor"]
+        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "version", "syncs", "syncs_total"]
+        cols += ["global_step", "anchor"]
         for r in range(self.ws):
-            cols += [f"samples_r{r}", f"throughput_r{r}", f"batch_share_r{r}", f"loss_r{r}"]
+            cols += [f"samples_r{r}", f"samples_per_s_r{r}", f"batch_share_r{r}", f"loss_r{r}"]
         return [*cols, "eval_metric"]
 
     def on_epoch(
@@ -266,18 +269,21 @@ class MetricsTable:
             "epoch_ms": _num(em.epoch_ms),
             "samples": str(sum(em.per_rank_samples)),
             "version": str(version),
-            "syncs": str(syncs),
+            "syncs": str(max(0, syncs - self._syncs_before)),
+            "syncs_total": str(syncs),
             "global_step": str(step),
             "anchor": str(anchor),
         }
         for r in range(self.ws):
             samples = at(em.per_rank_samples, r)
             row[f"samples_r{r}"] = "" if samples is None else str(samples)
-            row[f"throughput_r{r}"] = _num(at(em.per_rank_throughput, r))
+            per_ms = at(em.per_rank_throughput, r)  # the wire's unit: samples per ms
+            row[f"samples_per_s_r{r}"] = _num(None if per_ms is None else per_ms * 1000.0)
             row[f"batch_share_r{r}"] = _num(at(em.per_rank_batch_share, r))
             row[f"loss_r{r}"] = _num(at(em.per_rank_loss, r))
         row["eval_metric"] = _num(self.evals.get(em.epoch))
         self.rows[em.epoch] = row
+        self._syncs_before = syncs
         self.write()
 
     def on_eval(self, scheduled_epoch: int, metric: float) -> None:
@@ -595,7 +601,9 @@ class CoordinatorLoop:
             self.evals.append((msg.epoch, msg.metric))
             if self.metrics is not None:
                 self.metrics.on_eval(msg.epoch, msg.metric)
-            log.info("eval", epoch=msg.epoch, metric=round(msg.metric, 5))
+            # The eval tagged k scores the model after epoch k - 1: logged by that epoch,
+            # the numbering of the table and metrics.csv.
+            log.info("eval", after_epoch=msg.epoch - 1, metric=round(msg.metric, 5))
         elif isinstance(msg, DeclareDead):
             log.warning("rank_declared_dead", rank=msg.rank, mono=round(time.monotonic(), 4))
 

@@ -7,7 +7,9 @@ lines above the bars instead of tearing them).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +17,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from flodl_bus.exits import describe, signal_of
 from flodl_bus.launch.view import EpochRow, RunView
 
 
@@ -24,18 +27,74 @@ def _num(value: float | None, fmt: str, width: int) -> str:
     return format(value, fmt).rjust(width)
 
 
-def table_header(world_size: int) -> str:
+def _fits(world_size: int, width: int | None) -> bool:
+    """Whether a column per rank fits the terminal (None: no terminal, no limit)."""
+    return width is None or len(_full_header(world_size)) <= width
+
+
+def _full_header(world_size: int) -> str:
     thru = " ".join(f"r{r} smp/s".rjust(10) for r in range(world_size))
     return f"{'epoch':>5} {'loss':>8} {'metric':>7} {thru} {'syncs':>6} {'anchor':>6} {'at':>7}"
 
 
-def format_row(row: EpochRow) -> str:
-    thru = " ".join(_num(t, ".0f", 10) for t in row.throughput)
+def table_header(world_size: int, width: int | None = None) -> str:
+    """The table's header; on a terminal too narrow for a column per rank, the ranks'
+    samples per second are summed and the slowest rank shown instead."""
+    if _fits(world_size, width):
+        return _full_header(world_size)
+    return (
+        f"{'epoch':>5} {'loss':>8} {'metric':>7} {'smp/s':>8} {'slowest':>10} "
+        f"{'syncs':>6} {'anchor':>6} {'at':>7}"
+    )
+
+
+def format_row(row: EpochRow, width: int | None = None) -> str:
     anchor = "-" if row.anchor is None else str(row.anchor)
+    if _fits(len(row.throughput), width):
+        thru = " ".join(_num(t, ".0f", 10) for t in row.throughput)
+    else:
+        finite = [(t, r) for r, t in enumerate(row.throughput) if math.isfinite(t)]
+        total = sum(t for t, _ in finite) if finite else None
+        slow = min(finite) if finite else None
+        slowest = "-" if slow is None else f"r{slow[1]} {slow[0]:.0f}"
+        thru = f"{_num(total, '.0f', 8)} {slowest:>10}"
     return (
         f"{row.epoch:>5} {_num(row.loss, '.4f', 8)} {_num(row.metric, '.4f', 7)} {thru} "
         f"{row.syncs:>6} {anchor:>6} {_num(row.at, '.1f', 6)}s"
     )
+
+
+def late_eval_line(epoch: int, metric: float) -> str:
+    """An eval that came after its row was shown (the row printed ``-``)."""
+    return f"{epoch:>5} {'':>8} {metric:>7.4f}   (epoch {epoch}'s eval, scored after its row)"
+
+
+def wrap_items(head: str, items: Sequence[str], width: int | None, indent: int) -> list[str]:
+    """``head`` then the items comma-separated, wrapped at ``width`` (None: one line)."""
+    if width is None:
+        return [head + ", ".join(items)]
+    lines, line = [], head
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if len(line) + 1 + len(piece) > width and line.strip() and line != head:
+            lines.append(line)
+            line = " " * indent + piece
+        else:
+            line += ("" if line == head else " ") + piece
+    lines.append(line)
+    return lines
+
+
+def terminal_width(stream: TextIO) -> int | None:
+    """The columns of the terminal ``stream`` writes to; None when it is no terminal,
+    or one that reports no size (a 0-column pty): then nothing is cut."""
+    try:
+        if not stream.isatty():
+            return None
+        cols = os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return None
+    return cols if cols > 0 else None
 
 
 @dataclass(frozen=True)
@@ -62,28 +121,52 @@ class Summary:
             return None
         return self.final_metric >= self.target_metric
 
-    def lines(self) -> list[str]:
+    def lines(self, width: int | None = None) -> list[str]:
+        """The summary, each line within ``width`` columns (None: no limit)."""
         status = "interrupted" if self.interrupted else "finished"
-        if not self.interrupted and self.coordinator_rc not in (0, None):
+        sig = None if self.coordinator_rc is None else signal_of(self.coordinator_rc)
+        if not self.interrupted and sig is not None:
+            # someone signalled the coordinator: a stop in order, not a failure
+            status = describe(self.coordinator_rc)
+        elif not self.interrupted and self.coordinator_rc not in (0, None):
             status = f"failed (coordinator exit {self.coordinator_rc})"
         metric = _num(self.final_metric, ".4f", 0).strip()
         if self.reached_target is not None:
             mark = ">=" if self.reached_target else "<"
             metric += f" ({mark} target {self.target_metric:g})"
         first = "-" if self.first_step_s is None else f"{self.first_step_s:.2f}s"
-        rcs = ", ".join(f"r{r}={rc}" for r, rc in enumerate(self.worker_rcs))
+        codes = [f"coordinator={self.coordinator_rc}"]
+        codes += [f"r{r}={rc}" for r, rc in enumerate(self.worker_rcs)]
+        head = wrap_items(
+            f"run {self.run} {status}: ",
+            [self.job, f"{self.workers} workers", self.mode],
+            width,
+            4,
+        )
+        files = wrap_items(
+            f"  record           {self.run_dir}/ (",
+            list(self.files) or [""],
+            width,
+            19,
+        )
+        files[-1] += ")"
         return [
-            f"run {self.run} {status}: {self.job}, {self.workers} workers, {self.mode}",
+            *head,
             f"  final metric     {metric}",
             f"  wall time        {self.wall_s:.2f}s (first step after {first})",
             f"  syncs            {self.syncs} averaging rounds, {self.batches} batches",
-            f"  exit codes       coordinator={self.coordinator_rc}, {rcs}",
-            f"  record           {self.run_dir}/ ({', '.join(self.files)})",
+            *wrap_items("  exit codes       ", codes, width, 19),
+            *files,
         ]
 
 
 class Progress:
-    """One tqdm bar per rank (batches run so far) and the table above them."""
+    """One tqdm bar per rank (batches run so far) and the table above them.
+
+    Table lines are sized to the terminal (``width``; None off a terminal). Bars need a
+    terminal that reports its size: under one that says 0 columns (some ptys) they are
+    drawn 80 wide rather than not at all.
+    """
 
     def __init__(
         self,
@@ -92,12 +175,16 @@ class Progress:
         *,
         bars: bool,
         out: TextIO | None = None,
+        width: int | None = None,
     ) -> None:
         self.out = out or sys.stdout
+        self.width = width
         self.bars: list[Any] = []
         self._header_done = False
         self.world_size = world_size
+        self._total = batches_per_rank
         if bars:
+            fixed = terminal_width(sys.stderr) is None
             self.bars = [
                 tqdm(
                     total=batches_per_rank,
@@ -105,15 +192,18 @@ class Progress:
                     unit="batch",
                     position=r,
                     leave=False,
-                    dynamic_ncols=True,
+                    dynamic_ncols=not fixed,
+                    ncols=80 if fixed else None,
                     file=sys.stderr,
                 )
                 for r in range(world_size)
             ]
 
     def set_total(self, total: int | None) -> None:
+        self._total = total
         for bar in self.bars:
-            bar.total = total
+            # a fast rank runs past its fair share: its bar keeps a total, its own count
+            bar.total = None if total is None else max(total, bar.n)
             bar.refresh()
 
     def write(self, line: str) -> None:
@@ -130,6 +220,8 @@ class Progress:
             rv = view.ranks[r]
             if rv.batches != bar.n:
                 bar.n = rv.batches
+                if bar.total is not None and bar.n > bar.total:
+                    bar.total = bar.n
                 epoch = "-" if rv.epoch < 0 else str(rv.epoch)
                 bar.set_postfix_str(f"epoch {epoch} loss {rv.loss:.3f}", refresh=False)
                 bar.refresh()
@@ -137,11 +229,22 @@ class Progress:
     def rows(self, rows: Sequence[EpochRow]) -> None:
         for row in rows:
             if not self._header_done:
-                self.write(table_header(self.world_size))
+                self.write(table_header(self.world_size, self.width))
                 self._header_done = True
-            self.write(format_row(row))
+            self.write(format_row(row, self.width))
+
+    def late_evals(self, late: Sequence[tuple[int, float]]) -> None:
+        for epoch, metric in late:
+            self.write(late_eval_line(epoch, metric))
 
     def close(self) -> None:
+        drew = bool(self.bars)
         for bar in self.bars:
             bar.close()
         self.bars = []
+        if drew:
+            # A stop signal can land while a bar is being drawn: clear what is left of
+            # it, so the summary starts on a clean line.
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write("\r\x1b[K")
+                sys.stderr.flush()

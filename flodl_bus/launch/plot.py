@@ -11,15 +11,19 @@ import csv
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from flodl_bus.launch.view import EpochRow, RunView
 
-CSV_FIELDS = ("epoch", "loss", "metric", "syncs", "syncs_total", "anchor", "epoch_s", "at_s")
+#: the coordinator's metrics.csv names and units where they overlap (coordinator/runtime.py)
+CSV_FIELDS = (
+    "epoch", "avg_loss", "eval_metric", "syncs", "syncs_total", "anchor", "epoch_ms", "at_s",
+)  # fmt: skip
 
 
 def write_rows_csv(path: Path, rows: Sequence[EpochRow], world_size: int) -> None:
     """The epoch table as CSV (used when the coordinator left no metrics.csv)."""
-    thru = [f"throughput_r{r}" for r in range(world_size)]
+    thru = [f"samples_per_s_r{r}" for r in range(world_size)]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow([*CSV_FIELDS, *thru])
@@ -32,7 +36,7 @@ def write_rows_csv(path: Path, rows: Sequence[EpochRow], world_size: int) -> Non
                     row.syncs,
                     row.syncs_total,
                     "" if row.anchor is None else row.anchor,
-                    row.epoch_s,
+                    row.epoch_s * 1000.0,
                     row.at,
                     *row.throughput,
                 ]
@@ -53,11 +57,29 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
-def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) -> None:
+def metric_limits(values: Sequence[float]) -> tuple[float, float]:
+    """The eval axis: never narrower than 0.1 around the points (one point, or a flat
+    run, would otherwise span a few thousandths and look like a swing), within [0, 1]
+    when the metric is a fraction."""
+    lo, hi = min(values), max(values)
+    pad = max(0.05, (hi - lo) * 0.1)
+    lo, hi = lo - pad, hi + pad
+    if min(values) >= 0.0 and max(values) <= 1.0:
+        lo, hi = max(0.0, lo), min(1.0, hi)
+        if hi - lo < 0.1:  # at an end of [0, 1]
+            lo, hi = (hi - 0.1, hi) if hi >= 1.0 else (lo, lo + 0.1)
+    return lo, hi
+
+
+def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) -> Any:
+    """plot.png: loss over time since launch (batches per rank, epoch means, the eval
+    metric on its own axis, one legend), and each rank's samples per second by epoch.
+    Returns the figure, closed (tests read its axes)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax_loss, ax_thru) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
     for r, rv in enumerate(view.ranks):
@@ -66,25 +88,34 @@ def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) 
             continue
         ts, vs = zip(*pts)
         ax_loss.plot(ts, _smooth(vs, 20), lw=1, alpha=0.8, label=f"rank {r} (batch, smoothed)")
+    handles, labels = ax_loss.get_legend_handles_labels()
     if rows:
         ax_loss.plot(
             [row.at for row in rows], [row.loss for row in rows], "ko-", label="epoch mean"
         )
+        handles, labels = ax_loss.get_legend_handles_labels()
         evals = [(row.at, row.metric) for row in rows if row.metric is not None]
         if evals:
             ax_metric = ax_loss.twinx()
             ax_metric.plot(*zip(*evals), "s--", color="tab:green", label="eval metric")
             ax_metric.set_ylabel("eval metric")
-            ax_metric.legend(loc="upper center", fontsize="small")
+            ax_metric.set_ylim(*metric_limits([m for _, m in evals]))
+            more_h, more_l = ax_metric.get_legend_handles_labels()
+            handles, labels = handles + more_h, labels + more_l
+    # From the launch (0), so the time to the first step shows as the gap it was.
+    ax_loss.set_xlim(left=0.0)
     ax_loss.set_xlabel("seconds since launch")
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(title)
-    ax_loss.legend(loc="upper right", fontsize="small")
+    if handles:
+        # one legend for both axes (two would overlap)
+        ax_loss.legend(handles, labels, loc="upper right", fontsize="small")
 
     epochs = [row.epoch for row in rows]
     for r in range(view.world_size):
         thru = [row.throughput[r] if r < len(row.throughput) else 0.0 for row in rows]
         ax_thru.plot(epochs, thru, "o-", label=f"rank {r}")
+    ax_thru.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_thru.set_xlabel("epoch")
     ax_thru.set_ylabel("samples / s")
     ax_thru.set_title("throughput per rank")
@@ -92,3 +123,4 @@ def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) 
         ax_thru.legend(loc="lower right", fontsize="small")
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig

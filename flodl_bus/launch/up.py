@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import dataclasses
 import importlib.util
 import math
 import os
@@ -55,12 +56,13 @@ from flodl_bus.exits import (
     describe,
     signal_of,
 )
-from flodl_bus.launch.display import Progress, Summary
+from flodl_bus.launch.display import Progress, Summary, terminal_width
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
+from flodl_bus.record.chain import raw_lines
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
 
@@ -139,8 +141,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scale-ratio",
         type=float,
-        default=0.0,
-        help="LR x (1 + (workers - 1) x RATIO) on every rank (flodl's linear scaling: 1.0)",
+        default=1.0,
+        help="LR x (1 + (workers - 1) x RATIO) on every rank (default 1.0: flodl's linear "
+        "scaling; 0: the job's LR as given)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="TensorBoard event files in DIR (the coordinator writes them; needs the "
+        "tensorboard extra)",
     )
     p.add_argument("--no-progress", action="store_true", help="no bars (the table still shows)")
     p.add_argument("--no-plot", action="store_true", help="skip plot.png")
@@ -193,6 +202,8 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
             argv += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.resume:
         argv += ["--resume", args.resume]
+    if args.tensorboard:
+        argv += ["--tensorboard", args.tensorboard]
     return argv
 
 
@@ -278,7 +289,7 @@ class Launcher:
         # The coordinator's keys come from up: its console checks the ranks' entries as
         # the coordinator does. Only the coordinator's environment carries the seed.
         self.coordinator_seed = secrets.token_bytes(KEY_BYTES)
-        self.view = RunView(args.workers, started)
+        self.view = RunView(args.workers, started, eval_every=args.eval_every)
         self.rows: list[EpochRow] = []
         self.children: list[Child] = []
         self.coordinator: Child | None = None
@@ -419,7 +430,7 @@ class Launcher:
             flush=True,
         )
         bars = not args.no_progress and sys.stderr.isatty()
-        self.progress = Progress(args.workers, None, bars=bars)
+        self.progress = Progress(args.workers, None, bars=bars, width=terminal_width(sys.stdout))
         return None
 
     def _after_first_step(self) -> None:
@@ -429,14 +440,17 @@ class Launcher:
         header = self._coordinator_header()
         if header is not None and self.progress is not None:
             self.progress.set_total(batches_per_rank(header))
+        if header is not None:
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                self.view.set_epochs(int(header["config"]["num_epochs"]))
         self._start_job_loader()
 
     def _coordinator_header(self) -> dict[str, Any] | None:
         try:
-            with open(self.run_dir / "coordinator.jsonl", "rb") as f:
-                first = f.readline()
+            # plain or zstd (readable while it is written): record.chain reads both
+            first = next(raw_lines(self.run_dir / "coordinator.jsonl"), b"")
             header = orjson.loads(first)
-        except (OSError, orjson.JSONDecodeError):
+        except (OSError, ValueError, orjson.JSONDecodeError):
             return None
         return header if isinstance(header, dict) and header.get("event") == "run" else None
 
@@ -507,6 +521,11 @@ class Launcher:
             self.progress.rows([row])
             self.rows.append(row)
             self.record.record("epoch", **_row_fields(row))
+        late = self.view.take_late_evals()
+        if late:
+            self.progress.late_evals(late)
+            for epoch, metric in late:
+                self.record.record("late_eval", epoch=epoch, metric=metric)
 
     def _note_exits(self) -> None:
         for c in self.children:
@@ -515,7 +534,10 @@ class Launcher:
                 continue
             self._reported.add(c.name)
             self.record.record("exit", child=c.name, rc=rc, at=time.monotonic() - self.started)
-            if rc != 0:
+            if rc != 0 and self.interrupted and signal_of(rc) is not None:
+                # the stop this launcher passed on: expected, not a failure
+                self._say(f"  {c.name} {describe(rc)}")
+            elif rc != 0:
                 self._say(f"  {c.name} {describe(rc)} (log: {c.log_path})")
                 rank = self._rank_of_child(c)
                 if rank is not None:
@@ -624,6 +646,11 @@ class Launcher:
     # -------------------------------------------------------------- closing
     def _finish(self, wall: float) -> int:
         args, view, run_dir = self.args, self.view, self.run_dir
+        # Evals that came after their row was shown belong in the files all the same.
+        self.rows = [
+            dataclasses.replace(row, metric=view.evals.get(row.epoch + 1, row.metric))
+            for row in self.rows
+        ]
         self._start_job_loader()
         if self._job_loader is not None:
             self._job_loader.join(timeout=60)
@@ -639,6 +666,11 @@ class Launcher:
             title = f"{self.run}: {args.job} ({args.mode})"
             try:
                 write_plot(run_dir / "plot.png", view, self.rows, title)
+            except ModuleNotFoundError as exc:
+                print(
+                    f"flodl-bus up: plot not written: {exc.name} is not installed "
+                    "(pip install 'flodl_bus[plot]', or --no-plot)"
+                )
             except Exception as exc:  # a plot must never turn a good run into a failed one
                 print(f"flodl-bus up: plot not written ({type(exc).__name__}: {exc})")
         workers = [c for c in self.children if c is not self.coordinator]
@@ -651,7 +683,7 @@ class Launcher:
             interrupted=self.interrupted,
             coordinator_rc=None if self.coordinator is None else self.coordinator.returncode,
             worker_rcs=tuple(c.returncode for c in workers),
-            final_metric=view.last_metric,
+            final_metric=view.final_metric,
             target_metric=None if self.job is None else self.job.target_metric,
             wall_s=wall,
             first_step_s=view.time_to_first_step(),
@@ -682,7 +714,7 @@ class Launcher:
             rejected_entries=0 if self.watcher is None else self.watcher.rejected,
         )
         self.record.close()
-        print("\n".join(summary.lines()), flush=True)
+        print("\n".join(summary.lines(terminal_width(sys.stdout))), flush=True)
         return code
 
 
@@ -709,6 +741,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.epochs is not None and args.epochs < 1:
         print("flodl-bus up: --epochs must be at least 1", file=sys.stderr)
         return 2
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        why = TensorBoardScalars.available()
+        if why is not None:
+            print(f"flodl-bus up: {why}", file=sys.stderr)
+            return 2
     bad_job = check_job_ref(args.job)
     if bad_job is not None:
         print(f"flodl-bus up: {bad_job}", file=sys.stderr)

@@ -68,9 +68,16 @@ class RankView:
 class RunView:
     """Folds a run's messages, in stream order per rank, into progress and results."""
 
-    def __init__(self, world_size: int, started_at: float) -> None:
+    def __init__(
+        self, world_size: int, started_at: float, *, eval_every: int | None = None
+    ) -> None:
         self.world_size = world_size
         self.started_at = started_at
+        #: the run's --eval-every (None: unknown), to know which rows an eval will fill;
+        #: the last epoch's row always gets the final eval
+        self.eval_every = eval_every
+        #: the run's epochs, once known (``set_epochs``)
+        self.num_epochs: int | None = None
         self.ranks = [RankView() for _ in range(world_size)]
         self.first_step_at: float | None = None
         self._version = 0
@@ -81,12 +88,16 @@ class RunView:
         #: so it belongs to the row of epoch ``k - 1`` (the final eval is tagged with the
         #: number of epochs)
         self.evals: dict[int, float] = {}
-        #: the last eval metric in arrival order (the final eval comes last)
+        #: the last eval metric in arrival order (see ``final_metric`` for the result)
         self.last_metric: float | None = None
+        #: rows shown without their metric, whose eval came later (``take_late_evals``)
+        self._late: list[tuple[int, float]] = []
         self.shutdown_seen = False
         self.save_requested = False
         self._syncs_at: dict[int, int] = {}
         self._rows_out: set[int] = set()
+        #: rows that went out with their metric, or whose late metric was handed out
+        self._shown_metric: set[int] = set()
         self._last_row_syncs = 0
         self._seen_at: dict[int, float] = {}
         #: one line per thing a person must know at once (a rank that failed or left,
@@ -153,6 +164,31 @@ class RunView:
         if math.isfinite(metric):
             self.evals[epoch] = metric
             self.last_metric = metric
+            if epoch - 1 in self._rows_out and epoch - 1 not in self._shown_metric:
+                self._late.append((epoch - 1, metric))
+                self._shown_metric.add(epoch - 1)
+
+    def set_epochs(self, num_epochs: int | None) -> None:
+        self.num_epochs = num_epochs
+
+    @property
+    def final_metric(self) -> float | None:
+        """The metric of the latest-trained model scored (the highest eval tag), whatever
+        order the evals arrived in: the run's result."""
+        return self.evals[max(self.evals)] if self.evals else None
+
+    def expects_eval(self, epoch: int) -> bool | None:
+        """Whether an eval will score the model after ``epoch`` (None: unknown)."""
+        if self.num_epochs is not None and epoch == self.num_epochs - 1:
+            return True
+        if self.eval_every is None:
+            return None
+        return self.eval_every > 0 and (epoch + 1) % self.eval_every == 0
+
+    def take_late_evals(self) -> list[tuple[int, float]]:
+        """(epoch, metric) of rows already shown with ``-`` whose eval has arrived since."""
+        out, self._late = self._late, []
+        return out
 
     def take_notes(self) -> list[str]:
         """The notes not handed out yet."""
@@ -183,17 +219,27 @@ class RunView:
         """Epoch rows not shown yet, in epoch order.
 
         A row waits for its epoch's eval (the consensus is scored after the round that
-        follows the epoch) until the next epoch is aggregated, or the run ends.
+        follows the epoch; async epochs overlap, so it may come after later epochs were
+        aggregated) while one is due for it: until it comes, two later epochs are
+        aggregated (an eval that failed), or the run ends. A row no eval is due for goes
+        out at once. An eval that comes after its row went out is handed out by
+        ``take_late_evals``.
         """
         out: list[EpochRow] = []
         for e in sorted(self.metrics):
             if e in self._rows_out:
                 continue
-            later = any(k > e for k in self.metrics)
-            if e + 1 not in self.evals and not later and not final:
-                break
+            if e + 1 not in self.evals and not final:
+                due = self.expects_eval(e)
+                later = sum(1 for k in self.metrics if k > e)
+                if due is None and later == 0:
+                    break  # unknown schedule: wait for the next epoch at least
+                if due and later < 2:
+                    break
             out.append(self._row(e))
             self._rows_out.add(e)
+            if e + 1 in self.evals:
+                self._shown_metric.add(e)
         return out
 
     def _row(self, e: int) -> EpochRow:

@@ -37,11 +37,19 @@ from flodl_bus.bus.connection import (
 )
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.exits import CONFIG, by_signal
+from flodl_bus.bus.streams import RedisRankBus
+from flodl_bus.exits import CONFIG, by_signal, describe
 from flodl_bus.job import Job, JobError, call_job, check_train_data, dataset_signature
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
-from flodl_bus.protocol.messages import Assign, ControlMsg, Hello, Reject, UpstreamMsg
+from flodl_bus.protocol.messages import (
+    Assign,
+    ControlMsg,
+    Hello,
+    MetricsMsg,
+    Reject,
+    UpstreamMsg,
+)
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 from flodl_bus.worker.feed import FeedOptions
 from flodl_bus.worker.host import thread_share
@@ -229,12 +237,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from flodl_bus.bus.run_secret import (
+        ENV_SECRET,
         AuthenticationFailed,
         SecretError,
         fetch_identity,
         fetch_run_secret,
+        secret_from_env,
     )
-    from flodl_bus.bus.streams import RedisRankBus
     from flodl_bus.protocol.signing import RankKeys, RankKx
     from flodl_bus.record.log import configure_console
 
@@ -249,6 +258,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             client = connect_pinged(args.redis_url, client_name=f"flodl-{who}")
         except RedisUnreachable as exc:
             raise ConfigError(str(exc)) from None
+        if secret_from_env() is None and not client.exists(keys.secret):
+            _say(
+                f"waiting up to {args.secret_timeout:.0f}s for the coordinator of run "
+                f"{args.run!r} at {redact_url(args.redis_url)} to start (it publishes the "
+                f"run secret; or give it in {ENV_SECRET})"
+            )
         try:
             secret = fetch_run_secret(client, keys, timeout=args.secret_timeout)
         except SecretError as exc:
@@ -294,6 +309,10 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             client, keys, secret, answers=ident.sign_pub, where=redact_url(args.redis_url)
         )
         if args.rank is None:
+            _say(
+                f"joining run {args.run!r}: waiting up to {args.join_timeout:.0f}s for the "
+                "coordinator to assign a rank"
+            )
             assign = _join(join, hello, args.run, args.join_timeout)
             rank, world = assign.rank, assign.world_size
         else:
@@ -312,7 +331,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         return CONFIG
 
     configure_console(args.log_level)
-    bus = RedisRankBus(
+    how = "assigned" if args.rank is None else "given"
+    _say(f"rank {rank} of {world} ({how}) in run {args.run!r}: {mode}, {job.name}, {device}")
+    bus = _ConsoleRankBus(
         client,
         keys,
         rank,
@@ -335,7 +356,30 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         lr_scale=1.0 + (world - 1) * lr_scale_ratio,
         epochs=epochs,
     )
+    code: int | None = None
     try:
-        return run_rank(job, bus, options, factory, stop)
+        code = run_rank(job, bus, options, factory, stop)
+        return code
     finally:
         client.close()
+        _say(f"rank {rank} {'raised (above)' if code is None else describe(code)}")
+
+
+def _say(line: str) -> None:
+    """The worker's own console lines (its logs stay structured): what it waits for,
+    its rank, its progress per chunk of work, how it ended."""
+    print(f"flodl-bus worker: {line}", file=sys.stderr, flush=True)
+
+
+class _ConsoleRankBus(RedisRankBus):
+    """The rank's bus, which also says each finished chunk of work on the console (the
+    rank's Metrics, as it goes upstream)."""
+
+    def publish(self, msg: UpstreamMsg) -> None:
+        super().publish(msg)
+        if isinstance(msg, MetricsMsg) and msg.batches_processed:
+            rate = msg.samples_processed / (msg.epoch_ms / 1000) if msg.epoch_ms > 0 else 0.0
+            _say(
+                f"rank {msg.rank}: epoch {msg.epoch}: {msg.batches_processed} batches, "
+                f"loss {msg.avg_loss:.4f}, {rate:.0f} samples/s"
+            )

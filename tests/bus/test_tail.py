@@ -147,6 +147,9 @@ def test_tail_ends_after_shutdown_with_the_ranks_last_words_unless_follow(
     rank.publish(_batch(1))
     coord.broadcast(m.Shutdown())
     rank.publish(m.Exiting(rank=0, reason=None))
+    deadline = time.monotonic() + 30
+    while admin.xlen(keys.up(0)) < 2 and time.monotonic() < deadline:  # the rank's writes landed
+        time.sleep(0.01)
     # no --count, no --duration: it returns by itself, having printed the Exiting too
     assert main(["--run", "ends", "--redis-url", redis_url, "--from-start"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+import pytest
 
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
-from flodl_bus.protocol.messages import MetricsMsg
+from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg
 
 
 def msg(rank: int, loss: float, batches: int, **kw: object) -> MetricsMsg:
@@ -61,3 +64,35 @@ def test_non_finite_loss_never_poisons_the_mean_and_silent_rank_is_none() -> Non
     em = aggregate(0, buf.pop(0), [1 / 3] * 3)
     assert em.avg_loss == 0.4
     assert em.per_rank_loss[2] is None
+
+
+def _scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="no tensorboard package (pip install 'flodl_bus[tensorboard]')",
+    )
+    acc = accumulator.EventAccumulator(log_dir)
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_scalars_carry_the_consoles_figures_by_epoch(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed")
+    from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+    assert TensorBoardScalars.available() is None
+    board = TensorBoardScalars(str(tmp_path / "tb"))
+    for e, syncs in ((0, 3), (1, 5)):
+        em = EpochMetrics(epoch=e, avg_loss=1.0 / (e + 1), epoch_ms=10.0,
+                          per_rank_throughput=(1.5, 0.5))  # fmt: skip
+        board.on_epoch(em, syncs=syncs, anchor=10 * (e + 1))
+    board.on_eval(1, 0.93)
+    board.close()
+    got = _scalars(str(tmp_path / "tb"))
+    assert got["loss"] == [(0, 1.0), (1, 0.5)]
+    assert got["samples_per_s/rank0"] == [(0, 1500.0), (1, 1500.0)]
+    assert got["samples_per_s/rank1"] == [(0, 500.0), (1, 500.0)]
+    assert got["anchor"] == [(0, 10.0), (1, 20.0)]
+    assert got["syncs/epoch"] == [(0, 3.0), (1, 2.0)]
+    assert got["syncs/total"] == [(0, 3.0), (1, 5.0)]
+    assert got["eval/metric"] == [(1, pytest.approx(0.93))]

@@ -3,6 +3,8 @@ the in-memory bus, the loop on the other end, and what the loop leaves behind.""
 
 from __future__ import annotations
 
+import csv
+import dataclasses
 import json
 import threading
 from collections.abc import Sequence
@@ -251,6 +253,19 @@ def test_an_eval_lands_on_the_row_of_the_epoch_it_scores_even_when_it_comes_firs
         ("1", "0.91", "96"),
     ]
     assert rows[1]["samples_r1"] == "64" and rows[1]["version"] == "2"
+
+
+def test_the_csv_speaks_the_consoles_units_samples_per_second_and_syncs_per_epoch(
+    tmp_path: Path,
+) -> None:
+    table = MetricsTable(tmp_path / "metrics.csv", 2)
+    em = dataclasses.replace(metrics(0, [64, 32]), per_rank_throughput=(1.74789, 0.5))
+    table.on_epoch(em, version=3, syncs=3, step=3, anchor=10)
+    table.on_epoch(metrics(1, [32, 64]), version=5, syncs=5, step=6, anchor=10)
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert rows[0]["samples_per_s_r0"] == "1747.89" and rows[0]["samples_per_s_r1"] == "500"
+    assert [(r["syncs"], r["syncs_total"]) for r in rows] == [("3", "3"), ("2", "5")]
+    assert not any(c.startswith("throughput") for c in rows[0])
 
 
 def test_meta_file_is_replaced_whole(tmp_path: Path) -> None:

@@ -32,7 +32,10 @@ def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
     tmp_path: Path, redis_url: str, real_redis: redis.Redis, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = "status-live"
-    proc = _up(tmp_path, redis_url, run, "--epochs", "6", "--workers", "2")
+    from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+    board = [] if TensorBoardScalars.available() else ["--tensorboard", str(tmp_path / "tb")]
+    proc = _up(tmp_path, redis_url, run, "--epochs", "6", "--workers", "2", *board)
     live: dict[str, Any] | None = None
     seen: list[str] = []
     try:
@@ -69,6 +72,20 @@ def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
     text = render(live)
     assert f"run {run}  running  cpu-cadence  world 2  epoch {live['epoch']}/6" in text
     assert len(text.splitlines()) == 3 + 2
+
+    # the worker console said its rank, its progress and how it ended
+    for r in (0, 1):
+        log = (tmp_path / "runs" / run / f"rank{r}.log").read_text()
+        assert f"flodl-bus worker: rank {r} of 2 (given) in run '{run}'" in log
+        assert f"flodl-bus worker: rank {r}: epoch 0: " in log and "samples/s" in log
+        assert log.rstrip().endswith(f"flodl-bus worker: rank {r} finished (exit 0)"), log[-500:]
+
+    if board:  # the coordinator wrote the same figures for TensorBoard
+        from tests.coordinator.test_metrics import _scalars
+
+        scalars = _scalars(str(tmp_path / "tb"))
+        assert [step for step, _ in scalars["loss"]] == list(range(6))
+        assert {"anchor", "syncs/epoch", "samples_per_s/rank1", "eval/metric"} <= set(scalars)
 
     # after the run: the command shows it finished; its keys and secret expire
     assert main(["--run", run, "--redis-url", redis_url]) == 0
