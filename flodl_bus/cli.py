@@ -27,18 +27,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 BENCHES: dict[str, tuple[str, str]] = {
-    "codec": ("flodl_bus.protocol.bench:main", "encode/decode cost per message vs plain msgpack"),
-    "bus": ("flodl_bus.bus.bench:main", "dispatch latency, ingest rate, send cost vs PING"),
-    "worker": ("flodl_bus.worker.bench:main", "training-thread bus cost per step"),
-    "coordinator": ("flodl_bus.coordinator.bench:main", "coordinator cost per reduce/message"),
-    "params": ("flodl_bus.params.bench:main", "CPU averaging round time vs memcpy"),
-    "record": ("flodl_bus.record.bench:main", "recording cost per dispatch, replay speed"),
-    "gpu": ("flodl_bus.params.bench_gpu:main", "pinned vs pageable copies, snapshot overlap"),
-    "allreduce": ("flodl_bus.params.bench_allreduce:main", "SyncNow vs a bare all-reduce"),
-    "train": ("flodl_bus.bench_train:main", "a training run under the bus vs plain loop and DDP"),
-    "up": ("flodl_bus.launch.bench:main", "flodl-bus up: time to first step, wall time"),
-    "kill": ("flodl_bus.bench_kill:main", "kill a rank mid-epoch: time to the survivors' recovery"),
+    "codec": ("flodl_bus.bench.codec:main", "encode/decode cost per message vs plain msgpack"),
+    "bus": ("flodl_bus.bench.bus:main", "dispatch latency, ingest rate, send cost vs PING"),
+    "worker": ("flodl_bus.bench.worker:main", "training-thread bus cost per step"),
+    "coordinator": ("flodl_bus.bench.coordinator:main", "coordinator cost per reduce/message"),
+    "params": ("flodl_bus.bench.params:main", "CPU averaging round time vs memcpy"),
+    "record": ("flodl_bus.bench.record:main", "recording cost per dispatch, replay speed"),
+    "gpu": ("flodl_bus.bench.gpu:main", "pinned vs pageable copies, snapshot overlap"),
+    "allreduce": ("flodl_bus.bench.allreduce:main", "SyncNow vs a bare all-reduce"),
+    "train": ("flodl_bus.bench.train:main", "a training run under the bus vs plain loop and DDP"),
+    "up": ("flodl_bus.bench.up:main", "flodl-bus up: time to first step, wall time"),
+    "kill": ("flodl_bus.bench.kill:main", "kill a rank mid-epoch: time to the survivors' recovery"),
     "scale": ("flodl_bus.bench.scale:main", "N simulated ranks: epoch time, dispatch, CPU, memory"),
+    "latency": ("flodl_bus.bench.latency:main", "ranks behind 0.5-10 ms RTT in namespaces"),
 }
 
 

@@ -27,6 +27,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -40,9 +41,10 @@ from typing import Any
 
 import redis
 
+from flodl_bus.bench.netns import DelayRelay
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.server import RedisServer
+from flodl_bus.bus.server import RedisServer, free_port
 
 #: what ``MAXLEN ~ 100000`` alone let each rank's streams hold (issue 21's soak)
 MAXLEN_BYTES_PER_RANK = 16_000_000
@@ -77,6 +79,10 @@ class ScaleResult:
     declared_dead: int
     wall_s: float
     saturated: str
+    network: str
+    heartbeat_timeout_s: float
+    #: from cutting a rank's link to the coordinator's DeclareDead (None: no cut)
+    dead_after_cut_s: float | None
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:
@@ -157,8 +163,20 @@ def _host_busy() -> float | None:
     return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
 
 
-def _spawn(role: str, base: list[str], extra: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "flodl_bus.bench.scale_roles", "--role", role, *base, *extra]
+def _trained_an_epoch(client: redis.Redis, keys: RunKeys, args: argparse.Namespace) -> bool:
+    """Whether the rank to cut off has published a whole epoch's steps (Batch + LrUpdate)."""
+    try:
+        info: Any = client.xinfo_stream(keys.up(args.cut_rank))
+    except redis.exceptions.ResponseError:
+        return False
+    return bool(int(info.get("entries-added", 0)) >= 2 * args.steps + 4)
+
+
+def _spawn(
+    role: str, base: list[str], extra: Sequence[str] = (), prefix: Sequence[str] = ()
+) -> subprocess.Popen[bytes]:
+    cmd = [*prefix, sys.executable, "-m", "flodl_bus.bench.scale_roles", "--role", role, *base,
+           *extra]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -166,10 +184,21 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
     procs = max(1, min(args.procs, n))
     work = Path(tempfile.mkdtemp(prefix=f"flodl-scale-{n}-"))
     server = None
+    relay = None
     url = args.redis_url
+    nets = [pair.split("=", 1) for pair in args.rank_netns.split(",")] if args.rank_netns else []
     if url is None:
-        server = RedisServer(extra_args=["--maxclients", str(max(10_000, 4 * n + 256))]).start()
+        extra = ["--maxclients", str(max(10_000, 4 * n + 256))]
+        if nets:
+            extra += ["--bind", " ".join(["127.0.0.1", *(h for _, h in nets)])]
+        server = RedisServer(extra_args=extra).start()
         url = server.url
+    rank_port = server.port if server is not None else 0
+    if nets and args.relay_ms:
+        rank_port = free_port()
+        assert server is not None
+        relay = DelayRelay([h for _, h in nets], rank_port, ("127.0.0.1", server.port),
+                           args.relay_ms)  # fmt: skip
     run = f"scale{n}-{os.getpid()}"
     keys = RunKeys(run)
     admin = connect(url, client_name="bench-scale-driver")
@@ -185,15 +214,27 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
     started = time.monotonic()
     children = [_spawn("coordinator", common)]
     per = -(-n // procs)
-    for lo in range(0, n, per):
-        children.append(_spawn("sim", common, ["--slice", f"{lo}:{min(n, lo + per)}"]))
+    for i, lo in enumerate(range(0, n, per)):
+        extra = ["--slice", f"{lo}:{min(n, lo + per)}"]
+        prefix: list[str] = []
+        if nets:
+            ns, host = nets[i % len(nets)]
+            prefix = ["ip", "netns", "exec", ns]
+            extra += ["--url", f"redis://{host}:{rank_port}/0"]
+        children.append(_spawn("sim", common, extra, prefix))
     watch = _RedisWatch(admin, keys, n)
     deadline = started + args.timeout + 60
+    cut_at: float | None = None
     try:
         while any(c.poll() is None for c in children) and time.monotonic() < deadline:
             watch.sample()
-            time.sleep(0.5)
+            if args.cut is not None and cut_at is None and _trained_an_epoch(admin, keys, args):
+                subprocess.run(shlex.split(args.cut), check=True)
+                cut_at = time.monotonic()
+            time.sleep(0.2 if args.cut is not None and cut_at is None else 0.5)
     finally:
+        if relay is not None:
+            relay.close()
         for c in children:
             if c.poll() is None:
                 c.kill()
@@ -211,7 +252,7 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
     coord = json.loads((work / "coordinator.json").read_text())
     sims = [json.loads(p.read_text()) for p in sorted(work.glob("sim*.json"))]
     shutil.rmtree(work, ignore_errors=True)
-    return _figures(args, n, procs, wall, coord, sims, watch, base_memory)
+    return _figures(args, n, procs, wall, coord, sims, watch, base_memory, cut_at)
 
 
 def _figures(
@@ -223,6 +264,7 @@ def _figures(
     sims: list[dict[str, Any]],
     watch: _RedisWatch,
     base_memory: int,
+    cut_at: float | None = None,
 ) -> ScaleResult:
     # Latency counts from the first StartEpoch: before it, ranks still starting up hold
     # the coordinator's early heartbeats unread.
@@ -259,7 +301,11 @@ def _figures(
     redis_cpu = _share(watch.cpu, a, b)
     host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
     mem = [m for t, m in watch.memory if a <= t <= b] or [m for _, m in watch.memory]
-    stream = [x for t, x in watch.stream_bytes if a <= t <= b] or [x for _, x in watch.stream_bytes]
+    # a short run may fall between two samples: then every sample taken while the run's
+    # streams existed (before the ranks start there are none)
+    stream = [x for t, x in watch.stream_bytes if a <= t <= b and x] or [
+        x for _, x in watch.stream_bytes if x
+    ]
     steps_done = sum(r["steps"] for r in ranks)
     cores = os.cpu_count() or 1
     shares = {
@@ -302,6 +348,14 @@ def _figures(
         declared_dead=len(coord["dead"]),
         wall_s=wall,
         saturated=saturated,
+        network=args.network,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        dead_after_cut_s=(
+            min((t for _, _, k, t in coord["sent"] if k == "DeclareDead"), default=float("nan"))
+            - cut_at
+            if cut_at is not None
+            else None
+        ),
     )
 
 
@@ -309,7 +363,8 @@ def report(r: ScaleResult) -> str:
     return "\n".join(
         [
             f"ranks {r.ranks} ({r.procs} sim processes, {r.host_cores} cores), "
-            f"step {r.step_ms:g} ms x {r.steps} steps x {r.epochs} epochs, wall {r.wall_s:.1f} s",
+            f"step {r.step_ms:g} ms x {r.steps} steps x {r.epochs} epochs, wall {r.wall_s:.1f} s, "
+            f"network: {r.network}",
             f"  epoch time        {r.epoch_s:8.3f} s   ideal {r.ideal_s:.3f} s   "
             f"overhead {100 * r.overhead:+.1f}%",
             f"  dispatch p50      {r.dispatch_p50_ms:8.2f} ms  PING p50 {r.ping_p50_ms:.3f} ms  "
@@ -327,6 +382,15 @@ def report(r: ScaleResult) -> str:
             f"  ranks clean {r.ranks_clean}/{r.ranks}, declared dead {r.declared_dead}, "
             f"steps {r.steps_done}/{r.ranks * r.steps * r.epochs}",
             f"  saturated: {r.saturated}",
+            *(
+                [
+                    f"  partition         rank {r.ranks - 1} cut off: declared dead "
+                    f"{r.dead_after_cut_s:.2f} s later (heartbeat timeout "
+                    f"{r.heartbeat_timeout_s:g} s; goal: within timeout + 1 s)"
+                ]
+                if r.dead_after_cut_s is not None
+                else []
+            ),
         ]
     )
 
@@ -347,6 +411,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="cProfile the coordinator into this file")
     ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
     ap.add_argument("--json", default=None, help="write the figures here")
+    # set by `bench latency` (which makes the namespaces), not meant to be typed
+    ap.add_argument("--rank-netns", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--relay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--cut", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cut-rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--network", default="loopback", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
         counts = [int(x) for x in args.ranks.split(",") if x]

@@ -330,7 +330,11 @@ def run_sim(args: argparse.Namespace) -> int:
         "ranks": [
             {
                 "rank": r.rank,
-                "clean": r.clean and not r.thread.is_alive(),
+                # finished on the coordinator's word, not on losing it
+                "clean": r.clean
+                and not r.thread.is_alive()
+                and not r.runtime.coordinator_lost.is_set()
+                and not r.runtime.declared_dead.is_set(),
                 "steps": r.steps,
                 "arrivals": r.bus.arrivals,
             }

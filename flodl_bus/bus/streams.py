@@ -772,10 +772,6 @@ class RedisRankBus:
     def flush(self, timeout: float) -> bool:
         return self._publisher.flush(timeout)
 
-    @property
-    def published_written(self) -> int:
-        return self._publisher.written
-
     def close(self) -> None:
         self._publisher.close()
         self._reader.close()

@@ -80,6 +80,10 @@ class ChunkPool:
     def residue(self, rank: int) -> int:
         return self._end[rank] - self._cursor[rank]
 
+    def residue_range(self, rank: int) -> Range:
+        """(offset, size) of ``rank``'s span not yet handed out."""
+        return (self._cursor[rank], self._end[rank] - self._cursor[rank])
+
     def remaining(self) -> int:
         """Samples not yet dispatched (span residues plus reclaimed ranges)."""
         return self._remaining

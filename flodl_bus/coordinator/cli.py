@@ -111,9 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scale-ratio",
         type=float,
-        default=0.0,
-        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (flodl's linear "
-        "scaling is 1.0; default 0: the job's schedule as given)",
+        default=1.0,
+        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (default 1.0: "
+        "flodl's linear scaling; 0: the job's schedule as given)",
     )
     p.add_argument(
         "--reset-run",
@@ -249,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    # the record's origin of time: `replay --until T` counts from the launch
+    launched_wall, launched_at = time.time(), time.monotonic()
     from flodl_bus.bus.ids import format_id
     from flodl_bus.bus.join import JoinStream
     from flodl_bus.bus.run_secret import (
@@ -271,7 +273,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         WorldNotFormed,
         form_world,
     )
-    from flodl_bus.job import JobError, call_job, load_job
+    from flodl_bus.job import (
+        JobError,
+        call_job,
+        check_train_data,
+        dataset_signature,
+        load_job,
+    )
     from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
@@ -281,7 +289,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         job = load_job(args.job)
         # The coordinator only needs the sizes, but a builder that raises is the job's
         # bug: one line naming it, not its traceback.
-        train = call_job("train_data", job.train_data)
+        train = check_train_data(call_job("train_data", job.train_data))
     except SystemExit as exc:  # load_job's one-line errors
         raise ConfigError(str(exc)) from None
     except JobError as exc:
@@ -330,7 +338,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     import structlog
 
     log = structlog.get_logger("flodl_bus.coordinator")
-    sig = train.signature()
+    sig = dataset_signature(train)
     run_fields: dict[str, str] = {
         "mode": args.mode,
         "job": args.job,
@@ -446,6 +454,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     run_dir = Path(args.run_dir or Path("runs") / args.run)
     run_dir.mkdir(parents=True, exist_ok=True)
     recorder = DispatchRecorder(run_dir, "coordinator")
+    run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record
     recorder.header(
         run=args.run,
         config=dataclasses.asdict(config),
@@ -455,6 +464,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         members=[dataclasses.asdict(m) for m in admission.members],
         clock="time.monotonic",
         started_wall=time.time(),
+        launched_wall=launched_wall,
+        launched_at=launched_at,
         replay_note="core = Coordinator.from_meta(config, resume_meta) if resume_meta "
         "else Coordinator(config); then core.start(now) at the 'start' event",
     )

@@ -20,6 +20,13 @@ class Backend(enum.Enum):
     CPU = "cpu"
 
 
+GUARDS: tuple[str, ...] = ("trend", "msf", "none")
+#: what a run recorded before these settings existed did (replay of older records)
+LEGACY_DEFAULTS: dict[str, object] = {
+    "meta_controller": False,
+    "callback_slack": False,
+    "stage_advisories": False,
+}
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
 
@@ -96,6 +103,16 @@ class CoordinatorConfig:
     #: staleness sweep on (elastic death handling)
     elastic: bool = True
     coord_heartbeat_every: float = 1.0
+    #: the LR-aware meta-controller (reference §4.9.6): shrinks the anchor on an LR drop
+    meta_controller: bool = True
+    #: divergence guard: "trend" (vetoes growth), "msf" (growth rate; may shrink), "none"
+    guard: str = "trend"
+    #: stage the epoch callback's expected time into its rank's last window of an epoch
+    callback_slack: bool = True
+    #: relative per-rank speeds (higher = faster) used before ElChe has measured any
+    speed_hints: tuple[float, ...] | None = None
+    #: progressive dispatch tells each rank what it will train next (prefetch hints)
+    stage_advisories: bool = True
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)
@@ -118,6 +135,12 @@ class CoordinatorConfig:
             )
         if self.partition_ratios is not None and len(self.partition_ratios) != self.world_size:
             raise ValueError("partition_ratios needs one entry per rank")
+        if self.guard not in GUARDS:
+            raise ValueError(f"guard {self.guard!r} is not one of {', '.join(GUARDS)}")
+        if self.speed_hints is not None and (
+            len(self.speed_hints) != self.world_size or min(self.speed_hints) <= 0
+        ):
+            raise ValueError("speed_hints needs one positive entry per rank")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -28,8 +28,9 @@ from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
 from flodl_bus.coordinator.dispatch import Dispatch, PartitionDispatch, PoolDispatch
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.elche import ElChe
-from flodl_bus.coordinator.guard import STABLE, TrendGuard, Verdict
+from flodl_bus.coordinator.guard import STABLE, Verdict, make_guard
 from flodl_bus.coordinator.liveness import Liveness
+from flodl_bus.coordinator.meta import MetaController
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
 from flodl_bus.coordinator.reduce import OVERSHOOT_START, CpuReduce, Ledger, NcclReduce, Reduce
 from flodl_bus.coordinator.roles import Roles
@@ -92,8 +93,10 @@ class Coordinator:
             max_batch_diff=cfg.max_batch_diff,
             window_cap=cfg.epoch_batches(0),
             growth=self.policy is not Policy.SYNC,
+            speed_hints=cfg.speed_hints,
         )
-        self.guard = TrendGuard(cfg.guard_threshold, enabled=self.policy is not Policy.SYNC)
+        self.guard = make_guard(cfg)
+        self.meta = MetaController(cfg.meta_controller)
         self.roles = Roles(ws, cfg.epoch_callback_rank)
         self.metrics = EpochBuffer(ws)
         self.version = 0

@@ -28,7 +28,13 @@ from flodl_bus.coordinator.chunk_pool import (
 )
 from flodl_bus.coordinator.config import Policy
 from flodl_bus.coordinator.effects import Out, Send
-from flodl_bus.protocol.messages import EpochPlan, ExtendPartition, MetricsMsg, StartEpoch
+from flodl_bus.protocol.messages import (
+    EpochPlan,
+    ExtendPartition,
+    MetricsMsg,
+    StageAdvisory,
+    StartEpoch,
+)
 
 if TYPE_CHECKING:
     from flodl_bus.coordinator.core import Coordinator
@@ -71,6 +77,10 @@ class Dispatch:
     def remaining(self) -> dict[int, int]:
         """Epoch -> samples not yet handed out, for the state summary."""
         return {}
+
+    def epoch_remaining(self) -> int | None:
+        """Batches the oldest open epoch has still to hand out (None: not tracked)."""
+        return None
 
     def on_batch(self, r: int) -> None:
         pass
@@ -129,12 +139,15 @@ class PoolDispatch(Dispatch):
         self.rank_epoch = [core.start_epoch] * core.ws
         #: ranks whose plan could not be sent: offered again on the next tick
         self.redispatch: list[int] = []
+        #: a pool opened since the last advisories went out
+        self._advise_due = False
         self._live_sum_key = (-1, -1)
         self._live_sum = 0
 
     def start(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
             self.next_chunk(r, now, out)
+        self._advise(out)
 
     def resume_at(self, epoch: int) -> None:
         self.rank_epoch = [epoch] * self.core.ws
@@ -163,12 +176,18 @@ class PoolDispatch(Dispatch):
     def remaining(self) -> dict[int, int]:
         return {e: p.remaining() for e, p in sorted(self.pools.items())}
 
+    def epoch_remaining(self) -> int | None:
+        if not self.pools:
+            return None
+        return self.pools[min(self.pools)].remaining() // self.core.bs
+
     def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
         pool = self.pools.get(msg.epoch)
         if pool is not None:
             pool.mark_completed(r, msg.samples_processed)
         if self.core.training:
             self.next_chunk(r, now, out)
+        self._advise(out)
 
     def rollback(self, r: int, plan: EpochPlan) -> None:
         bs = self.core.bs
@@ -206,6 +225,7 @@ class PoolDispatch(Dispatch):
     def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
         if aggregated and self.core.training:
             self._fill_idle(now, out)
+        self._advise(out)
 
     def _fill_idle(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
@@ -234,11 +254,55 @@ class PoolDispatch(Dispatch):
             # A rank parked in wait_for_epoch_plan sends nothing, so nothing else would
             # ever dispatch to it; its StartEpoch queues behind the reduce's messages.
             self._fill_idle(now, out)
+        self._advise(out, force=True)
 
     def coverage(self) -> tuple[int, list[tuple[int, list[Range]]]]:
         epochs = [(e, self.pools[e].uncovered_ranges()) for e in sorted(self.pools)]
         next_epoch = max(self.pools) + 1 if self.pools else self.core.last_aggregated + 1
         return next_epoch, epochs
+
+    # ------------------------------------------------------------- stage advisories
+    def _advise(self, out: list[Out], force: bool = False) -> None:
+        """Tell each live rank what it will likely train next (prefetch hints), at an
+        epoch's start and after every reduce (§4.10.7)."""
+        core = self.core
+        if not core.config.stage_advisories or not (force or self._advise_due):
+            return
+        self._advise_due = False
+        if not core.training or not self.pools:
+            return
+        counts = tuple(core.elche.counts)
+        for r in range(core.ws):
+            if core.alive(r):
+                out.append(Send(r, StageAdvisory(counts, self.segments(r))))
+
+    def segments(self, r: int) -> tuple[tuple[int, tuple[Range, ...]], ...]:
+        """Per open epoch: ``r``'s unconsumed span, then the tail of every other span it
+        may steal (its count of batches each, taken from the end as steals are), then
+        its predicted span of the next epoch."""
+        core = self.core
+        margin = max(core.elche.counts[r], 1) * core.bs
+        out: list[tuple[int, tuple[Range, ...]]] = []
+        for e in sorted(self.pools):
+            pool = self.pools[e]
+            own = pool.residue_range(r)
+            ranges = [own] if own[1] > 0 else []
+            for s in range(pool.world_size):
+                if s == r:
+                    continue
+                start, size = pool.residue_range(s)
+                take = min(margin, size)
+                if take > 0:
+                    ranges.append((start + size - take, take))
+            out.append((e, tuple(ranges)))
+        nxt = max(self.pools) + 1
+        if nxt < core.config.num_epochs and nxt not in self.pools:
+            batches = core.config.epoch_batches(nxt)
+            weights = self._pool_weights()
+            span = ChunkPool.create(nxt, batches, core.bs, weights).residue_range(r)
+            if span[1] > 0:
+                out.append((nxt, (span,)))
+        return tuple(out)
 
     # ------------------------------------------------------------- choosing a chunk
     def _live_counts_sum(self) -> int:
@@ -256,7 +320,8 @@ class PoolDispatch(Dispatch):
 
     def _pool_weights(self) -> list[float]:
         alive = self.core.alive_mask()
-        if self.core.elche.calibrated:
+        if self.core.elche.calibrated or self.core.config.speed_hints is not None:
+            # Hinted counts stand in for measured ones until the first calibration.
             return [float(c) if a else 0.0 for c, a in zip(self.core.elche.counts, alive)]
         return [1.0 if a else 0.0 for a in alive]
 
@@ -272,6 +337,7 @@ class PoolDispatch(Dispatch):
                 batches = core.config.epoch_batches(epoch)
                 pool = ChunkPool.create(epoch, batches, core.bs, self._pool_weights(), now)
             self.pools[epoch] = pool
+            self._advise_due = True
         return pool
 
     def next_chunk(
@@ -498,8 +564,11 @@ class PartitionDispatch(Dispatch):
         ratios = core.config.partition_ratios
         if ratios is not None:
             return ratio_to_sizes(total, [ratios[r] if alive[r] else 0.0 for r in range(ws)])
+        hints = core.config.speed_hints
         if core.policy is not Policy.SYNC and core.elche.calibrated:
             sub = throughput_sizes(total, [core.elche.smoothed_ms(r) for r in live])
+        elif core.policy is not Policy.SYNC and hints is not None:
+            sub = throughput_sizes(total, [1.0 / hints[r] for r in live])
         else:
             sub = equal_sizes(total, len(live)) if live else []
         sizes = [0] * ws

@@ -56,6 +56,7 @@ class ElChe:
         max_batch_diff: int | None = None,
         window_cap: int | None = None,
         growth: bool = True,
+        speed_hints: Sequence[float] | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError("ElChe needs at least one rank")
@@ -81,6 +82,18 @@ class ElChe:
         self._rings: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(world_size)]
         self._zero_windows = [0] * world_size
         self._history: deque[tuple[int, ...]] = deque(maxlen=COUNTS_HISTORY)
+        #: (rank, ms) of callback time the next recompute takes off that rank's count
+        self._slack: tuple[int, float] | None = None
+        #: the slack of the window being planned (every recompute until the next report)
+        self._active_slack: tuple[int, float] | None = None
+        if speed_hints is not None:
+            # Before any measurement, a hinted faster rank starts with a larger window,
+            # as a measured one would (the first calibration replaces it).
+            slowest = min(speed_hints)
+            self._counts = [
+                max(1, _round_half_up(self.anchor * min(s / slowest, MAX_SPEED_RATIO)))
+                for s in speed_hints
+            ]
         self._apply_window_cap()
 
     # ------------------------------------------------------------------ queries
@@ -153,6 +166,7 @@ class ElChe:
 
     def report_window(self, report: WindowReport) -> None:
         """Fold one window's timing in; recompute counts and maybe propose growth."""
+        self._active_slack, self._slack = self._slack, None
         seen = False
         for r, ms in enumerate(report.ms_per_batch[: self.world_size]):
             if ms is not None and ms > 0 and math.isfinite(ms):
@@ -191,6 +205,10 @@ class ElChe:
         self.anchor = max(1, min(self.anchor, math.ceil(self.anchor * f)))
         self._recompute(first=False)
 
+    def stage_slack(self, rank: int, ms: float) -> None:
+        """The next recompute shortens ``rank``'s window by ``ms`` of callback time."""
+        self._slack = (rank, ms)
+
     # ------------------------------------------------------------------ internals
     def _elect_anchor_rank(self) -> None:
         ms = [self.smoothed_ms(r) for r in range(self.world_size)]
@@ -212,6 +230,7 @@ class ElChe:
 
     def _recompute(self, first: bool) -> None:
         slow = self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+        slack = self._active_slack
         new = []
         for r in range(self.world_size):
             ms = self.smoothed_ms(r)
@@ -220,7 +239,11 @@ class ElChe:
             else:
                 target = max(1, _round_half_up(self.anchor * min(slow / ms, MAX_SPEED_RATIO)))
             old = self.counts[r]
-            if not first:
+            if slack is not None and slack[0] == r and ms is not None:
+                # Callback time the rank will spend at the epoch's end: its window is
+                # shortened so the others do not wait for it (no dead zone here).
+                target = max(1, target - math.ceil(slack[1] / ms))
+            elif not first:
                 if old > 0 and abs(target - old) / old < DEAD_ZONE:
                     target = old
                 elif self.max_batch_diff is not None:

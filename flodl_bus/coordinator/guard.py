@@ -1,12 +1,16 @@
-"""The trend divergence guard (reference §4.9.5) and the verdict it hands ElChe."""
+"""The divergence guards (reference §4.9.5) and the verdict they hand ElChe: trend
+(default), MSF growth rate (opt-in), none."""
 
 from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from flodl_bus.coordinator.config import CoordinatorConfig, Policy
 
 HISTORY = 5
 RISING = 3
@@ -46,7 +50,7 @@ class TrendGuard:
         self.enabled = enabled
         self.history: deque[float] = deque(maxlen=HISTORY)
 
-    def report(self, deltas: Sequence[float | None]) -> Verdict:
+    def report(self, deltas: Sequence[float | None], k_max: int = 1) -> Verdict:
         value = max_relative_delta(deltas)
         self.history.append(value)
         if not self.enabled or len(self.history) < RISING:
@@ -58,3 +62,96 @@ class TrendGuard:
     def restore(self, history: Iterable[float]) -> None:
         self.history.clear()
         self.history.extend(float(h) for h in history)
+
+
+MSF_EMA = 0.9
+MSF_FLOOR = 1e-8
+MSF_SUPPRESS = 1e-3
+MSF_NUDGE = 1e-2
+MSF_STREAK = 3
+MSF_NUDGE_FACTOR = 0.5
+
+
+class MsfGuard:
+    """The growth-rate guard (opt-in): acts on how fast divergence grows per step.
+
+    ``λ = ln(D_t / D_{t-1}) / k_max`` (``k_max``: the most steps a rank ran in the
+    window), smoothed by a bias-corrected EMA. Three windows in a row above 1e-3 veto
+    growth; three above 1e-2 shrink the anchor by half (``NudgeDown``), so the anchor can
+    come down when the windows are too long, which the trend guard never does.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.history: deque[float] = deque(maxlen=HISTORY)
+        self._prev: float | None = None
+        self._ema = 0.0
+        self._n = 0
+        self.rate: float | None = None
+        self._suppress_streak = 0
+        self._nudge_streak = 0
+
+    def report(self, deltas: Sequence[float | None], k_max: int = 1) -> Verdict:
+        value = max(max_relative_delta(deltas), MSF_FLOOR)
+        self.history.append(value)
+        prev, self._prev = self._prev, value
+        if not self.enabled or prev is None or k_max <= 0:
+            return STABLE
+        lam = math.log(value / prev) / k_max
+        self._n += 1
+        self._ema = MSF_EMA * self._ema + (1 - MSF_EMA) * lam
+        rate = self._ema / (1 - MSF_EMA**self._n)
+        self.rate = rate
+        self._suppress_streak = self._suppress_streak + 1 if rate > MSF_SUPPRESS else 0
+        self._nudge_streak = self._nudge_streak + 1 if rate > MSF_NUDGE else 0
+        if self._nudge_streak >= MSF_STREAK:
+            # A fresh streak must build before the next halving (else one episode of
+            # growth would take the anchor to 1 in a few windows).
+            self._nudge_streak = 0
+            return Verdict(VerdictKind.NUDGE_DOWN, MSF_NUDGE_FACTOR)
+        if self._suppress_streak >= MSF_STREAK:
+            return SUPPRESS
+        return STABLE
+
+    def restore(self, history: Iterable[float]) -> None:
+        self.history.clear()
+        self.history.extend(float(h) for h in history)
+        self._prev = self.history[-1] if self.history else None
+
+
+class NoGuard:
+    """``--guard none``: every window is Stable."""
+
+    def __init__(self) -> None:
+        self.history: deque[float] = deque(maxlen=HISTORY)
+
+    def report(self, deltas: Sequence[float | None], k_max: int = 1) -> Verdict:
+        self.history.append(max_relative_delta(deltas))
+        return STABLE
+
+    def restore(self, history: Iterable[float]) -> None:
+        self.history.clear()
+        self.history.extend(float(h) for h in history)
+
+
+Guard = TrendGuard | MsfGuard | NoGuard
+
+
+def make_guard(config: CoordinatorConfig) -> Guard:
+    """The configured guard; sync windows never grow, so their guard never acts."""
+    enabled = config.policy is not Policy.SYNC
+    if config.guard == "msf":
+        return MsfGuard(enabled=enabled)
+    if config.guard == "none":
+        return NoGuard()
+    return TrendGuard(config.guard_threshold, enabled=enabled)
+
+
+def merge(guard: Verdict, meta: Verdict | None) -> Verdict:
+    """The meta-controller's NudgeDown overrides the guard's verdict: a pending growth
+    proposal must not survive it (flodl bug: a nudge clobbered by a growth commit)."""
+    if meta is None or meta.kind is not VerdictKind.NUDGE_DOWN:
+        return guard
+    if guard.kind is VerdictKind.NUDGE_DOWN:
+        return Verdict(VerdictKind.NUDGE_DOWN, min(max(guard.factor * meta.factor, 0.1), 1.0))
+    return meta

@@ -18,7 +18,7 @@ from flodl_bus.coordinator.checkpoint import ArmedSave
 from flodl_bus.coordinator.config import Policy
 from flodl_bus.coordinator.effects import Alert, Broadcast, Out, Send
 from flodl_bus.coordinator.elche import WindowReport
-from flodl_bus.coordinator.guard import VerdictKind
+from flodl_bus.coordinator.guard import VerdictKind, merge
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
     DeclareDead,
@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 
 OVERSHOOT_START = 3
 OVERSHOOT_CEILING = 15
+#: callback slack is staged only when it is at least this share of a window, and 100 ms
+SLACK_SHARE = 0.05
+SLACK_FLOOR_MS = 100.0
 
 
 class Ledger:
@@ -176,15 +179,23 @@ class Reduce:
     def close_window(self, closed: Ledger, reduce_ms: float) -> None:
         """The reduce happened: ElChe learns the window, the guard judges it, version+1."""
         core = self.core
+        self._stage_slack()
         was_calibrated = core.elche.calibrated
         core.elche.report_window(self.window_report(closed, reduce_ms))
         if not was_calibrated and core.elche.calibrated:
             alive = core.alive_mask()
             core.roles.elect_fastest(core.elche.fastest(alive), alive)
-        verdict = core.guard.report(
-            [self.divergence[r] if core.alive(r) else None for r in range(core.ws)]
+        guard = core.guard.report(
+            [self.divergence[r] if core.alive(r) else None for r in range(core.ws)],
+            max(closed.steps, default=0),
         )
-        core.last_verdict = verdict
+        nudge = core.meta.observe(
+            [core.last_lr[r] if core.alive(r) else None for r in range(core.ws)],
+            core.elche.anchor,
+            guard,
+            core.elche.phase,
+        )
+        core.last_verdict = verdict = merge(guard, nudge)
         core.version += 1
         core.avg_count += 1
         core.elche.apply_verdict(verdict)
@@ -194,6 +205,25 @@ class Reduce:
             elif verdict.kind is VerdictKind.NUDGE_DOWN:
                 core.max_overshoot = OVERSHOOT_START
         core.global_step += sum(closed.steps)
+
+    def _stage_slack(self) -> None:
+        """The epoch's last window: its callback rank's window is shortened by the
+        callback's expected time, if that time is worth it (§4.13.4)."""
+        core = self.core
+        elche = core.elche
+        if not core.config.callback_slack or not elche.calibrated:
+            return
+        remaining = core.dispatch.epoch_remaining()
+        if remaining is None or remaining == 0 or remaining > sum(elche.counts):
+            return
+        rank = core.roles.epoch_callback
+        slack = core.roles.ewma_ms["epoch_fn"]
+        if slack is None or not core.alive(rank):
+            return
+        slow = elche.smoothed_ms(elche.anchor_rank) if elche.anchor_rank is not None else None
+        anchor_wall_ms = elche.anchor * slow if slow is not None else 0.0
+        if slack >= max(SLACK_SHARE * anchor_wall_ms, SLACK_FLOOR_MS):
+            elche.stage_slack(rank, slack)
 
     def after_window(self, now: float, out: list[Out]) -> None:
         self.throttled = [False] * self.core.ws

@@ -63,6 +63,7 @@ from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
+from flodl_bus.record.chain import raw_lines
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
 
@@ -140,8 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr-scale-ratio",
         type=float,
-        default=0.0,
-        help="LR x (1 + (workers - 1) x RATIO) on every rank (flodl's linear scaling: 1.0)",
+        default=1.0,
+        help="LR x (1 + (workers - 1) x RATIO) on every rank (default 1.0: flodl's linear "
+        "scaling; 0: the job's LR as given)",
     )
     p.add_argument(
         "--tensorboard",
@@ -424,10 +426,10 @@ class Launcher:
 
     def _coordinator_header(self) -> dict[str, Any] | None:
         try:
-            with open(self.run_dir / "coordinator.jsonl", "rb") as f:
-                first = f.readline()
+            # plain or zstd (readable while it is written): record.chain reads both
+            first = next(raw_lines(self.run_dir / "coordinator.jsonl"), b"")
             header = orjson.loads(first)
-        except (OSError, orjson.JSONDecodeError):
+        except (OSError, ValueError, orjson.JSONDecodeError):
             return None
         return header if isinstance(header, dict) and header.get("event") == "run" else None
 

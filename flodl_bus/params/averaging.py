@@ -90,12 +90,6 @@ def easgd_blend_(
         p.lerp_(c.to(device=p.device, dtype=p.dtype, non_blocking=True), alpha)
 
 
-@torch.no_grad()
-def overwrite_(local: Sequence[torch.Tensor], consensus: Sequence[torch.Tensor]) -> None:
-    for p, c in zip(local, consensus, strict=True):
-        p.copy_(c, non_blocking=True)
-
-
 # ----------------------------------------------------------------------- outer optimizers
 
 

@@ -83,8 +83,3 @@ class FlatBuffers:
             raise ValueError(f"expected {len(self.views)} tensors, got {len(tensors)}")
         if self.views:
             torch._foreach_copy_([t.detach() for t in tensors], self.views, non_blocking)
-
-    @torch.no_grad()
-    def copy_from(self, other: FlatBuffers, *, non_blocking: bool = False) -> None:
-        for dst, src in zip(self.flats, other.flats, strict=True):
-            dst.copy_(src, non_blocking=non_blocking)

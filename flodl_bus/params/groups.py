@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from flodl_bus.params.store import RedisStore
+from flodl_bus.bus.store import RedisStore
 
 log = structlog.get_logger("flodl_bus.params")
 
@@ -51,11 +51,6 @@ class CollectiveFailed(RuntimeError):
 
 class SessionTimeout(RuntimeError):
     """No new session arrived within the mailbox cap after the group broke."""
-
-
-def new_session_uid() -> bytes:
-    """A fresh uid for ``NewNcclIdGenerated`` (any rank may be asked to generate one)."""
-    return os.urandom(16)
 
 
 def session_prefix(base: str, uid: bytes) -> str:
@@ -385,8 +380,6 @@ class SessionManager:
             world_size=spec.world_size,
             backend=self.backend,
             form_s=round(time.monotonic() - started, 4),
-            # CLOCK_MONOTONIC is host-wide: a driver on the same host lines these up.
-            mono=round(time.monotonic(), 4),
         )
         return group
 
@@ -426,7 +419,6 @@ class SessionManager:
                     uid=group.spec.uid.hex(),
                     rank=group.rank,
                     world_size=group.world_size,
-                    mono=round(time.monotonic(), 4),
                 )
             return result
         raise CollectiveFailed(f"gave up after {self.max_attempts} attempts: {last}")

@@ -7,7 +7,7 @@ It owns the rank's session manager (group, mailbox, re-session) and one averagin
 Wiring in the rank runtime (the core never sees these three):
 
 - ``DeclareDead`` -> ``port.abort()`` (releases a rank parked in a collective);
-- ``RequestNewNcclId`` -> publish ``NewNcclIdGenerated(rank, groups.new_session_uid())``;
+- ``RequestNewNcclId`` -> publish ``NewNcclIdGenerated(rank, <fresh random uid>)``;
 - ``NewNcclSession`` -> ``port.new_session(uid, new_rank, new_world_size)``.
 
 Both paths re-session: gloo also breaks when a peer dies (its sockets close), so the

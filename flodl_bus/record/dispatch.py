@@ -1,7 +1,8 @@
 """The record of one process: what it read, what its core decided, what it emitted.
 
-One JSON object per line in ``runs/<run>/coordinator.jsonl`` or ``runs/<run>/rank<r>.jsonl``
-(``.jsonl.gz`` is read too). Every core-facing event carries ``i``, numbered from one
+One JSON object per line in ``runs/<run>/coordinator.jsonl.zst`` or
+``runs/<run>/rank<r>.jsonl.zst`` (plain ``.jsonl`` with ``FLODL_RECORD_COMPRESS=0``;
+``.jsonl.gz`` is read too). Every core-facing event carries ``i``, numbered from one
 counter per process in the order the events happened; replay walks them in ``i``.
 
 Common to both roles:
@@ -21,6 +22,10 @@ Common to both roles:
     ``{"type": "Update", "local": true, "version", "realized", "tensors"}``).
 ``{"event": <other>, ...}``
     free-form runtime events (membership, reconnects, alerts); replay ignores them.
+``{"event": "end", "records", ...}``
+    the last line (``DispatchRecorder.end``): without it the record is incomplete.
+
+Every line also ends in ``"d"``, its link in the record's digest chain (``record.chain``).
 
 Coordinator only:
 
@@ -59,9 +64,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, get_args
+
+import structlog
 
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import EpochPlan, Update, WireMsg
@@ -122,27 +130,79 @@ def dumps(value: Any) -> bytes:
     return log.dumps(value, record_value)
 
 
-def record_path(run_dir: str | Path, role: str, rank: int | None = None) -> Path:
+#: ``0`` writes plain ``*.jsonl`` records; anything else (the default) ``*.jsonl.zst``.
+ENV_COMPRESS: Final = "FLODL_RECORD_COMPRESS"
+
+
+def compress_default() -> bool:
+    return os.environ.get(ENV_COMPRESS, "1").strip().lower() not in ("0", "no", "false", "off")
+
+
+def record_path(
+    run_dir: str | Path, role: str, rank: int | None = None, *, compress: bool = False
+) -> Path:
     name = "coordinator" if role == "coordinator" else f"rank{rank}"
-    return Path(run_dir) / f"{name}.jsonl"
+    return Path(run_dir) / f"{name}.jsonl{'.zst' if compress else ''}"
+
+
+def _taken(run_dir: Path, role: str, rank: int | None) -> bool:
+    stem = record_path(run_dir, role, rank)
+    return any(stem.with_name(stem.name + s).exists() for s in ("", ".zst", ".gz"))
+
+
+def fresh_run_dir(run_dir: str | Path, role: str, rank: int | None = None) -> Path:
+    """``run_dir`` if it holds no record of this process yet, else the first of
+    ``run_dir.2``, ``run_dir.3``... that does not: one run per record, never appended
+    to an earlier one (a run id reused with ``--reset-run``). Every process of the rerun
+    makes the same choice, so its records land together."""
+    base = Path(run_dir)
+    candidate, k = base, 1
+    while _taken(candidate, role, rank):
+        k += 1
+        candidate = base.with_name(f"{base.name}.{k}")
+    return candidate
 
 
 class DispatchRecorder:
     """Thin, allocation-light writer of the events above for one process.
 
-    Every line reaches the OS as it is written (structlog's ``BytesLogger`` flushes per
-    line), so a process that hangs, crashes or is killed leaves its record up to its last
-    core call: that is the run a replay reproduces.
+    Every line reaches the OS as it is written (a compressed record: within
+    ``record.chain.FLUSH_S``), so a process that hangs, crashes or is killed leaves its
+    record up to its last core call: that is the run a replay reproduces.
+
+    ``run_dir`` is the directory the record went to: the one asked for, or a fresh
+    sibling (``rotated_from`` says which was asked) when it already held a record of
+    this process.
     """
 
-    def __init__(self, run_dir: str | Path, role: str, rank: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        role: str,
+        rank: int | None = None,
+        *,
+        compress: bool | None = None,
+    ) -> None:
         self.role = role
         self.rank = rank
-        self.path = record_path(run_dir, role, rank)
+        asked = Path(run_dir)
+        self.run_dir = fresh_run_dir(asked, role, rank)
+        self.rotated_from: Path | None = asked if self.run_dir != asked else None
+        if compress is None:
+            compress = compress_default()
+        self.path = record_path(self.run_dir, role, rank, compress=compress)
         self._rec = Recorder(self.path, encoder=record_value)
         # next() on itertools.count is atomic under the GIL: the reader and the training
         # thread of a rank share the numbering without a lock.
         self._counter = itertools.count()
+        if self.rotated_from is not None:
+            structlog.get_logger("flodl_bus.record").warning(
+                "record_rotated",
+                asked=str(asked),
+                record=str(self.path),
+                why="the run directory already holds a record of this process "
+                "(a reused run id): this run is recorded beside it, never appended",
+            )
 
     # ------------------------------------------------------------------ both roles
 
@@ -177,7 +237,18 @@ class DispatchRecorder:
         )
 
     def event(self, name: str, **fields: Any) -> None:
+        if name == "end":
+            self.end(**fields)
+            return
         self._rec.record(name, **record_value(fields))
+
+    def end(self, **fields: Any) -> None:
+        """The record's closing line (``record.chain``): nothing is recorded after it."""
+        self._rec.end(**record_value(fields))
+
+    @property
+    def lines(self) -> int:
+        return self._rec.lines
 
     # ------------------------------------------------------------------ coordinator
 

@@ -3,9 +3,9 @@
 Two sinks, deliberately separate:
 
 * the console logger (global structlog config) is for people: key=value lines on stderr;
-* a ``Recorder`` is the durable record of one process (``runs/<run>/<role>.jsonl``): a
-  structlog logger wrapped around a ``BytesLogger`` with orjson, no stdlib ``logging`` on
-  the hot path, one line per event.
+* a ``Recorder`` is the durable record of one process (``runs/<run>/<role>.jsonl[.zst]``):
+  orjson straight into a chained line (``record.chain``), no logging framework on the
+  hot path, one line per event.
 
 Secrets never reach either sink: the ``redact`` processor masks them by key and strips
 credentials out of URLs.
@@ -14,17 +14,17 @@ credentials out of URLs.
 from __future__ import annotations
 
 import base64
-import gzip
 import sys
 import threading
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 import structlog
 
 from flodl_bus.bus.connection import redact_url
+from flodl_bus.record import chain
 
 _SECRET_KEYS = frozenset({"secret", "password", "passwd", "token", "run_secret", "mac_key"})
 _configured = False
@@ -117,85 +117,72 @@ def unjson(value: Any) -> Any:
 
 
 class Recorder:
-    """Appends one JSON object per line to ``path``. Thread-safe; flushed on close."""
+    """Appends one JSON object per line to ``path`` in a digest chain (``record.chain``);
+    ``*.zst`` paths are written in zstd frames. Thread-safe: the chain follows the file's
+    order, whichever thread wrote. After ``end`` the record takes no more lines."""
 
     def __init__(self, path: str | Path, *, encoder: Encoder | None = None, **context: Any) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[bytes] = open(self.path, "ab", buffering=1 << 16)  # noqa: SIM115
         self._write_lock = threading.Lock()
-        default = _default_with(encoder)
+        self._default = _default_with(encoder)
+        self._context = context
+        self._last = chain.SEED
+        self.lines = 0
+        self.ended = False
+        self._sink = chain.open_sink(self.path, self._write_lock)
 
-        def serialize(event: Any, **_kw: Any) -> bytes:
-            return orjson.dumps(event, default=default, option=_OPTIONS)
-
-        render = structlog.processors.JSONRenderer(serializer=serialize)
-        # An explicit BoundLogger: the default lazy proxy re-resolves its configuration
-        # on every call, which costs more than the rest of a record.
-        self._log = structlog.wrap_logger(
-            structlog.BytesLogger(self._file),
-            processors=[redact, render],
-            wrapper_class=structlog.BoundLogger,
-            context_class=dict,
-        ).bind(**context)
-        # Core events have a fixed set of fields holding protocol data only (no key that
-        # could hold a secret), so they skip the redaction pass: it is most of the cost
-        # of a record on the dispatching thread.
-        self._core = structlog.wrap_logger(
-            structlog.BytesLogger(self._file),
-            processors=[render],
-            wrapper_class=structlog.BoundLogger,
-            context_class=dict,
-        ).bind(**context)
+    def _write(self, event: dict[str, Any]) -> None:
+        body = orjson.dumps(event, default=self._default, option=_OPTIONS)
+        with self._write_lock:
+            if self.ended or self._sink.closed:
+                return  # a late line from another thread: the record is closed
+            line, self._last = chain.seal(self._last, body)
+            self._sink.write(line)
+            self.lines += 1
 
     def record(self, event: str, **fields: Any) -> None:
         """A free-form event: every field goes through ``redact``."""
-        with self._write_lock:
-            self._log.msg(event, **fields)
+        self._write(redact(None, "", {"event": event, **self._context, **fields}))  # type: ignore[arg-type]
 
     def record_core(self, event: str, **fields: Any) -> None:
-        """A core event of the dispatch schema (fields fixed by ``record.dispatch``)."""
+        """A core event of the dispatch schema (fields fixed by ``record.dispatch``).
+
+        Core events have a fixed set of fields holding protocol data only (no key that
+        could hold a secret), so they skip the redaction pass: it would be most of the
+        cost of a record on the dispatching thread."""
+        self._write({"event": event, **self._context, **fields})
+
+    def end(self, **fields: Any) -> None:
+        """The closing line: a record without it was cut short (a kill, a crash, a hang).
+        ``records`` counts the lines before it."""
+        self._write(
+            redact(None, "", {"event": "end", **self._context, "records": self.lines, **fields})  # type: ignore[arg-type]
+        )
         with self._write_lock:
-            self._core.msg(event, **fields)
+            self.ended = True
 
     def flush(self) -> None:
         with self._write_lock:
-            self._file.flush()
+            if not self._sink.closed:
+                self._sink.flush()
 
     def close(self) -> None:
         with self._write_lock:
-            if not self._file.closed:
-                self._file.flush()
-                self._file.close()
+            if not self._sink.closed:
+                self._sink.flush()
+                self._sink.close()
 
     @property
     def closed(self) -> bool:
-        return self._file.closed
-
-
-class DamagedRecord(ValueError):
-    """A record line other than the last one does not parse: something cut or edited it."""
+        return self._sink.closed
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a JSONL file (``.gz`` too).
+    """Every record of a record file (plain, ``.zst`` or ``.gz``; ``x.jsonl`` finds
+    ``x.jsonl.zst``), without the chain's digests.
 
-    Only the *last* line may be torn (a crash mid-write); a bad line anywhere else means
-    the record was damaged, and replaying around the hole could call a run identical
-    that is not, so it raises ``DamagedRecord`` naming the line.
+    The chain is verified (``DamagedRecord`` names the first line that breaks it); a last
+    line cut mid-write is left out, as a record being written or cut by a crash has one.
     """
-    out: list[dict[str, Any]] = []
-    bad: int | None = None
-    opener: Any = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            if bad is not None:
-                raise DamagedRecord(f"{path}: line {bad} is not a JSON record")
-            try:
-                out.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                bad = number
-    return out
+    return [r for _, r in chain.verified_lines(path) if r is not None]

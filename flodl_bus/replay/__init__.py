@@ -8,10 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from flodl_bus.replay.coordinator import CoordinatorReplay, config_from_header
 from flodl_bus.replay.engine import Divergence, ReplayResult, brief, norm
-from flodl_bus.replay.load import Recording, load_run, recording_from_records, save_run
+from flodl_bus.replay.load import (
+    Recording,
+    load_run,
+    recording_from_records,
+    save_run,
+    verify_run,
+)
 from flodl_bus.replay.rank import RankReplay
 
 __all__ = [
@@ -28,18 +35,44 @@ __all__ = [
     "replay",
     "replay_run",
     "save_run",
+    "verify_run",
 ]
 
 
-def replay(rec: Recording, *, explore: bool = False, until: float | None = None) -> ReplayResult:
+def replay(
+    rec: Recording,
+    *,
+    explore: bool = False,
+    until: float | None = None,
+    keep_actual: bool = True,
+    allow_incomplete: bool = True,
+) -> ReplayResult:
+    """Replay one process's record (see ``replay.engine``). ``until``: the coordinator's
+    seconds since launch, a rank's own clock. ``keep_actual=False`` keeps only the
+    verdict (bounded memory)."""
+    kw: dict[str, Any] = {
+        "explore": explore,
+        "until": until,
+        "keep_actual": keep_actual,
+        "allow_incomplete": allow_incomplete,
+    }
     if rec.role == "coordinator":
-        return CoordinatorReplay(rec, explore=explore, until=until).run()
-    return RankReplay(rec, explore=explore).run()
+        return CoordinatorReplay(rec, **kw).run()
+    return RankReplay(rec, **kw).run()
 
 
 def replay_run(
-    run: str | Path | Mapping[str, Recording], *, role: str | None = None, explore: bool = False
+    run: str | Path | Mapping[str, Recording],
+    *,
+    role: str | None = None,
+    explore: bool = False,
+    verify: bool = True,
+    keep_actual: bool = True,
 ) -> dict[str, ReplayResult]:
+    """Replay every process of ``run`` (or one ``role``). A run read from disk is verified
+    first (``verify_run``): a damaged, unchained or incomplete record raises."""
     recs = load_run(run) if isinstance(run, (str, Path)) else run
+    if verify:
+        verify_run(recs if role is None else {role: recs[role]})
     keys = [role] if role is not None else list(recs)
-    return {k: replay(recs[k], explore=explore) for k in keys}
+    return {k: replay(recs[k], explore=explore, keep_actual=keep_actual) for k in keys}

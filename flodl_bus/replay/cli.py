@@ -1,30 +1,120 @@
-"""``flodl-bus replay RUN_DIR [--role coordinator|rank:R] [--until T]`` (see
-``replay.engine`` for what a replay does)."""
+"""``flodl-bus replay RUN_DIR [--role coordinator|rank:R] [--until T] [--allow-incomplete]``.
+
+Verify, then compare: every record of the run is checked first (its digest chain line by
+line, its end record, its header against the file and the other records); only a record
+that verifies is replayed (``replay.engine`` says what a replay does).
+
+Exit status (stdout is the report, one line per process; stderr names what was refused):
+
+===  ===================================================================================
+0    identical: every replayed process did what its record says
+1    a divergence: the first one, with the changed keys, recorded vs replayed
+2    bad input: not a run directory, no record in it, an unknown ``--role``, a bad ``T``
+4    a damaged record: a line edited, removed, moved or not JSON, a header that disagrees
+     with its file or the other records, or a record without a digest chain; the
+     message names the file and line
+5    an incomplete record: no end record (its process was killed, crashed or hung);
+     ``--allow-incomplete`` replays it up to its last verified line
+===  ===================================================================================
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
-from flodl_bus.record.log import DamagedRecord
-from flodl_bus.replay import CoordinatorReplay, load_run, replay
+from flodl_bus.record.chain import DamagedRecord, IncompleteRecord, UnchainedRecord
+from flodl_bus.replay import CoordinatorReplay, RankReplay, Recording, load_run, replay
+from flodl_bus.replay.coordinator import launch_time
+from flodl_bus.replay.load import verify_run
+
+PROG = "flodl-bus replay"
+IDENTICAL = 0
+DIVERGED = 1
+BAD_INPUT = 2
+DAMAGED = 4
+INCOMPLETE = 5
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="flodl-bus replay",
-        description="Replay a recorded run against fresh cores over fakeredis.",
+        prog=PROG,
+        description="Verify a recorded run, then replay it against fresh cores over "
+        "fakeredis. Exit 0 identical, 1 diverged, 2 bad input, 4 damaged record, "
+        "5 incomplete record.",
     )
     p.add_argument("run_dir", help="runs/<run-id>")
     p.add_argument("--role", help="coordinator or rank:R (default: every recorded process)")
     p.add_argument(
         "--until",
-        type=float,
-        help="print the coordinator's state T seconds after the run started",
+        metavar="T",
+        help="stop at T and print the state there: seconds since the coordinator's launch "
+        "(e.g. 57.5) or an ISO wall-clock time (2026-12-01T03:40:00+00:00; without an "
+        "offset, local time); with --role rank:R, that rank's state",
+    )
+    p.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="replay a record without its end (a killed or hung process) up to its last "
+        "verified line",
     )
     return p
+
+
+def _err(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr)
+
+
+def _launched_wall(header: Mapping[str, Any]) -> float | None:
+    for name in ("launched_wall", "started_wall"):
+        v = header.get(name)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return None
+
+
+def _until(text: str, recs: Mapping[str, Recording], role: str) -> tuple[float, str] | str:
+    """(limit on ``role``'s clock as its replay counts it, label) or an error line."""
+    seconds: float | None
+    wall: float | None = None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = None
+        try:
+            wall = datetime.fromisoformat(text).timestamp()
+        except ValueError:
+            return (
+                f"--until {text!r}: give seconds since the coordinator's launch (57.5) or an "
+                "ISO time (2026-12-01T03:40:00+00:00)"
+            )
+    coord = recs.get("coordinator")
+    coord_wall = _launched_wall(coord.header) if coord is not None else None
+    if role == "coordinator":
+        if seconds is not None:
+            return seconds, f"t={seconds:.3f}s"
+        if coord_wall is None:
+            return "--until TIME needs the coordinator record's launch time (launched_wall)"
+        assert wall is not None
+        rel = wall - coord_wall
+        return rel, f"{text} (t={rel:.3f}s)"
+    rank_wall = _launched_wall(recs[role].header)
+    if seconds is not None:
+        if coord_wall is None or rank_wall is None:
+            # No common clock: T counts from the rank's own launch.
+            return seconds, f"t={seconds:.3f}s of the rank's clock"
+        wall = coord_wall + seconds
+        label = f"t={seconds:.3f}s"
+    else:
+        label = text
+    if rank_wall is None:
+        return f"--until for {role} needs its record's launch time (launched_wall)"
+    assert wall is not None
+    return wall - rank_wall, label
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,42 +126,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_console("warning")
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
-        print(f"flodl-bus replay: {run_dir} is not a run directory", file=sys.stderr)
-        return 2
+        _err(f"{run_dir} is not a run directory")
+        return BAD_INPUT
     try:
         recs = load_run(run_dir)
     except DamagedRecord as exc:
-        print(f"flodl-bus replay: {exc}", file=sys.stderr)
-        return 1
+        _err(str(exc))
+        return DAMAGED
     if not recs:
-        print(f"flodl-bus replay: no coordinator or rank<r> record in {run_dir}", file=sys.stderr)
-        return 2
+        _err(f"no coordinator or rank<r> record in {run_dir}")
+        return BAD_INPUT
     role = args.role
     if role is not None and role not in recs:
-        print(
-            f"flodl-bus replay: no record for {role!r} in {run_dir} (have: {', '.join(recs)})",
-            file=sys.stderr,
-        )
-        return 2
-    if args.until is not None:
-        if "coordinator" not in recs:
-            print("flodl-bus replay: --until needs the coordinator's record", file=sys.stderr)
-            return 2
-        r = CoordinatorReplay(recs["coordinator"], until=args.until)
-        result = r.run()
-        print(r.state_at())
-        if not result.identical:
-            print(result.summary())
-            return 1
-        return 0
+        _err(f"no record for {role!r} in {run_dir} (have: {', '.join(recs)})")
+        return BAD_INPUT
     keys = [role] if role is not None else list(recs)
-    ok = True
-    for key in keys:
-        result = replay(recs[key])
-        ok = ok and result.identical
-        line = result.summary()
-        print(line if len(keys) == 1 else f"{key}: {line}")
-    return 0 if ok else 1
+    try:
+        verified = verify_run({k: recs[k] for k in keys}, allow_incomplete=args.allow_incomplete)
+        if role is not None:
+            verify_run(recs, allow_incomplete=True)  # the headers against each other
+    except IncompleteRecord as exc:
+        _err(str(exc))
+        return INCOMPLETE
+    except (DamagedRecord, UnchainedRecord) as exc:
+        _err(str(exc))
+        return DAMAGED
+    incomplete = {k: v for k, v in verified.items() if not v.complete}
+    for k, v in incomplete.items():
+        _err(f"{k}: incomplete record: replaying its {v.lines} verified lines")
+    try:
+        if args.until is not None:
+            return _until_main(args.until, recs, role or "coordinator")
+        ok = True
+        for key in keys:
+            result = replay(recs[key], keep_actual=False)
+            ok = ok and result.identical
+            line = result.summary()
+            if key in incomplete and result.identical:
+                line += f", up to line {incomplete[key].lines} (incomplete record)"
+            print(line if len(keys) == 1 else f"{key}: {line}")
+    except DamagedRecord as exc:
+        _err(str(exc))
+        return DAMAGED
+    return IDENTICAL if ok else DIVERGED
+
+
+def _until_main(text: str, recs: Mapping[str, Recording], role: str) -> int:
+    if role not in recs:
+        _err("--until needs the coordinator's record (or --role rank:R)")
+        return BAD_INPUT
+    got = _until(text, recs, role)
+    if isinstance(got, str):
+        _err(got)
+        return BAD_INPUT
+    limit, label = got
+    r: CoordinatorReplay | RankReplay
+    if role == "coordinator":
+        r = CoordinatorReplay(recs[role], until=limit, keep_actual=False)
+        result = r.run()
+        print(r.state_at(label))
+    else:
+        r = RankReplay(recs[role], until=limit, keep_actual=False)
+        result = r.run()
+        print(r.state_at(label))
+    if not result.identical:
+        print(result.summary())
+        return DIVERGED
+    return IDENTICAL
+
+
+__all__ = ["BAD_INPUT", "DAMAGED", "DIVERGED", "IDENTICAL", "INCOMPLETE", "launch_time", "main"]
 
 
 if __name__ == "__main__":

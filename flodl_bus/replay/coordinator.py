@@ -11,23 +11,22 @@ from typing import Any
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.ids import parse_id
 from flodl_bus.bus.streams import RedisCoordinatorBus
-from flodl_bus.coordinator.config import CoordinatorConfig, MaxFailure
+from flodl_bus.coordinator.config import LEGACY_DEFAULTS, CoordinatorConfig, MaxFailure
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Broadcast, Out, Send
 from flodl_bus.protocol.messages import SyncAck, is_upstream
 from flodl_bus.replay.engine import (
     REPLAY_KEYS,
+    REPLAY_STREAMS,
     ReplayResult,
     _dead_letters,
     _drain,
-    _ident,
     _msg_of,
     _Replay,
-    _seed,
     brief,
     norm,
 )
-from flodl_bus.replay.load import Recording
+from flodl_bus.replay.load import DamagedRecord, Recording
 
 
 def config_from_header(header: Mapping[str, Any]) -> CoordinatorConfig:
@@ -35,13 +34,13 @@ def config_from_header(header: Mapping[str, Any]) -> CoordinatorConfig:
     if not isinstance(raw, Mapping):
         raise ValueError("the coordinator record has no config in its run header")
     known = set(CoordinatorConfig.__dataclass_fields__)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {k: v for k, v in LEGACY_DEFAULTS.items() if k not in raw}
     for k, v in raw.items():
         if k not in known:
             continue
         if k == "max_failure" and isinstance(v, Mapping):
             v = MaxFailure(absolute=v.get("absolute"), percent=v.get("percent"))
-        elif k == "partition_ratios" and v is not None:
+        elif k in ("partition_ratios", "speed_hints") and v is not None:
             v = tuple(v)
         kwargs[k] = v
     return CoordinatorConfig(**kwargs)
@@ -59,11 +58,29 @@ class RankView:
     acked: tuple[float, Any] | None = None
 
 
+def launch_time(header: Mapping[str, Any]) -> float | None:
+    """The coordinator's clock at its launch, when the record says (``--until`` counts
+    from there)."""
+    for name in ("launched_at", "t0"):
+        value = header.get(name)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
+
+
 class CoordinatorReplay(_Replay):
     def __init__(
-        self, rec: Recording, *, explore: bool = False, until: float | None = None
+        self,
+        rec: Recording,
+        *,
+        explore: bool = False,
+        until: float | None = None,
+        keep_actual: bool = True,
+        allow_incomplete: bool = True,
     ) -> None:
-        super().__init__(rec, explore=explore)
+        super().__init__(
+            rec, explore=explore, keep_actual=keep_actual, allow_incomplete=allow_incomplete
+        )
         h = rec.header
         self.config = config_from_header(h)
         meta = h.get("resume_meta", h.get("resume"))
@@ -73,35 +90,49 @@ class CoordinatorReplay(_Replay):
             else Coordinator(self.config)
         )
         ws = self.config.world_size
-        inputs = {
-            (ev["stream"], ev["id"]): ev
-            for ev in rec.events
-            if ev.get("event") == "dispatch" and ev.get("stream")
-        }
-        _seed(self.client, self.keys, inputs)
-        ranks = sorted({_rank_of_stream(s) for s, _ in inputs} | set(range(ws)))
+        for r in range(ws):
+            REPLAY_KEYS.rank(r)
         self.bus = RedisCoordinatorBus(
-            self.client, self.keys, REPLAY_KEYS, ranks=ranks, where="replay"
+            self.client,
+            self.keys,
+            REPLAY_KEYS,
+            ranks=range(ws),
+            config=REPLAY_STREAMS,
+            where="replay",
         )
         self.buffers: dict[str, deque[Delivery]] = {}
-        core_events = rec.core_events()
-        t0 = h.get("t0")
-        if not isinstance(t0, (int, float)):
-            t0 = next((e["now"] for e in core_events if "now" in e), 0.0)
-        self.t0 = float(t0)
+        #: the clock reading ``until`` counts from: the launch, else the first event's
+        self.t0 = launch_time(h)
+        #: seconds after ``t0``: stop before the first event past it
         self.until = until
         self.views = [RankView() for _ in range(ws)]
-        self.last_event: Mapping[str, Any] | None = None
+        self._checked_world = False
+
+    def inputs_of(self, ev: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        if ev.get("event") != "dispatch" or not ev.get("stream"):
+            return []
+        rank = _rank_of_stream(ev["stream"])
+        self.bus.add_rank(rank)  # a no-op for a rank it reads already
+        return [ev]
+
+    def deliver(self, n: int) -> None:
+        got = _drain(self.bus.read_upstream, n, self.dlq_len)
+        last: dict[str, str] = {}
+        for d in got:
+            self.buffers.setdefault(d.stream, deque()).append(d)
+            last[d.stream] = d.entry_id
+        self.bus.ack(got)
+        self.feeder.trim(last)
 
     def run(self) -> ReplayResult:
         try:
-            for d in _drain(self.bus.read_upstream):
-                self.buffers.setdefault(d.stream, deque()).append(d)
-            self.bus.ack([d for q in self.buffers.values() for d in q])
-            for ev in self.rec.core_events():
+            for ev in self.windowed(self.rec.stream(allow_incomplete=self.allow_incomplete)):
                 now = ev.get("now")
-                if self.until is not None and now is not None and now - self.t0 > self.until:
-                    break
+                if isinstance(now, (int, float)):
+                    if self.t0 is None:
+                        self.t0 = float(now)
+                    if self.until is not None and now - self.t0 > self.until:
+                        break
                 self._event(ev)
                 self.result.replayed += 1
                 self.last_event = ev
@@ -111,6 +142,22 @@ class CoordinatorReplay(_Replay):
         finally:
             self.bus.close()
         return self.result
+
+    def check_world(self, ev: Mapping[str, Any]) -> None:
+        """The header's world size against the events' per-rank state (once)."""
+        if self._checked_world or ev.get("synthetic"):
+            return
+        after = ev.get("after")
+        steps = after.get("steps") if isinstance(after, Mapping) else None
+        if isinstance(steps, list):
+            self._checked_world = True
+            if len(steps) != self.config.world_size:
+                raise DamagedRecord(
+                    self.rec.path or self.rec.key,
+                    0,
+                    f"the header's world_size {self.config.world_size} disagrees with the "
+                    f"events (state of {len(steps)} ranks at i={ev.get('i')})",
+                )
 
     def _consume(self, ev: Mapping[str, Any]) -> Any:
         stream = ev["stream"]
@@ -139,15 +186,19 @@ class CoordinatorReplay(_Replay):
         msg = d.msg
         assert is_upstream(msg), type(msg).__name__
         actual = self._call(lambda: self.core.handle(sender, msg, now))
-        self.result.actual.append({**ev, "msg": norm(d.msg), **actual})
+        self.keep(ev, {"msg": norm(d.msg), **actual})
 
     def _call(self, fn: Any) -> dict[str, Any]:
-        before = self.core.state_summary()
+        # The core changes only through these calls: the last "after" is this "before".
+        before = self._after if self._after is not None else norm(self.core.state_summary())
         out: list[Out] = fn()
-        after = self.core.state_summary()
+        after = norm(self.core.state_summary())
+        self._after = after
         for o in out:
             self._effect(o)
-        return {"before": norm(before), "out": norm(out), "after": norm(after)}
+        return {"before": before, "out": norm(out), "after": after}
+
+    _after: Any = None
 
     def _effect(self, o: Out) -> None:
         t = self._now_rel
@@ -163,9 +214,10 @@ class CoordinatorReplay(_Replay):
     _now_rel = 0.0
 
     def _event(self, ev: Mapping[str, Any]) -> None:
+        self.check_world(ev)
         kind = ev["event"]
         now = float(ev.get("now", 0.0))
-        self._now_rel = now - self.t0
+        self._now_rel = now - (self.t0 or 0.0)
         core = self.core
         fields: tuple[str, ...] = ("before", "out", "after")
         extra: dict[str, Any] = {}
@@ -194,17 +246,17 @@ class CoordinatorReplay(_Replay):
         else:
             return
         actual |= extra
-        self.result.actual.append({**_ident(ev), **actual})
+        self.keep(ev, actual)
         self.compare(ev, actual, fields)
 
-    def state_at(self) -> str:
+    def state_at(self, label: str | None = None) -> str:
         """The coordinator's state where the replay stopped (``--until``)."""
         core = self.core
         s = core.state_summary()
         open_, why = core.gate()
         at = self.last_event.get("i") if self.last_event else None
         lines = [
-            f"coordinator at t={self.until:.3f}s (after event i={at}, "
+            f"coordinator at {label or f't={self.until or 0.0:.3f}s'} (after event i={at}, "
             f"{self.result.replayed} events replayed)",
             f"phase {s['phase']}, version {s['version']}, global_step {s['global_step']}, "
             f"averages {s['avg_count']}, anchor {s['anchor']}",

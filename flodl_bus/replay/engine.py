@@ -25,7 +25,8 @@ and synthetic ticks are run; ``ReplayResult.actual`` is the new record.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.ids import EntryId, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
+from flodl_bus.bus.streams import StreamsConfig
 from flodl_bus.protocol import signing, wire
 from flodl_bus.record.dispatch import dumps
 from flodl_bus.record.log import unjson
@@ -45,6 +47,9 @@ from flodl_bus.replay.load import Recording
 #: Stands in for the run secret (never recorded): entries are re-signed with it.
 #: replay re-signs what it feeds with fixed keys (no run secret is ever recorded)
 REPLAY_KEYS = signing.fixed_keys(hashlib.sha256(b"flodl-bus replay: not a run secret").digest())
+#: The replay's buses: what they write (the coordinator's sends) is trimmed short, so the
+#: streams stay small whatever the record's length.
+REPLAY_STREAMS = StreamsConfig(maxlen=1000)
 
 # ------------------------------------------------------------------------ results
 
@@ -67,6 +72,37 @@ def _short(value: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _paths(expected: Any, actual: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Where two JSON values differ: (dotted key path, recorded, replayed), the deepest
+    differing keys of dicts and of lists of equal length."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for k in [*expected, *(k for k in actual if k not in expected)]:
+            e, a = expected.get(k, _ABSENT), actual.get(k, _ABSENT)
+            if e != a:
+                out += _paths(e, a, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
+        out = []
+        for k, (e, a) in enumerate(zip(expected, actual)):
+            if e != a:
+                out += _paths(e, a, f"{prefix}[{k}]")
+        return out
+    return [(prefix, expected, actual)]
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT: Any = _Absent()
+
+
+def _value(v: Any, limit: int) -> str:
+    return "(absent)" if v is _ABSENT else _short(v, limit)
+
+
 @dataclass(frozen=True)
 class Divergence:
     index: int
@@ -76,12 +112,21 @@ class Divergence:
     expected: Any
     actual: Any
 
+    def changes(self) -> list[tuple[str, Any, Any]]:
+        """The changed keys under ``field``: (path, recorded, replayed)."""
+        return _paths(self.expected, self.actual, self.field)
+
     def __str__(self) -> str:
-        return (
-            f"divergence at event i={self.index} ({self.event} {self.where}): {self.field}\n"
-            f"  expected: {_short(self.expected, 2000)}\n"
-            f"  actual:   {_short(self.actual, 2000)}"
-        )
+        head = f"divergence at event i={self.index} ({self.event} {self.where}): {self.field}"
+        changes = self.changes()
+        lines = [head]
+        for path, e, a in changes[:12]:
+            lines.append(f"  {path}: recorded {_value(e, 300)}, replayed {_value(a, 300)}")
+        if len(changes) > 12:
+            lines.append(f"  ... and {len(changes) - 12} more changed keys")
+        lines.append(f"  expected: {_short(self.expected, 2000)}")
+        lines.append(f"  actual:   {_short(self.actual, 2000)}")
+        return "\n".join(lines)
 
 
 @dataclass
@@ -121,52 +166,98 @@ def _msg_of(data: Any) -> Any:
     return wire.from_map(unjson(data))
 
 
-def _seed(
-    client: fakeredis.FakeRedis,
-    keys: RunKeys,
-    inputs: Mapping[tuple[str, str], dict[str, Any]],
-) -> None:
-    """Write every input entry under its recorded id, stream by stream in id order."""
-    by_stream: dict[str, list[tuple[EntryId, dict[str, Any]]]] = {}
-    for (stream, raw_id), entry in inputs.items():
-        by_stream.setdefault(stream, []).append((parse_id(raw_id), entry))
-    for stream in by_stream:
-        # every rank whose stream is replayed has its slot in the broadcasts' MAC vector
-        owner = keys.rank_of(stream)
-        if owner is not None:
-            REPLAY_KEYS.rank(owner)
-    for stream in sorted(by_stream):
-        rank_field = BROADCAST if stream == keys.ctl_all else stream.rsplit(":", 1)[1]
-        pipe = client.pipeline(transaction=False)
-        signer: signing.Signer = (
-            REPLAY_KEYS.broadcast if rank_field == BROADCAST else REPLAY_KEYS.rank(int(rank_field))
-        )
-        for seq, (eid, entry) in enumerate(sorted(by_stream[stream], key=lambda x: x[0]), 1):
-            eid_s = f"{eid[0]}-{eid[1]}"
-            fields = bus_entries.build(
-                signer, stream, eid_s, _msg_of(entry["msg"]), rank_field, seq
+class Feeder:
+    """Writes recorded entries into the replay's fakeredis streams, a batch at a time, as
+    the replay reaches them: under their recorded ids, re-signed with ``REPLAY_KEYS``,
+    each stream's ``seq`` going on from batch to batch. Entries already consumed are
+    trimmed away, so the streams hold a window of the record, not all of it."""
+
+    def __init__(self, client: fakeredis.FakeRedis, keys: RunKeys) -> None:
+        self.client = client
+        self.keys = keys
+        self.last: dict[str, EntryId] = {}
+        self.seq: dict[str, int] = {}
+        self.fed = 0
+
+    def has(self, stream: str, raw_id: str) -> bool:
+        last = self.last.get(stream)
+        return last is not None and parse_id(raw_id) <= last
+
+    def feed(self, entries: Sequence[Mapping[str, Any]]) -> int:
+        """Write the entries not written yet, stream by stream in id order; how many."""
+        by_stream: dict[str, dict[EntryId, Mapping[str, Any]]] = {}
+        for entry in entries:
+            stream = entry["stream"]
+            eid = parse_id(entry["id"])
+            last = self.last.get(stream)
+            if last is not None and eid <= last:
+                continue  # already in the stream (a rank's dispatch of an entry it read)
+            # the first mention wins: a rank's read, then its dispatch of the same entry
+            by_stream.setdefault(stream, {}).setdefault(eid, entry)
+        if not by_stream:
+            return 0
+        pipe = self.client.pipeline(transaction=False)
+        n = 0
+        for stream in sorted(by_stream):
+            rank_field = BROADCAST if stream == self.keys.ctl_all else stream.rsplit(":", 1)[1]
+            owner = self.keys.rank_of(stream)
+            if owner is not None:
+                REPLAY_KEYS.rank(owner)
+            signer: signing.Signer = (
+                REPLAY_KEYS.broadcast
+                if rank_field == BROADCAST
+                else REPLAY_KEYS.rank(int(rank_field))
             )
-            corrupt = entry.get("corrupt")
-            if corrupt == "mac":
-                fields[F_MAC] = b"0" * len(fields[F_MAC])
-            elif corrupt is not None:
-                # Damaged but correctly signed, so the reader rejects it for the damage.
-                if corrupt == "body":
-                    fields[F_BODY] = b"\xc1" + fields[F_BODY][1:]
-                else:
-                    fields[F_TYPE] = str(corrupt).encode()
-                fields[F_MAC] = signer.sign(
-                    signing.signed_bytes(
-                        stream.encode(),
-                        eid_s.encode(),
-                        fields[F_TYPE],
-                        fields[F_RANK],
-                        fields[F_SEQ],
-                        fields[F_BODY],
-                    )
+            seq = self.seq.get(stream, 0)
+            got = sorted(by_stream[stream].items(), key=lambda x: x[0])
+            for eid, entry in got:
+                seq += 1
+                eid_s = f"{eid[0]}-{eid[1]}"
+                fields = bus_entries.build(
+                    signer, stream, eid_s, _msg_of(entry["msg"]), rank_field, seq
                 )
-            pipe.xadd(stream, fields, id=eid_s)  # type: ignore[arg-type]
+                corrupt = entry.get("corrupt")
+                if corrupt is not None:
+                    _corrupt(fields, corrupt, signer, stream, eid_s)
+                pipe.xadd(stream, fields, id=eid_s)  # type: ignore[arg-type]
+                n += 1
+            self.seq[stream] = seq
+            self.last[stream] = got[-1][0]
         pipe.execute()
+        self.fed += n
+        return n
+
+    def trim(self, upto: Mapping[str, str]) -> None:
+        """Drop every entry below ``upto[stream]`` (delivered and acked ones)."""
+        if not upto:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for stream, eid in upto.items():
+            pipe.xtrim(stream, minid=eid, approximate=False)
+        pipe.execute()
+
+
+def _corrupt(
+    fields: dict[bytes, bytes], how: str, signer: signing.Signer, stream: str, eid_s: str
+) -> None:
+    if how == "mac":
+        fields[F_MAC] = b"0" * len(fields[F_MAC])
+        return
+    # Damaged but correctly signed, so the reader rejects it for the damage.
+    if how == "body":
+        fields[F_BODY] = b"\xc1" + fields[F_BODY][1:]
+    else:
+        fields[F_TYPE] = str(how).encode()
+    fields[F_MAC] = signer.sign(
+        signing.signed_bytes(
+            stream.encode(),
+            eid_s.encode(),
+            fields[F_TYPE],
+            fields[F_RANK],
+            fields[F_SEQ],
+            fields[F_BODY],
+        )
+    )
 
 
 def _dead_letters(client: fakeredis.FakeRedis, keys: RunKeys) -> list[dict[str, str]]:
@@ -183,33 +274,93 @@ def _dead_letters(client: fakeredis.FakeRedis, keys: RunKeys) -> list[dict[str, 
     return out
 
 
-def _drain(read: Any, tries: int = 3) -> list[Delivery]:
-    """Everything the transport will deliver now (a cursor releases entries only after
-    its first ``>`` read, so a few empty reads in a row mean the end)."""
+def _drain(read: Any, want: int, dlq_len: Any, tries: int = 3) -> list[Delivery]:
+    """What the transport delivers of ``want`` entries just written: read until each was
+    delivered or dead-lettered, or a few empty reads in a row (a cursor releases entries
+    only after its first ``>`` read)."""
     got: list[Delivery] = []
+    dlq0 = dlq_len()
     empty = 0
     while empty < tries:
         batch = read(0)
         if batch:
             got.extend(batch)
             empty = 0
+            if len(got) >= want:
+                break
         else:
+            if len(got) + dlq_len() - dlq0 >= want:
+                break
             empty += 1
     return got
+
+
+#: events read ahead of the one being replayed; their entries are written to the streams
+#: together (one pipeline, a few reads) instead of one by one
+WINDOW = 512
 
 
 # ------------------------------------------------------------------------ base
 
 
 class _Replay:
-    def __init__(self, rec: Recording, *, explore: bool) -> None:
+    def __init__(
+        self,
+        rec: Recording,
+        *,
+        explore: bool,
+        keep_actual: bool = True,
+        allow_incomplete: bool = True,
+    ) -> None:
         self.rec = rec
         self.explore = explore
+        #: keep the replay's own record in ``result.actual`` (tools, tests); a replay that
+        #: only wants the verdict keeps nothing and runs in bounded memory
+        self.keep_actual = keep_actual or explore
+        self.allow_incomplete = allow_incomplete
         self.result = ReplayResult(rec.key)
         self.stopped = False
         self.client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
         run = rec.header.get("run") or "replay"
         self.keys = RunKeys(str(run))
+        self.feeder = Feeder(self.client, self.keys)
+        self.last_event: Mapping[str, Any] | None = None
+
+    def windowed(self, events: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """``events`` in order; before an event is handed out, the entries of the next
+        ``WINDOW`` events have been written and handed to ``deliver``."""
+        window: deque[dict[str, Any]] = deque()
+        exhausted = False
+        while True:
+            if not exhausted and len(window) <= WINDOW // 2:
+                batch: list[Mapping[str, Any]] = []
+                while len(window) < WINDOW:
+                    ev = next(events, None)
+                    if ev is None:
+                        exhausted = True
+                        break
+                    window.append(ev)
+                    batch += self.inputs_of(ev)
+                if batch:
+                    n = self.feeder.feed(batch)
+                    if n:
+                        self.deliver(n)
+            if not window:
+                return
+            yield window.popleft()
+
+    def inputs_of(self, ev: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        raise NotImplementedError
+
+    def deliver(self, n: int) -> None:
+        raise NotImplementedError
+
+    def dlq_len(self) -> int:
+        return int(self.client.xlen(self.keys.dlq))
+
+    def keep(self, ev: Mapping[str, Any], actual: Mapping[str, Any]) -> None:
+        if self.keep_actual:
+            self.result.actual.append({**_ident(ev), **actual})
 
     def diverge(self, ev: Mapping[str, Any], what: str, expected: Any, actual: Any) -> None:
         self.result.divergences.append(
@@ -225,10 +376,11 @@ class _Replay:
     ) -> None:
         if ev.get("synthetic"):
             return
+        # ``actual`` holds JSON forms already (``norm``), as the record does
         for f in fields:
             if f not in ev:
                 continue  # the record did not keep it: nothing to hold the replay to
-            exp, act = ev.get(f), norm(actual.get(f))
+            exp, act = ev.get(f), actual.get(f)
             if exp != act:
                 self.diverge(ev, f, exp, act)
                 return
@@ -247,5 +399,5 @@ class _Replay:
 
 
 def _ident(ev: Mapping[str, Any]) -> dict[str, Any]:
-    keys = ("event", "i", "stream", "id", "sender", "rank", "now", "synthetic")
+    keys = ("event", "i", "stream", "id", "sender", "rank", "now", "synthetic", "extra")
     return {k: ev[k] for k in keys if k in ev}

@@ -1,31 +1,184 @@
-"""Loading a run's records: one ``Recording`` per process, verified line by line.
+"""Loading a run's records: one ``Recording`` per process, verified before it is trusted.
 
-Imports ``record`` (the format) only; everything else in ``replay`` builds on this.
+A ``Recording`` read from disk keeps only its header in memory: ``stream()`` walks its
+core events straight from the file (verifying the digest chain as it goes, a rank's
+events put back in ``i`` order through a bounded window), so a replay's memory does not
+grow with the record. ``events`` loads the whole record on first use, for tools that
+change it (surgery) or inspect it (tests); a replay of a changed recording walks that
+list instead of the file.
+
+``verify_run`` is the check before any comparison: every line's digest, the end record,
+the headers against the file names and each other (``record.chain`` for the format).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flodl_bus.record.log import DamagedRecord, dumps, read_records
+from flodl_bus.record import chain
+from flodl_bus.record.chain import DamagedRecord, IncompleteRecord, UnchainedRecord
+from flodl_bus.record.log import dumps
 
 RANK_CORE = frozenset({"dispatch", "take", "plan", "step", "closed"})
 COORD_CORE = frozenset({"start", "dispatch", "tick", "send_failed", "declare_dead", "interrupt"})
+#: How far a rank's events may stand out of ``i`` order in its file (its reader and
+#: training threads race to the file by a line or two); a hole wider than this is a
+#: missing event.
+REORDER_WINDOW = 4096
+#: events read before a rank's first ``i`` is taken as the smallest
+_START_WINDOW = 64
+
+__all__ = [
+    "COORD_CORE",
+    "RANK_CORE",
+    "DamagedRecord",
+    "IncompleteRecord",
+    "Recording",
+    "UnchainedRecord",
+    "load_run",
+    "recording_from_records",
+    "save_run",
+    "verify_run",
+]
 
 
-@dataclass
+def _is_event(key: str, rec: Mapping[str, Any]) -> bool:
+    return "i" in rec or (key == "coordinator" and rec.get("event") in COORD_CORE)
+
+
+def _ordered(
+    key: str, records: Iterable[Mapping[str, Any]], where: str, *, tolerate_end_gap: bool
+) -> Iterator[dict[str, Any]]:
+    """The records that are events, in replay order: the coordinator's in file order (one
+    thread; core calls it logged without ``i`` keep their place), a rank's by ``i``."""
+    if key == "coordinator":
+        last: int | None = None
+        for rec in records:
+            if not _is_event(key, rec):
+                continue
+            i = rec.get("i")
+            if isinstance(i, int):
+                if last is not None and i != last + 1:
+                    raise _missing(key, where, list(range(last + 1, i)))
+                last = i
+            yield dict(rec)
+        return
+    heap: list[tuple[int, int, dict[str, Any]]] = []
+    order = itertools.count()
+    expected: int | None = None
+    for rec in records:
+        if "i" not in rec:
+            continue
+        heapq.heappush(heap, (int(rec["i"]), next(order), dict(rec)))
+        if expected is None:
+            if len(heap) < _START_WINDOW:
+                continue
+            expected = heap[0][0]
+        while heap and heap[0][0] <= expected:
+            yield heapq.heappop(heap)[2]
+            expected += 1
+        if len(heap) > REORDER_WINDOW:
+            raise _missing(key, where, [expected])
+    if expected is None and heap:
+        expected = heap[0][0]
+    while heap:
+        i, _, rec = heapq.heappop(heap)
+        if expected is not None and i != expected:
+            if tolerate_end_gap:
+                return  # the process died between numbering an event and writing it
+            raise _missing(key, where, list(range(expected, i)))
+        yield rec
+        expected = i + 1
+
+
+def _missing(key: str, where: str, missing: list[int]) -> DamagedRecord:
+    more = "..." if len(missing) > 5 else ""
+    return DamagedRecord(
+        where,
+        0,
+        f"the record of {key} misses core events i={missing[:5]}{more}: it "
+        "cannot be replayed as a whole",
+    )
+
+
 class Recording:
     """One process's record: ``key`` is ``coordinator`` or ``rank:R``."""
 
-    key: str
-    header: dict[str, Any]
-    #: every record with an ``i`` (core calls, and a rank's reads), in ``i`` order
-    events: list[dict[str, Any]]
-    #: free-form records (no ``i``), kept for tools that want them
-    other: list[dict[str, Any]] = field(default_factory=list)
+    def __init__(
+        self,
+        key: str,
+        header: dict[str, Any],
+        events: list[dict[str, Any]] | None = None,
+        other: list[dict[str, Any]] | None = None,
+        *,
+        path: Path | None = None,
+    ) -> None:
+        if events is None and path is None:
+            raise ValueError("a Recording needs its events or the path of its record")
+        self.key = key
+        self.header = header
+        self.path = path
+        self._events = events
+        self._other = other if other is not None or path is not None else []
+
+    # -- whole record in memory (surgery, inspection)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Every record with an ``i`` (core calls, a rank's reads), in replay order."""
+        if self._events is None:
+            self._load()
+        assert self._events is not None
+        return self._events
+
+    @events.setter
+    def events(self, value: list[dict[str, Any]]) -> None:
+        self._events = value
+
+    @property
+    def other(self) -> list[dict[str, Any]]:
+        """Free-form records (no ``i``), the end record among them."""
+        if self._other is None:
+            self._load()
+        assert self._other is not None
+        return self._other
+
+    @other.setter
+    def other(self, value: list[dict[str, Any]]) -> None:
+        self._other = value
+
+    def _load(self) -> None:
+        assert self.path is not None
+        records = [r for _, r in chain.verified_lines(self.path) if r is not None]
+        rest = records[1:]
+        other = [r for r in rest if not _is_event(self.key, r)]
+        events = list(_ordered(self.key, rest, str(self.path), tolerate_end_gap=True))
+        if self._events is None:
+            self._events = events
+        if self._other is None:
+            self._other = other
+
+    @property
+    def loaded(self) -> bool:
+        return self._events is not None
+
+    # -- streaming (replay)
+
+    def stream(self, *, allow_incomplete: bool = True) -> Iterator[dict[str, Any]]:
+        """The events in replay order: the in-memory list once loaded (or changed), else
+        straight from the file, verified as read."""
+        if self._events is not None:
+            yield from self._events
+            return
+        assert self.path is not None
+        lines = (r for _, r in chain.verified_lines(self.path) if r is not None)
+        next(lines, None)  # the header
+        yield from _ordered(self.key, lines, str(self.path), tolerate_end_gap=allow_incomplete)
 
     @property
     def role(self) -> str:
@@ -40,44 +193,36 @@ class Recording:
         return [e for e in self.events if e.get("event") in kinds]
 
     def records(self) -> list[dict[str, Any]]:
-        """Everything, header first: what ``save`` writes."""
-        return [self.header, *self.other, *self.events]
+        """Everything, header first and the end record last: what ``save_run`` writes."""
+        ends = [r for r in self.other if r.get("event") == "end"]
+        rest = [r for r in self.other if r.get("event") != "end"]
+        return [self.header, *rest, *self.events, *ends]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Recording:
+        import copy
+
+        return Recording(
+            self.key,
+            copy.deepcopy(self.header, memo),
+            copy.deepcopy(self.events, memo),
+            copy.deepcopy(self.other, memo),
+            path=self.path,
+        )
 
 
 def recording_from_records(key: str, records: Iterable[dict[str, Any]]) -> Recording:
-    """Split a process's records into header, core events and the rest.
-
-    A rank's events are ordered by ``i`` (its reader and training threads share the
-    counter but race to the file). The coordinator is one thread, so its file order is
-    the order of events, and core calls it logged as free-form events (a ``start`` or
-    ``send_failed`` without ``i``) keep their place.
-    """
-    header: dict[str, Any] = {}
-    events: list[dict[str, Any]] = []
-    other: list[dict[str, Any]] = []
-    coordinator = key == "coordinator"
-    for r in records:
-        if r.get("event") == "run" and not header:
-            header = r
-        elif "i" in r or (coordinator and r.get("event") in COORD_CORE):
-            events.append(r)
-        else:
-            other.append(r)
-    if not coordinator:
-        events.sort(key=lambda e: e["i"])
-    numbered = sorted(e["i"] for e in events if "i" in e)
-    if numbered and numbered != list(range(numbered[0], numbered[0] + len(numbered))):
-        missing = sorted(set(range(numbered[0], numbered[-1] + 1)) - set(numbered))
-        raise DamagedRecord(
-            f"record of {key} misses core events i={missing[:5]}"
-            f"{'...' if len(missing) > 5 else ''}: it cannot be replayed as a whole"
-        )
-    return Recording(key=key, header=header, events=events, other=other)
+    """A ``Recording`` from a process's records in file order (header first)."""
+    listed = list(records)
+    header = listed[0] if listed and listed[0].get("event") == "run" else {}
+    rest = listed[1:] if header else listed
+    other = [r for r in rest if not _is_event(key, r)]
+    events = list(_ordered(key, rest, key, tolerate_end_gap=False))
+    return Recording(key, header, events, other)
 
 
 def _key_of(path: Path) -> str | None:
     name = path.name
-    for suffix in (".jsonl.gz", ".jsonl"):
+    for suffix in chain.SUFFIXES:
         if name.endswith(suffix):
             stem = name[: -len(suffix)]
             if stem == "coordinator":
@@ -87,14 +232,17 @@ def _key_of(path: Path) -> str | None:
     return None
 
 
-def load_run(run_dir: str | Path) -> dict[str, Recording]:
-    """Every process record of ``run_dir`` (``coordinator.jsonl``, ``rank<r>.jsonl``,
-    gzipped or not), keyed ``coordinator`` / ``rank:R`` in that order."""
-    found: dict[str, Recording] = {}
+def _files(run_dir: str | Path) -> dict[str, Path]:
+    found: dict[str, Path] = {}
     for path in sorted(Path(run_dir).iterdir()):
         key = _key_of(path)
-        if key is not None and key not in found:
-            found[key] = recording_from_records(key, read_records(path))
+        if key is None:
+            continue
+        if key in found:
+            raise DamagedRecord(
+                path, 0, f"a second record of {key} beside {found[key].name}: keep one"
+            )
+        found[key] = path
 
     def order(k: str) -> tuple[bool, int]:
         return (k != "coordinator", int(k[5:]) if k != "coordinator" else 0)
@@ -102,17 +250,95 @@ def load_run(run_dir: str | Path) -> dict[str, Recording]:
     return {k: found[k] for k in sorted(found, key=order)}
 
 
-def save_run(run: Mapping[str, Recording], run_dir: str | Path, *, gzip: bool = False) -> Path:
-    """Write ``run`` as a run directory (e.g. a surgically changed copy)."""
-    import gzip as gz
+def _header(key: str, path: Path) -> dict[str, Any]:
+    for number, rec in chain.verified_lines(path):
+        if rec is None or rec.get("event") != "run":
+            raise DamagedRecord(path, number, "the first line is not the run header")
+        role = rec.get("role")
+        want_role = "coordinator" if key == "coordinator" else "rank"
+        if role is not None and role != want_role:
+            raise DamagedRecord(path, 1, f"the header says role {role!r}; the file is {key}'s")
+        rank = rec.get("rank")
+        if key != "coordinator" and rank is not None and f"rank:{rank}" != key:
+            raise DamagedRecord(path, 1, f"the header says rank {rank}; the file is {key}'s")
+        return rec
+    return {}
 
+
+def load_run(run_dir: str | Path) -> dict[str, Recording]:
+    """Every process record of ``run_dir`` (``coordinator.jsonl[.zst|.gz]``,
+    ``rank<r>.jsonl[.zst|.gz]``), keyed ``coordinator`` / ``rank:R`` in that order. Only
+    headers are read here; see ``Recording``."""
+    return {k: Recording(k, _header(k, p), path=p) for k, p in _files(run_dir).items()}
+
+
+@dataclass(frozen=True)
+class Verified:
+    """What ``verify_run`` found of one record."""
+
+    key: str
+    path: Path
+    lines: int
+    complete: bool
+
+
+def verify_run(
+    run: Mapping[str, Recording], *, allow_incomplete: bool = False
+) -> dict[str, Verified]:
+    """Check every record of ``run`` before it is replayed: ``DamagedRecord`` (a line
+    edited, removed, moved, not JSON; headers that disagree with the files or with each
+    other), ``UnchainedRecord``, ``IncompleteRecord`` (no end record, unless
+    ``allow_incomplete``)."""
+    out: dict[str, Verified] = {}
+    for key, rec in run.items():
+        if rec.path is None:
+            continue
+        st = chain.check(rec.path, allow_incomplete=allow_incomplete)
+        out[key] = Verified(key, chain.resolve(rec.path), st.lines, st.ended)
+    _check_headers(run)
+    return out
+
+
+def _check_headers(run: Mapping[str, Recording]) -> None:
+    runs = {k: r.header.get("run") for k, r in run.items() if r.header.get("run") is not None}
+    if len(set(runs.values())) > 1:
+        named = ", ".join(f"{k}: {v}" for k, v in runs.items())
+        first = next(iter(run.values()))
+        raise DamagedRecord(first.path or "", 1, f"the records are of different runs ({named})")
+    coord = run.get("coordinator")
+    config = coord.header.get("config") if coord is not None else None
+    ws = config.get("world_size") if isinstance(config, Mapping) else None
+    if ws is None:
+        return
+    for key, rec in run.items():
+        if key == "coordinator":
+            continue
+        rank_ws = rec.header.get("world_size")
+        if rank_ws is not None and rank_ws != ws and rec.header.get("join") is None:
+            raise DamagedRecord(
+                rec.path or key,
+                1,
+                f"the header says world_size {rank_ws}; the coordinator's says {ws}",
+            )
+        if rec.rank is not None and not 0 <= rec.rank < ws:
+            raise DamagedRecord(rec.path or key, 1, f"rank {rec.rank} of a world of {ws}")
+
+
+def save_run(run: Mapping[str, Recording], run_dir: str | Path, *, compress: bool = False) -> Path:
+    """Write ``run`` as a run directory (e.g. a surgically changed copy), each record in
+    a fresh digest chain: the copy verifies, and replay compares what was changed."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
     for key, rec in run.items():
         name = "coordinator" if key == "coordinator" else f"rank{key.split(':')[1]}"
-        data = b"".join(dumps(r) + b"\n" for r in rec.records())
-        if gzip:
-            (out / f"{name}.jsonl.gz").write_bytes(gz.compress(data, mtime=0))
-        else:
-            (out / f"{name}.jsonl").write_bytes(data)
+        path = out / f"{name}.jsonl{'.zst' if compress else ''}"
+        path.unlink(missing_ok=True)
+        import threading
+
+        sink = chain.open_sink(path, threading.Lock())
+        last = chain.SEED
+        for r in rec.records():
+            line, last = chain.seal(last, dumps({k: v for k, v in r.items() if k != "d"}))
+            sink.write(line)
+        sink.close()
     return out

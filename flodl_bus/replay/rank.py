@@ -6,6 +6,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from flodl_bus.bus import entries as bus_entries
+from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.ids import parse_id
 from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.partition import SHUFFLE_BASE_SEED
@@ -13,13 +15,14 @@ from flodl_bus.protocol import signing, wire
 from flodl_bus.protocol.messages import AveragedParams, ControlMsg, EpochPlan, StartEpoch, Update
 from flodl_bus.replay.engine import (
     REPLAY_KEYS,
+    REPLAY_STREAMS,
     ReplayResult,
     _dead_letters,
     _drain,
-    _ident,
     _msg_of,
     _Replay,
-    _seed,
+    _short,
+    brief,
     norm,
 )
 from flodl_bus.replay.load import Recording
@@ -31,22 +34,32 @@ from flodl_bus.worker.runtime import RankRuntime
 
 
 class RankReplay(_Replay):
-    def __init__(self, rec: Recording, *, explore: bool = False) -> None:
-        super().__init__(rec, explore=explore)
+    def __init__(
+        self,
+        rec: Recording,
+        *,
+        explore: bool = False,
+        keep_actual: bool = True,
+        allow_incomplete: bool = True,
+        until: float | None = None,
+    ) -> None:
+        super().__init__(
+            rec, explore=explore, keep_actual=keep_actual, allow_incomplete=allow_incomplete
+        )
         h = rec.header
         rank = rec.rank
         assert rank is not None
         self.rank = rank
-        inputs: dict[tuple[str, str], dict[str, Any]] = {}
-        for ev in rec.events:
-            if ev.get("event") == "read":
-                for e in ev.get("entries", ()):
-                    inputs.setdefault((e["stream"], e["id"]), e)
-            elif ev.get("event") in ("dispatch", "take") and ev.get("stream"):
-                inputs.setdefault((ev["stream"], ev["id"]), ev)
-        _seed(self.client, self.keys, inputs)
+        #: stop before the first event whose ``now`` (the rank's clock) is past this
+        self.until = until
+        REPLAY_KEYS.rank(rank)  # its slot in the broadcasts' MAC vector, before any is fed
         self.bus = RedisRankBus(
-            self.client, self.keys, rank, signing.rank_keys_for(REPLAY_KEYS, rank), where="replay"
+            self.client,
+            self.keys,
+            rank,
+            signing.rank_keys_for(REPLAY_KEYS, rank),
+            config=REPLAY_STREAMS,
+            where="replay",
         )
         self.script = Script()
         self.params = RecordedParams(self.script)
@@ -71,31 +84,76 @@ class RankReplay(_Replay):
         )
         self.pending: deque[tuple[ControlMsg, tuple[str, str] | None]] = deque()
         self.taken_plan: EpochPlan | None = None
+        self.last_now: float | None = None
+        self._after: Any = None
+
+    def inputs_of(self, ev: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        kind = ev.get("event")
+        if kind == "read":
+            return list(ev.get("entries", ()))
+        if kind in ("dispatch", "take") and ev.get("stream"):
+            return [ev]
+        return []
+
+    def deliver(self, n: int) -> None:
+        deliveries = _drain(self.bus.read_control, n, self.dlq_len)
+        route(self.runtime, deliveries)
+        self.bus.ack(deliveries)
+        while (msg := self.inbox.poll()) is not None:
+            self.pending.append((msg, self.inbox.last_origin))
+        last: dict[str, str] = {}
+        for d in deliveries:
+            last[d.stream] = d.entry_id
+        self.feeder.trim(last)
 
     def run(self) -> ReplayResult:
+        handlers = {
+            "dispatch": self._dispatch,
+            "take": self._take,
+            "plan": self._plan,
+            "step": self._step,
+            "closed": self._closed,
+        }
         try:
-            deliveries = _drain(self.bus.read_control)
-            self.runtime.route(deliveries)
-            self.bus.ack(deliveries)
-            while (msg := self.inbox.poll()) is not None:
-                self.pending.append((msg, self.inbox.last_origin))
-            handlers = {
-                "dispatch": self._dispatch,
-                "take": self._take,
-                "plan": self._plan,
-                "step": self._step,
-                "closed": self._closed,
-            }
-            for ev in self.rec.core_events():
-                handlers[ev["event"]](ev)
+            for ev in self.windowed(self.rec.stream(allow_incomplete=self.allow_incomplete)):
+                handler = handlers.get(ev.get("event", ""))
+                if handler is None:
+                    continue
+                now = ev.get("now")
+                if isinstance(now, (int, float)):
+                    if self.until is not None and now > self.until:
+                        break
+                    self.last_now = float(now)
+                handler(ev)
                 self.result.replayed += 1
+                self.last_event = ev
                 if self.stopped:
                     break
             self.result.dead_letters = _dead_letters(self.client, self.keys)
         finally:
-            self.bus.flush(2.0)
             self.bus.close()
         return self.result
+
+    def state_at(self, label: str) -> str:
+        """The rank's state where the replay stopped (``--until``)."""
+        at = self.last_event.get("i") if self.last_event else None
+        lines = [
+            f"rank {self.rank} at {label} (after event i={at}, "
+            f"{self.result.replayed} events replayed; rank clock "
+            f"{self.last_now if self.last_now is not None else 0.0:.3f}s)"
+        ]
+        for k, v in self.control.state().items():
+            lines.append(f"  {k}: {_short(norm(v), 200)}")
+        waiting = [brief(norm(m)) for m, _ in list(self.pending)[:5]]
+        lines.append(
+            f"  delivered, not yet taken: {len(self.pending)}"
+            + (
+                f" ({', '.join(waiting)}{'...' if len(self.pending) > 5 else ''})"
+                if waiting
+                else ""
+            )
+        )
+        return "\n".join(lines)
 
     # -- inputs
 
@@ -123,7 +181,7 @@ class RankReplay(_Replay):
 
     def _extra(self, msg: ControlMsg, origin: tuple[str, str]) -> None:
         ev = {"event": "dispatch", "i": -1, "stream": origin[0], "id": origin[1], "extra": True}
-        self.result.actual.append({**ev, **self._run(msg, None)})
+        self.keep(ev, self._run(msg, None))
 
     @staticmethod
     def _local(data: Mapping[str, Any]) -> ControlMsg:
@@ -143,7 +201,9 @@ class RankReplay(_Replay):
 
     def _run(self, msg: ControlMsg, calls: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
         control = self.control
-        before = control.state()
+        # The core changes only through the calls replayed here, each of which keeps its
+        # "after": the last one is this call's "before".
+        before = self._after if self._after is not None else norm(control.state())
         self.script.load(calls)
         actual: dict[str, Any] = {"msg": msg, "before": before}
         try:
@@ -157,12 +217,13 @@ class RankReplay(_Replay):
             actual["stop"] = out.stop
             actual["throttled"] = out.throttled
             logs = [log_record(line) for line in out.logs]
-            for up in out.upstream:
-                self.bus.publish(up)
+            _encodable(out.upstream)
         actual["calls"] = self.script.actual
         actual["logs"] = logs
-        actual["after"] = control.state()
-        return {k: norm(v) for k, v in actual.items()}
+        after = norm(control.state())
+        self._after = after
+        out_json = {k: norm(v) for k, v in actual.items() if k != "before"}
+        return {**out_json, "before": before, "after": after}
 
     def _message_of(self, ev: Mapping[str, Any]) -> Any:
         """The message an event fed the core: the next one off its stream (None when the
@@ -176,7 +237,7 @@ class RankReplay(_Replay):
         if msg is None:
             return
         actual = self._run(msg, ev.get("calls"))
-        self.result.actual.append({**_ident(ev), **actual})
+        self.keep(ev, actual)
         fields = ("msg", "before", "calls", "out", "raised", "logs", "stop", "throttled", "after")
         self.compare(ev, actual, fields)
 
@@ -187,7 +248,7 @@ class RankReplay(_Replay):
         if ev.get("why") == "plan" and isinstance(msg, StartEpoch):
             self.taken_plan = msg.plan
         actual = {"msg": norm(msg), "why": ev.get("why")}
-        self.result.actual.append({**_ident(ev), **actual})
+        self.keep(ev, actual)
         self.compare(ev, actual, ("msg",))
 
     def _plan(self, ev: Mapping[str, Any]) -> None:
@@ -206,7 +267,8 @@ class RankReplay(_Replay):
         actual = norm(
             {"plan": wire.to_map(StartEpoch(plan))["plan"], "partition_len": len(picks)}
         ) | {"after": norm(control.state()), "source": ev.get("source")}
-        self.result.actual.append({**_ident(ev), **actual})
+        self._after = actual["after"]
+        self.keep(ev, actual)
         self.compare(ev, actual, ("plan", "partition_len", "after"))
 
     def _step(self, ev: Mapping[str, Any]) -> None:
@@ -215,19 +277,33 @@ class RankReplay(_Replay):
         )
         self.script.load(ev.get("calls"))
         out = self.control.step_done(loss, batch_ms, data_ms, lr)
-        for up in out:
-            self.bus.publish(up)
+        _encodable(out)
         actual = {
             "args": norm(ev["args"]),
             "calls": norm(self.script.actual),
             "out": norm(list(out)),
             "after": norm(self.control.state()),
         }
-        self.result.actual.append({**_ident(ev), **actual})
+        self._after = actual["after"]
+        self.keep(ev, actual)
         self.compare(ev, actual, ("calls", "out", "after"))
 
     def _closed(self, ev: Mapping[str, Any]) -> None:
         out = self.control.channel_closed()
         actual = {"out": norm(out), "after": norm(self.control.state())}
-        self.result.actual.append({**_ident(ev), **actual})
+        self._after = actual["after"]
+        self.keep(ev, actual)
         self.compare(ev, actual, ("out", "after"))
+
+
+def _encodable(msgs: Sequence[object]) -> None:
+    """What the rank emitted is compared as messages (``out``); it is not written
+    upstream (nothing reads it here), only put through the wire encoder the publisher
+    would use, so a message the bus could not carry still fails the replay."""
+    for msg in msgs:
+        bus_entries.encode(msg)
+
+
+def route(runtime: RankRuntime, deliveries: Sequence[Delivery]) -> None:
+    """The runtime's routing of one read, as its reader thread does it."""
+    runtime.route(deliveries)

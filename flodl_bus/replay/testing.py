@@ -23,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from flodl_bus.replay import Recording, ReplayResult, load_run, replay
+from flodl_bus.record.chain import SUFFIXES, DamagedRecord, IncompleteRecord, UnchainedRecord
+from flodl_bus.replay import Recording, ReplayResult, load_run, replay, verify_run
 
 Run = Mapping[str, Recording]
 
@@ -48,10 +49,20 @@ def recorded_run(request: pytest.FixtureRequest) -> dict[str, Recording]:
     return load_run(Path(path))
 
 
-def assert_identical(run: Run, role: str | None = None) -> dict[str, ReplayResult]:
-    """Replay every process of ``run`` (or one ``role``); fail with the first divergence."""
+def assert_identical(
+    run: Run, role: str | None = None, *, verify: bool = True
+) -> dict[str, ReplayResult]:
+    """Verify ``run`` (every record read from disk: its digest chain, its end, its
+    headers), then replay every process (or one ``role``); fail with what was refused or
+    the first divergence. ``verify=False`` is for records written before records were
+    chained: they replay, but nothing proves they are what their processes wrote."""
     keys = [role] if role is not None else list(run)
-    results = {k: replay(run[k]) for k in keys}
+    if verify:
+        try:
+            verify_run({k: run[k] for k in keys})
+        except (DamagedRecord, IncompleteRecord, UnchainedRecord) as exc:
+            raise AssertionError(f"the record cannot be trusted: {exc}") from None
+    results = {k: replay(run[k], keep_actual=False) for k in keys}
     bad = [f"{k}: {r.summary()}" for k, r in results.items() if not r.identical]
     if bad:
         raise AssertionError("replay diverged\n" + "\n".join(bad))
@@ -109,5 +120,5 @@ def recorded_sessions(root: str | Path) -> list[Path]:
     return sorted(
         p
         for p in base.iterdir()
-        if p.is_dir() and any(f.name.endswith((".jsonl", ".jsonl.gz")) for f in p.iterdir())
+        if p.is_dir() and any(f.name.endswith(SUFFIXES) for f in p.iterdir())
     )

@@ -322,6 +322,8 @@ class RankRecording:
         self.recorder = DispatchRecorder(run_dir, "rank", rank)
         self.capture = Capture()
         self.t0 = time.perf_counter()
+        # the wall time of t0: `replay --until` lines the rank up with the coordinator
+        self.launched_wall = time.time()
 
     def bus(self, bus: RankBus) -> RecordingRankBus:
         return RecordingRankBus(bus, self.recorder, self.t0)
@@ -341,7 +343,7 @@ class RankRecording:
         )
 
     def header(self, **fields: Any) -> None:
-        self.recorder.header(**fields)
+        self.recorder.header(launched_wall=self.launched_wall, **fields)
 
     def event(self, name: str, **fields: Mapping[str, Any] | Any) -> None:
         self.recorder.event(name, **fields)

@@ -177,3 +177,40 @@ def test_state_round_trips() -> None:
     assert other.counts == el.counts
     assert other.smoothed_ms(0) == el.smoothed_ms(0)
     assert other.calibrated
+
+
+# ------------------------------------------------------------------ speed hints, slack
+def test_cadence_speed_ratio_2x() -> None:
+    assert ElChe(2, speed_hints=(2.0, 1.0)).counts == [20, 10]
+
+
+def test_cadence_speed_ratio_three_devices_mid_slow() -> None:
+    assert ElChe(3, speed_hints=(3.0, 1.0, 2.0)).counts == [30, 10, 20]
+
+
+def test_cadence_speed_ratio_self_corrects() -> None:
+    el = ElChe(2, speed_hints=(4.0, 1.0))
+    el.report_window(report(10.0, 10.0))
+    assert el.counts == [10, 10]
+
+
+def test_callback_slack_shortens_the_callback_ranks_window_for_one_report() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [20, 10]
+    el.stage_slack(0, 55.0)  # ceil(55 / 10) = 6 batches off rank 0
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [14, 10]
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [20, 10]
+
+
+def test_callback_slack_survives_a_growth_commit_in_the_same_finish() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    el.report_window(report(10.0, 20.0))
+    el.stage_slack(0, 55.0)
+    el.report_window(report(10.0, 20.0, reduce_ms=200.0))
+    assert el.pending_anchor is not None
+    el.apply_verdict(STABLE)
+    assert el.counts[0] == 2 * el.anchor - 6

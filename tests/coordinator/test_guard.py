@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from flodl_bus.coordinator.guard import TrendGuard, VerdictKind, max_relative_delta
+import math
+
+from flodl_bus.coordinator.guard import (
+    STABLE,
+    MsfGuard,
+    NoGuard,
+    TrendGuard,
+    VerdictKind,
+    max_relative_delta,
+)
 
 
 def kinds(guard: TrendGuard, values: list[float]) -> list[VerdictKind]:
@@ -47,3 +56,63 @@ def test_history_capped_at_5() -> None:
 def test_disabled_always_stable() -> None:
     g = TrendGuard(threshold=0.01, enabled=False)
     assert set(kinds(g, [0.1, 0.2, 0.3, 0.4])) == {VerdictKind.STABLE}
+
+
+# ------------------------------------------------------------------ MsfGuard (opt-in)
+def msf_kinds(values: list[float], k_max: int = 1) -> list[VerdictKind]:
+    g = MsfGuard()
+    return [g.report([v], k_max).kind for v in values]
+
+
+def test_msf_rate_is_log_ratio_per_step_bias_corrected() -> None:
+    g = MsfGuard()
+    g.report([0.01], 10)
+    g.report([0.02], 10)
+    # one sample: the bias-corrected EMA is the sample itself
+    assert g.rate is not None and math.isclose(g.rate, math.log(2) / 10)
+
+
+def test_msf_flat_or_falling_divergence_is_stable() -> None:
+    assert set(msf_kinds([0.05] * 8)) == {VerdictKind.STABLE}
+    assert set(msf_kinds([0.05 * 0.9**i for i in range(8)])) == {VerdictKind.STABLE}
+
+
+def test_msf_suppresses_after_three_windows_above_1e3() -> None:
+    # growth ~ 0.2%/step: above 1e-3, below 1e-2
+    vals = [0.01 * math.exp(0.002 * i) for i in range(5)]
+    assert msf_kinds(vals) == [
+        VerdictKind.STABLE,
+        VerdictKind.STABLE,
+        VerdictKind.STABLE,
+        VerdictKind.SUPPRESS_GROWTH,
+        VerdictKind.SUPPRESS_GROWTH,
+    ]
+
+
+def test_msf_nudges_by_half_after_three_windows_above_1e2_then_rebuilds_its_streak() -> None:
+    g = MsfGuard()
+    vals = [0.01 * math.exp(0.05 * i) for i in range(8)]
+    got = [g.report([v], 1) for v in vals]
+    assert [v.kind for v in got[:4]] == [VerdictKind.STABLE] * 3 + [VerdictKind.NUDGE_DOWN]
+    assert got[3].factor == 0.5
+    assert [v.kind for v in got[4:7]] == [VerdictKind.SUPPRESS_GROWTH] * 2 + [
+        VerdictKind.NUDGE_DOWN
+    ]
+
+
+def test_msf_noise_floor_keeps_zero_divergence_finite() -> None:
+    g = MsfGuard()
+    assert g.report([0.0], 1) == STABLE
+    assert g.report([0.0], 1) == STABLE
+    assert g.rate == 0.0
+
+
+def test_msf_disabled_for_sync_never_acts() -> None:
+    g = MsfGuard(enabled=False)
+    assert {g.report([0.01 * math.exp(i)], 1).kind for i in range(6)} == {VerdictKind.STABLE}
+
+
+def test_no_guard_is_always_stable_and_keeps_history() -> None:
+    g = NoGuard()
+    assert {g.report([0.01 * 2**i]).kind for i in range(6)} == {VerdictKind.STABLE}
+    assert len(g.history) == 5

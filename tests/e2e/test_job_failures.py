@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from flodl_bus.record.chain import record_bytes, resolve
 from flodl_bus.record.log import read_records
 from tests.e2e.harness import Cluster, Proc, alerts, new_run_id, received, records, wait_for
 
@@ -64,7 +65,7 @@ def _assert_stopped_for_job(cluster: Cluster, run: str, codes: list[int], line: 
     assert "Traceback" not in out, out
     # Every rank record that exists is closed.
     for r in range(WS):
-        path = cluster.run_dir(run) / f"rank{r}.jsonl"
+        path = resolve(cluster.run_dir(run) / f"rank{r}.jsonl")
         if path.exists():
             assert read_records(path)[-1]["event"] == "end", r
 
@@ -146,9 +147,9 @@ def _synced(coord: Proc) -> bool:
     # The coordinator logs nothing per round at info; its record's first SyncAck
     # dispatch is the event (the record is written as it happens).
     path = coord.log.parent / "runs"
-    for rec in path.glob("*/coordinator.jsonl"):
+    for rec in path.glob("*/coordinator.jsonl*"):
         try:
-            return b'"SyncAck"' in rec.read_bytes()
-        except OSError:
+            return b'"SyncAck"' in record_bytes(rec)  # readable while being written
+        except (OSError, ValueError):
             return False
     return False

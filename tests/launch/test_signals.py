@@ -23,6 +23,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from flodl_bus.record.chain import record_bytes
 from flodl_bus.record.log import read_records
 from tests.launch.test_up import MARK, _records_closed, _summary, marked_pids
 
@@ -109,7 +110,7 @@ def _log_event(log: Path, event: str, **fields: str) -> dict[str, str] | None:
 
 
 def _end(record: Path) -> dict[str, object]:
-    last = orjson.loads(record.read_bytes().splitlines()[-1])
+    last = orjson.loads(record_bytes(record).splitlines()[-1])
     assert last["event"] == "end", f"{record.name} has no end line: {last}"
     return last  # type: ignore[no-any-return]
 
@@ -183,9 +184,9 @@ def test_a_rank_stopped_by_sigterm_or_killed_mid_run_is_re_formed_around_at_once
 
 
 def _records_closed_but(run_dir: Path, killed: set[str]) -> None:
-    for path in sorted(run_dir.glob("*.jsonl")):
-        data = path.read_bytes()
-        if path.name in killed:
+    for path in sorted(run_dir.glob("*.jsonl*")):
+        data = record_bytes(path)  # records are zstd-compressed
+        if path.name.removesuffix(".zst") in killed:
             continue  # a SIGKILL leaves whatever its buffer held
         assert data.endswith(b"\n"), f"{path.name} ends mid-line"
         for line in data.splitlines():

@@ -21,6 +21,7 @@ import orjson
 import pytest
 
 from flodl_bus.examples import digits
+from flodl_bus.record.chain import record_bytes
 from flodl_bus.record.log import read_records
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -73,10 +74,10 @@ def _up(tmp_path: Path, mark: str, *args: str, path: str | None = None) -> subpr
 
 def _records_closed(run_dir: Path) -> None:
     """Every JSONL record ends with a whole line (nothing torn, nothing buffered)."""
-    files = sorted(run_dir.glob("*.jsonl"))
+    files = sorted(run_dir.glob("*.jsonl*"))
     assert files, f"no records in {run_dir}"
     for path in files:
-        data = path.read_bytes()
+        data = record_bytes(path)  # records are zstd-compressed
         assert data.endswith(b"\n"), f"{path.name} ends mid-line"
         for line in data.splitlines():
             orjson.loads(line)
@@ -99,7 +100,7 @@ def test_up_trains_the_default_example_past_its_target_and_leaves_nothing_runnin
     out, _ = proc.communicate(timeout=150)
     assert proc.returncode == 0, out
     run_dir = tmp_path / "runs" / "e2e"
-    for name in ("coordinator.jsonl", "up.jsonl", "metrics.csv", "plot.png"):
+    for name in ("coordinator.jsonl.zst", "up.jsonl", "metrics.csv", "plot.png"):
         assert (run_dir / name).is_file(), f"{name} missing; run dir has {os.listdir(run_dir)}"
     summary = _summary(run_dir)
     started = read_records(run_dir / "up.jsonl")[0]

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from flodl_bus.params.groups import new_session_uid
 from tests.params.conftest import Launch
 from tests.params.procs import Ranks
 
@@ -32,7 +31,7 @@ def wait_for_progress(ranks: Ranks, rounds: int, timeout: float = 60.0) -> None:
 
 
 def resession_survivors(ranks: Ranks, survivors: list[int]) -> str:
-    uid = new_session_uid().hex()
+    uid = os.urandom(16).hex()
     for new_rank, rank in enumerate(survivors):
         ranks.control(rank, {"op": "session", "uid": uid, "rank": new_rank, "world": 2})
     return uid
@@ -132,7 +131,7 @@ def test_without_a_new_session_a_survivor_gives_up_within_the_mailbox_cap(
 def _manager(redis_url: str, cap: float = 0.3) -> Any:
     from flodl_bus.params.groups import SessionManager, store_base
 
-    run = f"solo-{new_session_uid().hex()[:8]}"
+    run = f"solo-{os.urandom(16).hex()[:8]}"
     return SessionManager(redis_url, store_base(run), 0, 1, timeout=5.0, mailbox_cap=cap)
 
 
@@ -176,7 +175,7 @@ def test_an_offered_session_replaces_the_group_under_its_uid_prefix(redis_url: s
     manager = _manager(redis_url)
     try:
         first = manager.connect()
-        uid = new_session_uid()
+        uid = os.urandom(16)
         manager.offer(SessionSpec(uid, 0, 1))
         assert first.aborted  # the old group is given up at once
 

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from flodl_bus.bench.codec import sample_messages
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol import wire
-from flodl_bus.protocol.bench import sample_messages
 from flodl_bus.protocol.wire import (
     CONTROL,
     CONTROL_TYPES,

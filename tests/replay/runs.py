@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -26,9 +27,14 @@ def record_run(
     heartbeat_timeout: float = 30.0,
     timeout: float = 120.0,
     extra: tuple[str, ...] = (),
+    run: str | None = None,
+    reset_run: bool = False,
 ) -> tuple[str, Path]:
-    """Train the digits job for ``epochs`` and return (run id, run directory)."""
-    run = f"rec-{mode}-{uuid.uuid4().hex[:6]}"
+    """Train the digits job for ``epochs`` and return (run id, run directory asked for).
+
+    ``reset_run``: the coordinator deletes the run's keys first (``--reset-run``, as
+    compose starts it) and the workers start once it said so."""
+    run = run or f"rec-{mode}-{uuid.uuid4().hex[:6]}"
     env = dict(
         os.environ,
         FLODL_RUN_SECRET=new_secret().hex(),
@@ -36,6 +42,10 @@ def record_run(
         PYTHONHASHSEED="0",
     )
     common = ("--run", run, "--redis-url", redis_url, "--log-level", "warning")
+    coord_log = run_dir.parent / f"{run_dir.name}-coordinator.log"
+    coord_log.parent.mkdir(parents=True, exist_ok=True)
+    coord_out = open(coord_log, "wb")  # noqa: SIM115
+    reset = ("--reset-run", "--log-level", "info") if reset_run else ()
     coord = subprocess.Popen(
         _cli(
             "coordinator",
@@ -55,12 +65,15 @@ def record_run(
             "--exit-grace",
             "10",
             "--no-final-eval",
+            *reset,
             *extra,
         ),
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=coord_out,
         stderr=subprocess.STDOUT,
     )
+    if reset_run:
+        _wait_for_line(coord_log, b"run_reset", coord, timeout)
     workers = [
         subprocess.Popen(
             _cli(
@@ -76,7 +89,8 @@ def record_run(
                 mode,
                 "--heartbeat-interval",
                 "0.5",
-                *(("--run-dir", str(run_dir)) if _worker_records() else ()),
+                "--run-dir",
+                str(run_dir),
             ),
             env=env,
             stdout=subprocess.PIPE,
@@ -86,10 +100,13 @@ def record_run(
     ]
     outputs = []
     try:
-        for p in [coord, *workers]:
+        coord.wait(timeout=timeout)
+        outputs.append((coord.returncode, coord_log.read_bytes().decode(errors="replace")))
+        for p in workers:
             out, _ = p.communicate(timeout=timeout)
             outputs.append((p.returncode, out.decode(errors="replace")))
     finally:
+        coord_out.close()
         for p in [coord, *workers]:
             if p.poll() is None:
                 p.kill()
@@ -100,7 +117,12 @@ def record_run(
     return run, run_dir
 
 
-def _worker_records() -> bool:
-    from flodl_bus.worker.options import parser
-
-    return "--run-dir" in parser().format_help()
+def _wait_for_line(path: Path, text: bytes, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Until ``text`` is in the log ``path`` (the process's own announcement)."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_bytes():
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}: {path.read_bytes()[-2000:]!r}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {text!r} in {path} after {timeout}s")
+        time.sleep(0.05)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.replay import load_run, replay
+from flodl_bus.replay import load_run, replay, verify_run
 from tests.replay.runs import record_run
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -36,3 +36,27 @@ def test_a_real_cpu_cadence_run_replays_identically_for_every_process(
         assert "secret" not in text.lower() or "***" in text
         if secret_hex:
             assert secret_hex not in text
+
+
+def test_a_reused_run_id_with_reset_run_leaves_two_replayable_records(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Compose's pattern: the same run id, ``--reset-run``, the same run directory. The
+    second run is recorded beside the first (``run.2``), never appended to it."""
+    asked = tmp_path / "run"
+    record_run(redis_url, asked, run="reused", world_size=2, reset_run=True)
+    record_run(redis_url, asked, run="reused", world_size=2, reset_run=True)
+    second = tmp_path / "run.2"
+    assert second.is_dir(), sorted(p.name for p in tmp_path.iterdir())
+    walls = []
+    for run_dir in (asked, second):
+        run = load_run(run_dir)
+        assert sorted(run) == ["coordinator", "rank:0", "rank:1"]
+        verify_run(run)  # complete, chained, one header each
+        for key, rec in run.items():
+            assert sum(1 for r in rec.other if r.get("event") == "run") == 0, key
+            result = replay(rec)
+            assert result.identical, f"{run_dir.name} {key}: {result.summary()}"
+        walls.append(run["coordinator"].header["launched_wall"])
+    assert walls[0] < walls[1]
+    assert "record_rotated" in (tmp_path / "run-coordinator.log").read_text()

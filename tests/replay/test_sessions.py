@@ -3,12 +3,15 @@ coordinator and worker CLIs) replay identically, process by process."""
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
+import orjson
 import pytest
 
+from flodl_bus.record.chain import record_bytes
 from flodl_bus.replay import Recording, load_run, save_run
-from flodl_bus.replay.cli import main
+from flodl_bus.replay.cli import DAMAGED, INCOMPLETE, main
 from flodl_bus.replay.testing import assert_identical, recorded_sessions
 
 SESSIONS = Path(__file__).resolve().parents[1] / "sessions"
@@ -90,16 +93,14 @@ def test_until_prints_what_each_rank_was_told_and_acked_and_the_gate(
 
 
 def _unpacked_copy(tmp_path: Path) -> Path:
-    import gzip
-
     run = tmp_path / "run"
     run.mkdir()
     for f in (SESSIONS / "cpu-cadence").iterdir():
-        (run / f.name.removesuffix(".gz")).write_bytes(gzip.decompress(f.read_bytes()))
+        (run / f.name.removesuffix(".zst")).write_bytes(record_bytes(f))
     return run
 
 
-def test_a_record_missing_a_core_event_is_refused_not_called_identical(
+def test_a_record_missing_a_core_event_is_refused_naming_the_line_not_called_identical(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = _unpacked_copy(tmp_path)
@@ -107,20 +108,49 @@ def test_a_record_missing_a_core_event_is_refused_not_called_identical(
     lines = path.read_text().splitlines()
     i = next(k for k, line in enumerate(lines) if '"event":"dispatch"' in line and k > 20)
     path.write_text("\n".join(lines[:i] + lines[i + 1 :]) + "\n")
-    assert main([str(run)]) == 1
-    assert "misses core events" in capsys.readouterr().err
+    assert main([str(run)]) == DAMAGED
+    # The line after the hole (now line i + 1) no longer follows its predecessor.
+    assert f"coordinator.jsonl:{i + 1}: the digest does not follow" in capsys.readouterr().err
 
 
-def test_a_damaged_line_inside_a_record_is_refused_but_a_torn_last_line_is_not(
+def test_a_damaged_line_inside_a_record_is_refused_and_a_torn_last_line_is_incomplete(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = _unpacked_copy(tmp_path)
     path = run / "rank1.jsonl"
     lines = path.read_text().splitlines()
+    # cut mid-line, as a crash in the middle of a write leaves it
     torn = [*lines[:-1], lines[-1][: len(lines[-1]) // 2]]
-    path.write_text("\n".join(torn) + "\n")
-    assert main([str(run), "--role", "rank:1"]) == 0
+    path.write_text("\n".join(torn))
+    # A torn end line: the record is incomplete, verified up to the line before.
+    assert main([str(run), "--role", "rank:1"]) == INCOMPLETE
+    err = capsys.readouterr().err
+    assert "rank1.jsonl: incomplete" in err and f"1-{len(lines) - 1} verified" in err
+    assert main([str(run), "--role", "rank:1", "--allow-incomplete"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("identical (") and f"up to line {len(lines) - 1}" in out
     damaged = [*lines[:10], lines[10][:15], *lines[11:]]
     path.write_text("\n".join(damaged) + "\n")
-    assert main([str(run)]) == 1
-    assert "line 11 is not a JSON record" in capsys.readouterr().err
+    assert main([str(run)]) == DAMAGED
+    assert "rank1.jsonl:11: no digest" in capsys.readouterr().err
+
+
+def test_records_without_a_digest_chain_replay_but_never_pass_as_identical(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A record written before the chain (format 1, gzipped) still replays, through the
+    same engine, but nothing proves it is what its process wrote."""
+    run = _unpacked_copy(tmp_path)
+    for f in run.iterdir():
+        unchained = [
+            orjson.dumps({k: v for k, v in orjson.loads(line).items() if k != "d"})
+            for line in f.read_bytes().splitlines()
+        ]
+        f.with_name(f.name + ".gz").write_bytes(gzip.compress(b"\n".join(unchained) + b"\n"))
+        f.unlink()
+    assert main([str(run)]) == DAMAGED
+    assert "no digest chain" in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="no digest chain"):
+        assert_identical(load_run(run))
+    results = assert_identical(load_run(run), verify=False)
+    assert all(r.identical and r.replayed > 20 for r in results.values())

@@ -1,0 +1,362 @@
+"""The on-disk form of a record: JSON lines in a digest chain, plain or in zstd frames.
+
+Every line is one JSON object whose last field is ``"d"``: the first 8 bytes of a BLAKE2b
+over the previous line's digest and this line's bytes without ``"d"`` (the first line
+chains from ``SEED``). A record is complete when its last line is an ``end`` record
+(``Recorder.end``); one without it was cut short (a kill, a crash, a hang). So:
+
+* an edited line fails its own digest; a removed, moved or inserted line fails the digest
+  of the line after it; a cut record has no end. Each is named by file and line.
+* The chain has no key: it proves the lines are the ones the process wrote in that order,
+  not who wrote them (``flodl-bus replay``'s ``save_run`` re-chains a record it changed on
+  purpose, e.g. after surgery).
+
+Compressed records (``*.jsonl.zst``) hold the same lines in zstd frames, compressed on a
+writer thread. It emits a block whenever it has been idle ``FLUSH_S`` seconds (and when
+zstd's block fills), and ends a frame every ``FRAME_BYTES`` of input and at close: a
+reader gets every line up to the last emitted block, while the record is written and
+after a crash (a kill loses at most the lines of the last moments). ``*.jsonl.gz`` and records
+without a chain (written before the chain existed) are read too; the latter are reported
+as unchained, never as verified.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Final
+
+import orjson
+import zstandard
+
+SEED: Final = b"flodl-bus record v2"
+DIGEST_BYTES: Final = 8
+#: ``,"d":"<16 hex>"}`` closes every chained line
+_D_OPEN: Final = b',"d":"'
+_SUFFIX_LEN: Final = len(_D_OPEN) + 2 * DIGEST_BYTES + 2
+FLUSH_S: Final = 0.1
+FRAME_BYTES: Final = 4 << 20
+ZSTD_LEVEL: Final = 3
+_READ_CHUNK: Final = 1 << 16
+SUFFIXES: Final = (".jsonl.zst", ".jsonl.gz", ".jsonl")
+
+
+class DamagedRecord(ValueError):
+    """A record line was edited, removed, moved or is not JSON: the record cannot be
+    trusted. ``path`` and ``line`` name where (``line`` counts from 1)."""
+
+    def __init__(self, path: str | Path, line: int, why: str) -> None:
+        super().__init__(f"{path}:{line}: {why}")
+        self.path = str(path)
+        self.line = line
+        self.why = why
+
+
+class IncompleteRecord(ValueError):
+    """The record has no end line: its process was killed, crashed or hung. Every line up
+    to ``last_line`` verified."""
+
+    def __init__(self, path: str | Path, last_line: int, torn: bool) -> None:
+        how = f"line {last_line + 1} is cut mid-line" if torn else "there is no end record"
+        super().__init__(
+            f"{path}: incomplete: {how}; lines 1-{last_line} verified "
+            "(--allow-incomplete replays up to there)"
+        )
+        self.path = str(path)
+        self.last_line = last_line
+        self.torn = torn
+
+
+class UnchainedRecord(ValueError):
+    """A record without a digest chain (written before it existed): it cannot be verified."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(
+            f"{path}: no digest chain (a record written before records were chained): "
+            "it cannot be verified; record the run again"
+        )
+        self.path = str(path)
+
+
+def digest(prev: bytes, body: bytes) -> bytes:
+    h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
+    h.update(body)
+    return h.digest()
+
+
+def seal(prev: bytes, body: bytes) -> tuple[bytes, bytes]:
+    """(line with its digest and newline, the digest) for ``body`` (one JSON object)."""
+    d = digest(prev, body)
+    return body[:-1] + _D_OPEN + d.hex().encode() + b'"}\n', d
+
+
+def unseal(line: bytes) -> tuple[bytes, bytes] | None:
+    """(body as it was chained, digest) of a line without its newline; None: no digest."""
+    if len(line) <= _SUFFIX_LEN or line[-_SUFFIX_LEN:-18] != _D_OPEN or line[-2:] != b'"}':
+        return None
+    try:
+        d = bytes.fromhex(line[-18:-2].decode())
+    except ValueError:
+        return None
+    return line[:-_SUFFIX_LEN] + b"}", d
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class Sink:
+    """Where a recorder's lines go: a plain file, each line written through at once."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: IO[bytes] = open(path, "ab", buffering=0)  # noqa: SIM115
+
+    def write(self, line: bytes) -> None:
+        self._file.write(line)
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
+
+class ZstdSink(Sink):
+    """zstd frames written by a thread of their own: the recording thread only queues the
+    line (compressing it would be most of a record's cost there). The writer emits a
+    block as soon as it has nothing queued for ``FLUSH_S``, so a hung process leaves
+    everything it recorded readable; a frame ends every ``FRAME_BYTES`` and at close."""
+
+    def __init__(self, path: Path, lock: threading.Lock) -> None:
+        super().__init__(path)
+        self._cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self._obj = self._cctx.compressobj()
+        self._in_frame = 0
+        self._dirty = False
+        self._flushed = time.monotonic()
+        self._q: queue.SimpleQueue[bytes | threading.Event | None] = queue.SimpleQueue()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="flodl-record-zstd")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def write(self, line: bytes) -> None:
+        self._q.put(line)
+
+    def flush(self) -> None:
+        """Everything queued so far is on disk as a whole block when this returns."""
+        if not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._q.put(done)
+        done.wait(10.0)
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._q.put(None)
+        self._thread.join(30.0)
+        self._file.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closing or self._file.closed
+
+    def _run(self) -> None:
+        get = self._q.get
+        while True:
+            try:
+                item = get(timeout=FLUSH_S) if self._dirty else get()
+            except queue.Empty:
+                self._flush_block()
+                continue
+            if item is None:
+                if self._in_frame:
+                    self._end_frame()
+                return
+            if isinstance(item, threading.Event):
+                self._flush_block()
+                item.set()
+                continue
+            out = self._obj.compress(item)
+            if out:
+                self._file.write(out)
+            self._dirty = True
+            self._in_frame += len(item)
+            if self._in_frame >= FRAME_BYTES:
+                self._end_frame()
+            elif time.monotonic() - self._flushed > FLUSH_S:
+                self._flush_block()  # a steady stream of lines is readable as it goes too
+
+    def _flush_block(self) -> None:
+        if self._dirty:
+            self._file.write(self._obj.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+            self._dirty = False
+        self._flushed = time.monotonic()
+
+    def _end_frame(self) -> None:
+        self._file.write(self._obj.flush(zstandard.COMPRESSOBJ_FLUSH_FINISH))
+        self._obj = self._cctx.compressobj()
+        self._in_frame = 0
+        self._dirty = False
+
+
+def open_sink(path: Path, lock: threading.Lock) -> Sink:
+    return ZstdSink(path, lock) if path.name.endswith(".zst") else Sink(path)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def resolve(path: str | Path) -> Path:
+    """``path``, or the compressed record of the same name (``x.jsonl`` -> ``x.jsonl.zst``
+    or ``x.jsonl.gz``) when only that exists."""
+    p = Path(path)
+    if p.exists() or not p.name.endswith(".jsonl"):
+        return p
+    for suffix in (".zst", ".gz"):
+        alt = p.with_name(p.name + suffix)
+        if alt.exists():
+            return alt
+    return p
+
+
+def _chunks(path: Path) -> Iterator[bytes]:
+    name = path.name
+    with open(path, "rb") as f:
+        if name.endswith(".gz"):
+            with gzip.GzipFile(fileobj=f) as g:
+                try:
+                    while chunk := g.read(_READ_CHUNK):
+                        yield chunk
+                except EOFError:
+                    return  # a gzip cut short: everything before the cut was yielded
+            return
+        if not name.endswith(".zst"):
+            while chunk := f.read(_READ_CHUNK):
+                yield chunk
+            return
+        dctx = zstandard.ZstdDecompressor()
+        obj = dctx.decompressobj()
+        while data := f.read(_READ_CHUNK):
+            while data:
+                out = obj.decompress(data)
+                if out:
+                    yield out
+                if not obj.eof:
+                    break
+                # a frame ended: the rest of the read belongs to the next one
+                data = obj.unused_data
+                obj = dctx.decompressobj()
+
+
+def raw_lines(path: str | Path) -> Iterator[bytes]:
+    """The record's lines in order, each with its newline; a last line cut mid-write comes
+    without one. Streams: memory holds one chunk and one line."""
+    rest = b""
+    for chunk in _chunks(resolve(path)):
+        data = rest + chunk if rest else chunk
+        start = 0
+        while (nl := data.find(b"\n", start)) >= 0:
+            yield data[start : nl + 1]
+            start = nl + 1
+        rest = data[start:]
+    if rest:
+        yield rest
+
+
+def record_bytes(path: str | Path) -> bytes:
+    """The whole record as plain JSON lines (decompressed)."""
+    return b"".join(raw_lines(path))
+
+
+@dataclass
+class ChainState:
+    """Where a verified walk of one record stands."""
+
+    lines: int = 0
+    last: bytes = SEED
+    chained: bool | None = None
+    ended: bool = False
+    torn: bool = False
+
+
+def verified_lines(
+    path: str | Path, state: ChainState | None = None, *, parse: bool = True
+) -> Iterator[tuple[int, dict[str, Any] | None]]:
+    """(line number, record without ``d``) for every line whose digest follows its
+    predecessor's; raises ``DamagedRecord`` at the first that does not (or is not JSON,
+    or follows the end record). A torn last line ends the walk with ``state.torn`` set;
+    ``state.ended`` says whether the end record was reached. A record whose first line
+    has no digest is unchained: its lines come unverified (``state.chained`` False).
+    With ``parse=False`` only the chain is checked (records come as None)."""
+    st = state if state is not None else ChainState()
+    where = resolve(path)
+    for raw in raw_lines(where):
+        number = st.lines + 1
+        if not raw.endswith(b"\n"):
+            st.torn = True
+            return
+        line = raw.rstrip(b"\r\n")
+        if not line.strip():
+            raise DamagedRecord(where, number, "an empty line")
+        if st.ended:
+            raise DamagedRecord(where, number, "a line after the end record")
+        sealed = unseal(line)
+        if st.chained is None:
+            st.chained = sealed is not None
+        if st.chained:
+            if sealed is None:
+                raise DamagedRecord(where, number, "no digest: the line was edited or inserted")
+            body, d = sealed
+            if digest(st.last, body) != d:
+                why = (
+                    "the digest does not follow: this line was edited, or a line before "
+                    "it was removed or moved"
+                    if number > 1
+                    else "the digest does not follow: the header line was edited"
+                )
+                raise DamagedRecord(where, number, why)
+            st.last = d
+        else:
+            body = line
+        rec: dict[str, Any] | None = None
+        if parse or body.startswith(b'{"event":"end"'):
+            try:
+                rec = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                raise DamagedRecord(where, number, "not a JSON record") from None
+            if not isinstance(rec, dict):
+                raise DamagedRecord(where, number, "not a JSON object")
+            if st.chained and rec.get("event") == "end":
+                st.ended = True
+        st.lines = number
+        yield number, rec
+
+
+def check(path: str | Path, *, allow_incomplete: bool = False) -> ChainState:
+    """Verify a whole record without keeping it: ``DamagedRecord``, ``UnchainedRecord``,
+    or ``IncompleteRecord`` (unless ``allow_incomplete``)."""
+    st = ChainState()
+    for _ in verified_lines(path, st, parse=False):
+        pass
+    if st.chained is False:
+        raise UnchainedRecord(resolve(path))
+    if not st.ended and not allow_incomplete:
+        raise IncompleteRecord(resolve(path), st.lines, st.torn)
+    return st
+
+
+def size_on_disk(path: str | Path) -> int:
+    return os.stat(resolve(path)).st_size

@@ -1,0 +1,52 @@
+"""``flodl-bus bench codec``: a real run prints a ratio per variant; bad input exits 2."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import pytest
+
+from flodl_bus.bench.codec import main
+from flodl_bus.protocol.wire import CONTROL_TYPES, JOIN_TYPES, UPSTREAM_TYPES
+
+
+def test_bench_codec_runs_and_prints_a_ratio_per_variant() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flodl_bus.cli",
+            "bench",
+            "codec",
+            "--iterations",
+            "50",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows: dict[str, tuple[float, ...]] = {}
+    for line in proc.stdout.splitlines():
+        cells = line.split()
+        if len(cells) == 10 and all(cells[i].endswith("x") for i in (4, 7, 9)):
+            rows[cells[0]] = tuple(float(cells[i][:-1]) for i in (4, 7, 9))
+    assert set(rows) == CONTROL_TYPES | UPSTREAM_TYPES | JOIN_TYPES
+    assert all(r > 0 and math.isfinite(r) for pair in rows.values() for r in pair)
+    summary = re.search(
+        r"summary: (\d+) variants; median ratio vs msgpack: encode ([\d.]+)x .* decode ([\d.]+)x",
+        proc.stdout,
+    )
+    assert summary is not None, proc.stdout
+    assert int(summary.group(1)) == len(rows)
+
+
+def test_bench_codec_refuses_zero_iterations() -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--iterations", "0"])
+    assert info.value.code == 2

@@ -1,0 +1,19 @@
+"""``flodl-bus bench worker`` runs end to end (numbers are printed, never asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flodl_bus.bench.worker import main
+
+
+def test_the_worker_bench_prints_the_bus_cost_next_to_a_plain_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--steps", "100", "--repeats", "1", "--no-redis"]) == 0
+    out = capsys.readouterr().out
+    assert "plain PyTorch step" in out and "[memory] bus block per step" in out
+
+
+def test_the_worker_bench_refuses_too_few_steps() -> None:
+    assert main(["--steps", "5", "--no-redis"]) == 2
