@@ -3,7 +3,8 @@
 # command line holds no credentials (they are read from FLODL_REDIS_USERNAME and
 # FLODL_REDIS_PASSWORD by the process itself):
 #
-#   FLODL_RUN            run id (required)
+#   FLODL_RUN            run id (default: a fresh compose-<UTC time>-<random> per start,
+#                        written to runs/.compose-run for the workers and the health check)
 #   FLODL_REDIS_URL      redis://redis:6379/0 in compose
 #   FLODL_JOB            MODULE:NAME (default: the digits example)
 #   FLODL_MODE           cpu-cadence | cpu-sync | cpu-async | nccl-cadence | nccl-sync
@@ -17,7 +18,14 @@
 #   FLODL_COORDINATOR_ARGS   extra flags, appended as is
 set -eu
 
-: "${FLODL_RUN:?set FLODL_RUN to the run id}"
+if [ -z "${FLODL_RUN:-}" ]; then
+  # A fresh id per `up`: a reused one would put two runs under one run id (the records
+  # would rotate to runs/<run>.2, but metrics and checkpoints would not).
+  FLODL_RUN="compose-$(date -u +%Y%m%d-%H%M%S)-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')"
+  mkdir -p runs
+  printf '%s\n' "$FLODL_RUN" > runs/.compose-run
+fi
+export FLODL_RUN
 
 set -- flodl-bus coordinator \
   --run "$FLODL_RUN" \

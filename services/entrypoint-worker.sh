@@ -4,13 +4,16 @@
 # worker=N` needs no per-replica configuration. The job, the mode, the save path and
 # the resume point are the coordinator's unless set here.
 #
-#   FLODL_RUN            run id (required; the coordinator's)
+#   FLODL_RUN            run id (default: the one the coordinator wrote to runs/.compose-run)
 #   FLODL_REDIS_URL      redis://redis:6379/0 in compose
 #   FLODL_JOB, FLODL_MODE    only to pin them (a mismatch is refused at join)
 #   FLODL_WORKER_ARGS    extra flags, appended as is
 set -eu
 
-: "${FLODL_RUN:?set FLODL_RUN to the run id}"
+if [ -z "${FLODL_RUN:-}" ] && [ -s runs/.compose-run ]; then
+  FLODL_RUN=$(cat runs/.compose-run)
+fi
+: "${FLODL_RUN:?set FLODL_RUN to the run id (or start the coordinator first)}"
 
 set -- flodl-bus worker --run "$FLODL_RUN"
 if [ -n "${FLODL_JOB:-}" ]; then set -- "$@" --job "$FLODL_JOB"; fi

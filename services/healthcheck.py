@@ -40,9 +40,21 @@ def check(role: str, url: str, run: str | None) -> str | None:
         client.close()
 
 
+def run_id() -> str | None:
+    """FLODL_RUN, else the id the coordinator's entrypoint picked (runs/.compose-run)."""
+    run = os.environ.get("FLODL_RUN")
+    if run:
+        return run
+    try:
+        with open(os.path.join("runs", ".compose-run")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def main() -> int:
     role = os.environ.get("FLODL_ROLE", "worker")
-    why = check(role, os.environ.get(ENV_URL, DEFAULT_URL), os.environ.get("FLODL_RUN"))
+    why = check(role, os.environ.get(ENV_URL, DEFAULT_URL), run_id())
     if why is not None:
         print(f"unhealthy ({role}): {why}", file=sys.stderr)
         return 1

@@ -31,7 +31,7 @@ keys, so each selector below pins a command set to a key set):
     ``ctl:*``: XREADGROUP XACK XGROUP|CREATE XINFO XRANGE XREVRANGE XREAD (never XADD);
     ``meta``, ``identity`` (read only): HGETALL HGET HMGET HEXISTS HLEN EXISTS TYPE;
     ``store:*``: GET MGET SET INCRBY APPEND DEL EXISTS RPUSH BLMOVE SADD SREM SCARD
-    SMEMBERS WATCH (the torch rendezvous store, ``params/store.py``; DEL only here).
+    SMEMBERS WATCH (the torch rendezvous store, ``bus/store.py``; DEL only here).
 
 ``flodl-RUN-observer``
     read only (``%R~flodl:{RUN}:*``): XREAD XRANGE XREVRANGE XLEN XINFO XPENDING, HGETALL
@@ -54,7 +54,7 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   ``join.JoinStream``: XADD join, XREAD join, XADD dlq; ``worker/cli.py``: HGETALL meta,
   GET flodl-secret:{RUN} only without FLODL_RUN_SECRET (refused here: give the secret);
   ``identity`` is read with HGETALL/HGET (the coordinator's public keys);
-  ``params/store.py`` on store:*: SET GET MGET INCRBY APPEND DEL RPUSH SADD SREM SCARD
+  ``bus/store.py`` on store:*: SET GET MGET INCRBY APPEND DEL RPUSH SADD SREM SCARD
   SMEMBERS EXISTS BLMOVE, WATCH MULTI EXEC (compare_set), UNWATCH (redis-py's reset).
 - coordinator: XADD ctl:<r>/ctl:all (explicit ids), XRANGE, XREVRANGE, XINFO STREAM
   and GROUPS, XDEL + XSETID + XGROUP SETID (``repair_stream``), XINFO GROUPS + XPENDING

@@ -295,7 +295,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         WorldNotFormed,
         form_world,
     )
-    from flodl_bus.job import JobError, call_job, load_job
+    from flodl_bus.job import (
+        JobError,
+        call_job,
+        check_train_data,
+        dataset_signature,
+        load_job,
+    )
     from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
@@ -309,7 +315,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         job = load_job(args.job)
         # The coordinator only needs the sizes, but a builder that raises is the job's
         # bug: one line naming it, not its traceback.
-        train = call_job("train_data", job.train_data)
+        train = check_train_data(call_job("train_data", job.train_data))
     except SystemExit as exc:  # load_job's one-line errors
         raise ConfigError(str(exc)) from None
     except JobError as exc:
@@ -358,7 +364,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     import structlog
 
     log = structlog.get_logger("flodl_bus.coordinator")
-    sig = train.signature()
+    sig = dataset_signature(train)
     run_fields: dict[str, str] = {
         "mode": args.mode,
         "job": args.job,

@@ -25,10 +25,10 @@ import argparse
 import contextlib
 import csv
 import dataclasses
-import importlib.util
 import math
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -58,6 +58,7 @@ from flodl_bus.exits import (
     signal_of,
 )
 from flodl_bus.launch.display import Progress, Summary, terminal_width
+from flodl_bus.launch.jobref import DEFAULT_JOB, check_job_ref
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
@@ -71,7 +72,6 @@ if TYPE_CHECKING:
     from flodl_bus.job import Job
 
 MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
-DEFAULT_JOB = "flodl_bus.examples.digits:job"
 #: how long ranks may take to exit on their own once the coordinator is done
 WORKER_EXIT_GRACE_S = 10.0
 EXIT_INTERRUPTED = by_signal(signal.SIGINT)
@@ -212,29 +212,6 @@ def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) ->
     return argv
 
 
-def check_job_ref(ref: str) -> str | None:
-    """Why ``MODULE:NAME`` cannot name a job, found without importing the module (so a
-    typo fails in a moment, not after three processes imported torch); None if it may."""
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        return f"--job {ref!r}: expected MODULE:NAME, e.g. {DEFAULT_JOB}"
-    cwd = os.getcwd()  # importable, as load_job makes it (the job's own folder)
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError) as exc:
-        spec, why = None, f" ({exc})"
-    else:
-        why = ""
-    if spec is None:
-        return (
-            f"--job {ref!r}: no module {module_name}{why}; use an absolute module name that "
-            "is installed or on PYTHONPATH"
-        )
-    return None
-
-
 def batches_per_rank(run_header: Mapping[str, Any]) -> int | None:
     """A rank's fair share of the run's batches (a bar's total; fast ranks overshoot it),
     from the ``run`` line of the coordinator's record."""
@@ -302,6 +279,8 @@ class Launcher:
         #: the write end of the coordinator's ``--supervisor-fd`` pipe
         self._supervisor_w: int | None = None
         self._reported: set[str] = set()
+        #: children's exit lines for refusals before any step, said by ``_finish``
+        self._refusals: list[str] = []
         self._csv_mtime = -1
         self._job_error: str | None = None
         #: why ``_start`` gave up (one line), for the record's summary
@@ -535,7 +514,12 @@ class Launcher:
                 # the stop this launcher passed on: expected, not a failure
                 self._say(f"  {c.name} {describe(rc)}")
             elif rc != 0:
-                self._say(f"  {c.name} {describe(rc)} (log: {c.log_path})")
+                line = f"  {c.name} {describe(rc)} (log: {c.log_path})"
+                if rc == CONFIG and self.view.first_step_at is None:
+                    # a refusal before any step: said at the end, once (``_finish``)
+                    self._refusals.append(line)
+                else:
+                    self._say(line)
                 rank = self._rank_of_child(c)
                 if rank is not None:
                     self._tell_coordinator(rank, rc)
@@ -641,8 +625,33 @@ class Launcher:
             self.server.cleanup()
 
     # -------------------------------------------------------------- closing
+    def _refused(self) -> str | None:
+        """The coordinator's one-line refusal, when it exited with bad configuration
+        before any training step (a --job that is no Job, a bad resume point...)."""
+        c = self.coordinator
+        if c is None or c.returncode != CONFIG or self.view.first_step_at is not None:
+            return None
+        try:
+            lines = [ln for ln in c.log_path.read_text(errors="replace").splitlines() if ln]
+        except OSError:
+            return None
+        last = lines[-1] if lines else ""
+        return last.removeprefix("flodl-bus coordinator: ") or None
+
     def _finish(self, wall: float) -> int:
         args, view, run_dir = self.args, self.view, self.run_dir
+        refused = self._refused()
+        if refused is not None and not self.interrupted:
+            # Refused before anything ran: one line, and no run directory left behind
+            # (it would hold nothing but that line).
+            self.record.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run_dir.parent.rmdir()  # runs/, when this run made it and it is empty
+            print(f"flodl-bus up: {refused}", file=sys.stderr, flush=True)
+            return CONFIG
+        for line in self._refusals:
+            print(line, flush=True)
         # Evals that came after their row was shown belong in the files all the same.
         self.rows = [
             dataclasses.replace(row, metric=view.evals.get(row.epoch + 1, row.metric))
@@ -760,25 +769,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidRunId as exc:
         print(f"flodl-bus up: --run: {exc}", file=sys.stderr)
         return 2
-    # The job is imported and checked to be a Job before anything starts (no server, no
-    # child, no run directory): a typo costs a second here, not three processes' start.
-    job, error = load_job_or_error(args.job)
-    if job is None:
-        print(f"flodl-bus up: {error}", file=sys.stderr)
-        return 2
     launcher = Launcher(args, run, started, started_wall)
-    launcher.job = job
     return launcher.run_all()
-
-
-def load_job_or_error(ref: str) -> tuple[Job | None, str]:
-    """The job ``ref`` names, or None and the one-line reason (``load_job``'s)."""
-    import torch
-
-    from flodl_bus.job import load_job
-
-    torch.set_num_threads(1)  # the workers get the cores
-    try:
-        return load_job(ref), ""
-    except SystemExit as exc:
-        return None, str(exc)

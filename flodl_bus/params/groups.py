@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-from flodl_bus.params.store import RedisStore
+from flodl_bus.bus.store import RedisStore
 
 log = structlog.get_logger("flodl_bus.params")
 

@@ -233,7 +233,7 @@ class Feeder:
             return
         pipe = self.client.pipeline(transaction=False)
         for stream, eid in upto.items():
-            pipe.xtrim(stream, minid=eid)
+            pipe.xtrim(stream, minid=eid, approximate=False)
         pipe.execute()
 
 

@@ -41,7 +41,7 @@ from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.exits import CONFIG, by_signal, describe
-from flodl_bus.job import Job, JobError, call_job
+from flodl_bus.job import Job, JobError, call_job, check_train_data, dataset_signature
 from flodl_bus.params.port import ParamPort
 from flodl_bus.protocol.messages import (
     Assign,
@@ -52,6 +52,8 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
 )
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
+from flodl_bus.worker.feed import FeedOptions
+from flodl_bus.worker.host import thread_share
 from flodl_bus.worker.options import (
     DEFAULT_JOB,
     DEFAULT_MODE,
@@ -157,6 +159,15 @@ def _with_resumed_model(job: Job, stem: str) -> Job:
     return dataclasses.replace(job, build_model=build_resumed)
 
 
+def _check_data_env() -> None:
+    """The environment's data and thread settings, refused before anything starts."""
+    try:
+        FeedOptions.from_env()
+        thread_share(os.environ, 1)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _device() -> str:
     import torch
 
@@ -246,6 +257,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
 
     try:
         check(args)
+        _check_data_env()
         # An explicit job is checked before Redis is reached: its error is the useful one.
         job = _load_job(args.job) if args.job else None
         keys = RunKeys(args.run)
@@ -298,7 +310,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         hello = Hello(
             worker_id=worker_id,
             host=socket.gethostname(),
-            dataset_sig=call_job("train_data", job.train_data).signature(),
+            dataset_sig=dataset_signature(check_train_data(call_job("train_data", job.train_data))),
             device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
             kx_pub=kx.pub,

@@ -25,7 +25,7 @@ from flodl_bus.bus import acl
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
-from flodl_bus.params.store import RedisStore
+from flodl_bus.bus.store import RedisStore
 
 pytestmark = pytest.mark.redis
 
@@ -452,7 +452,7 @@ def test_worker_cannot_slip_a_refused_command_into_a_transaction(
 
 
 def test_worker_runs_the_rendezvous_store(worker: redis.Redis) -> None:
-    """Every ``torch.distributed.Store`` method of ``params/store.py`` as the worker."""
+    """Every ``torch.distributed.Store`` method of ``bus/store.py`` as the worker."""
     store = RedisStore(worker, A.store("sess1/"), timeout=2.0)
     store.set("addr", b"10.0.0.1:29500")
     assert store.get("addr") == b"10.0.0.1:29500"

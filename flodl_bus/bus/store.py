@@ -16,7 +16,9 @@ dead session can never satisfy a ``get`` of the new one):
 
 Every blocking call is sliced into ``BLMOVE`` blocks well under the client's socket
 timeout (redis-py 8 silently retries a timed-out read otherwise) and bounded overall by
-the store's ``timeout`` or the caller's.
+the store's ``timeout`` or the caller's. Idempotent operations ride out a lost connection
+or a transient write refusal through the bus's one retry policy (``connection.Link``)
+until that timeout, then fail with ``DistStoreError``.
 """
 
 from __future__ import annotations
@@ -27,17 +29,12 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 import redis
-import structlog
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
-log = structlog.get_logger("flodl_bus.params.store")
+from flodl_bus.bus.connection import BusUnavailable, Link
 
 T = TypeVar("T")
-
-#: Redis errors that a fresh connection may cure (CLIENT KILL, a server restart, a
-#: network blip): the idempotent operations below retry them until their deadline.
-_TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 DEFAULT_TIMEOUT = timedelta(seconds=30)
 #: Socket timeout of a client this module builds from a URL.
@@ -85,6 +82,7 @@ class RedisStore(Store):
             self._owns_client = False
             self._url = None
         self.prefix = prefix
+        self._link = Link(self._client, name="rendezvous store", where=prefix)
         self.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout))
         sock = self._client.connection_pool.connection_kwargs.get("socket_timeout")
         # A blocking read must return before the socket gives up on it; half the socket
@@ -253,22 +251,15 @@ class RedisStore(Store):
         return value.total_seconds()
 
     def _retrying(self, op: Callable[[], T], what: str) -> T:
-        """``op`` (idempotent), run again on a transient Redis error until the store's
-        timeout: a rendezvous that hit a dropped connection would otherwise fail its
-        session for good, and every rank would wait for a new one that never comes."""
-        deadline = time.monotonic() + self._timeout_s()
-        pause = 0.05
-        while True:
-            try:
-                return op()
-            except _TRANSIENT as exc:
-                if time.monotonic() + pause > deadline:
-                    raise
-                log.warning(
-                    "param_store_retry", op=what, prefix=self.prefix, error=type(exc).__name__
-                )
-                time.sleep(pause)
-                pause = min(1.0, pause * 2)
+        """``op`` (idempotent), run again through outages until the store's timeout: a
+        rendezvous that hit a dropped connection would otherwise fail its session for
+        good, and every rank would wait for a new one that never comes."""
+        try:
+            return self._link.call(
+                lambda _retry: op(), deadline=time.monotonic() + self._timeout_s()
+            )
+        except BusUnavailable as exc:
+            raise dist.DistStoreError(f"RedisStore {what} under {self.prefix!r}: {exc}") from exc
 
     def _wait_one(self, key: str, deadline: float) -> None:
         ready = self._r(key)
@@ -301,5 +292,6 @@ class RedisStore(Store):
         return len(names)
 
     def close(self) -> None:
+        self._link.close()
         if self._owns_client:
             self._client.close()

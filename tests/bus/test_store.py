@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from flodl_bus.params.store import RedisStore
+from flodl_bus.bus.store import RedisStore
 
 pytestmark = pytest.mark.redis
 
@@ -188,7 +188,7 @@ def test_two_processes_form_a_gloo_group_through_the_store(redis_url: str) -> No
     prefix = f"test:{{{uuid.uuid4().hex[:8]}}}:store:gloo/"
     code = (
         "import sys, datetime, torch, torch.distributed as dist\n"
-        "from flodl_bus.params.store import RedisStore\n"
+        "from flodl_bus.bus.store import RedisStore\n"
         "rank = int(sys.argv[1])\n"
         f"s = RedisStore({redis_url!r}, {prefix!r}, datetime.timedelta(seconds=20))\n"
         "pg = dist.ProcessGroupGloo(s, rank, 2, datetime.timedelta(seconds=20))\n"
