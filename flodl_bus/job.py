@@ -14,10 +14,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,56 @@ class ArrayDataset:
         h.update(self.x.contiguous().numpy().tobytes())
         h.update(self.y.contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
+
+
+class MapDataset(Protocol):
+    """A map-style dataset with a length (``torch.utils.data.Dataset`` as users write it)."""
+
+    def __getitem__(self, index: int) -> Any: ...
+
+    def __len__(self) -> int: ...
+
+
+#: What ``Job.train_data`` may return: the in-memory ``ArrayDataset`` (a batch is one
+#: gather), or any map-style ``torch.utils.data.Dataset`` with a length (loaded by a
+#: ``DataLoader``'s workers). Either way a rank trains the samples its picks name.
+TrainData: TypeAlias = ArrayDataset | MapDataset
+
+
+def check_train_data(data: object) -> TrainData:
+    """``data`` if a rank can train from it; else a ``JobError`` naming the fix."""
+    if isinstance(data, ArrayDataset):
+        return data
+    if isinstance(data, IterableDataset):
+        raise JobError(
+            "train_data returned an IterableDataset; return a map-style Dataset "
+            "(__getitem__ and __len__) or an ArrayDataset: ranks train picked samples"
+        )
+    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        raise JobError(
+            f"train_data returned a {type(data).__name__}; return an ArrayDataset or a "
+            "map-style torch.utils.data.Dataset with __getitem__ and __len__"
+        )
+    if len(data) < 1:  # type: ignore[arg-type]
+        raise JobError("train_data returned an empty dataset")
+    return data  # type: ignore[return-value]
+
+
+def as_arrays(data: TrainData, where: str) -> ArrayDataset:
+    """``data`` as an ``ArrayDataset``, for the parts that need one (``where`` says which)."""
+    if not isinstance(data, ArrayDataset):
+        raise JobError(f"{where} needs train_data to return an ArrayDataset")
+    return data
+
+
+def dataset_signature(data: TrainData) -> str:
+    """What the coordinator compares to refuse a worker with other data: a content hash
+    of an ``ArrayDataset``; the type and length of any other Dataset (its samples are
+    not read for this)."""
+    if isinstance(data, ArrayDataset):
+        return data.signature()
+    kind = f"{type(data).__module__}.{type(data).__qualname__}:{len(data)}"
+    return hashlib.sha256(kind.encode()).hexdigest()[:16]
 
 
 def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -110,7 +161,8 @@ class Job:
     name: str
     build_model: Callable[[], nn.Module]
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
-    train_data: Callable[[], ArrayDataset]
+    #: an ``ArrayDataset`` or any map-style ``torch.utils.data.Dataset`` (``TrainData``)
+    train_data: Callable[[], TrainData]
     eval_data: Callable[[], ArrayDataset] | None = None
     #: loss of one batch; backward/step are done by the runtime
     loss_fn: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] = (

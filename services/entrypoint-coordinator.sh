@@ -12,6 +12,9 @@
 #                        it with everyone who joined within FLODL_JOIN_TIMEOUT seconds
 #                        (at least FLODL_MIN_WORKERS), which is what --scale needs
 #   FLODL_EPOCHS, FLODL_SAVE_PATH, FLODL_RESUME, FLODL_EVAL_EVERY, FLODL_RUN_DIR
+#   FLODL_CONFIG         a run.toml of run settings (seed, anchor, outer, ...; see
+#                        `flodl-bus coordinator --help`), e.g. runs/run.toml; the ranks
+#                        read them from the run's meta
 #   FLODL_COORDINATOR_ARGS   extra flags, appended as is
 set -eu
 
@@ -42,6 +45,7 @@ fi
 if [ -n "${FLODL_EPOCHS:-}" ]; then set -- "$@" --epochs "$FLODL_EPOCHS"; fi
 if [ -n "${FLODL_SAVE_PATH:-}" ]; then set -- "$@" --save-path "$FLODL_SAVE_PATH"; fi
 if [ -n "${FLODL_RESUME:-}" ]; then set -- "$@" --resume "$FLODL_RESUME"; fi
+if [ -n "${FLODL_CONFIG:-}" ]; then set -- "$@" --config "$FLODL_CONFIG"; fi
 
 # shellcheck disable=SC2086  # FLODL_COORDINATOR_ARGS is a list of flags
 exec "$@" ${FLODL_COORDINATOR_ARGS:-}

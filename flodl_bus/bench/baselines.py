@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flodl_bus.job import Job, load_job
+from flodl_bus.job import Job, as_arrays, load_job
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
 
 
@@ -44,7 +44,7 @@ def _train_epochs(
     epochs: int,
     shard: tuple[int, int] = (0, 1),
 ) -> tuple[int, int]:
-    data = job.train_data()
+    data = as_arrays(job.train_data(), "the baseline loop")
     rank, world = shard
     bs = job.batch_size
     samples = steps = 0

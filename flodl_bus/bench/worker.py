@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flodl_bus.bus.api import RankBus
-from flodl_bus.job import Job, load_job
+from flodl_bus.job import Job, as_arrays, load_job
 from flodl_bus.partition import make_partition
 from flodl_bus.worker.control import PARAM_NORM_EVERY, WorkerControl
 from flodl_bus.worker.inbox import Inbox
@@ -41,7 +41,7 @@ class Sample:
 
 
 def _batches(job: Job, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    data = job.train_data()
+    data = as_arrays(job.train_data(), "bench worker")
     space, bs, epoch = len(data), job.batch_size, 0
     while True:
         picks = make_partition(0, space, space, epoch)

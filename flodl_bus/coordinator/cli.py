@@ -3,7 +3,13 @@
     flodl-bus coordinator --run RUN --redis-url URL --job MODULE:NAME --mode MODE \\
         (--world-size N | --min-workers M [--join-timeout S]) [--epochs N] \\
         [--save-path STEM] [--resume STEM] [--run-dir DIR] [--heartbeat-timeout S] \\
-        [--eval-every N] [--checkpoint-every N]
+        [--eval-every N] [--checkpoint-every N] [--config run.toml] [run settings]
+
+Run settings (``flodl_bus.settings``: seed, epoch splits, max failure, anchor, overhead
+target, max batch difference, max overshoot, callback rank, guard, meta-controller, LR
+scaling, outer optimizer, EASGD alpha) come from their flags, else ``--config``, else
+flodl's defaults; they are recorded in the run header, and the ranks' share is published
+in the run's meta.
 
 Workers join on the run's ``join`` stream (``flodl-bus worker`` with or without
 ``--rank``); the run's config goes into its ``meta`` hash so joining workers can read it.
@@ -28,6 +34,7 @@ from typing import Any, NoReturn
 
 from redis.exceptions import RedisError
 
+from flodl_bus import settings
 from flodl_bus.bus.connection import (
     DEFAULT_URL,
     ENV_URL,
@@ -38,10 +45,9 @@ from flodl_bus.bus.connection import (
     redact_url,
 )
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.coordinator.config import MODES, CoordinatorConfig, parse_mode
+from flodl_bus.coordinator.config import MODES, CoordinatorConfig, MaxFailure, parse_mode
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
 from flodl_bus.options import LOG_LEVELS, log_level
-from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 
 PROG = "flodl-bus coordinator"
@@ -109,13 +115,6 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for every rank's Exiting after Shutdown (default 30)",
     )
     p.add_argument(
-        "--lr-scale-ratio",
-        type=float,
-        default=1.0,
-        help="ranks scale the job's LR by 1 + (world_size - 1) * RATIO (default 1.0: "
-        "flodl's linear scaling; 0: the job's schedule as given)",
-    )
-    p.add_argument(
         "--reset-run",
         action="store_true",
         help="delete what an earlier run with this id left in Redis (streams, meta, secret) "
@@ -147,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
         help="an inherited pipe on which the launcher (flodl-bus up) reports ranks whose "
         "process exited; its end of file stops the run in order",
     )
+    settings.add_arguments(p)
     return p
 
 
@@ -170,8 +170,6 @@ def _check(args: argparse.Namespace) -> None:
         RunKeys(args.run)
     except InvalidRunId as exc:
         raise ConfigError(f"--run: {exc}") from None
-    if args.lr_scale_ratio < 0:
-        raise ConfigError("--lr-scale-ratio must be 0 (off) or positive (flodl's default is 1.0)")
     if not args.job:
         raise ConfigError(
             "--job is required: name the Job to train as MODULE:NAME, "
@@ -208,6 +206,30 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(why)
     if args.checkpoint_every and not (args.save_path or args.resume):
         raise ConfigError("--checkpoint-every needs --save-path STEM (where checkpoints go)")
+
+
+def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
+    """The coordinator's share of the run settings, as ``CoordinatorConfig`` fields."""
+    mf = knobs["max_failure"]
+    max_failure = None
+    if mf is not None:
+        max_failure = (
+            MaxFailure(percent=float(mf[:-1]) / 100.0)
+            if mf.endswith("%")
+            else MaxFailure(absolute=int(mf))
+        )
+    return {
+        "seed": knobs["seed"],
+        "epoch_splits": knobs["epoch_splits"],
+        "anchor": knobs["anchor"],
+        "overhead_target": knobs["overhead_target"],
+        "max_batch_diff": knobs["max_batch_diff"],
+        "max_overshoot": knobs["max_overshoot"],
+        "epoch_callback_rank": knobs["callback_rank"],
+        "max_failure": max_failure,
+        "guard": knobs["guard"],
+        "meta_controller": knobs["meta_controller"],
+    }
 
 
 def _read_resume(stem: str) -> dict[str, Any]:
@@ -273,17 +295,27 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         WorldNotFormed,
         form_world,
     )
-    from flodl_bus.job import JobError, call_job, load_job
+    from flodl_bus.job import (
+        JobError,
+        call_job,
+        check_train_data,
+        dataset_signature,
+        load_job,
+    )
     from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
 
     _check(args)
     try:
+        knobs = settings.resolve(args)
+    except settings.SettingsError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
         job = load_job(args.job)
         # The coordinator only needs the sizes, but a builder that raises is the job's
         # bug: one line naming it, not its traceback.
-        train = call_job("train_data", job.train_data)
+        train = check_train_data(call_job("train_data", job.train_data))
     except SystemExit as exc:  # load_job's one-line errors
         raise ConfigError(str(exc)) from None
     except JobError as exc:
@@ -299,12 +331,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             total_samples=len(train),
             batch_size=job.batch_size,
             num_epochs=epochs,
-            seed=SHUFFLE_BASE_SEED,
             heartbeat_timeout=args.heartbeat_timeout,
             eval_every=args.eval_every,
             final_eval=final_eval,
             checkpoint_every=args.checkpoint_every,
             save_path=save_path,
+            **config_knobs(knobs),
         )
 
     # Validate the config now, not after the world formed (a bad batch size or resume
@@ -332,15 +364,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     import structlog
 
     log = structlog.get_logger("flodl_bus.coordinator")
-    sig = train.signature()
+    sig = dataset_signature(train)
     run_fields: dict[str, str] = {
         "mode": args.mode,
         "job": args.job,
         "batch_size": str(job.batch_size),
         "epochs": str(epochs),
-        "seed": str(SHUFFLE_BASE_SEED),
-        "epoch_splits": str(probe.epoch_splits),
-        "lr_scale_ratio": repr(args.lr_scale_ratio),
+        **settings.to_meta(knobs),
         "dataset_sig": sig,
         "world_size": "" if args.world_size is None else str(args.world_size),
         "save_path": save_path or "",
@@ -452,6 +482,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     recorder.header(
         run=args.run,
         config=dataclasses.asdict(config),
+        settings=knobs,
+        config_file=args.config,
         job=args.job,
         dataset_sig=sig,
         resume_meta=resume_meta,

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from flodl_bus.partition import SHUFFLE_BASE_SEED, split_bounds
+from flodl_bus.settings import GUARDS
 
 
 class Policy(enum.Enum):
@@ -20,7 +21,6 @@ class Backend(enum.Enum):
     CPU = "cpu"
 
 
-GUARDS: tuple[str, ...] = ("trend", "msf", "none")
 #: what a run recorded before these settings existed did (replay of older records)
 LEGACY_DEFAULTS: dict[str, object] = {
     "meta_controller": False,

@@ -124,12 +124,13 @@ class TensorBoardScalars:
     @staticmethod
     def available() -> str | None:
         """None when event files can be written here, else why not (one line)."""
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError as exc:
+        import importlib.util
+
+        # found, not imported: `up` asks before it starts anything, and importing
+        # torch.utils.tensorboard imports torch (seconds)
+        if importlib.util.find_spec("tensorboard") is None:
             return (
-                f"--tensorboard needs the tensorboard package ({exc}): "
-                "pip install 'flodl_bus[tensorboard]'"
+                "--tensorboard needs the tensorboard package: pip install 'flodl_bus[tensorboard]'"
             )
         return None
 

@@ -25,10 +25,10 @@ import argparse
 import contextlib
 import csv
 import dataclasses
-import importlib.util
 import math
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import redis
 
+from flodl_bus import settings
 from flodl_bus.bus.connection import ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
@@ -57,6 +58,7 @@ from flodl_bus.exits import (
     signal_of,
 )
 from flodl_bus.launch.display import Progress, Summary, terminal_width
+from flodl_bus.launch.jobref import DEFAULT_JOB, check_job_ref
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
@@ -70,7 +72,6 @@ if TYPE_CHECKING:
     from flodl_bus.job import Job
 
 MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
-DEFAULT_JOB = "flodl_bus.examples.digits:job"
 #: how long ranks may take to exit on their own once the coordinator is done
 WORKER_EXIT_GRACE_S = 10.0
 EXIT_INTERRUPTED = by_signal(signal.SIGINT)
@@ -139,13 +140,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
     p.add_argument(
-        "--lr-scale-ratio",
-        type=float,
-        default=1.0,
-        help="LR x (1 + (workers - 1) x RATIO) on every rank (default 1.0: flodl's linear "
-        "scaling; 0: the job's LR as given)",
-    )
-    p.add_argument(
         "--tensorboard",
         metavar="DIR",
         help="TensorBoard event files in DIR (the coordinator writes them; needs the "
@@ -165,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=LOG_LEVELS,
         help="children's console log level (default info)",
     )
+    settings.add_arguments(p)
     return p
 
 
@@ -186,7 +181,6 @@ def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]
         "--mode", args.mode,
         "--world-size", str(args.workers),
         "--run-dir", str(run_dir),
-        "--lr-scale-ratio", repr(args.lr_scale_ratio),
     ]  # fmt: skip
     if args.epochs is not None:
         argv += ["--epochs", str(args.epochs)]
@@ -195,6 +189,9 @@ def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]
 
 def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
     argv = _cli("coordinator", *_shared_argv(args, run, run_dir))
+    # The run settings go to the coordinator alone: it publishes the ranks' share in
+    # the run's meta, where every rank reads it.
+    argv += settings.argv(args)
     argv += ["--eval-every", str(args.eval_every)]
     if args.save_path:
         argv += ["--save-path", args.save_path]
@@ -213,29 +210,6 @@ def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) ->
     if args.save_path:
         argv += ["--save-path", args.save_path]
     return argv
-
-
-def check_job_ref(ref: str) -> str | None:
-    """Why ``MODULE:NAME`` cannot name a job, found without importing the module (so a
-    typo fails in a moment, not after three processes imported torch); None if it may."""
-    module_name, _, attr = ref.partition(":")
-    if not module_name or not attr:
-        return f"--job {ref!r}: expected MODULE:NAME, e.g. {DEFAULT_JOB}"
-    cwd = os.getcwd()  # importable, as load_job makes it (the job's own folder)
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.append(cwd)
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError) as exc:
-        spec, why = None, f" ({exc})"
-    else:
-        why = ""
-    if spec is None:
-        return (
-            f"--job {ref!r}: no module {module_name}{why}; use an absolute module name that "
-            "is installed or on PYTHONPATH"
-        )
-    return None
 
 
 def batches_per_rank(run_header: Mapping[str, Any]) -> int | None:
@@ -305,6 +279,8 @@ class Launcher:
         #: the write end of the coordinator's ``--supervisor-fd`` pipe
         self._supervisor_w: int | None = None
         self._reported: set[str] = set()
+        #: children's exit lines for refusals before any step, said by ``_finish``
+        self._refusals: list[str] = []
         self._csv_mtime = -1
         self._job_error: str | None = None
         #: why ``_start`` gave up (one line), for the record's summary
@@ -538,7 +514,12 @@ class Launcher:
                 # the stop this launcher passed on: expected, not a failure
                 self._say(f"  {c.name} {describe(rc)}")
             elif rc != 0:
-                self._say(f"  {c.name} {describe(rc)} (log: {c.log_path})")
+                line = f"  {c.name} {describe(rc)} (log: {c.log_path})"
+                if rc == CONFIG and self.view.first_step_at is None:
+                    # a refusal before any step: said at the end, once (``_finish``)
+                    self._refusals.append(line)
+                else:
+                    self._say(line)
                 rank = self._rank_of_child(c)
                 if rank is not None:
                     self._tell_coordinator(rank, rc)
@@ -644,8 +625,33 @@ class Launcher:
             self.server.cleanup()
 
     # -------------------------------------------------------------- closing
+    def _refused(self) -> str | None:
+        """The coordinator's one-line refusal, when it exited with bad configuration
+        before any training step (a --job that is no Job, a bad resume point...)."""
+        c = self.coordinator
+        if c is None or c.returncode != CONFIG or self.view.first_step_at is not None:
+            return None
+        try:
+            lines = [ln for ln in c.log_path.read_text(errors="replace").splitlines() if ln]
+        except OSError:
+            return None
+        last = lines[-1] if lines else ""
+        return last.removeprefix("flodl-bus coordinator: ") or None
+
     def _finish(self, wall: float) -> int:
         args, view, run_dir = self.args, self.view, self.run_dir
+        refused = self._refused()
+        if refused is not None and not self.interrupted:
+            # Refused before anything ran: one line, and no run directory left behind
+            # (it would hold nothing but that line).
+            self.record.close()
+            shutil.rmtree(run_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                run_dir.parent.rmdir()  # runs/, when this run made it and it is empty
+            print(f"flodl-bus up: {refused}", file=sys.stderr, flush=True)
+            return CONFIG
+        for line in self._refusals:
+            print(line, flush=True)
         # Evals that came after their row was shown belong in the files all the same.
         self.rows = [
             dataclasses.replace(row, metric=view.evals.get(row.epoch + 1, row.metric))
@@ -748,6 +754,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if why is not None:
             print(f"flodl-bus up: {why}", file=sys.stderr)
             return 2
+    try:
+        settings.resolve(args)  # a bad flag or --config file fails here, before any start
+    except settings.SettingsError as exc:
+        print(f"flodl-bus up: {exc}", file=sys.stderr)
+        return 2
     bad_job = check_job_ref(args.job)
     if bad_job is not None:
         print(f"flodl-bus up: {bad_job}", file=sys.stderr)
@@ -758,25 +769,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidRunId as exc:
         print(f"flodl-bus up: --run: {exc}", file=sys.stderr)
         return 2
-    # The job is imported and checked to be a Job before anything starts (no server, no
-    # child, no run directory): a typo costs a second here, not three processes' start.
-    job, error = load_job_or_error(args.job)
-    if job is None:
-        print(f"flodl-bus up: {error}", file=sys.stderr)
-        return 2
     launcher = Launcher(args, run, started, started_wall)
-    launcher.job = job
     return launcher.run_all()
-
-
-def load_job_or_error(ref: str) -> tuple[Job | None, str]:
-    """The job ``ref`` names, or None and the one-line reason (``load_job``'s)."""
-    import torch
-
-    from flodl_bus.job import load_job
-
-    torch.set_num_threads(1)  # the workers get the cores
-    try:
-        return load_job(ref), ""
-    except SystemExit as exc:
-        return None, str(exc)

@@ -24,9 +24,11 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
+from flodl_bus import settings
 from flodl_bus.bus.connection import (
     REFUSALS,
     RedisUnreachable,
@@ -39,9 +41,8 @@ from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.exits import CONFIG, by_signal, describe
-from flodl_bus.job import Job, JobError, call_job
+from flodl_bus.job import Job, JobError, call_job, check_train_data, dataset_signature
 from flodl_bus.params.port import ParamPort
-from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol.messages import (
     Assign,
     ControlMsg,
@@ -51,6 +52,8 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
 )
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
+from flodl_bus.worker.feed import FeedOptions
+from flodl_bus.worker.host import rank_env, thread_share
 from flodl_bus.worker.options import (
     DEFAULT_JOB,
     DEFAULT_MODE,
@@ -62,7 +65,9 @@ from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
 
 
-def _params_factory(url: str, run: str, rank: int, world: int, mode: str) -> ParamsFactory | None:
+def _params_factory(
+    url: str, run: str, rank: int, world: int, mode: str, knobs: Mapping[str, Any]
+) -> ParamsFactory | None:
     if world == 1:
         return None  # a world of one: LocalParams is the exact average
     try:
@@ -72,7 +77,12 @@ def _params_factory(url: str, run: str, rank: int, world: int, mode: str) -> Par
             f"--world-size {world} needs the param plane (flodl_bus.params.plane), "
             f"which is not available here ({exc}); run with --world-size 1"
         ) from None
-    config = ParamConfig.for_mode(mode)
+    overrides: dict[str, Any] = {
+        k: knobs[k] for k in ("easgd_alpha", "outer_lr", "outer_momentum") if knobs[k] is not None
+    }
+    if knobs["outer"] != "none":
+        overrides["outer"] = knobs["outer"]
+    config = ParamConfig.for_mode(mode, **overrides)
 
     def build(
         model: nn.Module,
@@ -149,6 +159,16 @@ def _with_resumed_model(job: Job, stem: str) -> Job:
     return dataclasses.replace(job, build_model=build_resumed)
 
 
+def _check_data_env() -> None:
+    """The environment's data and thread settings, refused before anything starts."""
+    try:
+        FeedOptions.from_env()
+        rank_env(0, 1, os.environ)
+        thread_share(os.environ, 1)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _device() -> str:
     import torch
 
@@ -156,7 +176,8 @@ def _device() -> str:
 
 
 def _resolve_device(wanted: str, rank: int) -> str:
-    """The torch device of this rank; a GPU asked for where none exists is a config error."""
+    """The torch device of this rank (``rank``: its local rank on this host); a GPU asked
+    for where none exists is a config error."""
     import torch
 
     if wanted == "auto":
@@ -238,6 +259,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
 
     try:
         check(args)
+        _check_data_env()
         # An explicit job is checked before Redis is reached: its error is the useful one.
         job = _load_job(args.job) if args.job else None
         keys = RunKeys(args.run)
@@ -277,18 +299,20 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         resume = args.resume or meta.get("resume") or None
         if resume:
             job = _with_resumed_model(job, resume)
-        seed = int(meta.get("seed") or SHUFFLE_BASE_SEED)
+        try:
+            knobs = settings.from_meta(meta)
+        except settings.SettingsError as exc:
+            raise ConfigError(f"the run's meta: {exc}") from None
+        seed = knobs["seed"]
         lr_scale_ratio = (
-            args.lr_scale_ratio
-            if args.lr_scale_ratio is not None
-            else float(meta.get("lr_scale_ratio") or 0.0)
+            args.lr_scale_ratio if args.lr_scale_ratio is not None else knobs["lr_scale_ratio"]
         )
-        splits = int(meta.get("epoch_splits") or 1)
+        splits = knobs["epoch_splits"]
         epochs = args.epochs if args.epochs is not None else _meta_int(meta, "epochs")
         hello = Hello(
             worker_id=worker_id,
             host=socket.gethostname(),
-            dataset_sig=call_job("train_data", job.train_data).signature(),
+            dataset_sig=dataset_signature(check_train_data(call_job("train_data", job.train_data))),
             device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
             kx_pub=kx.pub,
@@ -307,8 +331,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             join.post(hello)  # no wait: a scripted coordinator need not answer
             rank, world = args.rank, args.world_size
         join.close()
-        device = _resolve_device(args.device, rank)
-        factory = _params_factory(args.redis_url, args.run, rank, world, mode)
+        # A GPU per rank of this host: torchrun's LOCAL_RANK (the launcher's, else the rank).
+        device = _resolve_device(args.device, int(rank_env(rank, world, os.environ)["LOCAL_RANK"]))
+        factory = _params_factory(args.redis_url, args.run, rank, world, mode, knobs)
     except JobError as exc:
         # The job's bug, met before the rank reached the run: one line (the same job
         # fails the coordinator the same way, so the run does not start either).
@@ -338,7 +363,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         shuffle_seed=seed,
         epoch_splits=splits,
         record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
-        record_header={"run": args.run, "mode": mode, "job": args.job or meta.get("job")},
+        record_header={
+            "run": args.run,
+            "mode": mode,
+            "job": args.job or meta.get("job"),
+            "settings": knobs,
+        },
         device=device,
         # flodl's LR scaling (reference §3.13): every rank the same factor of the world
         lr_scale=1.0 + (world - 1) * lr_scale_ratio,

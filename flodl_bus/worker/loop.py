@@ -17,7 +17,7 @@ import structlog
 import torch
 from torch import nn
 
-from flodl_bus.job import ArrayDataset, Job, JobError, call_job
+from flodl_bus.job import Job, JobError, TrainData, call_job
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
     Batch,
@@ -31,6 +31,7 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
 )
 from flodl_bus.worker.control import Dispatched, WorkerControl, acts_at_teardown
+from flodl_bus.worker.feed import Feed, FeedOptions, make_feed
 from flodl_bus.worker.inbox import Closed, Inbox
 
 _log = structlog.get_logger("flodl_bus.worker")
@@ -83,7 +84,8 @@ class RankLoop:
         publish: Callable[[UpstreamMsg], None],
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        train_data: ArrayDataset,
+        train_data: TrainData,
+        feed: Feed | None = None,
         lr_scale: float = 1.0,
         planned_epochs: int | None = None,
         epoch_fn: Callable[[int], None] | None = None,
@@ -98,6 +100,12 @@ class RankLoop:
         self.model = model
         self.optimizer = optimizer
         self.train_data = train_data
+        #: where batches come from; by default made ahead off this thread (``worker.feed``)
+        self.feed = (
+            feed
+            if feed is not None
+            else make_feed(train_data, _device_of(model), FeedOptions(), seed=job.seed)
+        )
         self.lr_scale = lr_scale
         #: the run's global steps, where ``job.lr_schedule`` ends (the job's epochs when
         #: the run's are not known)
@@ -225,10 +233,14 @@ class RankLoop:
             return False
 
         job = self.job
-        model, optimizer, data = self.model, self.optimizer, self.train_data
+        model, optimizer, feed = self.model, self.optimizer, self.feed
         clip = job.max_grad_norm
-        device = next(model.parameters()).device
-        on_device = device.type != "cpu"
+
+        def picks_of(index: int) -> list[int] | None:
+            # Re-read at every call: ExtendPartition grows the plan mid-way.
+            return control.batch_picks(index) if index < control.num_batches else None
+
+        feed.begin(picks_of)
         publish = self.publish
         model.train()
         loss_sum = compute_ms_total = data_ms_total = 0.0
@@ -238,12 +250,7 @@ class RankLoop:
             # The bound is re-read every iteration: ExtendPartition grows it mid-plan.
             while done < control.num_batches:
                 t0 = time.perf_counter()
-                batch = data.batch(control.batch_picks(done))
-                if on_device:
-                    batch = (
-                        batch[0].to(device, non_blocking=True),
-                        batch[1].to(device, non_blocking=True),
-                    )
+                batch = feed.get(done)
                 t1 = time.perf_counter()
                 lr = job.lr(control.lr_position, self.planned_steps) * self.lr_scale
                 self._set_lr(lr)
@@ -368,6 +375,10 @@ class RankLoop:
                     self.control.params.abort()
                 except Exception:
                     _log.exception("teardown_abort_failed", rank=self.rank)
+            try:
+                self.feed.close()
+            except Exception:
+                _log.exception("feed_close_failed", rank=self.rank)
             if self.final_snapshot is not None:
                 try:
                     self.final_snapshot()
@@ -382,6 +393,11 @@ class RankLoop:
             elif clean:
                 self.publish(Exiting(rank=self.rank))
         return clean
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def _zero_metrics(rank: int, epoch: int, scalars: dict[str, tuple[float, int]]) -> MetricsMsg:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -15,13 +16,15 @@ from torch import nn
 
 from flodl_bus.bus.api import RankBus
 from flodl_bus.exits import FAILED, OK, STOPPED, by_signal
-from flodl_bus.job import Job, JobError, call_job
+from flodl_bus.job import Job, JobError, call_job, check_train_data
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import ControlMsg, Exiting, UpstreamMsg
 from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
+from flodl_bus.worker.feed import FeedOptions, make_feed
+from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
@@ -59,6 +62,11 @@ class RankOptions:
     record_header: Mapping[str, Any] = field(default_factory=dict)
     #: where the model and batches live: "cpu", "cuda" or "cuda:N"
     device: str = "cpu"
+    #: how batches are made (prefetch, data on the device, loader workers); None: from
+    #: the environment (``FeedOptions.from_env``)
+    feed: FeedOptions | None = None
+    #: torch threads of this rank; None: its share of the host (``worker.host``)
+    threads: int | None = None
 
 
 def _bound_epoch_fn(job: Job, model: nn.Module) -> Callable[[int], None] | None:
@@ -98,6 +106,12 @@ def run_rank(
             "a world of more than one rank needs a param plane; pass params_factory "
             "(LocalParams only averages a world of one)"
         )
+    # Before any of the job's code runs: it may read them (torchrun's convention).
+    set_rank_env(rank, options.world_size)
+    threads = options.threads or thread_share(os.environ, usable_cores())
+    if threads is not None:
+        torch.set_num_threads(threads)
+    feed_options = options.feed if options.feed is not None else FeedOptions.from_env()
     torch.manual_seed(job.seed)
     device = torch.device(options.device)
     if device.type == "cuda":
@@ -106,7 +120,7 @@ def run_rank(
     try:
         model = call_job("build_model", job.build_model).to(device)
         optimizer = call_job("build_optimizer", job.build_optimizer, model)
-        train_data = call_job("train_data", job.train_data)
+        train_data = check_train_data(call_job("train_data", job.train_data))
         eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
     except JobError as exc:
         return _failed_before_start(bus, rank, exc)
@@ -159,6 +173,7 @@ def run_rank(
         splits=options.epoch_splits,
     )
     observer = None if recording is None else recording.observer(control, inbox)
+    feed = make_feed(train_data, device, feed_options, seed=job.seed + rank)
     loop = RankLoop(
         job=job,
         control=control,
@@ -167,6 +182,7 @@ def run_rank(
         model=model,
         optimizer=optimizer,
         train_data=train_data,
+        feed=feed,
         lr_scale=options.lr_scale,
         planned_epochs=options.epochs,
         epoch_fn=_bound_epoch_fn(job, model),

@@ -224,3 +224,38 @@ def test_a_redis_hiccup_mid_run_costs_a_reconnect_and_the_run_still_finishes(
     assert summary["coordinator_rc"] == 0 and summary["worker_rcs"] == [0, 0]
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 12, rows  # header + every epoch
+
+
+def test_a_config_file_reaches_the_coordinator_and_every_rank_and_a_flag_beats_it(
+    tmp_path: Path, mark: str
+) -> None:
+    (tmp_path / "run.toml").write_text(
+        'seed = 7\nepoch_splits = 2\nanchor = 4\nouter = "slow-momentum"\nouter_lr = 1.0\n'
+        "lr_scale_ratio = 0.0\n"
+    )
+    proc = _up(
+        tmp_path, mark, "--run", "cfg", "--epochs", "1", "--mode", "cpu-cadence",
+        "--config", "run.toml", "--anchor", "3",
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "runs" / "cfg"
+    header = read_records(run_dir / "coordinator.jsonl")[0]
+    assert header["config_file"] == "run.toml"
+    assert header["settings"]["seed"] == 7 and header["settings"]["anchor"] == 3
+    assert header["config"]["seed"] == 7 and header["config"]["anchor"] == 3
+    assert header["config"]["epoch_splits"] == 2
+    base = digits.job.lr_at(0)
+    for r in (0, 1):
+        recs = read_records(run_dir / f"rank{r}.jsonl")
+        assert recs[0]["seed"] == 7 and recs[0]["splits"] == 2
+        assert recs[0]["settings"]["outer"] == "slow-momentum"
+        assert recs[0]["settings"]["outer_lr"] == 1.0
+        lrs = {
+            o["lr"]
+            for rec in recs
+            if rec.get("event") == "step"
+            for o in rec["out"]
+            if o["type"] == "LrUpdate"
+        }
+        assert lrs and all(lr == pytest.approx(base) for lr in lrs), lrs

@@ -3,6 +3,7 @@ redis-server, training the digits model."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -125,8 +126,17 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
         c.close()
 
 
-def start_worker(redis_url: str, run: str, secret: bytes, *extra: str) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, FLODL_RUN_SECRET=secret.hex(), OMP_NUM_THREADS="1")
+def start_worker(
+    redis_url: str,
+    run: str,
+    secret: bytes,
+    *extra: str,
+    job: str = "flodl_bus.examples.digits:job",
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    if env is None:
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(env, FLODL_RUN_SECRET=secret.hex())
     args = [
         sys.executable,
         "-m",
@@ -139,7 +149,7 @@ def start_worker(redis_url: str, run: str, secret: bytes, *extra: str) -> subpro
         "--world-size",
         "1",
         "--job",
-        "flodl_bus.examples.digits:job",
+        job,
         "--redis-url",
         redis_url,
         "--log-level",
@@ -221,6 +231,43 @@ def test_a_rank_process_trains_through_throttle_sync_extend_checkpoint_and_shutd
     assert 0.0 < metrics.avg_loss < 3.0
 
 
+def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_torch_dataset(
+    redis_url: str, client: redis.Redis, run_id: str, tmp_path: Path
+) -> None:
+    seen_path = tmp_path / "seen.json"
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    # The launcher says two ranks share this host: this one takes half of the cores.
+    env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", FLODL_TEST_SEEN=str(seen_path))
+    env["FLODL_DATA_WORKERS"] = "2"
+    secret = new_secret()
+    coord = ScriptedCoordinator(client, run_id, secret)
+    proc = start_worker(
+        redis_url, run_id, secret, "--no-record", job="tests.worker.jobs:dataset_job", env=env
+    )
+    coord.attach()
+    coord.send(StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=20 * BS)))
+    try:
+        metrics = coord.wait_for(MetricsMsg)
+        coord.send(Shutdown())
+        coord.wait_for(Exiting)
+    finally:
+        rc, out = finish(proc, timeout=60.0)
+    assert rc == 0, out
+    seen = json.loads(seen_path.read_text())
+    cores = len(os.sched_getaffinity(0))
+    assert seen == {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "2",
+        "threads": str(max(1, cores // 2)),
+    }
+    assert isinstance(metrics, MetricsMsg)
+    assert (metrics.batches_processed, metrics.samples_processed) == (20, 20 * BS)
+    losses = [b.batch_loss for b in coord.control_plane() if isinstance(b, Batch)]
+    assert len(losses) == 20 and sum(losses[-5:]) < sum(losses[:5])
+
+
 def test_a_rank_whose_coordinator_falls_silent_stops_within_the_timeout(
     redis_url: str, client: redis.Redis, run_id: str
 ) -> None:
@@ -286,3 +333,40 @@ def test_bad_config_exits_with_one_line_naming_the_fix(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("flodl-bus worker: ") and fix in err
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fix"),
+    [
+        ("FLODL_PREFETCH", "maybe", "use 1 (on) or 0 (off)"),
+        ("FLODL_DATA_WORKERS", "two", "0 or more"),
+        ("FLODL_NUM_THREADS", "0", "1 or more"),
+        ("LOCAL_RANK", "5", "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"),
+    ],
+)
+def test_a_bad_data_or_thread_setting_exits_with_one_line_before_reaching_redis(
+    name: str,
+    value: str,
+    fix: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flodl_bus.worker.cli import main
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    # A closed loopback port: had the setting not been refused first, this would be the error.
+    argv = [
+        "--run",
+        "r",
+        "--rank",
+        "0",
+        "--world-size",
+        "1",
+        "--redis-url",
+        "redis://127.0.0.1:1/0",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flodl-bus worker: ")
+    assert name in err and fix in err

@@ -13,6 +13,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 from torch import nn
+from torch.utils.data import Dataset
 
 from flodl_bus.examples import digits
 from flodl_bus.job import Job, JobError, classification_loss
@@ -38,6 +39,7 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
 )
 from flodl_bus.worker.control import Dispatched, Phase, WorkerControl
+from flodl_bus.worker.feed import ArrayFeed, Feed, LoaderFeed
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.loop import RankLoop, record_scalar
 from tests.worker.rig import ObservedParams
@@ -45,6 +47,7 @@ from tests.worker.rig import ObservedParams
 TRAIN = digits.train_data()
 BS = digits.job.batch_size
 EPOCH_SIZE = len(TRAIN)
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -338,6 +341,52 @@ def test_three_plans_give_three_metrics_for_epochs_0_1_2_then_exiting() -> None:
     losses = [m.avg_loss for m in metrics]
     assert losses[0] > losses[1] > losses[2]
     assert losses[2] < 0.5 * losses[0]
+
+
+class DigitRows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """The digits as a map-style torch Dataset: one sample per ``__getitem__``."""
+
+    def __len__(self) -> int:
+        return len(TRAIN)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return TRAIN.x[i], TRAIN.y[i]
+
+
+def _train_two_epochs(feed: Feed) -> tuple[nn.Module, list[float]]:
+    """Two epochs, the first grown by ExtendPartition mid-plan, through ``feed``."""
+    rig = make_rig(
+        feed=feed,
+        after_metrics=[[StartEpoch(EpochPlan(1, 0, EPOCH_SIZE))], [Shutdown()]],
+    )
+    rig.put(StartEpoch(EpochPlan(0, 0, EPOCH_SIZE // 2)), ExtendPartition(EPOCH_SIZE // 2, 300))
+    assert rig.loop.run_until_shutdown() is True
+    return rig.model, [b.batch_loss for b in rig.of(Batch)]
+
+
+def _identical(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_prefetch_trains_bit_identically_to_the_gather_on_the_training_thread() -> None:
+    plain, plain_losses = _train_two_epochs(ArrayFeed(TRAIN, CPU, prefetch=False))
+    ahead = ArrayFeed(TRAIN, CPU, prefetch=True)
+    model, losses = _train_two_epochs(ahead)
+    # Every batch of the grown first plan and of the second, in the same order.
+    assert losses == plain_losses
+    assert len(losses) == (EPOCH_SIZE // 2 + 300) // BS + EPOCH_SIZE // BS
+    assert _identical(model, plain)
+    assert ahead.hits > 0.9 * len(losses)  # the batches really came from the prefetch
+
+
+def test_a_torch_dataset_loaded_by_data_loader_workers_trains_the_same_model() -> None:
+    arrays, array_losses = _train_two_epochs(ArrayFeed(TRAIN, CPU, prefetch=False))
+    model, losses = _train_two_epochs(LoaderFeed(DigitRows(), CPU, workers=2, seed=1))
+    assert losses == array_losses
+    assert _identical(model, arrays)
+    # A real model learned from it: the second epoch's loss is well below the first's.
+    half = len(losses) // 2
+    assert sum(losses[half:]) < 0.7 * sum(losses[:half])
 
 
 def test_epoch_fn_fires_once_per_epoch_on_the_role_rank_only() -> None:

@@ -1,0 +1,261 @@
+"""The run's knobs: one table for the flags, ``--config run.toml`` and the run's meta.
+
+The coordinator resolves each knob (a flag beats the file, the file beats the default),
+records them in its run header and publishes the ones ranks need in the run's ``meta``
+hash, where every rank reads them (``from_meta``): a knob is set in one place for the
+whole run. ``flodl-bus up`` takes the same flags and hands them to the coordinator.
+
+Imports nothing of ours above ``partition``: the coordinator, the worker and the
+launcher all read this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flodl_bus.partition import SHUFFLE_BASE_SEED
+
+OUTERS: tuple[str, ...] = ("none", "nesterov", "slow-momentum")
+GUARDS: tuple[str, ...] = ("trend", "msf", "none")
+
+
+class SettingsError(ValueError):
+    """A knob's value or the config file is wrong; the message names the fix."""
+
+
+def _int(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise SettingsError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise SettingsError(f"must be >= {lo}, got {v}")
+        return v
+
+    return parse
+
+
+def _float(lo: float, hi: float = math.inf, lo_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise SettingsError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+            bound = f"> {lo}" if lo_open else f">= {lo}"
+            raise SettingsError(f"must be {bound}{'' if hi == math.inf else f' and <= {hi}'}")
+        return v
+
+    return parse
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise SettingsError(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"expected true or false, got {text!r}")
+
+
+def _max_failure(text: str) -> str:
+    """``N`` dead ranks, or ``P%`` of the world."""
+    t = text.strip()
+    if t.endswith("%"):
+        _float(0.0, 100.0, lo_open=True)(t[:-1])
+    else:
+        _int(0)(t)
+    return t
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    key: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    #: published in the run's meta for the ranks (else the coordinator's alone)
+    ranks: bool = False
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("seed", _int(0), SHUFFLE_BASE_SEED, "shuffle seed of every epoch's order", True),
+    Knob("epoch_splits", _int(1), 1, "cut each pass over the data into N epochs", True),
+    Knob(
+        "lr_scale_ratio",
+        _float(0.0),
+        1.0,
+        "ranks scale the job's LR by 1 + (world_size - 1) * RATIO (1.0: flodl's linear "
+        "scaling; 0: the job's schedule as given)",
+        True,
+    ),
+    Knob(
+        "max_failure",
+        _max_failure,
+        None,
+        "stop (with a save) once more than N ranks, or P%% of the world, died",
+        metavar="N|P%",
+    ),
+    Knob("anchor", _int(1), None, "initial batches per window of the slowest rank"),
+    Knob(
+        "overhead_target",
+        _float(0.01, 0.5),
+        0.05,
+        "averaging overhead ElChe grows the anchor to stay under (0.01-0.5)",
+    ),
+    Knob("max_batch_diff", _int(0), None, "most batches a rank may run ahead (cpu throttle)"),
+    Knob("max_overshoot", _int(0), None, "cpu-async: steps past its window a rank may run"),
+    Knob(
+        "callback_rank",
+        _int(0),
+        None,
+        "the rank that runs epoch callbacks, evals and checkpoints (default: the fastest)",
+    ),
+    Knob(
+        "guard",
+        _choice(GUARDS),
+        "trend",
+        "divergence guard: trend vetoes growth, msf may also shrink the anchor, none",
+    ),
+    Knob(
+        "meta_controller",
+        _bool,
+        True,
+        "LR-aware meta-controller: shrink the anchor after an LR drop (true|false)",
+        metavar="BOOL",
+    ),
+    Knob(
+        "outer",
+        _choice(OUTERS),
+        "none",
+        "outer optimizer on the consensus (DiLoCo): none, nesterov, slow-momentum",
+        True,
+    ),
+    Knob("outer_lr", _float(0.0, lo_open=True), None, "outer optimizer LR", True),
+    Knob("outer_momentum", _float(0.0, 1.0), None, "outer optimizer momentum", True),
+    Knob(
+        "easgd_alpha",
+        _float(0.0, 1.0, lo_open=True),
+        None,
+        "EASGD blend weight of the consensus (cpu-async default 0.5)",
+        True,
+    ),
+)
+BY_KEY: dict[str, Knob] = {k.key: k for k in KNOBS}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The knob flags and ``--config``; unset flags stay None so the file can fill them."""
+    group = parser.add_argument_group("run settings (also keys of --config run.toml)")
+    group.add_argument(
+        "--config", metavar="TOML", help="read these settings from a TOML file (flags win)"
+    )
+    for k in KNOBS:
+        default = "" if k.default is None else f" (default {k.default})"
+        group.add_argument(
+            k.flag,
+            dest=f"knob_{k.key}",
+            metavar=k.metavar or k.key.upper(),
+            help=k.help + default,
+        )
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A TOML file of knob keys; an unknown key or a bad value names itself."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"--config: no file at {p}") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"--config {p}: {exc}") from None
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        knob = BY_KEY.get(key.replace("-", "_"))
+        if knob is None:
+            raise SettingsError(
+                f"--config {p}: unknown key {key!r}; known keys: {', '.join(BY_KEY)}"
+            )
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        try:
+            out[knob.key] = knob.parse(text)
+        except SettingsError as exc:
+            raise SettingsError(f"--config {p}: {key}: {exc}") from None
+    return out
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Every knob's value: the flag, else ``--config``'s, else the default."""
+    from_file = read_file(args.config) if getattr(args, "config", None) else {}
+    values: dict[str, Any] = {}
+    for k in KNOBS:
+        flag = getattr(args, f"knob_{k.key}", None)
+        if flag is not None:
+            try:
+                values[k.key] = k.parse(str(flag))
+            except SettingsError as exc:
+                raise SettingsError(f"{k.flag}: {exc}") from None
+        elif k.key in from_file:
+            values[k.key] = from_file[k.key]
+        else:
+            values[k.key] = k.default
+    return values
+
+
+def argv(args: argparse.Namespace) -> list[str]:
+    """The flags given on this command line, to hand on to another (``up``)."""
+    out: list[str] = []
+    if getattr(args, "config", None):
+        out += ["--config", str(args.config)]
+    for k in KNOBS:
+        v = getattr(args, f"knob_{k.key}", None)
+        if v is not None:
+            out += [k.flag, str(v)]
+    return out
+
+
+def to_meta(values: Mapping[str, Any]) -> dict[str, str]:
+    """The ranks' knobs as meta hash fields ("" = unset)."""
+    return {
+        k.key: "" if values.get(k.key) is None else _text(values[k.key]) for k in KNOBS if k.ranks
+    }
+
+
+def from_meta(meta: Mapping[str, str]) -> dict[str, Any]:
+    """The ranks' knobs read back from meta; absent or empty fields take the default,
+    except ``lr_scale_ratio``: a run published before it existed scaled nothing."""
+    out: dict[str, Any] = {}
+    for k in KNOBS:
+        if not k.ranks:
+            continue
+        text = meta.get(k.key)
+        if text:
+            out[k.key] = k.parse(text)
+        else:
+            out[k.key] = 0.0 if k.key == "lr_scale_ratio" else k.default
+    return out
+
+
+def _text(v: Any) -> str:
+    return repr(v) if isinstance(v, float) else str(v)

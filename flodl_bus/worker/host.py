@@ -1,0 +1,66 @@
+"""A rank's place on its host: PyTorch's environment conventions and its share of cores.
+
+Ranks see ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` as under
+torchrun. The rank and world come from the coordinator; ``LOCAL_*`` from the launcher
+when it sets them (several hosts), else the world is taken as one host (``flodl-bus up``,
+or workers started by hand on one machine).
+
+Each rank takes its share of the host's cores for torch's threads, so ranks on one host do
+not fight over them: ``FLODL_NUM_THREADS`` when set; else nothing is changed when the
+launcher set ``OMP_NUM_THREADS`` (it split the cores already); else the usable cores
+divided by ``LOCAL_WORLD_SIZE``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, MutableMapping
+
+
+def usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def rank_env(rank: int, world_size: int, env: Mapping[str, str]) -> dict[str, str]:
+    """The four variables of rank ``rank`` of ``world_size`` (``LOCAL_*`` kept from
+    ``env`` when the launcher set both)."""
+    local_rank, local_world = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
+    if local_rank is None or local_world is None:
+        local_rank, local_world = str(rank), str(world_size)
+    elif not (local_rank.isdigit() and local_world.isdigit()) or int(local_rank) >= int(
+        local_world
+    ):
+        raise ValueError(
+            f"LOCAL_RANK={local_rank!r} LOCAL_WORLD_SIZE={local_world!r}: use counts with "
+            "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE, or set neither"
+        )
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": local_rank,
+        "LOCAL_WORLD_SIZE": local_world,
+    }
+
+
+def set_rank_env(rank: int, world_size: int, env: MutableMapping[str, str] | None = None) -> None:
+    """Put the four variables in ``env`` (the process's environment by default)."""
+    env = os.environ if env is None else env
+    env.update(rank_env(rank, world_size, env))
+
+
+def thread_share(env: Mapping[str, str], cores: int) -> int | None:
+    """torch threads for this rank, or None to leave them as the launcher set them."""
+    given = env.get("FLODL_NUM_THREADS", "").strip()
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"FLODL_NUM_THREADS={given!r}: use a thread count of 1 or more")
+        return int(given)
+    if env.get("OMP_NUM_THREADS", "").strip():
+        return None
+    local_world = env.get("LOCAL_WORLD_SIZE", "1").strip()
+    if not local_world.isdigit() or int(local_world) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local_world!r}: use a count of ranks of 1 or more")
+    return max(1, cores // int(local_world))

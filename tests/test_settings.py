@@ -1,0 +1,109 @@
+"""The run's knobs: flags beat ``--config run.toml`` beat the defaults; bad values and
+unknown keys are one line naming the fix; the ranks' share round-trips through meta."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from flodl_bus import settings
+from flodl_bus.coordinator.cli import config_knobs
+from flodl_bus.coordinator.config import CoordinatorConfig, MaxFailure
+from flodl_bus.launch.up import _parser as up_parser
+from flodl_bus.launch.up import coordinator_argv, worker_argv
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    settings.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_defaults_are_flodls() -> None:
+    v = settings.resolve(parse())
+    assert v["lr_scale_ratio"] == 1.0 and v["meta_controller"] is True
+    assert v["guard"] == "trend" and v["outer"] == "none" and v["seed"] == 42
+    assert v["overhead_target"] == 0.05 and v["epoch_splits"] == 1
+
+
+def test_a_flag_beats_the_file_and_the_file_beats_the_default(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(
+        'seed = 7\nanchor = 20\nouter = "nesterov"\nouter_lr = 0.7\n'
+        'meta_controller = false\nmax-failure = "25%"\n'
+    )
+    v = settings.resolve(parse("--config", str(toml), "--anchor", "5"))
+    assert v["seed"] == 7 and v["anchor"] == 5 and v["outer"] == "nesterov"
+    assert v["outer_lr"] == 0.7 and v["meta_controller"] is False
+    assert v["max_failure"] == "25%" and v["max_overshoot"] is None
+
+
+@pytest.mark.parametrize(
+    ("toml", "fix"),
+    [
+        ("sead = 1\n", "unknown key 'sead'; known keys: seed"),
+        ('outer = "adam"\n', "outer: 'adam' is not one of none, nesterov, slow-momentum"),
+        ("overhead_target = 0.9\n", "overhead_target: must be >= 0.01 and <= 0.5"),
+        ("epoch_splits = 0\n", "epoch_splits: must be >= 1"),
+        ("seed = [1\n", "--config"),
+    ],
+)
+def test_a_bad_config_file_names_the_key_and_the_fix(tmp_path: Path, toml: str, fix: str) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(toml)
+    with pytest.raises(settings.SettingsError, match="--config") as exc:
+        settings.resolve(parse("--config", str(path)))
+    assert fix in str(exc.value)
+
+
+def test_a_missing_config_file_and_a_bad_flag_are_named() -> None:
+    with pytest.raises(settings.SettingsError, match="no file at"):
+        settings.resolve(parse("--config", "/nonexistent/run.toml"))
+    with pytest.raises(settings.SettingsError, match=r"--easgd-alpha: must be > 0\.0"):
+        settings.resolve(parse("--easgd-alpha", "0"))
+    with pytest.raises(settings.SettingsError, match=r"--max-failure: must be > 0\.0"):
+        settings.resolve(parse("--max-failure", "0%"))
+
+
+def test_the_ranks_share_round_trips_through_meta_and_an_old_meta_scales_nothing() -> None:
+    v = settings.resolve(
+        parse("--seed", "9", "--easgd-alpha", "0.3", "--outer", "slow-momentum", "--anchor", "3")
+    )
+    meta = settings.to_meta(v)
+    assert "anchor" not in meta  # the coordinator's alone
+    back = settings.from_meta(meta)
+    assert back["seed"] == 9 and back["easgd_alpha"] == 0.3 and back["outer"] == "slow-momentum"
+    assert back["outer_lr"] is None and back["lr_scale_ratio"] == 1.0
+    assert settings.from_meta({})["lr_scale_ratio"] == 0.0
+
+
+def test_the_coordinator_builds_its_config_from_the_knobs() -> None:
+    v = settings.resolve(
+        parse(
+            "--max-failure", "25%", "--callback-rank", "1", "--max-batch-diff", "2",
+            "--max-overshoot", "6", "--guard", "msf", "--epoch-splits", "2", "--seed", "3",
+        )
+    )  # fmt: skip
+    cfg = CoordinatorConfig(
+        mode="cpu-async", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
+        **config_knobs(v),
+    )  # fmt: skip
+    assert cfg.max_failure == MaxFailure(percent=0.25) and cfg.epoch_callback_rank == 1
+    assert cfg.max_batch_diff == 2 and cfg.max_overshoot == 6 and cfg.guard == "msf"
+    assert cfg.epoch_splits == 2 and cfg.seed == 3
+    assert config_knobs(settings.resolve(parse("--max-failure", "2")))["max_failure"] == (
+        MaxFailure(absolute=2)
+    )
+
+
+def test_up_hands_the_settings_to_the_coordinator_alone(tmp_path: Path) -> None:
+    args = up_parser().parse_args(
+        ["--workers", "2", "--config", "run.toml", "--outer", "nesterov", "--anchor", "4"]
+    )
+    coord = coordinator_argv(args, "r", tmp_path)
+    i = coord.index("--config")
+    assert coord[i : i + 6] == ["--config", "run.toml", "--anchor", "4", "--outer", "nesterov"]
+    worker = worker_argv(args, "r", 0, tmp_path)
+    assert "--outer" not in worker and "--config" not in worker
