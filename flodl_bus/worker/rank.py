@@ -28,7 +28,7 @@ from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
-from flodl_bus.worker.model_port import TorchModelPort, checkpoint_to
+from flodl_bus.worker.model_port import ConsensusSource, TorchModelPort, checkpoint_to
 from flodl_bus.worker.ports import ModelPort
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 
@@ -145,6 +145,7 @@ def run_rank(
         eval_data=eval_data,
         checkpoint_fn=checkpoint_to(options.save_path) if options.save_path else None,
         save_path=options.save_path,
+        consensus=params if isinstance(params, ConsensusSource) else None,
     )
     clock: Callable[[], float] = time.perf_counter
     if recording is not None:
