@@ -21,13 +21,14 @@ import flodl_bus
 PACKAGE = Path(flodl_bus.__file__).parent
 
 #: Lowest first. ``flodl_bus`` is the package's own ``__init__`` (the version only);
-#: ``options`` is what every command line shares (log levels, a one-line parser).
+#: ``options`` is what every command line shares (log levels, a one-line parser);
+#: ``settings`` the run knobs the coordinator, the ranks and the launcher all read.
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(layer.split())
     for layer in (
         "flodl_bus exits protocol options",
         "stop_signals partition job bus",
-        "params record",
+        "params record settings",
         "worker coordinator",
         "replay launch examples",
         "bench",

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import redis
 from torch import nn
 
 from flodl_bus import settings
@@ -53,7 +54,7 @@ from flodl_bus.protocol.messages import (
 )
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 from flodl_bus.worker.feed import FeedOptions
-from flodl_bus.worker.host import thread_share
+from flodl_bus.worker.host import rank_env, thread_share
 from flodl_bus.worker.options import (
     DEFAULT_JOB,
     DEFAULT_MODE,
@@ -163,6 +164,7 @@ def _check_data_env() -> None:
     """The environment's data and thread settings, refused before anything starts."""
     try:
         FeedOptions.from_env()
+        rank_env(0, 1, os.environ)
         thread_share(os.environ, 1)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -175,7 +177,8 @@ def _device() -> str:
 
 
 def _resolve_device(wanted: str, rank: int) -> str:
-    """The torch device of this rank; a GPU asked for where none exists is a config error."""
+    """The torch device of this rank (``rank``: its local rank on this host); a GPU asked
+    for where none exists is a config error."""
     import torch
 
     if wanted == "auto":
@@ -266,7 +269,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             client = connect_pinged(args.redis_url, client_name=f"flodl-{who}")
         except RedisUnreachable as exc:
             raise ConfigError(str(exc)) from None
-        if secret_from_env() is None and not client.exists(keys.secret):
+        if secret_from_env() is None and not _secret_there(client, keys):
             _say(
                 f"waiting up to {args.secret_timeout:.0f}s for the coordinator of run "
                 f"{args.run!r} at {redact_url(args.redis_url)} to start (it publishes the "
@@ -329,7 +332,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             join.post(hello)  # no wait: a scripted coordinator need not answer
             rank, world = args.rank, args.world_size
         join.close()
-        device = _resolve_device(args.device, rank)
+        # A GPU per rank of this host: torchrun's LOCAL_RANK (the launcher's, else the rank).
+        device = _resolve_device(args.device, int(rank_env(rank, world, os.environ)["LOCAL_RANK"]))
         factory = _params_factory(args.redis_url, args.run, rank, world, mode, knobs)
     except JobError as exc:
         # The job's bug, met before the rank reached the run: one line (the same job
@@ -378,6 +382,15 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     finally:
         client.close()
         _say(f"rank {rank} {'raised (above)' if code is None else describe(code)}")
+
+
+def _secret_there(client: redis.Redis, keys: RunKeys) -> bool:
+    """Whether the run's secret is in Redis yet (GET, the one command a worker user may
+    have on it; a user that may not read it is fetch_run_secret's to name)."""
+    try:
+        return client.get(keys.secret) is not None
+    except redis.exceptions.NoPermissionError:
+        return True
 
 
 def _say(line: str) -> None:

@@ -30,6 +30,13 @@ def rank_env(rank: int, world_size: int, env: Mapping[str, str]) -> dict[str, st
     local_rank, local_world = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
     if local_rank is None or local_world is None:
         local_rank, local_world = str(rank), str(world_size)
+    elif not (local_rank.isdigit() and local_world.isdigit()) or int(local_rank) >= int(
+        local_world
+    ):
+        raise ValueError(
+            f"LOCAL_RANK={local_rank!r} LOCAL_WORLD_SIZE={local_world!r}: use counts with "
+            "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE, or set neither"
+        )
     return {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),

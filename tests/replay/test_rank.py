@@ -36,8 +36,9 @@ from flodl_bus.protocol.messages import (
     WireUpdate,
 )
 from flodl_bus.protocol.signing import fixed_keys, new_secret
+from flodl_bus.record.chain import record_bytes
 from flodl_bus.replay import Recording, load_run, replay, surgery
-from flodl_bus.replay.cli import main
+from flodl_bus.replay.cli import INCOMPLETE, main
 from flodl_bus.replay.testing import logged
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -220,3 +221,55 @@ def test_a_corrupted_control_entry_is_dead_lettered_in_replay(rank_run: Path) ->
     assert [(d["stream"], d["id"]) for d in result.dead_letters] == [(stream, eid)]
     assert result.divergences[0].field == "entry"
     assert "dead-lettered: undecodable" in str(result.divergences[0].actual)
+
+
+def test_a_rank_killed_mid_run_leaves_an_incomplete_record_that_replays_to_its_last_line(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGKILL while training: no end record, maybe a torn frame. The record is refused as
+    incomplete (exit 5), and ``--allow-incomplete`` replays it up to its last whole line."""
+    client: redis.Redis = connect(redis_url)
+    run, secret = f"rec-kill-{uuid.uuid4().hex[:6]}", new_secret()
+    bus = RedisCoordinatorBus(client, run, fixed_keys(secret), ranks=[0])
+    up = _Upstream(bus)
+    bus.send(0, StartEpoch(EpochPlan(0, 0, 400 * BS)))
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "tests.replay.rank_proc", "--url", redis_url, "--run", run,
+            "--secret", secret.hex(), "--record-dir", str(tmp_path),
+        ],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(3):
+            up.wait(lambda m: isinstance(m, Batch))
+        # The record is readable while it is written: kill once a step is in it.
+        deadline = time.monotonic() + 60
+        while b'"event":"step"' not in _readable(tmp_path / "rank0.jsonl.zst"):
+            assert time.monotonic() < deadline, "no step reached the record"
+            time.sleep(0.02)  # polling the record for the line, not timing the rank
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        bus.close()
+        client.close()
+    assert main([str(tmp_path)]) == INCOMPLETE
+    assert "rank0.jsonl.zst: incomplete" in capsys.readouterr().err
+    assert main([str(tmp_path), "--allow-incomplete"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("identical (") and "(incomplete record)" in out
+    rec = _rank(tmp_path)
+    assert not any(r.get("event") == "end" for r in rec.other)
+    assert any(e["event"] == "step" for e in rec.core_events())
+
+
+def _readable(path: Path) -> bytes:
+    try:
+        return record_bytes(path)
+    except FileNotFoundError:
+        return b""

@@ -63,3 +63,9 @@ def test_an_explicit_count_wins_and_a_launchers_omp_setting_is_left_alone() -> N
 def test_a_bad_setting_is_refused_naming_it(env: dict[str, str], named: str) -> None:
     with pytest.raises(ValueError, match=named):
         thread_share(env, 16)
+
+
+@pytest.mark.parametrize(("local_rank", "local_world"), [("2", "2"), ("x", "2"), ("0", "-1")])
+def test_a_local_rank_outside_the_local_world_is_refused(local_rank: str, local_world: str) -> None:
+    with pytest.raises(ValueError, match="0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"):
+        rank_env(0, 4, {"LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_world})

@@ -333,3 +333,40 @@ def test_bad_config_exits_with_one_line_naming_the_fix(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("flodl-bus worker: ") and fix in err
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fix"),
+    [
+        ("FLODL_PREFETCH", "maybe", "use 1 (on) or 0 (off)"),
+        ("FLODL_DATA_WORKERS", "two", "0 or more"),
+        ("FLODL_NUM_THREADS", "0", "1 or more"),
+        ("LOCAL_RANK", "5", "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"),
+    ],
+)
+def test_a_bad_data_or_thread_setting_exits_with_one_line_before_reaching_redis(
+    name: str,
+    value: str,
+    fix: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flodl_bus.worker.cli import main
+
+    monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    # A closed loopback port: had the setting not been refused first, this would be the error.
+    argv = [
+        "--run",
+        "r",
+        "--rank",
+        "0",
+        "--world-size",
+        "1",
+        "--redis-url",
+        "redis://127.0.0.1:1/0",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("flodl-bus worker: ")
+    assert name in err and fix in err
