@@ -251,6 +251,8 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
         raise RuntimeError(f"a bench process failed (rc {failed[0].returncode}): {err[-2000:]}")
     coord = json.loads((work / "coordinator.json").read_text())
     sims = [json.loads(p.read_text()) for p in sorted(work.glob("sim*.json"))]
+    if args.keep:
+        shutil.copytree(work, Path(args.keep) / f"ranks{n}", dirs_exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     return _figures(args, n, procs, wall, coord, sims, watch, base_memory, cut_at)
 
@@ -411,6 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, help="cProfile the coordinator into this file")
     ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--keep", default=None, help="copy every process's raw timings here")
     # set by `bench latency` (which makes the namespaces), not meant to be typed
     ap.add_argument("--rank-netns", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--relay-ms", type=float, default=0.0, help=argparse.SUPPRESS)

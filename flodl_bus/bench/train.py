@@ -1,22 +1,35 @@
-"""``flodl-bus bench train``: a real training run under the bus beside its references.
+"""``flodl-bus bench train``: real training runs under the bus beside their references.
 
-Runs, each in a fresh process and in this order, on the same job, data and epochs:
+Contenders, each in fresh processes, on the same job, data, epochs and eval cadence:
 
-1. ``plain``: the same model trained by one process with no bus (``baselines.plain_loop``);
-2. ``bus``: ``flodl-bus up`` with ``--workers`` ranks and ``--mode`` (embedded Redis);
-3. ``ddp`` (``--ddp``, more than one worker): ``DistributedDataParallel`` on as many ranks.
+1. ``plain``: one process, no bus (``baselines.plain_loop``), given one rank's share of
+   the host's cores and the rank's data path;
+2. ``bus MODE xN``: ``flodl-bus up`` with ``--workers N`` and each of ``--modes``;
+3. ``ddp xN`` (``--ddp``): tuned ``DistributedDataParallel`` on as many ranks.
 
-It prints, for each, the training span (first to last step: process start, imports and
-data building are excluded on every side), samples/s, the final eval metric and the number
-of averaging rounds (our reduces) or gradient all-reduces (DDP), and the span ratio against
-the plain loop. The bus run's record stays in ``--run-dir`` for ``flodl-bus replay``.
+Each contender runs ``--repeats`` times (the order rotates per repeat so drift spreads
+over all) and the table shows medians: training time to the fixed epochs (first to last
+step: process start, imports and data building are excluded on every side; evals are
+excluded from the baselines' clocks and included in the bus's), time to the target metric
+(``--target``, default the job's ``target_metric``: the end of the first epoch whose eval
+reached it, evals every ``--eval-every`` epochs), the final metric, the averaging rounds
+(ours) or gradient all-reduces (DDP), ms per step per process, and the ratios to DDP and
+to the plain loop.
+
+``--slow-rank R --slow-factor F`` makes rank R of the bus and DDP runs about F times
+slower per step (extra GPU work, or CPU work on a CPU; ``bench.slow``); the slowdown each
+run really had is measured on that rank and printed, with the bus's batch shares and the
+ideal time of a run that shares work by speed (the plain loop's time over 1 + 1/F).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
+import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,119 +46,265 @@ from flodl_bus.bench.baselines import plain_loop
 from flodl_bus.job import load_job
 torch.set_num_threads(int(sys.argv[4]))
 job = load_job(sys.argv[1])
-epochs = int(sys.argv[3]) or None
-r = plain_loop(job, sys.argv[2], epochs)
-print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps, "metric": r.metric}))
+r = plain_loop(job, sys.argv[2], int(sys.argv[3]) or None, eval_every=int(sys.argv[5]))
+print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps,
+                  "metric": r.metric, "evals": r.evals}))
 """
 
 _DDP = """
 import json, sys
 from flodl_bus.bench.baselines import ddp_loop
-epochs = int(sys.argv[4]) or None
-r = ddp_loop(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cuda", epochs)
+r = ddp_loop(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cuda", int(sys.argv[4]) or None,
+             eval_every=int(sys.argv[5]))
 print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps,
-                  "metric": r.metric, "collectives": r.collectives}))
+                  "metric": r.metric, "collectives": r.collectives, "evals": r.evals}))
 """
 
 
-def _python(code: str, *args: str) -> dict[str, Any]:
+def _python(code: str, env: dict[str, str], *args: str) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-c", code, *args], check=True, capture_output=True, text=True
+        [sys.executable, "-c", code, *args], check=False, capture_output=True, text=True, env=env
     )
+    if out.returncode != 0:
+        raise SystemExit(
+            f"bench train: a baseline failed ({out.returncode}):\n{out.stderr[-3000:]}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _bus(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+def _to_target(evals: Sequence[Sequence[Any]], target: float | None) -> tuple[float, int] | None:
+    """(training s, epoch) at the end of the first epoch whose eval reached ``target``."""
+    if target is None:
+        return None
+    for epoch, at, metric in evals:
+        if metric is not None and metric >= target:
+            return float(at), int(epoch)
+    return None
+
+
+def _bus(
+    args: argparse.Namespace, job: str, mode: str, run_dir: Path, env: dict[str, str]
+) -> dict[str, Any]:
     cmd = [
-        sys.executable,
-        "-m",
-        "flodl_bus.cli",
-        "up",
-        "--job",
-        args.job,
-        "--workers",
-        str(args.workers),
-        "--mode",
-        args.mode,
-        "--run-dir",
-        str(run_dir),
-        "--no-progress",
-    ]
+        sys.executable, "-m", "flodl_bus.cli", "up", "--job", job,
+        "--workers", str(args.workers), "--mode", mode, "--run-dir", str(run_dir),
+        "--no-progress", "--no-plot", "--eval-every", str(args.eval_every),
+        "--lr-scale-ratio", repr(args.lr_scale_ratio),
+    ]  # fmt: skip
     if args.epochs:
         cmd += ["--epochs", str(args.epochs)]
-    cmd += ["--lr-scale-ratio", repr(args.lr_scale_ratio)]
-    subprocess.run(cmd, check=True)
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(
+            f"bench train: {mode} run failed ({out.returncode}); record in {run_dir}:\n"
+            f"{out.stdout[-2000:]}{out.stderr[-2000:]}"
+        )
     records = read_records(run_dir / "up.jsonl")
     first = next(r["after_s"] for r in records if r.get("event") == "first_step")
-    epochs = [r for r in records if r.get("event") == "epoch"]
+    rows = [r for r in records if r.get("event") == "epoch"]
+    at_epoch = {int(r["epoch"]): float(r["at"]) - first for r in rows}
+    metrics = {int(r["epoch"]): r.get("metric") for r in rows}
+    for r in records:
+        if r.get("event") == "late_eval":
+            metrics[int(r["epoch"])] = r["metric"]
+    evals = [(e, at_epoch[e], m) for e, m in sorted(metrics.items()) if m is not None]
     summary = next(r for r in records if r.get("event") == "summary")
     return {
-        "wall": epochs[-1]["at"] - first,
+        "wall": rows[-1]["at"] - first,
         # every rank's batches: the run's samples, whatever its epochs
         "samples": summary["batches"] * load_job(args.job).batch_size,
         "steps": summary["batches"],
         "metric": summary["final_metric"],
         "collectives": summary["syncs"],
-        "launch_wall": summary["wall_s"],
-        "first_step": first,
+        "evals": evals,
+        "shares": _shares(run_dir, args.workers),
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _shares(run_dir: Path, workers: int) -> list[float] | None:
+    """Each rank's batch share, the median over the run's epochs (``metrics.csv``)."""
+    found = sorted(run_dir.rglob("metrics.csv"))
+    if not found:
+        return None
+    with found[0].open() as f:
+        rows = list(csv.DictReader(f))
+    out = []
+    for r in range(workers):
+        vals = [float(row[f"batch_share_r{r}"]) for row in rows if row.get(f"batch_share_r{r}")]
+        out.append(statistics.median(vals) if vals else float("nan"))
+    return out
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return statistics.median(got) if got else None
+
+
+def _fmt(value: float | None, spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flodl-bus bench train", description=__doc__)
     p.add_argument("--job", default="flodl_bus.examples.digits:job")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--mode", default="nccl-cadence")
-    p.add_argument("--epochs", type=int, default=0, help="override the job's epochs")
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument(
-        "--plain-epochs",
-        type=int,
-        help="epochs of the plain 1-process loop (default: --epochs); e.g. one GPU at the "
-        "job's epochs beside two ranks at twice as many, the same optimizer steps per GPU",
+        "--modes",
+        default="nccl-cadence",
+        help="comma-separated bus modes (e.g. nccl-cadence,nccl-sync)",
     )
+    p.add_argument("--epochs", type=int, default=0, help="override the job's epochs")
+    p.add_argument("--eval-every", type=int, default=1, help="eval cadence in epochs")
+    p.add_argument("--target", type=float, help="target metric (default: the job's)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each contender (medians)")
     p.add_argument("--device", default="auto", help="device of the plain loop (auto: cuda:0)")
     p.add_argument("--ddp", action="store_true", help="also run torch DDP on --workers ranks")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain loop")
+    p.add_argument("--slow-rank", type=int, help="make this rank slower (bus and DDP runs)")
+    p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (> 1)")
     p.add_argument(
         "--lr-scale-ratio", type=float, default=1.0, help="passed to the bus run (flodl's 1.0)"
     )
-    p.add_argument("--run-dir", help="keep the bus run's record here")
+    p.add_argument("--run-dir", help="keep the bus runs' records here")
+    p.add_argument("--json", help="write every run and the medians here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
+    if args.workers < 1 or args.repeats < 1 or args.eval_every < 1:
+        p.error("--workers, --repeats and --eval-every must be at least 1")
+    if args.slow_rank is not None and not (0 <= args.slow_rank < args.workers):
+        p.error(f"--slow-rank must be a rank of 0..{args.workers - 1}")
+    if args.slow_rank is not None and args.slow_factor <= 1.0:
+        p.error("--slow-factor must be above 1")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
 
     import torch
 
     cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() < args.workers:
+        p.error(f"{args.workers} workers need {args.workers} GPUs; this host has "
+                f"{torch.cuda.device_count()}")  # fmt: skip
     device = ("cuda:0" if cuda else "cpu") if args.device == "auto" else args.device
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="flodl-bench-train-"))
-    env_note = f"torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if cuda else "")
-    print(f"flodl-bus bench train: {args.job}, {args.workers} worker(s), {args.mode}; {env_note}")
-
-    results: dict[str, dict[str, Any]] = {}
-    # One process per core share, as `up` gives each rank: a fair CPU comparison.
-    threads = max(1, (os.cpu_count() or 1) // max(args.workers, 1))
-    plain_epochs = args.epochs if args.plain_epochs is None else args.plain_epochs
-    results["plain (1 proc)"] = _python(_PLAIN, args.job, device, str(plain_epochs), str(threads))
-    results[f"bus {args.mode} x{args.workers}"] = _bus(args, run_dir)
-    if args.ddp and args.workers > 1:
-        results[f"ddp x{args.workers}"] = _python(
-            _DDP, args.job, str(args.workers), "cuda" if cuda else "cpu", str(args.epochs)
+    job = load_job(args.job)
+    target = args.target if args.target is not None else job.target_metric
+    epochs = args.epochs or job.num_epochs
+    root = Path(args.run_dir or tempfile.mkdtemp(prefix="flodl-bench-train-"))
+    env = dict(os.environ)
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast (shared hosts)
+    env.pop("FLODL_RUN_SECRET", None)
+    slow_env = dict(env)
+    run_job = args.job
+    if args.slow_rank is not None:
+        run_job = "flodl_bus.bench.slow:job"
+        slow_env.update(
+            FLODL_BENCH_JOB=args.job,
+            FLODL_SLOW_RANK=str(args.slow_rank),
+            FLODL_SLOW_FACTOR=repr(args.slow_factor),
         )
-
-    base = results["plain (1 proc)"]["wall"]
-    plain_samples = results["plain (1 proc)"]["samples"]
-    print(f"\n{'run':<26}{'train s':>9}{'samples/s':>11}{'metric':>8}{'rounds':>8}{'vs plain':>10}")
-    for name, r in results.items():
-        samples = r["samples"] if r["samples"] is not None else plain_samples
-        metric = "-" if r["metric"] is None else f"{r['metric']:.4f}"
-        rounds = r.get("collectives", 0)
-        print(
-            f"{name:<26}{r['wall']:>9.2f}{samples / r['wall']:>11.0f}{metric:>8}"
-            f"{rounds:>8}{r['wall'] / base:>9.3f}x"
-        )
-    bus = results[f"bus {args.mode} x{args.workers}"]
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // args.workers)  # one rank's share, as `up` gives each rank
+    where = f"{torch.cuda.device_count()} GPU(s), CUDA {torch.version.cuda}" if cuda else "CPU"
     print(
-        f"\nbus run: launch to first step {bus['first_step']:.2f}s, whole launch "
-        f"{bus['launch_wall']:.2f}s; record in {run_dir}"
+        f"flodl-bus bench train: {args.job}, {args.workers} worker(s), {epochs} epochs, "
+        f"eval every {args.eval_every}, target {target}; {where}, {cores} cores, "
+        f"torch {torch.__version__}"
     )
-    if os.environ.get("FLODL_BENCH_JSON"):
-        Path(os.environ["FLODL_BENCH_JSON"]).write_text(json.dumps(results, indent=1))
+    if args.slow_rank is not None:
+        print(f"rank {args.slow_rank} slowed about {args.slow_factor:g}x (bus and DDP runs)")
+    print("command: flodl-bus bench train " + shlex.join(list(argv or sys.argv[1:])))
+
+    contenders: list[str] = [] if args.no_plain else ["plain"]
+    contenders += [f"bus {m}" for m in modes]
+    if args.ddp and args.workers > 1:
+        contenders.append("ddp")
+    runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
+    for rep in range(args.repeats):
+        order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
+        for c in order:
+            report = root / f"slow-{c.replace(' ', '-')}-{rep}.json"
+            senv = dict(slow_env, FLODL_SLOW_REPORT=str(report))
+            if c == "plain":
+                r = _python(_PLAIN, env, args.job, device, str(epochs), str(threads),
+                            str(args.eval_every))  # fmt: skip
+            elif c == "ddp":
+                r = _python(_DDP, senv, run_job, str(args.workers), "cuda" if cuda else "cpu",
+                            str(epochs), str(args.eval_every))  # fmt: skip
+            else:
+                mode = c.split(" ", 1)[1]
+                r = _bus(args, run_job, mode, root / f"{mode}-{rep}", senv)
+            if report.exists():
+                r["slowdown"] = json.loads(report.read_text()).get("slowdown")
+            r["to_target"] = _to_target(r.get("evals", ()), target)
+            runs[c].append(r)
+            tt = r["to_target"]
+            print(
+                f"  run {rep + 1}/{args.repeats} {c:<18} train {r['wall']:7.2f} s  "
+                f"to target {'-' if tt is None else f'{tt[0]:.2f} s (epoch {tt[1]})'}  "
+                f"metric {r['metric']}",
+                flush=True,
+            )
+
+    names = {c: ("plain x1" if c == "plain" else f"{c} x{args.workers}") for c in contenders}
+    med: dict[str, dict[str, Any]] = {}
+    for c, rs in runs.items():
+        per_proc_steps = (
+            rs[0]["steps"] if c == "plain" else rs[0]["steps"] / (1 if c == "ddp" else args.workers)
+        )
+        wall = _median([r["wall"] for r in rs])
+        reached = [r["to_target"] for r in rs]
+        med[c] = {
+            "wall": wall,
+            "to_target": _median([t[0] if t else None for t in reached]),
+            "reached": sum(t is not None for t in reached),
+            "metric": _median([r["metric"] for r in rs]),
+            "rounds": _median([r.get("collectives", 0) for r in rs]),
+            "ms_step": None if wall is None else wall / max(per_proc_steps, 1) * 1000.0,
+            "slowdown": _median([r.get("slowdown") for r in rs]),
+            "shares": rs[0].get("shares"),
+        }
+    ddp = med.get("ddp")
+    plain = med.get("plain")
+    print(f"\nmedians of {args.repeats} run(s) each")
+    print(
+        f"{'run':<24}{'train s':>9}{'to target s':>13}{'reached':>9}{'metric':>8}"
+        f"{'rounds':>8}{'ms/step':>9}{'vs ddp':>8}{'vs plain':>9}"
+    )
+    for c, m in med.items():
+        vs_ddp = None
+        if ddp is not None:
+            a, b = m["to_target"], ddp["to_target"]
+            vs_ddp = a / b if a is not None and b else None
+        vs_plain = m["wall"] / plain["wall"] if plain and plain["wall"] else None
+        print(
+            f"{names[c]:<24}{_fmt(m['wall'], '.2f', 9)}{_fmt(m['to_target'], '.2f', 13)}"
+            f"{m['reached']:>6}/{args.repeats:<2}{_fmt(m['metric'], '.4f', 8)}"
+            f"{_fmt(m['rounds'], '.0f', 8)}{_fmt(m['ms_step'], '.2f', 9)}"
+            f"{_fmt(vs_ddp, '.3f', 7)}x{_fmt(vs_plain, '.3f', 8)}x"
+        )
+    print("(vs ddp: time to target over DDP's; vs plain: training time over the plain loop's)")
+    if args.slow_rank is not None:
+        for c, m in med.items():
+            if c == "plain":
+                continue
+            shares = m["shares"]
+            share_s = (
+                "" if not shares else " batch shares " + " / ".join(f"{s:.2f}" for s in shares)
+            )
+            print(f"  {names[c]}: measured slowdown of rank {args.slow_rank} "
+                  f"{_fmt(m['slowdown'], '.2f', 4)}x{share_s}")  # fmt: skip
+        f = next((m["slowdown"] for m in med.values() if m["slowdown"]), args.slow_factor)
+        if plain is not None and args.workers == 2:
+            ideal = plain["wall"] / (1.0 + 1.0 / f)
+            print(f"  ideal two-rank time with one rank {f:.2f}x slower (shares by speed): "
+                  f"{ideal:.2f} s = plain {plain['wall']:.2f} s / (1 + 1/{f:.2f})")  # fmt: skip
+    print(f"records in {root}")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": vars(args), "target": target, "runs": runs, "medians": med}, indent=1
+            )
+        )
     return 0

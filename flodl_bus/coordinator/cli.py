@@ -472,11 +472,15 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         form_world(desk, stop=stopping)
     except WorldNotFormed as exc:
         client.hset(keys.meta, "status", "not formed")
+        if args.expire_after > 0:  # a run that never formed has ended too
+            expire_run(client, keys, args.expire_after)
         log.error("world_not_formed", reason=str(exc))
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     except Interrupted:
         client.hset(keys.meta, "status", "interrupted")
+        if args.expire_after > 0:
+            expire_run(client, keys, args.expire_after)
         return stopped_code()
     ws = admission.world_size
     assert ws is not None

@@ -60,9 +60,9 @@ class _Block(nn.Module):
         return torch.relu(self.bn2(self.conv2(out)) + self.skip(x))
 
 
-def build_model() -> nn.Module:
+def make_model(widths: tuple[int, int, int] = (64, 128, 256)) -> nn.Module:
+    """Three stages of two blocks each, ``widths`` channels (the same seed every call)."""
     torch.manual_seed(0)
-    widths = (64, 128, 256)
     layers: list[nn.Module] = [
         nn.Conv2d(3, widths[0], 3, 1, 1, bias=False),
         nn.BatchNorm2d(widths[0]),
@@ -74,6 +74,10 @@ def build_model() -> nn.Module:
         cin = w
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, CLASSES)]
     return nn.Sequential(*layers)
+
+
+def build_model() -> nn.Module:
+    return make_model((64, 128, 256))
 
 
 _EPOCHS, _BATCH, _PEAK_LR = 4, 256, 0.05

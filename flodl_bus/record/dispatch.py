@@ -45,11 +45,12 @@ Rank only (the training loop's side of the state machine, so a replay needs no m
 ``{"event": "read", "i", "now", "entries": [{"stream", "id", "msg"}, ...]}``
     one read of the control streams by the reader thread: the input of the rank.
 ``{"event": "take", "i", "stream", "id", "msg", "why"}``
-    a message the loop consumed without dispatching it (``plan``: a StartEpoch taken
-    while idle; ``shutdown``; ``skip``: SyncNow/Throttle after training; ``drop``:
-    discarded at teardown).
+    a message the loop consumed without dispatching it: ``drop``, discarded at teardown.
+    Records made before every plan went through the core's mailbox also hold ``plan`` (a
+    StartEpoch taken while idle), ``shutdown`` and ``skip``; replay still reads them.
 ``{"event": "plan", "i", "source", "plan", "now", "partition_len", "after"}``
-    ``begin_plan``; ``source`` is ``pending`` (the core's mailbox) or ``taken``.
+    ``begin_plan``; ``source`` is ``pending`` (the core's mailbox; ``taken`` in the older
+    records above).
 ``{"event": "step", "i", "args": [loss, batch_ms, data_ms, lr], "calls", "out", "after"}``
     one optimizer step (``step_done``): its measured values are inputs of the record.
 ``{"event": "closed", "i", "out"}``

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import redis
 from torch import nn
 
 from flodl_bus import settings
@@ -268,7 +269,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             client = connect_pinged(args.redis_url, client_name=f"flodl-{who}")
         except RedisUnreachable as exc:
             raise ConfigError(str(exc)) from None
-        if secret_from_env() is None and not client.exists(keys.secret):
+        if secret_from_env() is None and not _secret_there(client, keys):
             _say(
                 f"waiting up to {args.secret_timeout:.0f}s for the coordinator of run "
                 f"{args.run!r} at {redact_url(args.redis_url)} to start (it publishes the "
@@ -381,6 +382,15 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     finally:
         client.close()
         _say(f"rank {rank} {'raised (above)' if code is None else describe(code)}")
+
+
+def _secret_there(client: redis.Redis, keys: RunKeys) -> bool:
+    """Whether the run's secret is in Redis yet (GET, the one command a worker user may
+    have on it; a user that may not read it is fetch_run_secret's to name)."""
+    try:
+        return client.get(keys.secret) is not None
+    except redis.exceptions.NoPermissionError:
+        return True
 
 
 def _say(line: str) -> None:

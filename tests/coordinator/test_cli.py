@@ -75,3 +75,19 @@ def test_a_run_id_an_earlier_coordinator_used_is_refused_unless_reset(
     # --reset-run deletes every key of the run, its streams and its secret included.
     assert _reset_run(real_redis, keys) == 2
     assert not real_redis.exists(keys.meta, keys.ctl(0), keys.secret)
+
+
+@pytest.mark.redis
+def test_a_run_whose_world_never_formed_still_expires_its_keys_and_secret(
+    real_redis: redis.Redis, redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = RunKeys("never-formed")
+    argv = [
+        "--run", "never-formed", "--job", "flodl_bus.examples.digits:job", "--world-size",
+        "1", "--redis-url", redis_url, "--join-timeout", "0.5", "--expire-after", "300",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    assert "did not form" in capsys.readouterr().err
+    assert real_redis.hget(keys.meta, "status") == b"not formed"
+    for name in (keys.meta, keys.secret, keys.identity):
+        assert 0 < real_redis.ttl(name) <= 300, name

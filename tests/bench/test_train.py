@@ -1,0 +1,111 @@
+"""``flodl-bus bench train``: the contenders really train, time to target is read off the
+eval cadence, and a slowed rank is slowed on that rank only, by the factor asked."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from flodl_bus.bench import slow
+from flodl_bus.bench.baselines import plain_loop
+from flodl_bus.bench.train import _to_target, main
+from flodl_bus.job import load_job
+
+
+def test_time_to_target_is_the_end_of_the_first_epoch_whose_eval_reached_it() -> None:
+    evals = [(0, 1.0, 0.5), (1, 2.0, 0.91), (2, 3.0, 0.89), (3, 4.0, 0.95)]
+    assert _to_target(evals, 0.9) == (2.0, 1)
+    assert _to_target(evals, 0.99) is None
+    assert _to_target(evals, None) is None
+
+
+def test_the_plain_loop_evaluates_on_the_cadence_and_reports_the_last_eval() -> None:
+    job = load_job("flodl_bus.examples.digits:job")
+    r = plain_loop(job, "cpu", 3, eval_every=2)
+    # epochs 1 (the cadence) and 2 (the last); times grow, evals are real accuracies
+    assert [e[0] for e in r.evals] == [1, 2]
+    assert 0 < r.evals[0][1] < r.evals[1][1] <= r.wall_s
+    assert r.metric == r.evals[-1][2] and 0.5 < r.metric <= 1.0
+    assert r.steps == 3 * (len(job.train_data()) // job.batch_size)
+
+
+class _Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Linear(2, 1)
+
+
+def _loss(step_s: float) -> slow.LossFn:
+    def loss(model: nn.Module, batch: object) -> torch.Tensor:
+        time.sleep(step_s)  # the rank's own step
+        return torch.zeros(())
+
+    return loss
+
+
+def test_a_rank_that_is_not_the_slow_one_runs_the_plain_loss(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    report = tmp_path / "slow.json"
+    fn = slow.Slowed(_loss(0.0), rank=1, factor=3.0, report=str(report))
+    for _ in range(slow.CALIBRATE + slow.WARMUP + 2 * slow.REPORT_EVERY):
+        fn(_Tiny(), None)
+    assert not report.exists()
+    assert fn._extra_s == 0.0
+
+
+def test_the_slow_rank_adds_factor_minus_one_of_its_calibrated_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("RANK", "1")
+    report = tmp_path / "slow.json"
+    fn = slow.Slowed(_loss(0.002), rank=1, factor=2.5, report=str(report))
+    model = _Tiny()
+    for _ in range(slow.CALIBRATE + slow.WARMUP + 1):
+        fn(model, None)
+    base = sorted(fn._before[slow.WARMUP :])[len(fn._before[slow.WARMUP :]) // 2]
+    assert fn._extra_s == pytest.approx(1.5 * base, rel=0.05)
+    for _ in range(slow.REPORT_EVERY):
+        fn(model, None)
+    got = json.loads(report.read_text())
+    assert got["rank"] == 1 and got["factor_asked"] == 2.5
+    # each later step holds the extra busy time on top of the rank's own
+    assert got["step_s_after"] >= got["step_s_before"] + fn._extra_s * 0.9
+
+
+def test_the_slow_job_is_the_named_job_unless_a_slowdown_is_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLODL_BENCH_JOB", "flodl_bus.examples.digits:job")
+    plain = load_job("flodl_bus.examples.digits:job")
+    assert slow.job().loss_fn is plain.loss_fn
+    monkeypatch.setenv("FLODL_SLOW_RANK", "1")
+    monkeypatch.setenv("FLODL_SLOW_FACTOR", "2")
+    wrapped = slow.job()
+    assert isinstance(wrapped.loss_fn, slow.Slowed) and wrapped.name == plain.name
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_bench_train_runs_plain_bus_and_ddp_and_prints_medians(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out.json"
+    argv = ["--job", "flodl_bus.examples.digits:job", "--workers", "2", "--epochs", "2"]
+    argv += ["--repeats", "1", "--ddp", "--run-dir", str(tmp_path), "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    for row in ("plain x1", "bus nccl-cadence x2", "ddp x2"):
+        assert any(line.startswith(row) for line in text.splitlines()), text
+    got = json.loads(out.read_text())
+    assert set(got["medians"]) == {"plain", "bus nccl-cadence", "ddp"}
+    for name, m in got["medians"].items():
+        assert m["wall"] > 0 and 0.5 < m["metric"] <= 1.0, name
+    # DDP all-reduces once per step; the bus averages far less often
+    assert got["medians"]["ddp"]["rounds"] > got["medians"]["bus nccl-cadence"]["rounds"] > 0
