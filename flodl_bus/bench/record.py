@@ -230,11 +230,11 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
     return _median_us(plain_ns), _median_us(rec_ns)
 
 
-def replay_rate(run_dir: Path) -> list[tuple[str, int, float]]:
+def replay_rate(run_dir: Path, transport: str = "fakeredis") -> list[tuple[str, int, float]]:
     out = []
     for key, rec in load_run(run_dir).items():
         t0 = time.perf_counter()
-        result = replay(rec, keep_actual=False)
+        result = replay(rec, keep_actual=False, transport=transport)
         dt = time.perf_counter() - t0
         if not result.identical:
             raise SystemExit(f"bench record: {key} did not replay identically: {result.summary()}")
@@ -308,11 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     rank_rows: list[tuple[float, float, float, float]] = []
     coord_rows: list[tuple[float, float]] = []
     rates: list[list[tuple[str, int, float]]] = []
+    direct: list[list[tuple[str, int, float]]] = []
     for _ in range(args.repeats):
         with tempfile.TemporaryDirectory() as tmp:
             rank_rows.append(bench_rank(args.dispatches, Path(tmp)))
             coord_rows.append(bench_coordinator(args.dispatches, Path(tmp)))
             rates.append(replay_rate(Path(tmp)))
+            direct.append(replay_rate(Path(tmp), "direct"))
 
     def med(rows: Sequence[Sequence[float]], k: int) -> float:
         return statistics.median(r[k] for r in rows)
@@ -324,10 +326,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  rank training step:   {rs - ps:6.2f} us   (core step_done itself {ps:5.2f} us)")
     print(f"  coordinator dispatch: {rh - ph:6.2f} us   (core handle itself {ph:5.2f} us)")
     print(f"  target: <= {TARGET_RECORD_US:.0f} us per dispatch")
-    print("replay speed, one core (fresh core, fakeredis transport, verify + compare)")
+    print("replay speed, one core (fresh core, verify + compare), by transport")
     for k, (key, n, _rate) in enumerate(rates[0]):
         rate = statistics.median(r[k][2] for r in rates)
-        print(f"  {key:<12} {rate:10.0f} dispatches/s   ({n} per replay)")
+        fast = statistics.median(r[k][2] for r in direct)
+        print(
+            f"  {key:<12} fakeredis {rate:8.0f} dispatches/s, direct {fast:8.0f} dispatches/s"
+            f"   ({n} per replay)"
+        )
     print(f"  target: >= {TARGET_REPLAY_RATE:,} dispatches/s")
     if args.digits_epochs > 0:
         with tempfile.TemporaryDirectory() as tmp:

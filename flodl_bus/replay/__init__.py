@@ -46,15 +46,18 @@ def replay(
     until: float | None = None,
     keep_actual: bool = True,
     allow_incomplete: bool = True,
+    transport: str = "fakeredis",
 ) -> ReplayResult:
     """Replay one process's record (see ``replay.engine``). ``until``: the coordinator's
     seconds since launch, a rank's own clock. ``keep_actual=False`` keeps only the
-    verdict (bounded memory)."""
+    verdict (bounded memory). ``transport``: ``fakeredis`` (the bus classes over fakeredis
+    streams) or ``direct`` (the bus's entry code alone; see ``replay.engine``)."""
     kw: dict[str, Any] = {
         "explore": explore,
         "until": until,
         "keep_actual": keep_actual,
         "allow_incomplete": allow_incomplete,
+        "transport": transport,
     }
     if rec.role == "coordinator":
         return CoordinatorReplay(rec, **kw).run()

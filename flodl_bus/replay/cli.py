@@ -30,6 +30,7 @@ from typing import Any
 from flodl_bus.record.chain import DamagedRecord, IncompleteRecord, UnchainedRecord
 from flodl_bus.replay import CoordinatorReplay, RankReplay, Recording, load_run, replay
 from flodl_bus.replay.coordinator import launch_time
+from flodl_bus.replay.engine import TRANSPORTS
 from flodl_bus.replay.load import verify_run
 
 PROG = "flodl-bus replay"
@@ -55,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
         help="stop at T and print the state there: seconds since the coordinator's launch "
         "(e.g. 57.5) or an ISO wall-clock time (2026-12-01T03:40:00+00:00; without an "
         "offset, local time); with --role rank:R, that rank's state",
+    )
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="fakeredis",
+        help="fakeredis (default): entries go through the process's own bus class over "
+        "fakeredis streams; direct: through the bus's entry checks and decoding only, "
+        "several times faster",
     )
     p.add_argument(
         "--allow-incomplete",
@@ -156,10 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _err(f"{k}: incomplete record: replaying its {v.lines} verified lines")
     try:
         if args.until is not None:
-            return _until_main(args.until, recs, role or "coordinator")
+            return _until_main(args.until, recs, role or "coordinator", args.transport)
         ok = True
         for key in keys:
-            result = replay(recs[key], keep_actual=False)
+            result = replay(recs[key], keep_actual=False, transport=args.transport)
             ok = ok and result.identical
             line = result.summary()
             if key in incomplete and result.identical:
@@ -171,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return IDENTICAL if ok else DIVERGED
 
 
-def _until_main(text: str, recs: Mapping[str, Recording], role: str) -> int:
+def _until_main(text: str, recs: Mapping[str, Recording], role: str, transport: str) -> int:
     if role not in recs:
         _err("--until needs the coordinator's record (or --role rank:R)")
         return BAD_INPUT
@@ -182,11 +191,11 @@ def _until_main(text: str, recs: Mapping[str, Recording], role: str) -> int:
     limit, label = got
     r: CoordinatorReplay | RankReplay
     if role == "coordinator":
-        r = CoordinatorReplay(recs[role], until=limit, keep_actual=False)
+        r = CoordinatorReplay(recs[role], until=limit, keep_actual=False, transport=transport)
         result = r.run()
         print(r.state_at(label))
     else:
-        r = RankReplay(recs[role], until=limit, keep_actual=False)
+        r = RankReplay(recs[role], until=limit, keep_actual=False, transport=transport)
         result = r.run()
         print(r.state_at(label))
     if not result.identical:

@@ -10,17 +10,17 @@ from typing import Any
 
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.ids import parse_id
+from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisCoordinatorBus
 from flodl_bus.coordinator.config import LEGACY_DEFAULTS, CoordinatorConfig, MaxFailure
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Broadcast, Out, Send
+from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import SyncAck, is_upstream
 from flodl_bus.replay.engine import (
     REPLAY_KEYS,
     REPLAY_STREAMS,
     ReplayResult,
-    _dead_letters,
-    _drain,
     _msg_of,
     _Replay,
     brief,
@@ -58,6 +58,21 @@ class RankView:
     acked: tuple[float, Any] | None = None
 
 
+class _UpVerifiers(dict[str, Any]):
+    """The replay key of whichever rank's upstream stream is asked for."""
+
+    def __init__(self, run_keys: RunKeys) -> None:
+        super().__init__()
+        self.run_keys = run_keys
+
+    def __missing__(self, stream: str) -> Any:
+        rank = self.run_keys.rank_of(stream)
+        if rank is None:
+            raise KeyError(stream)
+        self[stream] = key = REPLAY_KEYS.rank(rank)
+        return key
+
+
 def launch_time(header: Mapping[str, Any]) -> float | None:
     """The coordinator's clock at its launch, when the record says (``--until`` counts
     from there)."""
@@ -77,9 +92,14 @@ class CoordinatorReplay(_Replay):
         until: float | None = None,
         keep_actual: bool = True,
         allow_incomplete: bool = True,
+        transport: str = "fakeredis",
     ) -> None:
         super().__init__(
-            rec, explore=explore, keep_actual=keep_actual, allow_incomplete=allow_incomplete
+            rec,
+            explore=explore,
+            keep_actual=keep_actual,
+            allow_incomplete=allow_incomplete,
+            transport=transport,
         )
         h = rec.header
         self.config = config_from_header(h)
@@ -100,6 +120,8 @@ class CoordinatorReplay(_Replay):
             config=REPLAY_STREAMS,
             where="replay",
         )
+        if transport == "direct":
+            self.use_direct(_UpVerifiers(self.keys), wire.UPSTREAM)
         self.buffers: dict[str, deque[Delivery]] = {}
         #: the clock reading ``until`` counts from: the launch, else the first event's
         self.t0 = launch_time(h)
@@ -116,7 +138,7 @@ class CoordinatorReplay(_Replay):
         return [ev]
 
     def deliver(self, n: int) -> None:
-        got = _drain(self.bus.read_upstream, n, self.dlq_len)
+        got = self.delivered(n, self.bus.read_upstream)
         last: dict[str, str] = {}
         for d in got:
             self.buffers.setdefault(d.stream, deque()).append(d)
@@ -138,7 +160,7 @@ class CoordinatorReplay(_Replay):
                 self.last_event = ev
                 if self.stopped:
                     break
-            self.result.dead_letters = _dead_letters(self.client, self.keys)
+            self.result.dead_letters = self.dead_letters()
         finally:
             self.bus.close()
         return self.result

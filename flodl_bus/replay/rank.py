@@ -17,8 +17,6 @@ from flodl_bus.replay.engine import (
     REPLAY_KEYS,
     REPLAY_STREAMS,
     ReplayResult,
-    _dead_letters,
-    _drain,
     _msg_of,
     _Replay,
     _short,
@@ -42,9 +40,14 @@ class RankReplay(_Replay):
         keep_actual: bool = True,
         allow_incomplete: bool = True,
         until: float | None = None,
+        transport: str = "fakeredis",
     ) -> None:
         super().__init__(
-            rec, explore=explore, keep_actual=keep_actual, allow_incomplete=allow_incomplete
+            rec,
+            explore=explore,
+            keep_actual=keep_actual,
+            allow_incomplete=allow_incomplete,
+            transport=transport,
         )
         h = rec.header
         rank = rec.rank
@@ -53,14 +56,18 @@ class RankReplay(_Replay):
         #: stop before the first event whose ``now`` (the rank's clock) is past this
         self.until = until
         REPLAY_KEYS.rank(rank)  # its slot in the broadcasts' MAC vector, before any is fed
+        rank_keys = signing.rank_keys_for(REPLAY_KEYS, rank)
         self.bus = RedisRankBus(
-            self.client,
-            self.keys,
-            rank,
-            signing.rank_keys_for(REPLAY_KEYS, rank),
-            config=REPLAY_STREAMS,
-            where="replay",
+            self.client, self.keys, rank, rank_keys, config=REPLAY_STREAMS, where="replay"
         )
+        if transport == "direct":
+            self.use_direct(
+                {
+                    self.keys.ctl(rank): rank_keys.rank_key,
+                    self.keys.ctl_all: rank_keys.broadcast_verifier(rank),
+                },
+                wire.CONTROL,
+            )
         self.script = Script()
         self.params = RecordedParams(self.script)
         self.inbox = Inbox()
@@ -96,7 +103,7 @@ class RankReplay(_Replay):
         return []
 
     def deliver(self, n: int) -> None:
-        deliveries = _drain(self.bus.read_control, n, self.dlq_len)
+        deliveries = self.delivered(n, self.bus.read_control)
         route(self.runtime, deliveries)
         self.bus.ack(deliveries)
         while (msg := self.inbox.poll()) is not None:
@@ -129,7 +136,7 @@ class RankReplay(_Replay):
                 self.last_event = ev
                 if self.stopped:
                     break
-            self.result.dead_letters = _dead_letters(self.client, self.keys)
+            self.result.dead_letters = self.dead_letters()
         finally:
             self.bus.close()
         return self.result

@@ -50,7 +50,7 @@ def recorded_run(request: pytest.FixtureRequest) -> dict[str, Recording]:
 
 
 def assert_identical(
-    run: Run, role: str | None = None, *, verify: bool = True
+    run: Run, role: str | None = None, *, verify: bool = True, transport: str = "fakeredis"
 ) -> dict[str, ReplayResult]:
     """Verify ``run`` (every record read from disk: its digest chain, its end, its
     headers), then replay every process (or one ``role``); fail with what was refused or
@@ -62,7 +62,7 @@ def assert_identical(
             verify_run({k: run[k] for k in keys})
         except (DamagedRecord, IncompleteRecord, UnchainedRecord) as exc:
             raise AssertionError(f"the record cannot be trusted: {exc}") from None
-    results = {k: replay(run[k], keep_actual=False) for k in keys}
+    results = {k: replay(run[k], keep_actual=False, transport=transport) for k in keys}
     bad = [f"{k}: {r.summary()}" for k, r in results.items() if not r.identical]
     if bad:
         raise AssertionError("replay diverged\n" + "\n".join(bad))
