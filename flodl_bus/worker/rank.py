@@ -29,7 +29,12 @@ from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
-from flodl_bus.worker.model_port import CheckpointFn, TorchModelPort, checkpoint_to
+from flodl_bus.worker.model_port import (
+    CheckpointFn,
+    ConsensusSource,
+    TorchModelPort,
+    checkpoint_to,
+)
 from flodl_bus.worker.ports import ModelPort
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 
@@ -155,6 +160,7 @@ def run_rank(
         eval_data=eval_data,
         checkpoint_fn=_checkpoint_fn(job, options.save_path),
         save_path=options.save_path,
+        consensus=params if isinstance(params, ConsensusSource) else None,
     )
     clock: Callable[[], float] = time.perf_counter
     if recording is not None:
