@@ -238,3 +238,11 @@ def test_a_worker_without_a_coordinator_says_what_it_waits_for(
                             "'nobody-here'")  # fmt: skip
     assert "FLODL_RUN_SECRET" in first
     assert len(rest) == 1 and "no run secret" in rest[0]
+
+
+@pytest.mark.slow
+def test_up_trains_a_job_from_its_own_folder_without_pythonpath(job_dir: Path) -> None:
+    result = flodl_bus(job_dir, "up", "--job", "myjob:job", "--epochs", "1", "--no-plot",
+                       "--no-progress", "--run", "own-folder", timeout=240)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (job_dir / "runs" / "own-folder" / "metrics.csv").is_file()
