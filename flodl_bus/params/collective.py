@@ -1,10 +1,22 @@
 """The ``nccl`` backend's ``SyncNow``: an in-place work-weighted all-reduce (reference §5.2).
 
-Per call: copy params and f32 buffers into a pre-sync scratch (one flat buffer per dtype),
-all-reduce the counts ``[n_eff, mover]``, then all-reduce ``scratch * own/Σ`` in a work
-buffer, and only after the collective succeeded write the result into the model. Because
-nothing reaches the model before success, a retry on a re-formed group of survivors
-starts again from the scratch (reference §3.14).
+The model's parameters (and f32 buffers) live in one flat buffer per dtype, ``live``; a
+second set of flat buffers, ``work``, takes the round. Per call:
+
+1. all-reduce the masses ``[n_eff, mover]`` (tiny; gives each rank its weight);
+2. chunk by chunk (``CHUNK_BYTES``): ``work = live * weight``, then the chunk's sum is
+   issued at once, so on a GPU the scaling of the next chunk, the norms of the finished
+   ones and the communication overlap (one pass over the model before the collective,
+   the divergence norms read behind it);
+3. once every chunk succeeded: the divergence triple (one device sync), the outer step,
+   and the model adopts ``work`` by pointing its tensors at it (no copy); the old
+   ``live`` is the next round's ``work``.
+
+The model's tensors are moved into a flat buffer once, at the first round, with their
+values (``adopt``); whatever later points them elsewhere is noticed and adopted again.
+Because nothing reaches the model before success, a retry on a re-formed group of
+survivors starts again from ``live`` (reference §3.14); a retry takes fresh ``work``
+buffers, since an abandoned op of the failed attempt may still write the old ones.
 
 Zero total mass: nothing is adopted and the triple is ``(None, None, None)``: no consensus
 was formed, so there is nothing to measure a divergence against (the coordinator's guard
@@ -13,13 +25,15 @@ reads a missing divergence as 0).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any, Final
 
 import torch
 
 from flodl_bus.params.averaging import (
+    NORM_FLOOR,
     OuterOptimizer,
-    divergence_triple,
     gamma_mass,
     is_realized,
     mover_mass,
@@ -30,6 +44,11 @@ from flodl_bus.params.groups import Group, SessionManager
 from flodl_bus.params.port import SyncResult
 
 UNREALIZED = SyncResult(divergence=None, post_norm=None, pre_norm=None)
+
+#: Bytes per chunk of the pipelined round: large enough that a chunk's all-reduce runs
+#: near the link's bandwidth, small enough that the first and last chunks (the only parts
+#: not overlapped) are a small share of a large model.
+CHUNK_BYTES: Final = 64 << 20
 
 
 def averaged_buffers(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -105,35 +124,147 @@ class CollectiveSync(Averager):
     """SyncNow: every rank blocks in one weighted all-reduce on the training device."""
 
     def _allocate(self) -> None:
-        self.scratch = FlatBuffers(self._p_layout, self.device)
-        self.scratch_b = FlatBuffers(self._b_layout, self.device)
-        self.work = FlatBuffers(self._p_layout, self.device)
-        self.work_b = FlatBuffers(self._b_layout, self.device)
+        self._p = (
+            FlatBuffers(self._p_layout, self.device),
+            FlatBuffers(self._p_layout, self.device),
+        )
+        self._b = (
+            FlatBuffers(self._b_layout, self.device),
+            FlatBuffers(self._b_layout, self.device),
+        )
+        #: which of the two flat sets the model's tensors live in (None: neither yet)
+        self._live: int | None = None
+
+    @property
+    def live(self) -> tuple[FlatBuffers, FlatBuffers]:
+        """The flat buffers the model's parameters and f32 buffers live in."""
+        self._adopt()
+        assert self._live is not None
+        return self._p[self._live], self._b[self._live]
+
+    def _lives_in(self, i: int) -> bool:
+        return all(
+            t.data_ptr() == v.data_ptr()
+            for ts, flats in ((self.params, self._p[i]), (self.buffers, self._b[i]))
+            for t, v in zip(ts, flats.views, strict=True)
+        )
+
+    @torch.no_grad()
+    def _adopt(self) -> None:
+        """Point the model's tensors at flat buffers holding their values, unless they
+        already live in one of ours (an outside ``p.data = ...`` is noticed here)."""
+        if self._live is not None and self._lives_in(self._live):
+            return
+        self._live = 0
+        self._p[0].load_from(self.params)
+        self._b[0].load_from(self.buffers)
+        _point(self.params, self._p[0].views)
+        _point(self.buffers, self._b[0].views)
 
     @torch.no_grad()
     def sync_now(self, steps_since_avg: int) -> SyncResult:
         n_eff = gamma_mass(steps_since_avg, self.gamma)
         mover = mover_mass(steps_since_avg)
-        self.scratch.load_from(self.params)
-        self.scratch_b.load_from(self.buffers)
+        pre_p, pre_b = self.live
+        assert self._live is not None
+        other = 1 - self._live
         attempts = 0
+        sums: Any = None
 
         def attempt(group: Group) -> bool:
-            nonlocal attempts
+            nonlocal attempts, sums
             attempts += 1
             if attempts > 1:
                 # An abandoned op of the failed attempt may still write the old buffers.
-                self.work = FlatBuffers(self._p_layout, self.device)
-                self.work_b = FlatBuffers(self._b_layout, self.device)
-            return self._weighted_all_reduce(
-                group, (n_eff, mover), (self.scratch, self.scratch_b), (self.work, self.work_b)
+                self._p = _replace(self._p, other, FlatBuffers(self._p_layout, self.device))
+                self._b = _replace(self._b, other, FlatBuffers(self._b_layout, self.device))
+            counts = torch.tensor([n_eff, mover], dtype=torch.float64, device=self.device)
+            group.all_reduce_sum_([counts], self.timeout)
+            total, movers = (float(x) for x in counts.tolist())
+            if not is_realized(total):
+                return False
+            sums = self._reduce(
+                group, weight(n_eff, total), weight(mover, movers), (pre_p, pre_b), other
             )
+            return True
 
         if not self.sessions.run(attempt):
             return UNREALIZED
-        triple = divergence_triple(self.scratch.flats, self.work.flats)
+        work_p = self._p[other]
+        d2, post2, pre2 = (float(x) for x in torch.stack(sums).tolist())  # the one sync
+        pre_norm, post_norm = math.sqrt(pre2), math.sqrt(post2)
+        # Below the floor a relative divergence is noise; flodl reports 0.
+        divergence = math.sqrt(d2) / post_norm if post_norm > NORM_FLOOR else 0.0
         if self.outer is not None:
-            self.outer.step_(self.work.flats)
-        self.work.store_into(self.params)
-        self.work_b.store_into(self.buffers)
-        return triple
+            self.outer.step_(work_p.flats)
+        _point(self.params, work_p.views)
+        _point(self.buffers, self._b[other].views)
+        self._live = other
+        return SyncResult(divergence=divergence, post_norm=post_norm, pre_norm=pre_norm)
+
+    def _reduce(
+        self,
+        group: Group,
+        w: float,
+        wb: float,
+        pre: tuple[FlatBuffers, FlatBuffers],
+        other: int,
+    ) -> list[torch.Tensor]:
+        """Scale and sum ``work`` chunk by chunk; return the device sums of
+        ``‖pre - post‖²``, ``‖post‖²`` and ``‖pre‖²`` over the parameters."""
+        work_p, work_b = self._p[other], self._b[other]
+        pre_chunks = _chunks(pre[0].flats)
+        work_chunks = _chunks(work_p.flats)
+        works: list[Any] = []
+        acc = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for dst, src in zip(work_chunks, pre_chunks, strict=True):
+            # Each sum is issued as soon as its chunk is scaled: on NCCL chunk k is summed
+            # on the communication stream while this stream scales chunk k+1 and reads
+            # the norm of the pre-sync chunk.
+            _scale(dst, src, w)
+            works += group.start_all_reduce_sum([dst])
+            acc[2] += torch.linalg.vector_norm(src).double().square()
+        for dst, src in zip(work_b.flats, pre[1].flats, strict=True):
+            _scale(dst, src, wb)
+        works += group.start_all_reduce_sum(work_b.flats)
+        cuda = self.device.type == "cuda"
+        if not cuda:
+            group.wait_all(works, self.timeout)
+        for k, (post, before) in enumerate(zip(work_chunks, pre_chunks, strict=True)):
+            if cuda:
+                group.order_after(works[k])  # the chunk's norms are read behind its sum
+            acc[0] += torch.linalg.vector_norm(before - post).double().square()
+            acc[1] += torch.linalg.vector_norm(post).double().square()
+        if cuda:
+            group.wait_all(works, self.timeout)  # aborts and the deadline surface here
+        return list(acc.unbind())
+
+
+def _replace(
+    pair: tuple[FlatBuffers, FlatBuffers], i: int, new: FlatBuffers
+) -> tuple[FlatBuffers, FlatBuffers]:
+    return (new, pair[1]) if i == 0 else (pair[0], new)
+
+
+def _point(tensors: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> None:
+    """Make each tensor use its view's memory (its identity, grad and optimizer state
+    stay): the write-back of a round without a copy."""
+    for t, v in zip(tensors, views, strict=True):
+        t.data = v
+
+
+def _chunks(flats: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for flat in flats:
+        step = max(1, CHUNK_BYTES // flat.element_size())
+        out.extend(flat.split(step))  # type: ignore[no-untyped-call]
+    return out
+
+
+def _scale(dst: torch.Tensor, src: torch.Tensor, factor: float) -> None:
+    """``dst = src * factor``; a zero factor writes zeros so a NaN on an idle rank cannot
+    reach the sum (NaN * 0 is NaN)."""
+    if factor == 0.0:
+        dst.zero_()
+    else:
+        torch.mul(src, factor, out=dst)

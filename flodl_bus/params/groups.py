@@ -182,7 +182,13 @@ class Group:
                 log.warning("nccl_abort_failed", error=str(exc))
 
     def all_reduce_sum_(self, tensors: Sequence[torch.Tensor], timeout: float) -> None:
-        """Sum each tensor across the group in place; bounded by ``timeout`` seconds.
+        """Sum each tensor across the group in place; bounded by ``timeout`` seconds."""
+        self.wait_all(self.start_all_reduce_sum(tensors), timeout)
+
+    def start_all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
+        """Issue an in-place sum of each tensor, in order, without waiting: the works to
+        hand to ``wait_all``. On NCCL the ops queue on the communication stream while the
+        caller's stream goes on (a ``work.wait()`` makes the caller's stream wait for one).
 
         Each tensor is its own op: gloo's multi-tensor form would also sum the list's
         entries together (they are taken as one rank's per-device replicas).
@@ -192,10 +198,22 @@ class Group:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]
         try:
-            works = [self.pg.allreduce([t], opts) for t in tensors]
+            return [self.pg.allreduce([t], opts) for t in tensors]
         except RuntimeError as exc:
             self.broken = True
             raise CollectiveFailed(str(exc)) from exc
+
+    def order_after(self, work: Any) -> None:
+        """Make the caller's CUDA stream wait for ``work`` without blocking the thread
+        (NCCL's ``wait``); the op's failure surfaces as ``CollectiveFailed``."""
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self.broken = True
+            raise CollectiveFailed(str(exc)) from exc
+
+    def wait_all(self, works: Sequence[Any], timeout: float) -> None:
+        """Wait for every work (aborts and the deadline still release the caller)."""
         deadline = time.monotonic() + timeout
         for work in works:
             self._wait(work, deadline)

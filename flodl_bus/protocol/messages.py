@@ -432,6 +432,14 @@ def is_upstream(msg: object) -> TypeGuard[UpstreamMsg]:
     return type(msg) in _UPSTREAM_TYPES
 
 
+_CONTROL_WIRE_TYPES: Final[frozenset[type]] = frozenset(get_args(ControlWire))
+
+
+def is_control_wire(msg: object) -> TypeGuard[ControlWire]:
+    """The typed boundary for a decoded control entry (``Delivery.msg`` is ``object``)."""
+    return type(msg) in _CONTROL_WIRE_TYPES
+
+
 JoinMsg: TypeAlias = Hello | Assign | Reject
 
 WireMsg: TypeAlias = ControlWire | UpstreamMsg | JoinMsg

@@ -17,7 +17,10 @@ runtime writes), so replaying the same messages against ports that answer from t
 reproduces every decision.
 
 The blocking parts of flodl's state machine (the Throttle receive loop, waiting for a
-plan, the teardown drain) are the ``Phase`` here and the queue in ``worker.loop``.
+plan, the teardown drain) are the ``Phase`` here and the queue in ``worker.loop``. The
+cpu param plane's thread (``params.cpu_avg``) only reports its round: it queues the
+in-process ``Update`` (a ``Shutdown`` when the round failed), dispatched here like any
+control message, and publishes its own ``SnapshotReady``/``SyncAck``.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from flodl_bus.protocol.messages import (
     NewNcclIdGenerated,
     NewNcclSession,
     Shutdown,
+    is_control_wire,
 )
 from flodl_bus.worker import control
 from flodl_bus.worker.inbox import Inbox, Origin
@@ -178,13 +179,13 @@ class RankRuntime:
         if self.declared_dead.is_set():
             return  # control for the survivors; this rank is out of the run
         for d in deliveries:
-            try:
-                routed = control.route(d.msg, self.rank)  # type: ignore[arg-type]
-            except AssertionError:
-                # Not a control message at all (the transport decodes the control channel
-                # only, so this is a bug, not an attack): nothing to act on.
+            msg = d.msg
+            if not is_control_wire(msg):
+                # The transport decodes the control channel only: this is a bug, not an
+                # attack. Nothing to act on.
                 _log.error("control_not_routable", rank=self.rank, entry_id=d.entry_id)
                 continue
+            routed = control.route(msg, self.rank)
             if routed is None:
                 continue
             if isinstance(routed, control.Deliver):

@@ -49,7 +49,9 @@ def test_ranks_behind_2ms_rtt_train_and_a_cut_off_rank_is_declared_dead() -> Non
     assert r["declared_dead"] == 1
     dead_after = r["dead_after_cut_s"]
     assert dead_after is not None and math.isfinite(dead_after)
-    assert dead_after >= hb - 1.0  # only silence declares it: not before its heartbeats stop
+    # only silence declares it: not at the cut (its last word may precede the cut by a
+    # heartbeat interval, more on a loaded machine)
+    assert dead_after >= hb / 2
     print(f"declared dead {dead_after:.2f} s after the cut (heartbeat timeout {hb} s)")
     # handled like a death: the survivors finish every epoch on the coordinator's word,
     # its forfeited work re-served to them

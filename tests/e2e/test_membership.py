@@ -85,9 +85,12 @@ def test_a_worker_with_other_training_data_is_refused_naming_both_signatures(
     assert code == 2, cluster.tails()
     theirs = digits.job.train_data().signature()
     mine = other_data_job.train_data().signature()
-    assert err.count("\n") == 0, err
-    assert err.startswith("flodl-bus worker: refused by the coordinator")
-    assert mine in err and theirs in err and "does not match" in err
+    # Progress lines (waiting, joining) come first; the refusal is one line, and the last.
+    *progress, refusal = err.splitlines()
+    assert all(line.startswith("flodl-bus worker: ") for line in progress), err
+    assert not any("refused" in line for line in progress), err
+    assert refusal.startswith("flodl-bus worker: refused by the coordinator"), err
+    assert mine in refusal and theirs in refusal and "does not match" in refusal
     # The coordinator keeps waiting for a proper world; a stop ends it cleanly.
     assert coord.popen.poll() is None, cluster.tails()
     coord.popen.terminate()

@@ -54,6 +54,13 @@ def test_equal_masses_give_the_plain_mean_on_every_rank(synced: Any) -> None:
         assert rank["post"]["w"] == [2.0, 3.0, 4.0]
 
 
+def test_the_plane_keeps_each_collectives_result_as_the_last_consensus(synced: Any) -> None:
+    for name, ranks in synced.items():
+        for rank in ranks:
+            assert rank["consensus"]["w"] == rank["post"]["w"], name
+            assert rank["consensus"]["running"] == rank["post"]["running"], name
+
+
 def test_params_are_weighted_by_steps_since_the_last_average(synced: Any) -> None:
     # (3*1 + 1*5) / 4 = 2
     for rank in synced["masses"]:
@@ -125,3 +132,59 @@ def test_outer_nesterov_step_is_replicated_identically_on_every_rank(redis_url: 
     assert r0[1]["post"]["w"] == r1[1]["post"]["w"]
     # the divergence is measured against the consensus, before the outer step
     assert r0[1]["triple"][1] == pytest.approx(math.sqrt(3 * 64))
+
+
+# -------------------------------------------------- the model's tensors live in the flats
+
+
+@pytest.fixture
+def alone(redis_url: str) -> Iterator[Any]:
+    """A one-rank gloo group and a CollectiveSync over a linear layer and a buffer."""
+    import uuid
+
+    from flodl_bus.params import collective as col
+    from flodl_bus.params.groups import SessionManager, store_base
+
+    sessions = SessionManager(
+        redis_url, store_base(f"alone-{uuid.uuid4().hex[:8]}"), 0, 1, backend="gloo"
+    )
+    layer = torch.nn.Linear(3, 2)
+    running = torch.full((4,), 2.0)
+    sync = col.CollectiveSync(list(layer.parameters()), [running], sessions, timeout=20.0)
+    try:
+        yield sync, layer, running
+    finally:
+        sessions.close()
+
+
+def test_a_round_points_the_model_at_the_other_flat_with_no_copy_and_keeps_identities(
+    alone: Any,
+) -> None:
+    sync, layer, running = alone
+    weight, bias = layer.weight, layer.bias
+    before = [p.detach().clone() for p in (weight, bias)]
+    res = sync.sync_now(3)
+    # one rank: the consensus is its own params, so the triple is (0, norm, norm)
+    norm = math.sqrt(sum(float(t.square().sum()) for t in before))
+    assert res.divergence == 0.0
+    assert res.post_norm == pytest.approx(norm) and res.pre_norm == pytest.approx(norm)
+    assert layer.weight is weight and layer.bias is bias
+    assert torch.equal(weight.detach(), before[0]) and torch.equal(bias.detach(), before[1])
+    live_p, live_b = sync.live
+    first = live_p.data_ptrs()
+    assert weight.data_ptr() == live_p.views[0].data_ptr()
+    assert running.data_ptr() == live_b.views[0].data_ptr()
+    sync.sync_now(1)
+    assert sync.live[0].data_ptrs() != first  # the two flats take turns
+
+
+def test_a_tensor_pointed_elsewhere_between_rounds_is_adopted_with_its_values(
+    alone: Any,
+) -> None:
+    sync, layer, _running = alone
+    sync.sync_now(1)
+    with torch.no_grad():
+        layer.weight.data = torch.full((2, 3), 7.0)  # e.g. a loader that replaces tensors
+    sync.sync_now(1)
+    assert torch.equal(layer.weight.detach(), torch.full((2, 3), 7.0))
+    assert layer.weight.data_ptr() == sync.live[0].views[0].data_ptr()

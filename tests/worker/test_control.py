@@ -47,6 +47,7 @@ from flodl_bus.protocol.messages import (
     Throttle,
     Update,
     WireUpdate,
+    is_control_wire,
 )
 from flodl_bus.worker.control import (
     PARAM_NORM_EVERY,
@@ -232,6 +233,7 @@ def test_these_unit_tests_pass_with_torch_unimportable() -> None:
 @given(data=st.data())
 def test_route_decides_every_control_type_off_the_wire(name: str, data: st.DataObject) -> None:
     msg = wire.decode_control(wire.encode(data.draw(STRATEGIES[name])))
+    assert is_control_wire(msg)  # the reader's typed boundary lets every one through
     rank = data.draw(st.integers(min_value=0, max_value=3))
     routed = route(msg, rank)
     if isinstance(msg, CoordHeartbeat):
@@ -250,6 +252,11 @@ def test_route_decides_every_control_type_off_the_wire(name: str, data: st.DataO
     else:
         assert isinstance(routed, Deliver) and same(routed.msg, msg)
         assert routed.ends_run == isinstance(msg, (Shutdown, ShutdownWithSave))
+
+
+def test_what_is_not_control_wire_fails_the_readers_typed_boundary() -> None:
+    for other in (update(1), SyncAck(rank=0, step_count=1), Batch(0, 1.0, 0.0, 1, 0.5), object()):
+        assert not is_control_wire(other)
 
 
 def test_route_passes_the_same_object_to_the_core() -> None:

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU tables of BENCHMARKS.md: run from the repository root on a CUDA host.
+#
+#   scripts/gpu_suite.sh [OUT_DIR]        (default: ./gpu-suite-<date>)
+#
+# A host without internet can take the Python dependencies as wheels and a redis-server
+# from .gpu/ (see BENCHMARKS.md, "GPU suite"): .gpu/wheels/*.whl are installed into
+# /tmp/site, .gpu/bin goes first on PATH. NVLink multicast stays off (NCCL_NVLS_ENABLE=0).
+# SUITE=quick runs one repeat of each table (a smoke run); the default is 3 (medians).
+set -uo pipefail
+
+out="${1:-gpu-suite-$(date -u +%Y%m%dT%H%M%S)}"
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+if [ -d .gpu/wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .gpu/wheels/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+[ -d .gpu/bin ] && export PATH="$PWD/.gpu/bin:$PATH"
+
+repeats=3
+[ "${SUITE:-full}" = quick ] && repeats=1
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+bench() { python3 -m flodl_bus.cli bench "$@"; }
+step() {  # step NAME CMD...: run, keep its output, go on after a failure
+    local name=$1
+    shift
+    echo "=== $name: $*" | tee -a "$out/suite.log"
+    "$@" 2>&1 | tee "$out/$name.txt" | tail -40
+    echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$out/suite.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpus.txt"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' \
+    | tee -a "$out/gpus.txt"
+
+step gpu bench gpu
+if [ "$gpus" -ge 2 ]; then
+    step allreduce bench allreduce --params-m 100 --rounds 10
+    step train-cifar bench train --job flodl_bus.examples.cifar_resnet:job --workers 2 \
+        --epochs 8 --modes nccl-cadence,nccl-sync --ddp --repeats "$repeats" \
+        --json "$out/train-cifar.json"
+    step train-cifar-slow bench train --job flodl_bus.examples.cifar_resnet:job --workers 2 \
+        --epochs 8 --modes nccl-cadence --ddp --slow-rank 1 --slow-factor 2 \
+        --repeats "$repeats" --json "$out/train-cifar-slow.json"
+    step train-wide bench train --job flodl_bus.examples.cifar_wide:job --workers 2 \
+        --modes nccl-cadence --ddp --no-plain --repeats 1 --json "$out/train-wide.json"
+else
+    # One GPU: one rank under the bus against the plain loop (no DDP, no all-reduce).
+    step train-cifar-1 bench train --job flodl_bus.examples.cifar_resnet:job --workers 1 \
+        --epochs 8 --modes nccl-cadence --repeats "$repeats" --json "$out/train-cifar-1.json"
+    step train-wide-1 bench train --job flodl_bus.examples.cifar_wide:job --workers 1 \
+        --epochs 6 --modes nccl-cadence --repeats 1 --json "$out/train-wide-1.json"
+fi
+echo "results in $out"
