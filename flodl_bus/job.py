@@ -12,6 +12,7 @@ import importlib
 import inspect
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
@@ -19,6 +20,8 @@ from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 import torch
 from torch import nn
 from torch.utils.data import IterableDataset
+
+from flodl_bus.protocol.messages import EpochMetrics, IntentKind
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,19 @@ class Job:
     #: called at every epoch change on the one rank the coordinator names for it
     #: (``SetEpochCallbackRole``), with the epoch about to start and the live model
     epoch_fn: Callable[[int, nn.Module], None] | None = None
+    #: called with each epoch's ``EpochMetrics`` (the coordinator's aggregate of every
+    #: rank's metrics, as ``EpochAggregated`` brings it), on the epoch-callback role rank;
+    #: what it raises is logged and training goes on (flodl's ``metrics_fn``)
+    metrics_fn: Callable[[EpochMetrics], None] | None = None
+    #: called with ``(epoch, metric)`` of every successful eval the coordinator
+    #: broadcasts (``EvalBroadcast``, the final eval included), on the epoch-callback
+    #: role rank; what it raises is logged and training goes on
+    eval_result_fn: Callable[[int, float], None] | None = None
+    #: writes a checkpoint, ``(version, model)``, on the checkpoint role rank at every
+    #: ``--checkpoint-every`` epoch boundary and after ``request_checkpoint()``; what it
+    #: raises is reported and the coordinator fails over to another rank. None: the
+    #: model's state dict to ``<save-path>.v<version>.pt`` when ``--save-path`` is given
+    checkpoint_fn: Callable[[int, nn.Module], None] | None = None
     seed: int = 0
     #: a batch whose loss is NaN or infinite: ``"stop"`` the run (the rank reports a job
     #: failure, the coordinator ends the run with ``ShutdownWithSave(JOB_FAILED)``; no
@@ -208,6 +224,44 @@ class Job:
         if self.lr_schedule is not None:
             return self.lr_schedule(step, planned_steps)
         return self.lr_at(step)
+
+
+#: Where ``request_eval``/``request_checkpoint`` send their Intent: set by the rank on
+#: its training thread, the thread that runs the job's callbacks.
+_intents = threading.local()
+
+
+def bind_intents(send: Callable[[IntentKind], None] | None) -> None:
+    """Route this thread's ``request_eval``/``request_checkpoint`` to ``send`` (the rank
+    does this; None unbinds)."""
+    _intents.send = send
+
+
+def _request(kind: IntentKind, name: str) -> None:
+    send: Callable[[IntentKind], None] | None = getattr(_intents, "send", None)
+    if send is None:
+        raise RuntimeError(
+            f"{name}() called outside a rank's training thread; call it from the job's "
+            "callbacks (loss_fn, epoch_fn, metrics_fn, eval_result_fn) while a rank runs"
+        )
+    send(kind)
+
+
+def request_eval() -> None:
+    """Ask for an eval of the consensus (flodl's cooperative ``Intent(EvalNow)``).
+
+    Call it from the job's code on any rank: the coordinator folds it into its next
+    averaging round, whose consensus the eval role rank scores; the result comes back
+    through ``eval_result_fn`` and the run's metrics like a scheduled eval.
+    """
+    _request(IntentKind.EVAL_NOW, "request_eval")
+
+
+def request_checkpoint() -> None:
+    """Ask for a checkpoint (flodl's cooperative ``Intent(CheckpointNow)``): at the next
+    epoch boundary the checkpoint role rank runs ``checkpoint_fn`` (and, with
+    ``--save-path``, a resumable save is armed), as for ``--checkpoint-every``."""
+    _request(IntentKind.CHECKPOINT_NOW, "request_checkpoint")
 
 
 def load_job(ref: str) -> Job:

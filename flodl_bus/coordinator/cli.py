@@ -99,7 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--join-timeout", type=float, default=60.0, help="seconds (default 60)")
     p.add_argument("--epochs", type=int, help="epochs to train (default: the job's)")
-    p.add_argument("--save-path", help="checkpoint stem: <stem>.meta.json, <stem>.model.pt")
+    p.add_argument(
+        "--save-path",
+        help="checkpoint stem: <stem>.meta.json, <stem>.model.pt (default: the final "
+        "consensus goes to <run-dir>/consensus)",
+    )
     p.add_argument("--resume", help="resume from <STEM>.meta.json, training only uncovered samples")
     p.add_argument("--run-dir", help="record and metrics directory (default runs/<run>)")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds (default 30)")
@@ -206,6 +210,16 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(why)
     if args.checkpoint_every and not (args.save_path or args.resume):
         raise ConfigError("--checkpoint-every needs --save-path STEM (where checkpoints go)")
+
+
+def asked_run_dir(args: argparse.Namespace) -> Path:
+    return Path(args.run_dir or Path("runs") / args.run)
+
+
+def default_save_stem(args: argparse.Namespace) -> Path:
+    """Where the final consensus goes without --save-path; every rank reads it from
+    the run's meta. Load it with ``model.load_state_dict(torch.load(STEM.model.pt))``."""
+    return asked_run_dir(args) / "consensus"
 
 
 def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
@@ -321,7 +335,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     except JobError as exc:
         raise ConfigError(f"--job {args.job!r}: {exc}") from None
     epochs = job.num_epochs if args.epochs is None else args.epochs
-    save_path = args.save_path or args.resume
+    # Without --save-path the consensus still lands in the run directory at the end:
+    # <run-dir>/consensus.model.pt beside consensus.meta.json (a --resume stem too).
+    save_path = args.save_path or args.resume or str(default_save_stem(args))
     final_eval = not args.no_final_eval and job.eval_fn is not None and job.eval_data is not None
 
     def make_config(world_size: int) -> CoordinatorConfig:
@@ -479,7 +495,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         raise ConfigError(f"--resume: {exc}") from None
     client.hset(keys.meta, mapping={"world_size": str(ws), "status": "running"})
 
-    run_dir = Path(args.run_dir or Path("runs") / args.run)
+    run_dir = asked_run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
     recorder = DispatchRecorder(run_dir, "coordinator")
     run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record

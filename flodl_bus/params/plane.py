@@ -134,6 +134,9 @@ class TorchParamPort:
                 timeout=config.timeout,
             )
         self._device_cons: list[torch.Tensor] | None = None
+        #: flodl's ``last_consensus``: the last realized average (params, averaged
+        #: buffers), beside the params; None before the first round
+        self._consensus: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @property
     def cpu(self) -> CpuAverager | None:
@@ -150,7 +153,10 @@ class TorchParamPort:
     def sync_now(self, steps_since_avg: int) -> SyncResult:
         if self._sync is None:
             raise RuntimeError("SyncNow on a rank whose param backend is 'cpu'")
-        return self._sync.sync_now(steps_since_avg)
+        result = self._sync.sync_now(steps_since_avg)
+        # The collective left the consensus in the params; the rank trains on from it.
+        self._keep_consensus(self.params, self.buffers)
+        return result
 
     def snapshot(self, steps_since_avg: int) -> None:
         if self._cpu is None:
@@ -166,6 +172,7 @@ class TorchParamPort:
             )
         if not avg.realized:
             return
+        self._keep_consensus(avg.params, avg.buffers)
         alpha = self.easgd_alpha
         if alpha is None:
             for p, c in zip(self.params, avg.params):
@@ -174,6 +181,28 @@ class TorchParamPort:
             easgd_blend_(self.params, self._on_device(avg.params), alpha)
         for b, c in zip(self.buffers, avg.buffers):
             b.copy_(c, non_blocking=True)
+
+    @property
+    def evals_score_consensus(self) -> bool:
+        """The cpu backend's evals score the consensus (flodl's ``adopt_consensus``):
+        its ranks train on between rounds, and cpu-async holds a blend, not the average."""
+        return self._cpu is not None
+
+    def consensus(self) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None:
+        """The last realized consensus: (params, averaged buffers) in model order."""
+        return self._consensus
+
+    @torch.no_grad()
+    def _keep_consensus(self, params: Sequence[Any], buffers: Sequence[Any]) -> None:
+        if self._consensus is None:
+            self._consensus = (
+                [torch.empty_like(p) for p in self.params],
+                [torch.empty_like(b) for b in self.buffers],
+            )
+        for d, t in zip(self._consensus[0], params):
+            d.copy_(t, non_blocking=True)
+        for d, t in zip(self._consensus[1], buffers):
+            d.copy_(t, non_blocking=True)
 
     def param_norm(self) -> float:
         return math.sqrt(sq_sum(p.detach() for p in self.params))

@@ -92,6 +92,7 @@ class RankLoop:
         final_snapshot: Callable[[], None] | None = None,
         observer: CoreObserver | None = None,
         failure_of: Callable[[], str | None] | None = None,
+        on_dispatched: Callable[[ControlMsg], None] | None = None,
     ) -> None:
         self.job = job
         self.control = control
@@ -116,6 +117,9 @@ class RankLoop:
         #: asked at teardown for a failure found outside the loop (the param plane's
         #: averaging thread): an ``Exiting`` reason, or None
         self.failure_of = failure_of
+        #: told of every control message after the core took it (the job's result
+        #: hooks, ``worker.hooks``)
+        self.on_dispatched = on_dispatched
         #: why the rank leaves mid-run (an ``Exiting`` reason, see ``protocol.leaving``);
         #: None while nothing failed
         self.failure: str | None = None
@@ -147,6 +151,8 @@ class RankLoop:
                 # bug is on every rank, so the run stops rather than training on blind.
                 what = up.error if up.error.startswith("eval_fn") else f"eval_fn raised {up.error}"
                 raise JobError(what)
+        if self.on_dispatched is not None:
+            self.on_dispatched(msg)
         return out
 
     def service(self, msg: ControlMsg) -> bool:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -39,6 +41,16 @@ def checkpoint_to(stem: str) -> CheckpointFn:
     return write
 
 
+@runtime_checkable
+class ConsensusSource(Protocol):
+    """A param plane that keeps the last realized consensus (``TorchParamPort``)."""
+
+    @property
+    def evals_score_consensus(self) -> bool: ...
+
+    def consensus(self) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None: ...
+
+
 class TorchModelPort:
     def __init__(
         self,
@@ -50,8 +62,12 @@ class TorchModelPort:
         eval_data: ArrayDataset | None = None,
         checkpoint_fn: CheckpointFn | None = None,
         save_path: str | None = None,
+        consensus: ConsensusSource | None = None,
     ) -> None:
         self.rank = rank
+        #: where the consensus comes from (None: the live model is the consensus, as in
+        #: a world of one)
+        self.consensus = consensus
         self.model = model
         self.optimizer = optimizer
         self.eval_fn = eval_fn
@@ -89,8 +105,13 @@ class TorchModelPort:
     def evaluate(self) -> float:
         if self.eval_fn is None or self.eval_data is None:
             raise RuntimeError("no eval_fn or eval dataset")
+        eval_fn, data = self.eval_fn, self.eval_data
+        src = self.consensus
         with torch.no_grad():
-            return float(self.eval_fn(self.model, self.eval_data))
+            if src is not None and src.evals_score_consensus:
+                with self._consensus_swapped_in():
+                    return float(eval_fn(self.model, data))
+            return float(eval_fn(self.model, data))
 
     def save_bundle(self, reason: SaveReason) -> None:
         stem = self._stem()
@@ -109,7 +130,47 @@ class TorchModelPort:
     def save_consensus(self) -> None:
         stem = self._stem()
         stem.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_save(self.model.state_dict(), stem.with_name(stem.name + ".model.pt"))
+        _atomic_save(self.consensus_state_dict(), stem.with_name(stem.name + ".model.pt"))
+
+    def consensus_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with the last realized consensus in place of the live
+        parameters and averaged buffers (the live model before any round)."""
+        state = self.model.state_dict()
+        got = None if self.consensus is None else self.consensus.consensus()
+        if got is None:
+            return state
+        for name, t in self._consensus_names(got):
+            state[name] = t.detach().to("cpu", copy=True)
+        return state
+
+    def _consensus_names(
+        self, got: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        params, buffers = got
+        pairs = [(n, c) for (n, _), c in zip(self.model.named_parameters(), params)]
+        # Only float buffers are averaged (counters stay local): match them by identity.
+        named = {id(b): n for n, b in self.model.named_buffers()}
+        live = [b for b in self.model.buffers() if b.dtype == torch.float32]
+        pairs += [(named[id(b)], c) for b, c in zip(live, buffers) if id(b) in named]
+        return pairs
+
+    @contextmanager
+    def _consensus_swapped_in(self) -> Iterator[None]:
+        got = None if self.consensus is None else self.consensus.consensus()
+        if got is None:
+            yield
+            return
+        live = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        saved = []
+        for name, c in self._consensus_names(got):
+            t = live[name]
+            saved.append((t, t.detach().clone()))
+            t.data.copy_(c)
+        try:
+            yield
+        finally:
+            for t, old in saved:
+                t.data.copy_(old)
 
     def _stem(self) -> Path:
         if self.save_path is None:

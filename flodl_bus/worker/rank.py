@@ -24,11 +24,17 @@ from flodl_bus.protocol.messages import ControlMsg, Exiting, UpstreamMsg
 from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.feed import FeedOptions, make_feed
+from flodl_bus.worker.hooks import JobHooks, bind_intent_sink, unbind_intent_sink
 from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
-from flodl_bus.worker.model_port import TorchModelPort, checkpoint_to
+from flodl_bus.worker.model_port import (
+    CheckpointFn,
+    ConsensusSource,
+    TorchModelPort,
+    checkpoint_to,
+)
 from flodl_bus.worker.ports import ModelPort
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 
@@ -74,6 +80,15 @@ def _bound_epoch_fn(job: Job, model: nn.Module) -> Callable[[int], None] | None:
     if user_fn is None:
         return None
     return lambda epoch: user_fn(epoch, model)
+
+
+def _checkpoint_fn(job: Job, save_path: str | None) -> CheckpointFn | None:
+    """The job's ``checkpoint_fn`` (what it raises names it), else the default writer
+    under ``--save-path``, else none (a Checkpoint sent here reports the missing fn)."""
+    user_fn = job.checkpoint_fn
+    if user_fn is not None:
+        return lambda version, model: call_job("checkpoint_fn", user_fn, version, model)
+    return checkpoint_to(save_path) if save_path else None
 
 
 def run_rank(
@@ -143,8 +158,9 @@ def run_rank(
         optimizer=optimizer,
         eval_fn=job.eval_fn,
         eval_data=eval_data,
-        checkpoint_fn=checkpoint_to(options.save_path) if options.save_path else None,
+        checkpoint_fn=_checkpoint_fn(job, options.save_path),
         save_path=options.save_path,
+        consensus=params if isinstance(params, ConsensusSource) else None,
     )
     clock: Callable[[], float] = time.perf_counter
     if recording is not None:
@@ -174,6 +190,7 @@ def run_rank(
     )
     observer = None if recording is None else recording.observer(control, inbox)
     feed = make_feed(train_data, device, feed_options, seed=job.seed + rank)
+    hooks = JobHooks(job, rank, lambda: control.epoch_callback_role)
     loop = RankLoop(
         job=job,
         control=control,
@@ -189,6 +206,7 @@ def run_rank(
         observer=observer,
         # The cpu averaging thread's failure (no caller to raise to); read at teardown.
         failure_of=lambda: getattr(params, "failure", None),
+        on_dispatched=hooks.dispatched if hooks.wanted else None,
     )
     runtime = RankRuntime(
         bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
@@ -202,6 +220,8 @@ def run_rank(
     # (``bus.streams.settle_heap``).
     gc.freeze()
     clean = False
+    # The job's request_eval/request_checkpoint, called on this (the training) thread.
+    bind_intent_sink(rank, bus.publish)
     try:
         clean = loop.run_until_shutdown()
     except Exception as exc:
@@ -210,6 +230,7 @@ def run_rank(
         _log_failure(rank, loop.failure or repr(exc), exc, recording)
         clean = False
     finally:
+        unbind_intent_sink()
         # Back into the collector's view: what is frozen is never collected, so a
         # process group caught in a cycle would outlive the interpreter and gloo's
         # threads would end the process in std::terminate (exit -6) at teardown.

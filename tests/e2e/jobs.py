@@ -7,6 +7,8 @@ repository root, which ``python -m`` puts on the path).
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import sys
 import time
 
@@ -14,7 +16,14 @@ import torch
 from torch import nn
 
 from flodl_bus.examples import digits
-from flodl_bus.job import ArrayDataset, Job, classification_loss
+from flodl_bus.job import (
+    ArrayDataset,
+    Job,
+    classification_loss,
+    request_checkpoint,
+    request_eval,
+)
+from flodl_bus.protocol.messages import EpochMetrics
 
 #: Seconds each training step sleeps in ``slow_job``.
 STEP_SLEEP = 0.03
@@ -86,4 +95,55 @@ nan_skip_job = dataclasses.replace(
 #: rank 1 cannot build its optimizer
 builder_raises_job = dataclasses.replace(
     slow_job, name="builder-raises", build_optimizer=_rank1_optimizer
+)
+
+
+# ------------------------------------------------------------------- job hooks
+
+#: Folder where ``hooks_job`` writes what its hooks saw, one JSON line per call.
+HOOKS_DIR_ENV = "FLODL_TEST_HOOKS_DIR"
+
+
+def _hook_line(kind: str, **fields: object) -> None:
+    folder = os.environ[HOOKS_DIR_ENV]
+    line = json.dumps({"kind": kind, "rank": _process_rank(), **fields})
+    with open(os.path.join(folder, f"rank{_process_rank()}.jsonl"), "a") as f:
+        f.write(line + "\n")
+
+
+_hook_batches = [0]
+
+
+def _requesting_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # Rank 1 asks for one checkpoint and one eval mid-run (neither is scheduled by a
+    # flag): the first after its 30th batch, the second after its 60th.
+    _hook_batches[0] += 1
+    if _process_rank() == 1 and _hook_batches[0] in (30, 60):
+        kind = "checkpoint" if _hook_batches[0] == 30 else "eval"
+        (request_checkpoint if kind == "checkpoint" else request_eval)()
+        _hook_line("requested", what=kind)
+    return _slow_loss(model, batch)
+
+
+def _metrics_hook(m: EpochMetrics) -> None:
+    _hook_line("metrics", epoch=m.epoch, avg_loss=m.avg_loss)
+
+
+def _eval_hook(epoch: int, metric: float) -> None:
+    _hook_line("eval", epoch=epoch, metric=metric)
+
+
+def _checkpoint_hook(version: int, model: nn.Module) -> None:
+    total = float(sum(p.detach().double().sum() for p in model.parameters()))
+    _hook_line("checkpoint", version=version, param_sum=total)
+
+
+#: every hook set: each call is one line under ``$FLODL_TEST_HOOKS_DIR``
+hooks_job = dataclasses.replace(
+    slow_job,
+    name="digits-hooks",
+    loss_fn=_requesting_loss,
+    metrics_fn=_metrics_hook,
+    eval_result_fn=_eval_hook,
+    checkpoint_fn=_checkpoint_hook,
 )

@@ -8,6 +8,7 @@ so a child that escaped its process group would be found too).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
 
 from flodl_bus.examples import digits
 from flodl_bus.record.chain import record_bytes
@@ -245,6 +247,11 @@ def test_a_config_file_reaches_the_coordinator_and_every_rank_and_a_flag_beats_i
     assert header["settings"]["seed"] == 7 and header["settings"]["anchor"] == 3
     assert header["config"]["seed"] == 7 and header["config"]["anchor"] == 3
     assert header["config"]["epoch_splits"] == 2
+    # no --save-path: the final consensus is in the run directory, with its meta
+    meta = json.loads((run_dir / "consensus.meta.json").read_text())
+    assert meta["reason"] == "graceful_shutdown" and meta["world_size"] == 2
+    model = digits.job.build_model()
+    model.load_state_dict(torch.load(run_dir / "consensus.model.pt"))
     base = digits.job.lr_at(0)
     for r in (0, 1):
         recs = read_records(run_dir / f"rank{r}.jsonl")

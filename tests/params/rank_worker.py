@@ -84,8 +84,23 @@ def scenario_sync(port: TorchParamPort, model: Toy, rank: int, args: dict[str, A
             port._sync.gamma = case["gamma"]
         pre = observe(model)
         res = port.sync_now(mine["steps"])
-        out.append({"pre": pre, "post": observe(model), "triple": list(_triple(res))})
+        out.append(
+            {
+                "pre": pre,
+                "post": observe(model),
+                "consensus": _consensus(port),
+                "triple": list(_triple(res)),
+            }
+        )
     return out
+
+
+def _consensus(port: TorchParamPort) -> dict[str, Any] | None:
+    got = port.consensus()
+    if got is None:
+        return None
+    (w, _b), (running,) = got
+    return {"w": w.tolist(), "running": running.tolist()}
 
 
 def _triple(res: Any) -> tuple[Any, Any, Any]:
@@ -130,6 +145,7 @@ def scenario_cpu(
                 "pre": pre,
                 "before_load": before_load,
                 "post": observe(model),
+                "consensus": _consensus(port),
                 "realized": msg.avg.realized,
                 "version": msg.avg.version,
                 "ack": json.loads(ack.split(" ", 1)[1]),

@@ -54,6 +54,13 @@ def test_equal_masses_give_the_plain_mean_on_every_rank(synced: Any) -> None:
         assert rank["post"]["w"] == [2.0, 3.0, 4.0]
 
 
+def test_the_plane_keeps_each_collectives_result_as_the_last_consensus(synced: Any) -> None:
+    for name, ranks in synced.items():
+        for rank in ranks:
+            assert rank["consensus"]["w"] == rank["post"]["w"], name
+            assert rank["consensus"]["running"] == rank["post"]["running"], name
+
+
 def test_params_are_weighted_by_steps_since_the_last_average(synced: Any) -> None:
     # (3*1 + 1*5) / 4 = 2
     for rank in synced["masses"]:

@@ -93,6 +93,18 @@ def test_cpu_async_easgd_blends_the_current_local_params_toward_the_consensus(
     assert r1["post"]["w"] == [3.0] * 3  # 4 + 0.5 (2 - 4)
 
 
+def test_the_plane_keeps_the_realized_consensus_not_the_blend(rounds: Any) -> None:
+    # flodl's last_consensus: what a consensus save or eval must use under cpu-async
+    for r in case(rounds, "easgd"):
+        assert r["consensus"]["w"] == [2.0] * 3
+    for r in case(rounds, "masses"):
+        assert r["consensus"] == {"w": [2.0] * 3, "running": [3.0]}
+    # an unrealized round (zero mass) keeps the previous consensus
+    prev = case(rounds, "idle_nan")
+    for before, r in zip(prev, case(rounds, "zero_mass")):
+        assert r["consensus"] == before["consensus"]
+
+
 def test_update_is_injected_before_the_sync_ack_is_published(rounds: Any) -> None:
     for r in rounds:
         events = [e.split(" ")[0] for e in r["events"]]
