@@ -64,6 +64,10 @@ class Dispatch:
         """Samples sent to ``r`` and not yet reported."""
         raise NotImplementedError
 
+    def in_flight_all(self) -> list[int]:
+        """``in_flight`` of every rank in one pass (the state summary's, per dispatch)."""
+        return [self.in_flight(r) for r in range(self.core.ws)]
+
     def quiesced(self, r: int) -> bool:
         """Nothing in flight and nothing this rank could be given in its epoch (§4.5)."""
         raise NotImplementedError
@@ -157,6 +161,14 @@ class PoolDispatch(Dispatch):
 
     def in_flight(self, r: int) -> int:
         return sum(p.in_flight(r) for p in self.pools.values())
+
+    def in_flight_all(self) -> list[int]:
+        pools = list(self.pools.values())
+        if not pools:
+            return [0] * self.core.ws
+        if len(pools) == 1:
+            return pools[0].in_flight_all()
+        return list(map(sum, zip(*(p.in_flight_all() for p in pools), strict=True)))
 
     def quiesced(self, r: int) -> bool:
         if self.has_in_flight(r):
@@ -454,6 +466,9 @@ class PartitionDispatch(Dispatch):
 
     def in_flight(self, r: int) -> int:
         return sum(s for _, s in self.sent[r])
+
+    def in_flight_all(self) -> list[int]:
+        return [sum(s for _, s in sent) if sent else 0 for sent in self.sent]
 
     def quiesced(self, r: int) -> bool:
         # flodl applies this to pools only: a rank that finished its epoch share would
