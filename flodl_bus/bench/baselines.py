@@ -14,8 +14,9 @@ Fair to them, as a reviewer would ask:
 * the same share of the host's cores as a rank: each DDP process takes
   ``cores / LOCAL_WORLD_SIZE`` threads, CUDA or not (``worker.host.thread_share``, the
   rule our ranks follow); the plain loop is given one rank's share by its caller;
-* the same eval cadence: the model is evaluated every ``eval_every`` epochs with the
-  training clock stopped, so "time to target" is training time on every side.
+* the same eval cadence: the model is evaluated every ``eval_every`` epochs, inside the
+  clock as a rank's evals are inside the bus run's, so "time to target" (the clock once
+  the eval that reached it is known) means the same on every side.
 
 Both use ``flodl_bus.partition`` for the per-epoch shuffle, so every run sees the same
 sample order family.
@@ -42,7 +43,7 @@ from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
 @dataclass(frozen=True)
 class BaselineResult:
     name: str
-    #: training time of the whole run (evals excluded)
+    #: time of the whole run, first step to the last eval (evals on the cadence included)
     wall_s: float
     samples: int
     steps: int
@@ -68,7 +69,7 @@ def _evaluate(job: Job, model: nn.Module) -> float | None:
 
 
 class _Clock:
-    """Training time: runs while training, stopped during evals."""
+    """The run's time, stopped only where a caller says (device work included)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -134,15 +135,13 @@ def _train(
                 samples += bs
                 steps += 1
             if (epoch + 1) % eval_every == 0 or epoch + 1 == epochs:
-                at = clock.stop()
-                if barrier:
-                    dist.barrier()
                 # the bare module: a DDP forward on one rank alone would wait for the others
                 metric = _evaluate(job, getattr(model, "module", model)) if evaluate else None
+                if barrier:
+                    dist.barrier()  # the others wait for the eval, as DDP users' loops do
+                at = clock.stop()
                 if metric is not None:
                     evals.append((epoch, at, metric))
-                if barrier:
-                    dist.barrier()
                 clock.start()
         total = clock.stop()
     finally:

@@ -175,8 +175,9 @@ def bench_rank(n: int, run_dir: Path) -> tuple[float, float, float, float]:
     )
 
 
-def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
-    """(plain handle, recorded handle) medians in us, on Batch/LrUpdate/Heartbeat."""
+def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float, float]:
+    """(plain handle, recorded handle, handle + state summary) medians in us, on
+    Batch/LrUpdate/Heartbeat."""
     ws = 4
     cfg = CoordinatorConfig(
         mode="cpu-cadence", world_size=ws, total_samples=1 << 20, batch_size=1, num_epochs=1
@@ -193,6 +194,7 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
     step = [0] * ws
     plain_ns: list[int] = []
     rec_ns: list[int] = []
+    summary_ns: list[int] = []  # handle + the core's state summary (the record's "after")
     clock = time.perf_counter_ns
     for k in range(n):
         r = k % ws
@@ -211,6 +213,7 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
         t1 = clock()
         outs = recorded.handle(r, msg, now)
         after = recorded.state_summary()
+        ts = clock()
         rec.dispatch(
             stream=f"flodl:{{bench}}:up:{r}",
             entry_id=f"{1 + k // ws}-{k % ws}",
@@ -225,9 +228,10 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float]:
         t2 = clock()
         plain_ns.append(t1 - t0)
         rec_ns.append(t2 - t1)
+        summary_ns.append(ts - t1)
     rec.end(dispatches=n)
     rec.close()
-    return _median_us(plain_ns), _median_us(rec_ns)
+    return _median_us(plain_ns), _median_us(rec_ns), _median_us(summary_ns)
 
 
 def replay_rate(run_dir: Path, transport: str = "fakeredis") -> list[tuple[str, int, float]]:
@@ -306,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_console("warning")
     rank_rows: list[tuple[float, float, float, float]] = []
-    coord_rows: list[tuple[float, float]] = []
+    coord_rows: list[tuple[float, float, float]] = []
     rates: list[list[tuple[str, int, float]]] = []
     direct: list[list[tuple[str, int, float]]] = []
     for _ in range(args.repeats):
@@ -320,11 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return statistics.median(r[k] for r in rows)
 
     pd, rd, ps, rs = (med(rank_rows, k) for k in range(4))
-    ph, rh = med(coord_rows, 0), med(coord_rows, 1)
+    ph, rh, sh = med(coord_rows, 0), med(coord_rows, 1), med(coord_rows, 2)
     print(f"recording cost on the dispatching thread (median of {args.repeats} runs)")
     print(f"  rank dispatch:        {rd - pd:6.2f} us   (core dispatch itself {pd:5.2f} us)")
     print(f"  rank training step:   {rs - ps:6.2f} us   (core step_done itself {ps:5.2f} us)")
     print(f"  coordinator dispatch: {rh - ph:6.2f} us   (core handle itself {ph:5.2f} us)")
+    print(
+        f"    of which the core's state summary {sh - ph:5.2f} us, "
+        f"the record line {rh - sh:5.2f} us"
+    )
     print(f"  target: <= {TARGET_RECORD_US:.0f} us per dispatch")
     print("replay speed, one core (fresh core, verify + compare), by transport")
     for k, (key, n, _rate) in enumerate(rates[0]):

@@ -8,9 +8,9 @@ Contenders, each in fresh processes, on the same job, data, epochs and eval cade
 3. ``ddp xN`` (``--ddp``): tuned ``DistributedDataParallel`` on as many ranks.
 
 Each contender runs ``--repeats`` times (the order rotates per repeat so drift spreads
-over all) and the table shows medians: training time to the fixed epochs (first to last
-step: process start, imports and data building are excluded on every side; evals are
-excluded from the baselines' clocks and included in the bus's), time to the target metric
+over all) and the table shows medians: training time to the fixed epochs (first step to
+the end: process start, imports and data building are excluded on every side; the evals
+of the cadence are inside every clock, as they are in a run), time to the target metric
 (``--target``, default the job's ``target_metric``: the end of the first epoch whose eval
 reached it, evals every ``--eval-every`` epochs), the final metric, the averaging rounds
 (ours) or gradient all-reduces (DDP), ms per step per process, and the ratios to DDP and

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from flodl_bus.coordinator.chunk_pool import Range, coalesce
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.effects import Out, Send, WriteMeta
+from flodl_bus.coordinator.guard import MsfGuard
 from flodl_bus.protocol.messages import SaveConsensusModel, SaveReason
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class Resume:
     version: int
     elche_state: Mapping[str, Any] | None
     trend_history: list[float]
+    #: the controllers' state (absent in metas written before it was kept)
+    scheduler: Mapping[str, Any] | None = None
 
 
 def read_meta(config: CoordinatorConfig, meta: Mapping[str, Any]) -> Resume:
@@ -85,6 +88,7 @@ def read_meta(config: CoordinatorConfig, meta: Mapping[str, Any]) -> Resume:
         version=int(meta.get("version", meta.get("sync_round", 0))),
         elche_state=elche if isinstance(elche, Mapping) else None,
         trend_history=[float(x) for x in (elche or {}).get("trend_history", [])],
+        scheduler=sched if isinstance(sched := meta.get("scheduler"), Mapping) else None,
     )
 
 
@@ -120,12 +124,37 @@ class Checkpoints:
         if res.elche_state is not None and len(res.elche_state.get("counts", [])) == core.ws:
             core.elche.restore(res.elche_state)
         core.guard.restore(res.trend_history)
+        if res.scheduler is not None:
+            self._restore_scheduler(res.scheduler)
         core.start_epoch = res.start_epoch
         core.last_aggregated = res.start_epoch - 1
         core.dispatch.resume_at(res.start_epoch)
         self.resume_holes = dict(res.holes)
         # The resumed first epoch is not an epoch *transition*: no eval/checkpoint hook.
         core.hooked_epoch = res.start_epoch - 1 if res.start_epoch == 0 else res.start_epoch
+
+    def scheduler_state(self) -> dict[str, Any]:
+        """What the controllers learned: a resumed run continues them, not restarts."""
+        core = self.core
+        state: dict[str, Any] = {
+            "max_overshoot": core.max_overshoot,
+            "meta_controller": core.meta.state(),
+            "callback_ewma_ms": dict(core.roles.ewma_ms),
+        }
+        if isinstance(core.guard, MsfGuard):
+            state["msf"] = core.guard.state()
+        return state
+
+    def _restore_scheduler(self, state: Mapping[str, Any]) -> None:
+        core = self.core
+        if core.overshoot_auto and "max_overshoot" in state:
+            core.max_overshoot = int(state["max_overshoot"])
+        core.meta.restore(state.get("meta_controller", {}))
+        for kind, ms in state.get("callback_ewma_ms", {}).items():
+            if kind in core.roles.ewma_ms:
+                core.roles.ewma_ms[kind] = None if ms is None else float(ms)
+        if isinstance(core.guard, MsfGuard) and "msf" in state:
+            core.guard.restore_state(state["msf"])
 
     def arm(self) -> ArmedSave | None:
         if not self.enabled or not self.due:
@@ -178,4 +207,4 @@ class Checkpoints:
             "reason": reason.snake,
             "elche_state": elche,
             "coverage": dict(coverage),
-        }
+        } | ({"scheduler": self.scheduler_state()} if core.config.scheduler_meta else {})

@@ -26,6 +26,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "meta_controller": False,
     "callback_slack": False,
     "stage_advisories": False,
+    "scheduler_meta": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -113,6 +114,8 @@ class CoordinatorConfig:
     speed_hints: tuple[float, ...] | None = None
     #: progressive dispatch tells each rank what it will train next (prefetch hints)
     stage_advisories: bool = True
+    #: checkpoint meta carries the controllers' state, so a resume continues them
+    scheduler_meta: bool = True
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)

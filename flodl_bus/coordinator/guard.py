@@ -7,8 +7,9 @@ import enum
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from flodl_bus.coordinator.config import CoordinatorConfig, Policy
 
@@ -117,6 +118,21 @@ class MsfGuard:
         self.history.clear()
         self.history.extend(float(h) for h in history)
         self._prev = self.history[-1] if self.history else None
+
+    def state(self) -> dict[str, Any]:
+        """The rate's EMA and streaks (the history travels as ``trend_history``)."""
+        return {
+            "ema": self._ema,
+            "n": self._n,
+            "suppress_streak": self._suppress_streak,
+            "nudge_streak": self._nudge_streak,
+        }
+
+    def restore_state(self, state: Mapping[str, Any]) -> None:
+        self._ema = float(state.get("ema", 0.0))
+        self._n = int(state.get("n", 0))
+        self._suppress_streak = int(state.get("suppress_streak", 0))
+        self._nudge_streak = int(state.get("nudge_streak", 0))
 
 
 class NoGuard:

@@ -18,7 +18,8 @@ one drop is one nudge.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from flodl_bus.coordinator.guard import Verdict, VerdictKind
 
@@ -85,3 +86,18 @@ class MetaController:
         for f in factors:
             factor *= f
         return Verdict(VerdictKind.NUDGE_DOWN, _clamp(factor))
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "lrs": list(self.lrs),
+            "anchors": list(self.anchors),
+            "verdicts": [v.value for v in self.verdicts],
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.lrs.clear()
+        self.lrs.extend(float(x) for x in state.get("lrs", []))
+        self.anchors.clear()
+        self.anchors.extend(int(x) for x in state.get("anchors", []))
+        self.verdicts.clear()
+        self.verdicts.extend(VerdictKind(v) for v in state.get("verdicts", []))

@@ -85,16 +85,17 @@ class UnchainedRecord(ValueError):
         self.path = str(path)
 
 
+_blake2b = hashlib.blake2b
+
+
 def digest(prev: bytes, body: bytes) -> bytes:
-    h = hashlib.blake2b(prev, digest_size=DIGEST_BYTES)
-    h.update(body)
-    return h.digest()
+    return _blake2b(prev + body, digest_size=DIGEST_BYTES).digest()
 
 
 def seal(prev: bytes, body: bytes) -> tuple[bytes, bytes]:
     """(line with its digest and newline, the digest) for ``body`` (one JSON object)."""
-    d = digest(prev, body)
-    return body[:-1] + _D_OPEN + d.hex().encode() + b'"}\n', d
+    d = _blake2b(prev + body, digest_size=DIGEST_BYTES).digest()
+    return b'%s,"d":"%s"}\n' % (body[:-1], d.hex().encode()), d
 
 
 def unseal(line: bytes) -> tuple[bytes, bytes] | None:

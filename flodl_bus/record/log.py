@@ -130,7 +130,22 @@ class Recorder:
         self._last = chain.SEED
         self.lines = 0
         self.ended = False
+        self._resume()
         self._sink = chain.open_sink(self.path, self._write_lock)
+
+    def _resume(self) -> None:
+        """Lines appended to an existing record (the launcher's ``up.jsonl`` of a run id
+        used again) continue its chain, so the file still verifies as a whole."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        st = chain.ChainState()
+        try:
+            for _ in chain.verified_lines(self.path, st, parse=False):
+                pass
+        except chain.DamagedRecord:
+            return
+        if st.chained and not st.torn and not st.ended:
+            self._last, self.lines = st.last, st.lines
 
     def _write(self, event: dict[str, Any]) -> None:
         body = orjson.dumps(event, default=self._default, option=_OPTIONS)
@@ -151,7 +166,10 @@ class Recorder:
         Core events have a fixed set of fields holding protocol data only (no key that
         could hold a secret), so they skip the redaction pass: it would be most of the
         cost of a record on the dispatching thread."""
-        self._write({"event": event, **self._context, **fields})
+        if self._context:
+            fields = {**self._context, **fields}
+        fields["event"] = event  # last, as structlog wrote it: a dict built once
+        self._write(fields)
 
     def end(self, **fields: Any) -> None:
         """The closing line: a record without it was cut short (a kill, a crash, a hang).

@@ -9,6 +9,7 @@ import pytest
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import WriteMeta
+from flodl_bus.coordinator.guard import SUPPRESS, MsfGuard
 from flodl_bus.partition import make_partition
 from flodl_bus.protocol import messages as m
 from tests.coordinator.sim import Cluster
@@ -93,3 +94,36 @@ def test_resume_of_a_finished_run_shuts_down_at_once() -> None:
     core = Coordinator.from_meta(cfg, final)
     out = core.start(0.0)
     assert [type(o).__name__ for o in out][-1] == "Finished"
+
+
+def test_a_resume_continues_the_controllers_where_the_checkpoint_left_them() -> None:
+    cfg = config("cpu-async", guard="msf")
+    core = Coordinator(cfg)
+    core.max_overshoot = 9
+    core.meta.observe([0.1, 0.1, 0.1], 20, SUPPRESS, "stable")
+    core.roles.observe("epoch_fn", 120.0)
+    assert isinstance(core.guard, MsfGuard)
+    core.guard.report([0.01], 5)
+    core.guard.report([0.02], 5)
+    meta = json.loads(json.dumps(core.checkpoints.meta(m.SaveReason.CHECKPOINT, {})))
+    sched = meta["scheduler"]
+    assert sched["max_overshoot"] == 9 and sched["callback_ewma_ms"]["epoch_fn"] == 120.0
+    meta["coverage"] = core.checkpoints.coverage()
+    resumed = Coordinator.from_meta(cfg, meta)
+    assert resumed.max_overshoot == 9
+    assert resumed.meta.state() == core.meta.state()
+    assert resumed.roles.ewma_ms == core.roles.ewma_ms
+    assert isinstance(resumed.guard, MsfGuard)
+    assert resumed.guard.state() == core.guard.state()
+    # the next window reads the same rate on both: the EMA continued, not restarted
+    assert resumed.guard.report([0.04], 5) == core.guard.report([0.04], 5)
+    assert resumed.guard.rate == core.guard.rate
+
+
+def test_a_meta_without_the_scheduler_block_still_resumes_with_fresh_controllers() -> None:
+    cfg = config("cpu-async")
+    core = Coordinator(cfg)
+    meta = core.checkpoints.meta(m.SaveReason.CHECKPOINT, core.checkpoints.coverage())
+    del meta["scheduler"]
+    resumed = Coordinator.from_meta(cfg, meta)
+    assert resumed.max_overshoot == 3 and resumed.meta.state()["lrs"] == []

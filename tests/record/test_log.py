@@ -63,3 +63,15 @@ def test_two_threads_recording_get_distinct_indices(tmp_path: Path) -> None:
     rec.close()
     indices = [r["i"] for r in read_records(tmp_path / "rank0.jsonl")]
     assert sorted(indices) == list(range(1000))
+
+
+def test_lines_appended_to_an_existing_record_continue_its_chain(tmp_path: Path) -> None:
+    """The launcher's up.jsonl of a run id used again: one file, still verifiable."""
+    for n in range(2):
+        rec = Recorder(tmp_path / "up.jsonl", role="up")
+        rec.record("up", n=n)
+        rec.record("summary", n=n)
+        rec.close()
+    assert [(r["event"], r["n"]) for r in read_records(tmp_path / "up.jsonl")] == [
+        ("up", 0), ("summary", 0), ("up", 1), ("summary", 1),
+    ]  # fmt: skip

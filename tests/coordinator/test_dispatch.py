@@ -1,0 +1,78 @@
+"""Dispatch strategies (``coordinator.dispatch``) through the core: first dispatch,
+one chunk in flight, the epoch barrier, a dead rank's work, a failed send
+(reference §4.10, §4.15.2)."""
+
+from __future__ import annotations
+
+from flodl_bus.protocol import messages as m
+from tests.coordinator.drive import beat, feed, metrics, msgs, plans, started, types
+
+
+def test_first_dispatch_sends_the_role_before_any_start_epoch() -> None:
+    _, out = started("nccl-sync", ws=3, total=100)
+    assert types(out)[0] == "SetEpochCallbackRole"
+    sizes = [p.partition_size for p in plans(out).values()]
+    assert sizes == [34, 33, 33]
+
+
+def test_one_chunk_in_flight_holds_a_barrier_paced_rank() -> None:
+    core, out = started("nccl-cadence", total=1000)
+    assert set(plans(out)) == {0, 1}
+    feed(core, 0, 3)
+    again = core.handle(0, metrics(0, 0, 0), 0.0)  # a zero-sample report retires nothing
+    assert not plans(again)
+
+
+def test_epoch_barrier_holds_a_fast_rank_until_the_epoch_aggregates() -> None:
+    core, out = started("nccl-cadence", total=40, num_epochs=2)
+    first = plans(out)
+    feed(core, 0, first[0].partition_size)
+    out0 = core.handle(0, metrics(0, 0, first[0].partition_size), 0.0)
+    # Rank 0 may steal within epoch 0 but never start epoch 1 while rank 1 is busy.
+    assert all(p.epoch == 0 for p in plans(out0).values())
+
+
+def test_dead_rank_remainder_redistributed_via_extend_partition() -> None:
+    core, out = started("cpu-sync", ws=3, total=30)
+    assert [p.partition_size for p in plans(out).values()] == [10, 10, 10]
+    beat(core, [0, 1], 31.0)
+    out = core.tick(31.0)
+    ext = [(o.rank, o.msg) for o in msgs(out, m.ExtendPartition)]
+    assert ext == [(0, m.ExtendPartition(20, 5)), (1, m.ExtendPartition(25, 5))]
+
+
+def test_dead_rank_partial_progress_is_not_redistributed() -> None:
+    core, _ = started("cpu-sync", ws=3, total=30)
+    feed(core, 2, 4)
+    beat(core, [0, 1], 31.0)
+    ext = msgs(core.tick(31.0), m.ExtendPartition)
+    assert sum(o.msg.partition_size for o in ext) == 6
+    assert min(o.msg.partition_offset for o in ext) == 24
+
+
+def test_progressive_death_forfeits_chunks_to_survivors() -> None:
+    core, out = started("cpu-cadence", ws=3, total=300)
+    first = plans(out)
+    for r in (0, 1):
+        feed(core, r, first[r].partition_size)
+        core.handle(r, metrics(r, 0, first[r].partition_size), 1.0)
+    beat(core, [0, 1], 31.0)
+    out = core.tick(31.0)
+    assert core.live.dead == [False, False, True]
+    assert not core.dispatch.pools[0].has_in_flight(2)
+    assert msgs(out, m.RequestParams)  # the dead rank no longer holds the gate
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 31.1)
+    updates = {o.rank: o.msg.next_plan for o in msgs(core.tick(31.2), m.WireUpdate)}
+    # reclaimed ranges are served first: rank 0's next chunk is rank 2's lost one
+    assert updates[0] == first[2]
+    assert 2 not in updates
+
+
+def test_failed_start_epoch_is_rolled_back_and_reoffered_on_the_next_tick() -> None:
+    core, out = started("nccl-cadence", total=1000)
+    lost = msgs(out, m.StartEpoch)[0]
+    core.send_failed(lost.rank, lost.msg, 0.0)
+    assert not core.dispatch.pools[0].has_in_flight(lost.rank)
+    again = plans(core.tick(0.01))
+    assert again == {lost.rank: lost.msg.plan}  # the cursor was rewound: same chunk

@@ -1,0 +1,266 @@
+"""The reduce cycle (``coordinator.reduce``) through the core: the gate, NCCL acks,
+reduce cycles and the global step, throttle, the stall ceiling, async overshoot
+(reference §4.4-§4.8, §4.10.6)."""
+
+from __future__ import annotations
+
+from flodl_bus.coordinator.elche import WindowReport
+from flodl_bus.protocol import messages as m
+from tests.coordinator.drive import beat, feed, make, metrics, msgs, plans, started, types
+
+
+def test_sync_gate_needs_at_least_one_step_on_every_rank() -> None:
+    core, _ = started("nccl-sync")
+    feed(core, 0, 5)
+    assert not core.should_average()
+    feed(core, 1, 1)
+    assert core.should_average()
+
+
+def test_async_gate_needs_batch_counts_uncalibrated_ten_each() -> None:
+    core, _ = started("cpu-async", total=1000)
+    feed(core, 0, 10)
+    feed(core, 1, 9)
+    assert not core.should_average()
+    assert "rank 1 at 9/10" in core.gate()[1]
+    feed(core, 1, 1)
+    assert core.should_average()
+
+
+def test_cadence_gate_fires_on_batch_counts_even_with_pathological_slow_ms() -> None:
+    core, _ = started("nccl-cadence")
+    # A wildly wrong slow-rank estimate: the count gate must still be reachable.
+    core.elche.report_window(WindowReport((10.0, 1e9)))
+    counts = core.elche.counts
+    assert counts == [640, 10]
+    feed(core, 0, counts[0] - 1)
+    feed(core, 1, counts[1])
+    assert not core.should_average()
+    feed(core, 0, 1)
+    assert core.should_average()
+
+
+def test_cpu_rearm_is_independent_of_nccl_ack() -> None:
+    core, _ = started("cpu-sync")
+    feed(core, 0, 1)
+    feed(core, 1, 1)
+    out = core.tick(0.01)
+    assert types(out)[:2] == ["Throttle", "RequestParams"]
+    # A bridge SyncAck carrying a sentinel step count must not poison later re-arms.
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 2**62, 0.01, 1.0, 1.0), 0.02)
+    out = core.tick(0.03)
+    assert [o.msg for o in msgs(out, m.WireUpdate)] == [m.WireUpdate(1), m.WireUpdate(1)]
+    assert core.reduce.last_step_count == [1, 1]
+    feed(core, 0, 1)
+    feed(core, 1, 1)
+    assert core.should_average()
+
+
+def test_cpu_gate_blocks_while_a_cycle_is_in_flight() -> None:
+    core, _ = started("cpu-sync")
+    feed(core, 0, 1)
+    feed(core, 1, 1)
+    core.tick(0.01)
+    feed(core, 0, 3)
+    feed(core, 1, 3)
+    assert core.gate() == (False, "cpu cycle in flight")
+    core.handle(0, m.SyncAck(0, 0), 0.02)
+    assert not msgs(core.tick(0.02), m.WireUpdate)  # rank 1's bridge has not acked
+    core.handle(1, m.SyncAck(1, 0), 0.03)
+    order = types(core.tick(0.04))
+    # the round closes, and the steps taken during it open the next one at once
+    assert order[:3] == ["WireUpdate", "WireUpdate", "SetGlobalStep"]
+    assert order[3:5] == ["Throttle", "RequestParams"]
+
+
+def test_quiesced_zero_step_tail_rank_does_not_block_reduce() -> None:
+    # 10 batches, counts 4/4, spans 5/5: the tail split pins rank 1's last slot at 3.
+    core, out = started("nccl-cadence", total=10, anchor=4)
+    first = plans(out)
+    assert first == {0: m.EpochPlan(0, 0, 4), 1: m.EpochPlan(0, 5, 3)}
+    for r, plan in first.items():
+        feed(core, r, plan.partition_size)
+        core.handle(r, metrics(r, 0, plan.partition_size), 0.0)
+    assert plans(core.tick(0.01)) == {0: m.EpochPlan(0, 4, 1)}
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 10), 0.02)
+    feed(core, 0, 1)
+    out = core.handle(0, metrics(0, 0, 1), 0.02)
+    assert plans(out) == {0: m.EpochPlan(0, 8, 2)}  # the last 2 batches, stolen
+    feed(core, 0, 1)
+    assert core.gate() == (False, "rank 0 at 2/4 steps")  # rank 0 still owes its chunk
+    feed(core, 0, 1)
+    core.handle(0, metrics(0, 0, 2), 0.03)
+    # rank 1 has zero steps, nothing in flight and nothing left: it cannot block
+    assert core.ledger.steps == [3, 0]
+    assert core.dispatch.pools[0].remaining() == 0
+    assert core.should_average()
+
+
+def test_slot_zero_final_window_rank_does_not_block_the_gate() -> None:
+    core = make("nccl-cadence", ws=3, total=18, anchor=1)
+    core.elche.report_window(WindowReport((10.0, 10.0, 60.0)))
+    assert core.elche.counts == [6, 6, 1]
+    out = core.start(0.0)
+    # after rank 0's take 12 batches are left (< 13 + 3): the split [6, 6, 0] is pinned
+    assert {r: p.partition_size for r, p in plans(out).items()} == {0: 6, 1: 6}
+    assert core.dispatch.final_windows[0].slots == [6, 0, 0]
+    for r in (0, 1):
+        feed(core, r, 6)
+        core.handle(r, metrics(r, 0, 6), 0.0)
+    assert core.dispatch.pools[0].remaining() == 6  # rank 0's next slot, held by its budget
+    # rank 2 holds a zero slot: with zero steps it must not hold the reduce
+    assert core.ledger.steps == [6, 6, 0]
+    assert core.should_average(), core.gate()
+
+
+def test_no_reduce_without_a_mover() -> None:
+    core, _ = started("nccl-cadence", total=8)
+    assert core.gate() == (False, "no rank moved") or not core.should_average()
+
+
+def test_sync_ack_above_snapshot_acks_and_reopens_the_gate() -> None:
+    core, _ = started("nccl-sync")
+    feed(core, 0, 2)
+    feed(core, 1, 3)
+    out = core.tick(0.01)
+    assert msgs(out, m.SyncNow)
+    feed(core, 0, 0)
+    assert core.reduce.acked == [False, False]
+    core.handle(0, m.SyncAck(0, 2, 0.1, 1.0, 1.0), 0.02)  # not above snapshot 2
+    assert core.reduce.acked == [False, False]
+    core.handle(0, m.SyncAck(0, 3, 0.1, 1.0, 1.0), 0.02)
+    core.handle(1, m.SyncAck(1, 4, 0.1, 1.0, 1.0), 0.03)
+    assert core.reduce.acked == [True, True]
+    assert abs(core.reduce.last_sync_ms - 20.0) < 1e-9
+
+
+def test_sync_ack_never_inflates_steps() -> None:
+    core, _ = started("nccl-sync")
+    feed(core, 0, 1)
+    core.handle(0, m.SyncAck(0, 7), 0.0)
+    assert core.ledger.steps == [1, 0]
+    assert core.ledger.wall_ms == [10.0, 0.0]
+    assert core.reduce.last_step_count[0] == 7
+
+
+def test_second_sync_now_waits_for_every_ack() -> None:
+    core, _ = started("nccl-sync")
+    feed(core, 0, 1)
+    feed(core, 1, 1)
+    assert msgs(core.tick(0.01), m.SyncNow)
+    core.handle(0, m.SyncAck(0, 2), 0.02)
+    feed(core, 0, 1)
+    assert not core.should_average()
+    assert "has not acked" in core.gate()[1]
+
+
+def test_set_global_step_after_reduce_is_the_sum_of_window_steps() -> None:
+    core, _ = started("nccl-sync")
+    feed(core, 0, 3)
+    feed(core, 1, 2)
+    out = core.tick(0.01)
+    assert types(out)[:2] == ["SyncNow", "SetGlobalStep"]
+    assert msgs(out, m.SetGlobalStep)[0].msg.global_step == 5
+    assert core.version == 1 and core.ledger.steps == [0, 0]
+
+
+def test_cpu_sync_wire_order_throttle_request_params_update_set_global_step() -> None:
+    core, _ = started("cpu-sync")
+    feed(core, 0, 2)
+    feed(core, 1, 1)
+    order = types(core.tick(0.01))
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 0.02)
+    order += types(core.tick(0.02))
+    # Throttle first: the in-process Update must never reach a rank before its Throttle.
+    assert order == ["Throttle", "RequestParams", "WireUpdate", "WireUpdate", "SetGlobalStep"]
+    assert core.global_step == 3
+
+
+def test_cpu_subtracts_the_trigger_snapshot_so_overshoot_steps_survive() -> None:
+    core, _ = started("cpu-async")
+    feed(core, 0, 10)
+    feed(core, 1, 10)
+    core.tick(0.01)
+    feed(core, 0, 2)  # trained during the round
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 0.02)
+    core.tick(0.02)
+    assert core.global_step == 20
+    assert core.ledger.steps == [2, 0]
+
+
+def test_cpu_cadence_update_carries_the_next_chunk() -> None:
+    core, out = started("cpu-cadence", total=1000)
+    for r, plan in plans(out).items():
+        feed(core, r, plan.partition_size)
+        core.handle(r, metrics(r, 0, plan.partition_size), 0.0)
+    assert msgs(core.tick(0.01), m.RequestParams)
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 0.02)
+    updates = msgs(core.tick(0.02), m.WireUpdate)
+    assert all(u.msg.next_plan is not None for u in updates)
+    assert {u.rank for u in updates} == {0, 1}
+
+
+def throttled_after(mode: str, steps: tuple[int, int], d: int | None) -> list[int]:
+    core, _ = started(mode, max_batch_diff=d)
+    feed(core, 0, steps[0])
+    feed(core, 1, steps[1])
+    return [o.rank for o in msgs(core.tick(0.01), m.Throttle)]
+
+
+def test_throttle_sends_only_to_the_leader_when_diff_exceeded() -> None:
+    assert throttled_after("cpu-sync", (5, 0), 3) == [0]
+
+
+def test_throttle_no_send_within_limit() -> None:
+    assert throttled_after("cpu-sync", (3, 0), 5) == []
+
+
+def test_throttle_zero_is_strict_lockstep() -> None:
+    assert throttled_after("cpu-sync", (1, 0), 0) == [0]
+
+
+def test_throttle_skipped_for_nccl() -> None:
+    assert throttled_after("nccl-sync", (5, 0), 3) == []
+
+
+def test_throttle_disabled_when_none() -> None:
+    assert throttled_after("cpu-sync", (5, 0), None) == []
+
+
+def test_reduce_stall_ceiling_escalates_and_a_fresh_cycle_is_not_a_stall() -> None:
+    core, _ = started("nccl-sync")
+    feed(core, 0, 1)
+    feed(core, 1, 1)
+    core.tick(1.0)
+    beat(core, [0, 1], 250.0)
+    core.tick(250.0)
+    assert not core.finished
+    beat(core, [0, 1], 301.5)
+    out = core.tick(301.5)
+    assert core.finish_reason is m.SaveReason.REDUCE_STALL
+    assert msgs(out, m.ShutdownWithSave)
+
+
+def test_async_overshoot_auto_tunes_and_a_user_value_pins_it() -> None:
+    core, _ = started("cpu-async")
+    assert core.max_overshoot == 3
+    for r in (0, 1):
+        feed(core, r, 10)
+    core.tick(0.01)
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0, 0.01, 1.0, 1.0), 0.02)
+    core.tick(0.02)
+    assert core.version == 1 and core.max_overshoot == 4
+    pinned, _ = started("cpu-async", max_overshoot=7)
+    for r in (0, 1):
+        feed(pinned, r, 10)
+    pinned.tick(0.01)
+    for r in (0, 1):
+        pinned.handle(r, m.SyncAck(r, 0), 0.02)
+    pinned.tick(0.02)
+    assert pinned.version == 1 and pinned.max_overshoot == 7
