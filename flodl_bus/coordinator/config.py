@@ -112,8 +112,11 @@ class CoordinatorConfig:
     callback_slack: bool = True
     #: relative per-rank speeds (higher = faster) used before ElChe has measured any
     speed_hints: tuple[float, ...] | None = None
-    #: progressive dispatch tells each rank what it will train next (prefetch hints)
-    stage_advisories: bool = True
+    #: progressive dispatch tells each rank what it will train next (prefetch hints).
+    #: Off by default, unlike flodl: no rank here has a stager to use them, and each
+    #: reduce would pay one message per rank of O(world size) ranges (10x the reduce's
+    #: cost at 256 ranks, `bench coordinator`)
+    stage_advisories: bool = False
     #: checkpoint meta carries the controllers' state, so a resume continues them
     scheduler_meta: bool = True
 

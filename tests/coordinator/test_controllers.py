@@ -131,7 +131,7 @@ def advisories(out: list[Any]) -> dict[int, m.StageAdvisory]:
 
 
 def test_epoch_start_advises_each_rank_its_span_the_tails_it_may_steal_and_the_next_epoch() -> None:
-    core = make(total_samples=200, num_epochs=2)
+    core = make(total_samples=200, num_epochs=2, stage_advisories=True)
     out = core.start(0.0)
     kinds = [type(o.msg).__name__ for o in out if hasattr(o, "msg")]
     # each rank's advisory follows the StartEpochs of the epoch it describes
@@ -145,7 +145,7 @@ def test_epoch_start_advises_each_rank_its_span_the_tails_it_may_steal_and_the_n
 
 
 def test_every_reduce_re_advises_and_a_dead_rank_is_not_advised() -> None:
-    core = make(ws=3, total_samples=300)
+    core = make(ws=3, total_samples=300, stage_advisories=True)
     core.start(0.0)
     core.declare_dead(2, 0.0)
     out: list[Any] = []
@@ -153,6 +153,6 @@ def test_every_reduce_re_advises_and_a_dead_rank_is_not_advised() -> None:
     assert set(advisories(out)) == {0, 1}
 
 
-def test_advisories_are_off_when_disabled_and_absent_for_a_fixed_partition() -> None:
-    assert advisories(make(stage_advisories=False).start(0.0)) == {}
-    assert advisories(make(progressive=False).start(0.0)) == {}
+def test_advisories_are_off_by_default_and_absent_for_a_fixed_partition() -> None:
+    assert advisories(make().start(0.0)) == {}
+    assert advisories(make(progressive=False, stage_advisories=True).start(0.0)) == {}
