@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from flodl_bus.examples import digits
+from flodl_bus.params.averaging import Nesterov
 from flodl_bus.worker.resume import restore_rank_state, save_rank_state, state_path
 
 DATA = digits.train_data()
@@ -24,19 +25,28 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, at: int) -> None:
     opt.step()
 
 
-class Outer:
-    """A param plane's outer optimizer surface (``TorchParamPort``'s two methods)."""
+class Plane:
+    """The param plane's outer-optimizer surface (``TorchParamPort``'s two methods)
+    around a real outer optimizer (None: a plane without one)."""
 
-    def __init__(self, state: dict[str, Any] | None) -> None:
-        self.state = state
+    def __init__(self, outer: Nesterov | None) -> None:
+        self.outer = outer
 
     def outer_state_dict(self) -> dict[str, Any] | None:
-        return self.state
+        return None if self.outer is None else self.outer.state_dict()
 
     def load_outer_state_dict(self, state: dict[str, Any]) -> None:
-        if self.state is None:
+        if self.outer is None:
             raise ValueError("this rank has no outer optimizer to restore")
-        self.state = dict(state)
+        self.outer.load_state_dict(state)
+
+
+def _outer_rounds(outer: Nesterov, model: nn.Module, rounds: int) -> list[torch.Tensor]:
+    consensus = [p.detach().clone() for p in model.parameters()]
+    for k in range(rounds):
+        consensus = [c - 0.01 * (k + 1) for c in consensus]
+        outer.step_(consensus)
+    return consensus
 
 
 def test_a_restored_rank_steps_exactly_as_the_one_that_saved(tmp_path: Path) -> None:
@@ -48,16 +58,20 @@ def test_a_restored_rank_steps_exactly_as_the_one_that_saved(tmp_path: Path) -> 
     twin = digits.build_model()  # (seeds torch: built before the save)
     twin.load_state_dict(model.state_dict())
     twin_opt = digits.build_optimizer(twin)
-    save_rank_state(stem, 1, opt, Outer({"momentum": torch.ones(3)}))
+    outer = Nesterov()
+    _outer_rounds(outer, model, 3)  # velocity built up over three rounds
+    save_rank_state(stem, 1, opt, Plane(outer))
     for i in range(3, 6):  # the rank that never stopped
         _step(model, opt, i)
+    after = _outer_rounds(outer, model, 2)
     torch.manual_seed(123)  # a different random state, which the restore replaces
-    outer = Outer({"momentum": torch.zeros(3)})
-    assert restore_rank_state(stem, 1, twin_opt, outer)
-    assert torch.equal(outer.state["momentum"], torch.ones(3))  # type: ignore[index]
+    twin_outer = Nesterov()
+    assert restore_rank_state(stem, 1, twin_opt, Plane(twin_outer))
     for i in range(3, 6):
         _step(twin, twin_opt, i)
     for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(after, _outer_rounds(twin_outer, twin, 2)):
         assert torch.equal(a, b)
 
 
@@ -87,12 +101,14 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_file(tmp_path: Path) ->
     opt = digits.build_optimizer(model)
     _step(model, opt, 0)
     stem = tmp_path / "ckpt"
-    save_rank_state(stem, 0, opt, Outer({"momentum": torch.ones(3)}))
+    outer = Nesterov()
+    _outer_rounds(outer, model, 2)
+    save_rank_state(stem, 0, opt, Plane(outer))
     other = torch.optim.Adam(nn.Linear(3, 2).parameters())
     with pytest.raises(ValueError, match=r"ckpt\.rank0\.state\.pt: the optimizer state"):
         restore_rank_state(stem, 0, other, None)
     with pytest.raises(ValueError, match="same --outer setting"):
-        restore_rank_state(stem, 0, opt, Outer(None))
+        restore_rank_state(stem, 0, opt, Plane(None))
     torch.save({"schema": 0}, state_path(stem, 0))
     with pytest.raises(ValueError, match="not a rank state of schema"):
         restore_rank_state(stem, 0, opt, None)
