@@ -153,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         default="nccl-cadence",
         help="comma-separated bus modes (e.g. nccl-cadence,nccl-sync)",
     )
+    p.add_argument("--mode", dest="modes", help="one bus mode (the same as --modes MODE)")
     p.add_argument("--epochs", type=int, default=0, help="override the job's epochs")
     p.add_argument("--eval-every", type=int, default=1, help="eval cadence in epochs")
     p.add_argument("--target", type=float, help="target metric (default: the job's)")
