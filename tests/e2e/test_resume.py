@@ -136,3 +136,37 @@ def test_a_run_resumed_at_an_epoch_boundary_ends_bit_identical_to_one_never_stop
     assert any(not torch.equal(stopped[k], straight[k]) for k in straight)
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
+
+
+def test_each_rank_resumes_its_own_outer_optimizer_and_a_run_without_one_is_refused(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    mode, outer = "nccl-cadence", ("--outer", "nesterov")
+    half = tmp_path / "h" / "m"
+    _trained(cluster, new_run_id("outer-a"), half, 1, 2, mode, *outer)
+    states = [torch.load(f"{half}.rank{r}.state.pt", weights_only=False) for r in range(2)]
+    for s in states:  # rounds happened: the outer optimizer has a velocity to carry on
+        assert s["outer"]["name"] == "nesterov" and s["outer"]["velocity"] is not None
+        assert s["optimizer"]["state"], "the Adam moments were saved"
+    # Per-rank state: the ranks trained other samples, so their moments differ.
+    m0, m1 = (s["optimizer"]["state"][0]["exp_avg"] for s in states)
+    assert not torch.equal(m0, m1)
+
+    # The same setting goes on from there; the ranks do not start their state fresh.
+    rest = new_run_id("outer-b")
+    _trained(cluster, rest, tmp_path / "r" / "m", 2, 2, mode, *outer, "--resume", str(half))
+    for p in cluster.procs:
+        if p.name.startswith("rank") and rest in p.name:
+            assert "resume_without_rank_state" not in p.output(), p.tail()
+
+    # Without the outer optimizer the saved state does not fit: the run stops, and the
+    # ranks say why in one line naming the fix.
+    bad = new_run_id("outer-c")
+    coord = cluster.coordinator(
+        bad, "--mode", mode, "--world-size", "2", "--epochs", "2", "--resume", str(half)
+    )
+    workers = cluster.ranked_workers(bad, 2, "--mode", mode)
+    codes = cluster.wait([coord, *workers], timeout=120)
+    assert codes[1:] == [1, 1] and codes[0] != 0, cluster.tails()
+    for w in workers:
+        assert "resume with the same --outer setting" in w.output(), w.tail()
