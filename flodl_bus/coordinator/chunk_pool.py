@@ -306,3 +306,22 @@ def consolidate_lone_ones(alloc: Sequence[int]) -> list[int]:
         target = min((p for p in holders if p != r), key=lambda p: (out[p], p))
         out[target] += 1
         out[r] = 0
+
+
+def split_ranges(ranges: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:
+    """Cut ``ranges`` (in order) into consecutive shares of ``sizes`` samples each."""
+    queue = deque(coalesce(ranges) if len(ranges) > 1 else [r for r in ranges if r[1] > 0])
+    shares: list[list[Range]] = []
+    for want in sizes:
+        share: list[Range] = []
+        while want > 0 and queue:
+            off, size = queue[0]
+            take = min(want, size)
+            share.append((off, take))
+            want -= take
+            if take == size:
+                queue.popleft()
+            else:
+                queue[0] = (off + take, size - take)
+        shares.append(share)
+    return shares

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 from flodl_bus.coordinator.chunk_pool import (
     ChunkPool,
     Range,
-    coalesce,
     equal_sizes,
     final_window_alloc,
     ratio_to_sizes,
+    split_ranges,
     throughput_sizes,
 )
 from flodl_bus.coordinator.config import Policy
@@ -615,22 +615,3 @@ class PartitionDispatch(Dispatch):
         self.sent[r] = [(off, size)]
         self.batches_done[r] = 0
         out.append(Send(r, StartEpoch(EpochPlan(self.epoch, off, size))))
-
-
-def split_ranges(ranges: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:
-    """Cut ``ranges`` (in order) into consecutive shares of ``sizes`` samples each."""
-    queue = deque(coalesce(ranges) if len(ranges) > 1 else [r for r in ranges if r[1] > 0])
-    shares: list[list[Range]] = []
-    for want in sizes:
-        share: list[Range] = []
-        while want > 0 and queue:
-            off, size = queue[0]
-            take = min(want, size)
-            share.append((off, take))
-            want -= take
-            if take == size:
-                queue.popleft()
-            else:
-                queue[0] = (off + take, size - take)
-        shares.append(share)
-    return shares

@@ -374,6 +374,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         # flodl's LR scaling (reference §3.13): every rank the same factor of the world
         lr_scale=1.0 + (world - 1) * lr_scale_ratio,
         epochs=epochs,
+        resume=resume,
     )
     code: int | None = None
     try:

@@ -14,9 +14,10 @@ from torch import nn
 
 from flodl_bus.job import ArrayDataset
 from flodl_bus.protocol.messages import SaveReason
+from flodl_bus.worker.resume import save_rank_state
 
-#: The rank that writes the model of a checkpoint bundle (every rank writes its optimizer,
-#: since per-rank momentum differs).
+#: The rank that writes the model of a checkpoint bundle before the coordinator named an
+#: epoch-callback role (every rank writes its own state, ``worker.resume``).
 PRIMARY_RANK = 0
 
 CheckpointFn = Callable[[int, nn.Module], None]
@@ -63,8 +64,15 @@ class TorchModelPort:
         checkpoint_fn: CheckpointFn | None = None,
         save_path: str | None = None,
         consensus: ConsensusSource | None = None,
+        params: object | None = None,
+        writer_role: Callable[[], int | None] | None = None,
     ) -> None:
         self.rank = rank
+        #: the rank's param plane, whose outer optimizer state a bundle saves
+        self.params = params
+        #: the rank that writes a bundle's model: the epoch-callback role as the core
+        #: knows it (None: ``PRIMARY_RANK``)
+        self.writer_role = writer_role
         #: where the consensus comes from (None: the live model is the consensus, as in
         #: a world of one)
         self.consensus = consensus
@@ -94,7 +102,10 @@ class TorchModelPort:
     def checkpoint(self, version: int) -> None:
         if self.checkpoint_fn is None:
             raise RuntimeError("no checkpoint_fn")
-        self.checkpoint_fn(version, self.model)
+        # The checkpoint holds the consensus, not the live model that trained on after
+        # it (swapped in for the call, then back).
+        with torch.no_grad(), self._consensus_swapped_in():
+            self.checkpoint_fn(version, self.model)
 
     def eval_mode(self) -> None:
         self.model.eval()
@@ -116,16 +127,17 @@ class TorchModelPort:
     def save_bundle(self, reason: SaveReason) -> None:
         stem = self._stem()
         stem.parent.mkdir(parents=True, exist_ok=True)
-        if self.rank == PRIMARY_RANK:
-            _atomic_save(self.model.state_dict(), stem.with_name(stem.name + ".model.pt"))
+        role = None if self.writer_role is None else self.writer_role()
+        # flodl: the epoch-callback role rank writes the model (rank 0 before any role).
+        if self.rank == (PRIMARY_RANK if role is None else role):
+            _atomic_save(self.consensus_state_dict(), stem.with_name(stem.name + ".model.pt"))
             meta = {"reason": reason.snake, "writer_rank": self.rank}
             # Not ``.meta.json``: that is the coordinator's checkpoint meta (coverage,
             # counters), written just before ShutdownWithSave; overwriting it here
             # would make the run impossible to resume.
             stem.with_name(stem.name + ".bundle.json").write_text(json.dumps(meta))
-        if self.optimizer is not None:
-            path = stem.with_name(f"{stem.name}.rank{self.rank}.optim.pt")
-            _atomic_save(self.optimizer.state_dict(), path)
+        # Every rank: its optimizer, outer optimizer and random state differ.
+        save_rank_state(stem, self.rank, self.optimizer, self.params)
 
     def save_consensus(self) -> None:
         stem = self._stem()

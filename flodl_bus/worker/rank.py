@@ -36,6 +36,7 @@ from flodl_bus.worker.model_port import (
     checkpoint_to,
 )
 from flodl_bus.worker.ports import ModelPort
+from flodl_bus.worker.resume import restore_rank_state, save_rank_state
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 
 #: Builds the param plane for a rank: (model, inject into the control queue, publish).
@@ -73,6 +74,10 @@ class RankOptions:
     feed: FeedOptions | None = None
     #: torch threads of this rank; None: its share of the host (``worker.host``)
     threads: int | None = None
+    #: the save stem this run resumes from: the rank restores its optimizer, outer
+    #: optimizer and random state from ``<stem>.rank<r>.state.pt`` (the model is the
+    #: job's ``build_model``, which the CLI points at ``<stem>.model.pt``)
+    resume: str | None = None
 
 
 def _bound_epoch_fn(job: Job, model: nn.Module) -> Callable[[int], None] | None:
@@ -152,6 +157,15 @@ def run_rank(
         params: ParamPort = LocalParams(model, rank=rank, inject=inbox.put, publish=bus.publish)
     else:
         params = params_factory(model, inbox.put, bus.publish)
+    if options.resume is not None:
+        try:
+            restore_rank_state(options.resume, rank, optimizer, params)
+        except ValueError as exc:
+            close_params = getattr(params, "close", None)
+            if callable(close_params):
+                close_params()
+            return _failed_before_start(bus, rank, JobError(f"resume: {exc}"))
+    raw_params = params
     model_port: ModelPort = TorchModelPort(
         rank=rank,
         model=model,
@@ -161,6 +175,8 @@ def run_rank(
         checkpoint_fn=_checkpoint_fn(job, options.save_path),
         save_path=options.save_path,
         consensus=params if isinstance(params, ConsensusSource) else None,
+        params=params,
+        writer_role=lambda: control.epoch_callback_role,
     )
     clock: Callable[[], float] = time.perf_counter
     if recording is not None:
@@ -252,6 +268,16 @@ def run_rank(
             code = FAILED
         else:
             code = EXIT_COORDINATOR_LOST if runtime.coordinator_lost.is_set() else OK
+        if code == OK and runtime.shutdown_seen and options.save_path is not None:
+            # The run ended in order beside its final consensus save: what a resumed
+            # run needs besides that model (the rank is idle, so this is its state at
+            # the saved consensus).
+            try:
+                save_rank_state(options.save_path, rank, optimizer, raw_params)
+            except Exception as exc:
+                structlog.get_logger("flodl_bus.worker").error(
+                    "rank_state_not_saved", rank=rank, error=repr(exc)
+                )
         if recording is not None:
             # The closing line: a record without it was cut short (a kill, a crash).
             recording.event(

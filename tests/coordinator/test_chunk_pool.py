@@ -10,6 +10,7 @@ from flodl_bus.coordinator.chunk_pool import (
     equal_sizes,
     final_window_alloc,
     ratio_to_sizes,
+    split_ranges,
     throughput_sizes,
 )
 
@@ -220,3 +221,9 @@ def test_throughput_sizes_are_proportional_to_speed() -> None:
     assert sum(sizes) == 90
     assert sizes[0] > sizes[1] > sizes[2]
     assert throughput_sizes(10, [None, None]) == [5, 5]
+
+
+def test_split_ranges_cuts_coalesced_ranges_in_order_into_the_asked_sizes() -> None:
+    got = split_ranges([(10, 5), (0, 10), (30, 4)], [8, 0, 9, 5])
+    assert got == [[(0, 8)], [], [(8, 7), (30, 2)], [(32, 2)]]
+    assert split_ranges([(0, 0)], [3]) == [[]]

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from flodl_bus.examples import digits
 from tests.e2e.harness import (
@@ -93,3 +94,79 @@ def test_a_killed_run_resumes_training_only_the_uncovered_samples(
     metric = final_metric(run_dir)
     print(f"\nresumed at epoch {min(trained_epochs)}: final accuracy {metric:.4f}")
     assert metric >= 0.9
+
+
+def _trained(
+    cluster: Cluster, run: str, stem: Path, epochs: int, world: int, mode: str, *extra: str
+) -> dict[str, torch.Tensor]:
+    coord = cluster.coordinator(
+        run,
+        "--mode",
+        mode,
+        "--world-size",
+        str(world),
+        "--epochs",
+        str(epochs),
+        "--save-path",
+        str(stem),
+        "--no-final-eval",
+        *extra,
+    )
+    workers = cluster.ranked_workers(run, world, "--mode", mode)
+    assert cluster.wait([coord, *workers], timeout=240) == [0] * (world + 1), cluster.tails()
+    state: dict[str, torch.Tensor] = torch.load(f"{stem}.model.pt", weights_only=True)
+    return state
+
+
+@pytest.mark.parametrize(("world", "mode"), [(1, "nccl-sync")])
+def test_a_run_resumed_at_an_epoch_boundary_ends_bit_identical_to_one_never_stopped(
+    cluster: Cluster, tmp_path: Path, world: int, mode: str
+) -> None:
+    total, first = 4, 2
+    straight = _trained(cluster, new_run_id("straight"), tmp_path / "s" / "m", total, world, mode)
+    half = tmp_path / "h" / "m"
+    stopped = _trained(cluster, new_run_id("half"), half, first, world, mode)
+    for r in range(world):
+        assert Path(f"{half}.rank{r}.state.pt").exists()
+    resumed = _trained(
+        cluster, new_run_id("rest"), tmp_path / "r" / "m", total, world, mode, "--resume", str(half)
+    )
+    assert set(resumed) == set(straight)
+    # The stop was real: the half-way model is not the end model.
+    assert any(not torch.equal(stopped[k], straight[k]) for k in straight)
+    for k in straight:
+        assert torch.equal(resumed[k], straight[k]), k
+
+
+def test_each_rank_resumes_its_own_outer_optimizer_and_a_run_without_one_is_refused(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    mode, outer = "nccl-cadence", ("--outer", "nesterov")
+    half = tmp_path / "h" / "m"
+    _trained(cluster, new_run_id("outer-a"), half, 1, 2, mode, *outer)
+    states = [torch.load(f"{half}.rank{r}.state.pt", weights_only=False) for r in range(2)]
+    for s in states:  # rounds happened: the outer optimizer has a velocity to carry on
+        assert s["outer"]["name"] == "nesterov" and s["outer"]["velocity"] is not None
+        assert s["optimizer"]["state"], "the Adam moments were saved"
+    # Per-rank state: the ranks trained other samples, so their moments differ.
+    m0, m1 = (s["optimizer"]["state"][0]["exp_avg"] for s in states)
+    assert not torch.equal(m0, m1)
+
+    # The same setting goes on from there; the ranks do not start their state fresh.
+    rest = new_run_id("outer-b")
+    _trained(cluster, rest, tmp_path / "r" / "m", 2, 2, mode, *outer, "--resume", str(half))
+    for p in cluster.procs:
+        if p.name.startswith("rank") and rest in p.name:
+            assert "resume_without_rank_state" not in p.output(), p.tail()
+
+    # Without the outer optimizer the saved state does not fit: the run stops, and the
+    # ranks say why in one line naming the fix.
+    bad = new_run_id("outer-c")
+    coord = cluster.coordinator(
+        bad, "--mode", mode, "--world-size", "2", "--epochs", "2", "--resume", str(half)
+    )
+    workers = cluster.ranked_workers(bad, 2, "--mode", mode)
+    codes = cluster.wait([coord, *workers], timeout=120)
+    assert codes[1:] == [1, 1] and codes[0] != 0, cluster.tails()
+    for w in workers:
+        assert "resume with the same --outer setting" in w.output(), w.tail()

@@ -411,7 +411,7 @@ def test_shutdown_with_save_writes_the_bundle_and_stops(tmp_path: Path) -> None:
     out = c.control.dispatch(ShutdownWithSave(SaveReason.SINGLE_SURVIVOR))
     assert out.stop
     assert (tmp_path / "final.model.pt").exists()
-    assert (tmp_path / "final.rank0.optim.pt").exists()
+    assert (tmp_path / "final.rank0.state.pt").exists()
     assert '"single_survivor"' in (tmp_path / "final.bundle.json").read_text()
     # the coordinator's checkpoint meta (resume coverage) is left alone
     assert not (tmp_path / "final.meta.json").exists()

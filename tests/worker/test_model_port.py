@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from flodl_bus.job import ArrayDataset
+from flodl_bus.protocol.messages import SaveReason
 from flodl_bus.worker.model_port import ConsensusSource, TorchModelPort
 
 
@@ -88,3 +89,40 @@ def test_without_consensus_evals_or_source_the_live_model_is_used(tmp_path: Path
     assert port(model, None, tmp_path).evaluate() == 9.0 * n
     port(model, None, tmp_path).save_consensus()
     assert torch.equal(torch.load(tmp_path / "run.model.pt")["lin.weight"], model.lin.weight)
+
+
+def test_checkpoint_fn_sees_the_consensus_and_the_live_model_comes_back(tmp_path: Path) -> None:
+    model = Net()
+    with torch.no_grad():
+        for q in model.parameters():
+            q.fill_(9.0)
+    seen: list[tuple[int, torch.Tensor]] = []
+    p = port(model, Kept(model, 2.0, evals=False), tmp_path)
+    p.checkpoint_fn = lambda version, m: seen.append((version, m.lin.weight.detach().clone()))
+    p.checkpoint(4)
+    assert seen[0][0] == 4 and torch.equal(seen[0][1], torch.full((1, 2), 2.0))
+    assert torch.equal(model.lin.weight, torch.full((1, 2), 9.0))
+
+
+def test_a_bundle_model_is_the_consensus_written_by_the_role_rank_only(tmp_path: Path) -> None:
+    model = Net()
+    with torch.no_grad():
+        for q in model.parameters():
+            q.fill_(9.0)
+    role = 1
+    for rank in (0, 1):
+        p = TorchModelPort(
+            rank=rank,
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            save_path=str(tmp_path / "run"),
+            consensus=Kept(model, 2.0, evals=False),
+            writer_role=lambda: role,
+        )
+        p.save_bundle(SaveReason.SINGLE_SURVIVOR)
+        # Rank 0 is not the role: it writes its own state but no model.
+        assert (tmp_path / "run.model.pt").exists() == (rank == 1)
+        assert (tmp_path / f"run.rank{rank}.state.pt").exists()
+    assert '"writer_rank": 1' in (tmp_path / "run.bundle.json").read_text()
+    saved = torch.load(tmp_path / "run.model.pt")
+    assert torch.equal(saved["lin.weight"], torch.full((1, 2), 2.0))

@@ -1,0 +1,99 @@
+"""What a rank needs, beside the consensus model, for a resumed run to go on as if it
+had never stopped: its optimizer's state (per-rank: Adam moments and momentum differ),
+the param plane's outer optimizer state (Nesterov / slow momentum, DiLoCo) and its torch
+random state (dropout, augmentation). Written as ``<stem>.rank<r>.state.pt``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+_log = structlog.get_logger("flodl_bus.worker")
+
+#: bumped when the file's layout changes; an older file is refused with the reason
+STATE_SCHEMA = 1
+
+
+def state_path(stem: str | Path, rank: int) -> Path:
+    stem = Path(stem)
+    return stem.with_name(f"{stem.name}.rank{rank}.state.pt")
+
+
+def rank_state(optimizer: torch.optim.Optimizer | None, params: object) -> dict[str, Any]:
+    outer_of = getattr(params, "outer_state_dict", None)
+    return {
+        "schema": STATE_SCHEMA,
+        "optimizer": None if optimizer is None else optimizer.state_dict(),
+        "outer": outer_of() if callable(outer_of) else None,
+        "rng": torch.get_rng_state(),
+        # Only where CUDA is in use already: a CPU rank on a GPU host must not start it.
+        "cuda_rng": (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            else None
+        ),
+    }
+
+
+def save_rank_state(
+    stem: str | Path, rank: int, optimizer: torch.optim.Optimizer | None, params: object
+) -> Path:
+    """Write this rank's state beside the consensus model (write then rename: a crash
+    mid-write never leaves a torn file that a resume would trust)."""
+    path = state_path(stem, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(rank_state(optimizer, params), tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def restore_rank_state(
+    stem: str | Path, rank: int, optimizer: torch.optim.Optimizer | None, params: object
+) -> bool:
+    """Load this rank's saved state into ``optimizer``, the param plane's outer optimizer
+    and torch's random state. False when the save holds none for this rank (a mid-run
+    checkpoint saves the consensus model only: the rank goes on with a fresh optimizer,
+    as the log line says). A file that does not fit raises ``ValueError`` naming it."""
+    path = state_path(stem, rank)
+    if not path.exists():
+        _log.warning(
+            "resume_without_rank_state",
+            rank=rank,
+            path=str(path),
+            detail="no optimizer/outer/random state saved for this rank; starting them fresh",
+        )
+        return False
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or state.get("schema") != STATE_SCHEMA:
+        raise ValueError(f"{path} is not a rank state of schema {STATE_SCHEMA}; cannot resume")
+    if optimizer is not None and state["optimizer"] is not None:
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as exc:
+            raise ValueError(
+                f"{path}: the optimizer state does not fit this job's optimizer ({exc})"
+            ) from None
+    outer = state.get("outer")
+    if outer is not None:
+        load_outer = getattr(params, "load_outer_state_dict", None)
+        if not callable(load_outer):
+            raise ValueError(
+                f"{path} holds an outer optimizer state but this run has none; resume "
+                "with the same --outer setting"
+            )
+        try:
+            load_outer(outer)
+        except (ValueError, KeyError) as exc:
+            raise ValueError(
+                f"{path}: the outer optimizer state does not fit this run ({exc}); resume "
+                "with the same --outer setting"
+            ) from None
+    torch.set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    return True
