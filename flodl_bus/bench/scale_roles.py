@@ -111,6 +111,14 @@ class TimedCoordinatorBus(RedisCoordinatorBus):
         super().broadcast(msg)
         self._timed(self.keys.ctl_all, msg, t0)
 
+    def send_batch(self, items: Sequence[tuple[int | None, ControlWire]]) -> list[str]:
+        t0 = time.monotonic()
+        ids = super().send_batch(items)
+        for (rank, msg), eid in zip(items, ids, strict=True):
+            stream = self.keys.ctl_all if rank is None else self.keys.ctl(rank)
+            self.sent.append((stream, eid, wire.type_name(msg), t0))
+        return ids
+
 
 def run_coordinator(args: argparse.Namespace) -> int:
     raise_fd_limit()

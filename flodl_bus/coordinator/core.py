@@ -21,6 +21,7 @@ before the first ``StartEpoch``, ``SyncNow`` before the wake-up ``StartEpoch``,
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import compress
 from typing import Any, assert_never
 
 from flodl_bus.coordinator.checkpoint import Checkpoints, read_meta
@@ -303,9 +304,10 @@ class Coordinator:
             "cpu_pending": reduce.in_flight,
             "rank_epoch": self.dispatch.rank_epochs(),
             "in_flight": self.dispatch.in_flight_all(),
-            "dead": [r for r, d in enumerate(live.dead) if d],
-            "exited": [r for r, e in enumerate(live.exited) if e],
-            "throttled": [r for r, t in enumerate(reduce.throttled) if t],
+            # compress: C-speed scans, as these run for every rank on every dispatch
+            "dead": list(compress(range(self.ws), live.dead)),
+            "exited": list(compress(range(self.ws), live.exited)),
+            "throttled": list(compress(range(self.ws), reduce.throttled)),
             "anchor": self.elche.anchor,
             "counts": list(self.elche.counts),
             "last_aggregated": self.last_aggregated,

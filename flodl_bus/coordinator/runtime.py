@@ -512,49 +512,34 @@ class CoordinatorLoop:
 
     def _apply(self, outs: Sequence[Out], now: float) -> None:
         pending = list(outs)
+        send_batch = getattr(self.bus, "send_batch", None)
         i = 0
         while i < len(pending):
             o = pending[i]
             i += 1
+            if send_batch is not None and isinstance(o, Send | Broadcast):
+                # A run of sends in one round trip (``send_batch``), in the core's order;
+                # the effects around it keep their place.
+                j = i
+                while j < len(pending) and isinstance(pending[j], Send | Broadcast):
+                    j += 1
+                if j > i:
+                    run = pending[i - 1 : j]
+                    i = j
+                    self._send_run(send_batch, run, now, pending)
+                    continue
             if isinstance(o, Send):
                 try:
                     self.bus.send(o.rank, o.msg)
                 except Exception as exc:
-                    self.sends_failed += 1
-                    log.error(
-                        "send_failed", rank=o.rank, msg=type(o.msg).__name__, error=repr(exc)[:300]
-                    )
-                    before = self._state_before() if self.rec is not None else None
-                    more = self.core.send_failed(o.rank, o.msg, now)
-                    if self.rec is not None:
-                        assert before is not None
-                        self.rec.core_call(
-                            "send_failed",
-                            rank=o.rank,
-                            msg=o.msg,
-                            now=now,
-                            before=before,
-                            after=self._state_after(),
-                            out=more,
-                        )
-                    # Applied after this batch, in order (the rollback re-offers on a tick).
-                    pending += more
+                    pending += self._send_failed(o, exc, now)
                     continue
                 self._observe(o.msg)
             elif isinstance(o, Broadcast):
                 try:
                     self.bus.broadcast(o.msg)
                 except Exception as exc:
-                    # Best effort (reference §4.16.3): a broadcast the transport could
-                    # not write (OOM under noeviction, an ACL refusal) is a lost control
-                    # message to report, not a reason to abandon the run.
-                    self.broadcasts_failed += 1
-                    log.error(
-                        "broadcast_failed",
-                        msg=type(o.msg).__name__,
-                        error=repr(exc)[:300],
-                        total=self.broadcasts_failed,
-                    )
+                    self._broadcast_failed(o, exc)
                     continue
                 self._observe(o.msg)
             elif isinstance(o, WriteMeta):
@@ -574,6 +559,61 @@ class CoordinatorLoop:
                     version=self.core.version,
                     global_step=self.core.global_step,
                 )
+
+    def _send_run(
+        self,
+        send_batch: Callable[[Sequence[tuple[int | None, Any]]], object],
+        run: Sequence[Out],
+        now: float,
+        pending: list[Out],
+    ) -> None:
+        items = [(o.rank, o.msg) if isinstance(o, Send) else (None, o.msg) for o in run]  # type: ignore[union-attr]
+        try:
+            send_batch(items)
+        except Exception as exc:
+            # The batch is one transaction: none of it was written. Each message fails
+            # as it would alone (a Send's chunk rolled back, a broadcast reported).
+            for o in run:
+                if isinstance(o, Send):
+                    pending += self._send_failed(o, exc, now)
+                elif isinstance(o, Broadcast):
+                    self._broadcast_failed(o, exc)
+            return
+        for o in run:
+            assert isinstance(o, Send | Broadcast)
+            self._observe(o.msg)
+
+    def _send_failed(self, o: Send, exc: Exception, now: float) -> list[Out]:
+        """What the core does about a Send the bus could not write; its effects are
+        applied after the current batch, in order (the rollback re-offers on a tick)."""
+        self.sends_failed += 1
+        log.error("send_failed", rank=o.rank, msg=type(o.msg).__name__, error=repr(exc)[:300])
+        before = self._state_before() if self.rec is not None else None
+        more = self.core.send_failed(o.rank, o.msg, now)
+        if self.rec is not None:
+            assert before is not None
+            self.rec.core_call(
+                "send_failed",
+                rank=o.rank,
+                msg=o.msg,
+                now=now,
+                before=before,
+                after=self._state_after(),
+                out=more,
+            )
+        return more
+
+    def _broadcast_failed(self, o: Broadcast, exc: Exception) -> None:
+        # Best effort (reference §4.16.3): a broadcast the transport could not write
+        # (OOM under noeviction, an ACL refusal) is a lost control message to report,
+        # not a reason to abandon the run.
+        self.broadcasts_failed += 1
+        log.error(
+            "broadcast_failed",
+            msg=type(o.msg).__name__,
+            error=repr(exc)[:300],
+            total=self.broadcasts_failed,
+        )
 
     def _observe(self, msg: object) -> None:
         """Console progress and metrics.csv from what the core broadcast."""

@@ -545,3 +545,133 @@ def test_a_resp3_client_reads_the_same_entries_as_a_resp2_one(backend: Backend) 
     assert sorted((b.rank, b.step_count) for b in got) == [(0, 7), (1, 7)]
     for bus in (*ranks, coord):
         bus.close()
+
+
+# ------------------------------------------------------------------- send_batch
+
+
+def _batch_plan(ranks: int, n: int, seed: int) -> tuple[list[list[tuple[int | None, int]]], dict]:
+    """Batches of (target, i): unicasts to random ranks and broadcasts, numbered in order."""
+    rng = random.Random(seed)
+    batches: list[list[tuple[int | None, int]]] = []
+    expected: dict[int, list[int]] = {r: [] for r in range(ranks)}
+    i = 0
+    while i < n:
+        batch: list[tuple[int | None, int]] = []
+        for _ in range(rng.randint(1, 12)):
+            target = None if rng.random() < 0.2 else rng.randrange(ranks)
+            batch.append((target, i))
+            for r in range(ranks) if target is None else (target,):
+                expected[r].append(i)
+            i += 1
+        batches.append(batch)
+    return batches, expected
+
+
+def _send_batches(
+    coord: RedisCoordinatorBus, batches: list[list[tuple[int | None, int]]], pace: float = 0.0
+) -> None:
+    for batch in batches:
+        ids = coord.send_batch([(t, m.SetGlobalStep(global_step=i)) for t, i in batch])
+        assert len(ids) == len(batch)
+        if pace:
+            time.sleep(pace)
+
+
+def test_send_batch_keeps_each_ranks_order_across_unicast_and_broadcast(
+    backend: Backend,
+) -> None:
+    keys = RunKeys("batch")
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=range(4), config=FAST)
+    buses = [RedisRankBus(backend.make(), keys, r, RK(r), config=FAST) for r in range(4)]
+    batches, expected = _batch_plan(4, 300, seed=3)
+    # interleaved with single sends: one clock, one seq per stream for both paths
+    coord.send(2, m.SetGlobalStep(global_step=20_000))
+    _send_batches(coord, batches)
+    coord.broadcast(m.SetGlobalStep(global_step=10_000))
+    try:
+        for r in range(4):
+            want = ([20_000] if r == 2 else []) + expected[r] + [10_000]
+            assert _steps(collect(buses[r], len(want))) == want, f"rank {r}"
+            assert buses[r].read_control(50) == []
+    finally:
+        for b in buses:
+            b.close()
+        coord.close()
+
+
+@pytest.mark.parametrize("command", ["EXEC", "WATCH", "XINFO"])
+def test_send_batch_after_lost_replies_loses_and_duplicates_nothing(
+    backend: Backend, command: str
+) -> None:
+    # A lost EXEC reply: the transaction ran, the retry must see it and not write again.
+    # A lost WATCH/XINFO reply: nothing ran yet, the retry must write it once.
+    faults = Faults(command, times=4)
+    keys = RunKeys(f"batchlost{command.lower()}")
+    coord = RedisCoordinatorBus(_lossy(backend, faults), keys, CK, ranks=range(3), config=FAST)
+    buses = [RedisRankBus(backend.make(), keys, r, RK(r), config=FAST) for r in range(3)]
+    batches, expected = _batch_plan(3, 60, seed=5)
+    _send_batches(coord, batches)
+    try:
+        assert faults.lost == 4
+        total = sum(len(b) for b in batches)
+        stored = sum(backend.admin.xlen(keys.ctl(r)) for r in range(3))
+        assert stored + backend.admin.xlen(keys.ctl_all) == total
+        for r in range(3):
+            assert _steps(collect(buses[r], len(expected[r]))) == expected[r], f"rank {r}"
+            assert buses[r].read_control(50) == []
+    finally:
+        for b in buses:
+            b.close()
+        coord.close()
+
+
+def test_send_batch_under_killed_connections_loses_and_duplicates_nothing(
+    backend: Backend,
+) -> None:
+    keys = RunKeys("batchkill")
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=range(3), config=FAST)
+    buses = [RedisRankBus(backend.make(), keys, r, RK(r), config=FAST) for r in range(3)]
+    batches, expected = _batch_plan(3, 3000, seed=9)
+    sender = threading.Thread(target=_send_batches, args=(coord, batches))
+    with structlog.testing.capture_logs() as logs:
+        sender.start()
+        # Kill until the sender's link has noticed a kill mid-command (a connection
+        # killed while idle in the pool is replaced without a word).
+        while sender.is_alive() and not any(e["event"] == "redis_reconnected" for e in logs):
+            backend.kill_connections()
+            time.sleep(0.005)
+        sender.join(60)
+    assert not sender.is_alive()
+    assert any(e["event"] == "redis_reconnected" for e in logs)
+    try:
+        for r in range(3):
+            assert _steps(collect(buses[r], len(expected[r]), timeout=60)) == expected[r]
+            assert buses[r].read_control(50) == []
+    finally:
+        for b in buses:
+            b.close()
+        coord.close()
+
+
+def test_send_batch_lifts_its_ids_above_a_stream_top_written_by_another_writer(
+    backend: Backend,
+) -> None:
+    # An earlier coordinator of the run wrote ahead of this one's clock: the batch
+    # follows the top instead of being refused halfway.
+    keys = RunKeys("batchtop")
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=range(2), config=FAST)
+    rank = RedisRankBus(backend.make(), keys, 1, RK(1), config=FAST)
+    ahead = coord.client.time()[0] * 1000 + 500  # ms ahead of now, within the follow limit
+    other = RedisCoordinatorBus(backend.make(), keys, CK, ranks=range(2), config=FAST)
+    other._clock.raise_floor((ahead, 0))
+    other.send(1, m.SetGlobalStep(global_step=0))
+    other.close()
+    coord._seqs.clear()  # continue above the other coordinator's seq, as a new one would
+    ids = coord.send_batch([(1, m.SetGlobalStep(global_step=i)) for i in range(1, 6)])
+    try:
+        assert all(int(e.split("-")[0]) >= ahead for e in ids)
+        assert _steps(collect(rank, 6)) == [0, 1, 2, 3, 4, 5]
+    finally:
+        rank.close()
+        coord.close()
