@@ -907,9 +907,16 @@ class RedisCoordinatorBus:
         every XADD goes in one MULTI/EXEC: all of the batch lands or none of it, so no
         XADD can be refused halfway (which would leave a stream's later entry written
         and its earlier one renumbered behind it). After a lost reply the first entry
-        (same id and MAC) says whether the transaction ran, as for one XADD."""
+        (same id and MAC) says whether the transaction ran, as for one XADD.
+
+        A batch is all unicasts or all broadcasts (ValueError otherwise): a rank blocked
+        on ``ctl:<r>`` + ``ctl:all`` is woken by the first of its streams the transaction
+        signals and handed only that stream's entries, so a batch holding both could
+        show a rank a later id before an earlier one of its other stream (rule 1)."""
         if not items:
             return []
+        if len({rank is None for rank, _ in items}) > 1:
+            raise ValueError("send_batch: unicasts and broadcasts go in separate batches")
         plan: list[tuple[str, str, Signer]] = []
         for rank, msg in items:
             _require(msg, _CONTROL_TYPES, "a control stream")

@@ -518,10 +518,10 @@ class CoordinatorLoop:
             o = pending[i]
             i += 1
             if send_batch is not None and isinstance(o, Send | Broadcast):
-                # A run of sends in one round trip (``send_batch``), in the core's order;
-                # the effects around it keep their place.
+                # A run of Sends, or of Broadcasts, in one round trip (``send_batch``: the
+                # two never share one), in the core's order; other effects keep their place.
                 j = i
-                while j < len(pending) and isinstance(pending[j], Send | Broadcast):
+                while j < len(pending) and type(pending[j]) is type(o):
                     j += 1
                 if j > i:
                     run = pending[i - 1 : j]

@@ -558,8 +558,9 @@ def _batch_plan(ranks: int, n: int, seed: int) -> tuple[list[list[tuple[int | No
     i = 0
     while i < n:
         batch: list[tuple[int | None, int]] = []
-        for _ in range(rng.randint(1, 12)):
-            target = None if rng.random() < 0.2 else rng.randrange(ranks)
+        broadcasts = rng.random() < 0.2  # a batch is all unicasts or all broadcasts
+        for _ in range(rng.randint(1, 3) if broadcasts else rng.randint(1, 12)):
+            target = None if broadcasts else rng.randrange(ranks)
             batch.append((target, i))
             for r in range(ranks) if target is None else (target,):
                 expected[r].append(i)
@@ -675,3 +676,16 @@ def test_send_batch_lifts_its_ids_above_a_stream_top_written_by_another_writer(
     finally:
         rank.close()
         coord.close()
+
+
+def test_send_batch_refuses_unicasts_and_broadcasts_in_one_batch(backend: Backend) -> None:
+    # A rank blocked on both of its streams is handed only the first one signalled: a
+    # mixed transaction could show it a later id before an earlier one.
+    keys = RunKeys("batchmixed")
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=range(2), config=FAST)
+    step = m.SetGlobalStep(global_step=1)
+    with pytest.raises(ValueError, match="separate batches"):
+        coord.send_batch([(None, step), (0, step)])
+    assert backend.admin.exists(keys.ctl_all) == 0 or backend.admin.xlen(keys.ctl_all) == 0
+    assert backend.admin.xlen(keys.ctl(0)) == 0
+    coord.close()
