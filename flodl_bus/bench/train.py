@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flodl_bus.bench.idle import describe, idle_of_run
 from flodl_bus.job import load_job
 from flodl_bus.record.log import read_records
 
@@ -109,8 +110,11 @@ def _bus(
             metrics[int(r["epoch"])] = r["metric"]
     evals = [(e, at_epoch[e], m) for e, m in sorted(metrics.items()) if m is not None]
     summary = next(r for r in records if r.get("event") == "summary")
+    wall = rows[-1]["at"] - first
+    idle = idle_of_run(run_dir, args.workers) if args.workers > 1 else None
     return {
-        "wall": rows[-1]["at"] - first,
+        "idle": None if idle is None else describe(idle, wall),
+        "wall": wall,
         # every rank's batches: the run's samples, whatever its epochs
         "samples": summary["batches"] * load_job(args.job).batch_size,
         "steps": summary["batches"],
@@ -301,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ideal = plain["wall"] / (1.0 + 1.0 / f)
             print(f"  ideal two-rank time with one rank {f:.2f}x slower (shares by speed): "
                   f"{ideal:.2f} s = plain {plain['wall']:.2f} s / (1 + 1/{f:.2f})")  # fmt: skip
+    for c, rs in runs.items():
+        if rs and rs[0].get("idle"):
+            print(f"  {names[c]}, run 1: " + "\n".join(rs[0]["idle"]))
     print(f"records in {root}")
     if args.json:
         Path(args.json).write_text(

@@ -41,6 +41,9 @@ class ChunkPool:
         self._outstanding: list[deque[_Chunk]] = [deque() for _ in spans]
         self.dispatched = [0] * len(spans)
         self.completed = [0] * len(spans)
+        # Samples outstanding per rank, kept with the queues: the state summary reads it
+        # for every rank on every dispatch, and summing the queues made that O(chunks).
+        self._in_flight = [0] * len(spans)
         self.total = sum(size for _, size in spans) + sum(s for _, s in self._reclaimed)
         # Kept incrementally: dispatch asks for it per rank, and a sum over spans would
         # make every reduce quadratic in the world size.
@@ -89,7 +92,11 @@ class ChunkPool:
         return self._remaining
 
     def in_flight(self, rank: int) -> int:
-        return sum(c.size for c in self._outstanding[rank])
+        return self._in_flight[rank]
+
+    def in_flight_all(self) -> list[int]:
+        """``in_flight`` of every rank, in rank order."""
+        return list(self._in_flight)
 
     def has_in_flight(self, rank: int) -> bool:
         return bool(self._outstanding[rank])
@@ -138,6 +145,7 @@ class ChunkPool:
             self._end[victim] -= take
             got = (self._end[victim], take)
         self._outstanding[rank].append(_Chunk(got[0], got[1], own))
+        self._in_flight[rank] += got[1]
         self.dispatched[rank] += got[1]
         self._remaining -= got[1]
         return got
@@ -161,6 +169,7 @@ class ChunkPool:
                 head.own = False
                 left = 0
         done = samples - left
+        self._in_flight[rank] -= done
         self.completed[rank] += done
         return done
 
@@ -172,6 +181,7 @@ class ChunkPool:
             c = q.popleft()
             self._reclaimed.append((c.offset, c.size))
             moved += c.size
+        self._in_flight[rank] -= moved
         self.dispatched[rank] -= moved
         self._remaining += moved
         return moved
@@ -185,6 +195,7 @@ class ChunkPool:
         c = q[idx]
         newest = idx == len(q) - 1
         del q[idx]
+        self._in_flight[rank] -= size
         self.dispatched[rank] -= size
         self._remaining += size
         if newest and c.own and offset + size == self._cursor[rank]:
@@ -295,3 +306,22 @@ def consolidate_lone_ones(alloc: Sequence[int]) -> list[int]:
         target = min((p for p in holders if p != r), key=lambda p: (out[p], p))
         out[target] += 1
         out[r] = 0
+
+
+def split_ranges(ranges: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:
+    """Cut ``ranges`` (in order) into consecutive shares of ``sizes`` samples each."""
+    queue = deque(coalesce(ranges) if len(ranges) > 1 else [r for r in ranges if r[1] > 0])
+    shares: list[list[Range]] = []
+    for want in sizes:
+        share: list[Range] = []
+        while want > 0 and queue:
+            off, size = queue[0]
+            take = min(want, size)
+            share.append((off, take))
+            want -= take
+            if take == size:
+                queue.popleft()
+            else:
+                queue[0] = (off + take, size - take)
+        shares.append(share)
+    return shares

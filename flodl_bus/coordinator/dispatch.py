@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 from flodl_bus.coordinator.chunk_pool import (
     ChunkPool,
     Range,
-    coalesce,
     equal_sizes,
     final_window_alloc,
     ratio_to_sizes,
+    split_ranges,
     throughput_sizes,
 )
 from flodl_bus.coordinator.config import Policy
@@ -63,6 +63,10 @@ class Dispatch:
     def in_flight(self, r: int) -> int:
         """Samples sent to ``r`` and not yet reported."""
         raise NotImplementedError
+
+    def in_flight_all(self) -> list[int]:
+        """``in_flight`` of every rank in one pass (the state summary's, per dispatch)."""
+        return [self.in_flight(r) for r in range(self.core.ws)]
 
     def quiesced(self, r: int) -> bool:
         """Nothing in flight and nothing this rank could be given in its epoch (§4.5)."""
@@ -157,6 +161,14 @@ class PoolDispatch(Dispatch):
 
     def in_flight(self, r: int) -> int:
         return sum(p.in_flight(r) for p in self.pools.values())
+
+    def in_flight_all(self) -> list[int]:
+        pools = list(self.pools.values())
+        if not pools:
+            return [0] * self.core.ws
+        if len(pools) == 1:
+            return pools[0].in_flight_all()
+        return list(map(sum, zip(*(p.in_flight_all() for p in pools), strict=True)))
 
     def quiesced(self, r: int) -> bool:
         if self.has_in_flight(r):
@@ -455,6 +467,9 @@ class PartitionDispatch(Dispatch):
     def in_flight(self, r: int) -> int:
         return sum(s for _, s in self.sent[r])
 
+    def in_flight_all(self) -> list[int]:
+        return [sum(s for _, s in sent) if sent else 0 for sent in self.sent]
+
     def quiesced(self, r: int) -> bool:
         # flodl applies this to pools only: a rank that finished its epoch share would
         # otherwise hold the gate, and any Throttle, until the epoch ends.
@@ -600,22 +615,3 @@ class PartitionDispatch(Dispatch):
         self.sent[r] = [(off, size)]
         self.batches_done[r] = 0
         out.append(Send(r, StartEpoch(EpochPlan(self.epoch, off, size))))
-
-
-def split_ranges(ranges: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:
-    """Cut ``ranges`` (in order) into consecutive shares of ``sizes`` samples each."""
-    queue = deque(coalesce(ranges) if len(ranges) > 1 else [r for r in ranges if r[1] > 0])
-    shares: list[list[Range]] = []
-    for want in sizes:
-        share: list[Range] = []
-        while want > 0 and queue:
-            off, size = queue[0]
-            take = min(want, size)
-            share.append((off, take))
-            want -= take
-            if take == size:
-                queue.popleft()
-            else:
-                queue[0] = (off + take, size - take)
-        shares.append(share)
-    return shares

@@ -10,6 +10,7 @@ from flodl_bus.coordinator.chunk_pool import (
     equal_sizes,
     final_window_alloc,
     ratio_to_sizes,
+    split_ranges,
     throughput_sizes,
 )
 
@@ -220,3 +221,40 @@ def test_throughput_sizes_are_proportional_to_speed() -> None:
     assert sum(sizes) == 90
     assert sizes[0] > sizes[1] > sizes[2]
     assert throughput_sizes(10, [None, None]) == [5, 5]
+
+
+def test_split_ranges_cuts_coalesced_ranges_in_order_into_the_asked_sizes() -> None:
+    got = split_ranges([(10, 5), (0, 10), (30, 4)], [8, 0, 9, 5])
+    assert got == [[(0, 8)], [], [(8, 7), (30, 2)], [(32, 2)]]
+    assert split_ranges([(0, 0)], [3]) == [[]]
+
+
+def test_chunk_pool_in_flight_counters_match_the_outstanding_chunks() -> None:
+    # The state summary reads the kept counters: they must equal the queues after every
+    # kind of change (take, partial and whole completion, rollback, forfeit, steal).
+    pool = ChunkPool.create(0, 40, 1, [1.0, 2.0, 1.0])
+
+    def check() -> None:
+        want = [sum(s for _, s in pool.outstanding(r)) for r in range(3)]
+        assert pool.in_flight_all() == want
+        assert [pool.in_flight(r) for r in range(3)] == want
+
+    a = pool.take_chunk(4, 0)
+    pool.take_chunk(3, 0)
+    b = pool.take_chunk(5, 1)
+    check()
+    pool.mark_completed(0, 2)  # partial head
+    check()
+    pool.mark_completed(0, 5)  # rest of the head and the next chunk
+    check()
+    assert b is not None and pool.rollback_take(1, *b)
+    check()
+    pool.take_chunk(6, 2)
+    pool.take_chunk(6, 1)
+    pool.forfeit(2)
+    check()
+    while pool.take_chunk(7, 0) is not None:  # reclaimed, own span, then steals
+        check()
+    pool.mark_completed(0, 1000)  # clamps
+    check()
+    assert a is not None and pool.in_flight(0) == 0

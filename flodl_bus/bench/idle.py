@@ -1,0 +1,103 @@
+"""Where a rank idles at averaging points, read off the coordinator's record.
+
+The coordinator's record sees every rank on one clock: each ``Batch`` message (sent when
+the rank finished a step, with the step's compute and data time), and each ``SyncNow``
+broadcast. Between two consecutive batches of a rank, the time not spent on the second
+batch is a gap: the rank was waiting (in a collective, for its next plan, in an eval, on
+its bus). A gap that spans a ``SyncNow`` is idle at an averaging point; the others are
+counted apart.
+
+``averaging_idle`` sums both per rank over the run, beside each rank's median step time:
+issue 19 asks that the fast rank wait no more than about one batch per averaging. The
+figures carry each message's ingest delay (about the same for every rank on one host).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flodl_bus.record.log import read_records
+
+
+@dataclass(frozen=True)
+class Idle:
+    syncs: int
+    #: seconds each rank waited across a SyncNow, in all
+    at_sync_s: tuple[float, ...]
+    #: each rank's median wait across one SyncNow (seconds)
+    median_sync_s: tuple[float, ...]
+    #: seconds each rank waited between batches elsewhere (plans, evals, the bus)
+    other_s: tuple[float, ...]
+    #: each rank's median step (compute + data, seconds), the yardstick of the waits
+    step_s: tuple[float, ...]
+
+
+def _type(msg: Any) -> str | None:
+    return msg.get("type") if isinstance(msg, Mapping) else None
+
+
+def averaging_idle(records: Iterable[Mapping[str, Any]], world: int) -> Idle | None:
+    """Each rank's gaps between batches, split by whether a SyncNow fell in them."""
+    syncs: list[float] = []
+    batches: list[list[tuple[float, float]]] = [[] for _ in range(world)]
+    for rec in records:
+        now = rec.get("now")
+        if now is None:
+            continue
+        if any(_type(o.get("msg")) == "SyncNow" for o in rec.get("out") or ()):
+            syncs.append(float(now))
+        msg = rec.get("msg")
+        if _type(msg) != "Batch":
+            continue
+        assert isinstance(msg, Mapping)
+        rank = msg.get("rank")
+        if isinstance(rank, int) and 0 <= rank < world:
+            step = (float(msg.get("batch_ms") or 0.0) + float(msg.get("data_ms") or 0.0)) / 1e3
+            batches[rank].append((float(now), step))
+    if not syncs or any(len(b) < 2 for b in batches):
+        return None
+    at_sync: list[list[float]] = [[] for _ in range(world)]
+    other = [0.0] * world
+    for r, bs in enumerate(batches):
+        bs.sort()
+        for (prev, _), (cur, step) in itertools.pairwise(bs):
+            gap = max(0.0, cur - prev - step)
+            if any(prev <= t < cur for t in syncs):
+                at_sync[r].append(gap)
+            else:
+                other[r] += gap
+    return Idle(
+        syncs=len(syncs),
+        at_sync_s=tuple(sum(g) for g in at_sync),
+        median_sync_s=tuple(statistics.median(g) if g else 0.0 for g in at_sync),
+        other_s=tuple(other),
+        step_s=tuple(statistics.median(s for _, s in bs) for bs in batches),
+    )
+
+
+def idle_of_run(run_dir: Path, world: int) -> Idle | None:
+    found = sorted(run_dir.rglob("coordinator.jsonl*"))
+    return averaging_idle(read_records(found[0]), world) if found else None
+
+
+def describe(idle: Idle, train_s: float) -> Sequence[str]:
+    lines = [f"idle between batches, {idle.syncs} SyncNow (coordinator's clock):"]
+    for r in range(len(idle.step_s)):
+        at, med, oth, step = (
+            idle.at_sync_s[r],
+            idle.median_sync_s[r],
+            idle.other_s[r],
+            idle.step_s[r],
+        )
+        per = f"{med / step:.1f} steps" if step > 0 else "-"
+        lines.append(
+            f"    rank {r}: at averaging {at:6.2f} s ({at / train_s:5.1%} of the run; median "
+            f"{med * 1000:.2f} ms = {per}), elsewhere {oth:6.2f} s ({oth / train_s:5.1%}); "
+            f"step {step * 1000:.2f} ms"
+        )
+    return lines
