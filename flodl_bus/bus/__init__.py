@@ -1,1 +1,11 @@
-"""The control plane on Redis Streams."""
+"""The control plane on Redis Streams.
+
+``keys`` (every Redis key of a run), ``ids`` and ``entries`` (one signed entry),
+``connection`` (URLs, clients and ``Link``, the one retry policy), ``streams`` (the rank's
+and the coordinator's buses), ``cursor``, ``join``, ``trim``, ``store`` (torch's
+rendezvous store on Redis), ``server`` (a local redis-server), ``tail``, ``acl``,
+``run_secret``, ``memory`` (an in-process bus for tests and replay).
+
+May import ``protocol`` and ``options`` only; ``params``, the cores' runtimes and the
+commands above import it.
+"""

@@ -1,4 +1,9 @@
-"""Messages, their wire form, and entry signing."""
+"""The protocol: messages, their wire form (``wire``, the only codec), entry signing,
+and the leaving rules of a rank.
+
+Pure data and pure functions: no IO, no clock, no torch. Imports nothing of ours outside
+this package; every plane above imports it.
+"""
 
 from flodl_bus.protocol.messages import *  # noqa: F403
 from flodl_bus.protocol.wire import (

@@ -12,6 +12,7 @@ from flodl_bus.coordinator.cli import _reset_run, main
 
 BASE = ["--run", "r1", "--job", "flodl_bus.examples.digits:job", "--world-size", "2"]
 DEAD_REDIS = "redis://127.0.0.1:1/0"
+HOOKS = ["--run", "r1", "--job", "tests.e2e.jobs:hooks_job", "--world-size", "2"]
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,8 @@ DEAD_REDIS = "redis://127.0.0.1:1/0"
         (["--run", "bad run!", *BASE[2:]], "--run"),
         ([*BASE, "--min-workers", "3"], "exceeds --world-size"),
         ([*BASE, "--checkpoint-every", "1"], "needs --save-path"),
+        # A job with its own checkpoint_fn needs no --save-path: past that check
+        ([*HOOKS, "--checkpoint-every", "1", "--redis-url", DEAD_REDIS], "fix --redis-url"),
         ([*BASE, "--heartbeat-timeout", "0"], "--heartbeat-timeout must be positive"),
         ([*BASE, "--bogus"], "unrecognized arguments: --bogus"),
         (["--run", "r1", "--job", "nosuch.module:job", "--world-size", "2"], "nosuch"),

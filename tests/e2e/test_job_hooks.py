@@ -1,6 +1,6 @@
 """The job's hooks in a real two-rank run: ``metrics_fn`` once per epoch on the role
 rank, ``eval_result_fn`` with every broadcast eval, ``checkpoint_fn`` on the checkpoint
-role, and ``request_checkpoint``/``request_eval`` called from a rank's loss function
+role, and ``request_checkpoint``/``request_eval`` called from the job's ``epoch_fn``
 bring a checkpoint and an eval that no flag scheduled."""
 
 from __future__ import annotations
@@ -67,16 +67,17 @@ def test_every_job_hook_is_called_with_what_the_coordinator_sent(
     for s in metrics:
         assert math.isclose(s["avg_loss"], aggregated[s["epoch"]], rel_tol=1e-12), s
 
-    # Both requests were made on rank 1, mid-run.
+    # Both requests were made, mid-run, and reached the coordinator in order.
     requested = [s["what"] for s in seen if s["kind"] == "requested"]
-    assert requested == ["checkpoint", "eval"]
+    assert sorted(requested) == ["checkpoint", "eval"]
     assert [m["kind"] for m in received(recs, "Intent")] == ["CheckpointNow", "EvalNow"]
 
     # checkpoint_fn: only the requested checkpoint (no --checkpoint-every), once, at an
     # epoch boundary, with a real model.
     checkpoints = [s for s in seen if s["kind"] == "checkpoint"]
     assert len(checkpoints) == 1, checkpoints
-    assert 0 < checkpoints[0]["version"] < EPOCHS
+    # Asked for as epoch 1 started: run at the next boundary, into epoch 2.
+    assert checkpoints[0]["version"] == 2
     assert math.isfinite(checkpoints[0]["param_sum"]) and checkpoints[0]["param_sum"] != 0
 
     # eval_result_fn: every broadcast eval (the requested one and the final one), once.
@@ -84,5 +85,6 @@ def test_every_job_hook_is_called_with_what_the_coordinator_sent(
     evals = [(s["epoch"], s["metric"]) for s in seen if s["kind"] == "eval"]
     assert sorted(evals) == sorted(broadcast), (evals, broadcast)
     assert len(evals) == 2, evals
-    assert max(e for e, _ in evals) == EPOCHS  # the final eval
+    # Asked for as epoch 2 started: scored at a round of epoch 2 or 3; then the final one.
+    assert sorted(e for e, _ in evals)[0] in (2, 3) and max(e for e, _ in evals) == EPOCHS
     assert all(0.5 < m <= 1.0 for _, m in evals), evals
