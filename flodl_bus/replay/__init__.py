@@ -46,12 +46,13 @@ def replay(
     until: float | None = None,
     keep_actual: bool = True,
     allow_incomplete: bool = True,
-    transport: str = "fakeredis",
+    transport: str = "direct",
 ) -> ReplayResult:
     """Replay one process's record (see ``replay.engine``). ``until``: the coordinator's
     seconds since launch, a rank's own clock. ``keep_actual=False`` keeps only the
-    verdict (bounded memory). ``transport``: ``fakeredis`` (the bus classes over fakeredis
-    streams) or ``direct`` (the bus's entry code alone; see ``replay.engine``)."""
+    verdict (bounded memory). ``transport``: ``direct`` (default; the bus's entry code
+    alone, see ``replay.engine``) or ``fakeredis`` (the bus classes over fakeredis
+    streams)."""
     kw: dict[str, Any] = {
         "explore": explore,
         "until": until,

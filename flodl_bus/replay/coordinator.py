@@ -92,7 +92,7 @@ class CoordinatorReplay(_Replay):
         until: float | None = None,
         keep_actual: bool = True,
         allow_incomplete: bool = True,
-        transport: str = "fakeredis",
+        transport: str = "direct",
     ) -> None:
         super().__init__(
             rec,

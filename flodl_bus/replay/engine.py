@@ -402,7 +402,7 @@ class _Replay:
         explore: bool,
         keep_actual: bool = True,
         allow_incomplete: bool = True,
-        transport: str = "fakeredis",
+        transport: str = "direct",
     ) -> None:
         self.rec = rec
         self.explore = explore

@@ -40,7 +40,7 @@ class RankReplay(_Replay):
         keep_actual: bool = True,
         allow_incomplete: bool = True,
         until: float | None = None,
-        transport: str = "fakeredis",
+        transport: str = "direct",
     ) -> None:
         super().__init__(
             rec,

@@ -50,7 +50,7 @@ def recorded_run(request: pytest.FixtureRequest) -> dict[str, Recording]:
 
 
 def assert_identical(
-    run: Run, role: str | None = None, *, verify: bool = True, transport: str = "fakeredis"
+    run: Run, role: str | None = None, *, verify: bool = True, transport: str = "direct"
 ) -> dict[str, ReplayResult]:
     """Verify ``run`` (every record read from disk: its digest chain, its end, its
     headers), then replay every process (or one ``role``); fail with what was refused or
