@@ -56,4 +56,6 @@ def make_partition(
 ) -> list[int]:
     """The picks of plan ``(offset, size)`` in ``epoch`` (clamped to the epoch's span)."""
     span = epoch_span(pick_space, epoch, seed, splits)
-    return [int(i) for i in span[offset : offset + size]]
+    # tolist: the same Python ints, made in C (a per-element int() was most of a rank
+    # replay's plan events)
+    return span[offset : offset + size].tolist()  # type: ignore[no-any-return]
