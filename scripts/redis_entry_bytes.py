@@ -14,7 +14,8 @@ import time
 
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.server import RedisServer
-from flodl_bus.bus.streams import DEFAULT_MAXLEN, RedisCoordinatorBus, RedisRankBus
+from flodl_bus.bus.stream_ops import DEFAULT_MAXLEN
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol import signing
 

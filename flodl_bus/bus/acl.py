@@ -46,10 +46,10 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   (a URL with a database other than 0), CLIENT SETINFO (redis-py; a refusal is
   ignored by redis-py, and Redis 7.0 does not know it), PING (``connect_pinged``,
   ``Link`` after a lost connection, the health check).
-- worker: ``streams._Publisher``: XINFO STREAM up:<r> (``stream_top``), XADD up:<r> with
+- worker: ``publisher._Publisher``: XINFO STREAM up:<r> (``stream_top``), XADD up:<r> with
   an explicit id and MAXLEN ~, XRANGE up:<r> (``landed``: a retried batch), XREVRANGE
   up:<r> (``last_seq``: the seq to continue above), WATCH/MULTI/EXEC/UNWATCH on up:<r>
-  (the batch transaction); ``streams._GroupReader``: XGROUP CREATE ... MKSTREAM
+  (the batch transaction); ``reader._GroupReader``: XGROUP CREATE ... MKSTREAM
   on ctl:<r> and ctl:all, XREADGROUP over both, XACK, XADD dlq (dead letters);
   ``join.JoinStream``: XADD join, XREAD join, XADD dlq; ``worker/cli.py``: HGETALL meta,
   GET flodl-secret:{RUN} only without FLODL_RUN_SECRET (refused here: give the secret);

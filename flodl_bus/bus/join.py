@@ -27,7 +27,7 @@ from typing import Any, Final
 import redis
 import structlog
 
-from flodl_bus.bus import entries, streams
+from flodl_bus.bus import entries, foreign, stream_ops
 from flodl_bus.bus.connection import MAX_BLOCK_MS, BusUnavailable, Link
 from flodl_bus.bus.ids import ZERO, parse_id
 from flodl_bus.bus.keys import RunKeys
@@ -107,7 +107,7 @@ class JoinStream:
             except redis.exceptions.ResponseError as exc:
                 # A foreign entry at the largest id: XADD * has no id left to give. The
                 # coordinator removes it; a worker waits for that, boundedly.
-                if not streams.id_refused(exc) or time.monotonic() > deadline:
+                if not stream_ops.id_refused(exc) or time.monotonic() > deadline:
                     raise
                 log.warning("join_stream_blocked", stream=self.stream, error=str(exc)[:120])
                 if self.signer is not None:
@@ -117,7 +117,7 @@ class JoinStream:
 
     def _repair(self) -> None:
         self._link.call(
-            lambda retry: streams.repair_stream(
+            lambda retry: foreign.repair_stream(
                 self.client, self.stream, self.keys.dlq, floor=ZERO, now_ms=_now_ms(), by="join"
             )
         )
@@ -143,7 +143,7 @@ class JoinStream:
         cursor = after
         if isinstance(raw, dict):  # a RESP3 client: {stream: [entries]}
             raw = [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in raw.items()]
-        limit = streams.writer_limit(_now_ms())
+        limit = foreign.writer_limit(_now_ms())
         beyond = False
         for _name, items in raw or ():
             for eid_raw, fields in items:

@@ -38,7 +38,7 @@ from flodl_bus.bus.connection import (
 from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.streams import stream_top
+from flodl_bus.bus.stream_ops import stream_top
 from flodl_bus.options import OneLineParser
 from flodl_bus.protocol import signing, wire
 from flodl_bus.protocol.signing import BadKey, RunIdentity, VerifyKey

@@ -14,7 +14,7 @@ seconds that removes what is consumed:
   verified). The margin is in the stream's own ids, so a writer's clock skew cannot eat
   it; it leaves ``tail`` and a reader that reconnects at least one pass of entries, and it
   always keeps the newest entry that verifies, from which a restarted writer continues its
-  seq (``streams.last_seq``): a stream is never trimmed empty.
+  seq (``stream_ops.last_seq``): a stream is never trimmed empty.
 * A **gone** reader does not hold a stream for ever: a group that holds back trimming
   without moving for ``stale_s`` (far beyond every liveness timeout: a rank that read
   nothing for that long stopped itself, or was declared dead) is left out, with one

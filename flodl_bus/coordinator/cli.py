@@ -293,7 +293,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         ensure_run_secret,
         publish_identity,
     )
-    from flodl_bus.bus.streams import RedisCoordinatorBus, stream_top
+    from flodl_bus.bus.stream_ops import stream_top
+    from flodl_bus.bus.streams import RedisCoordinatorBus
     from flodl_bus.coordinator.checkpoint import read_meta
     from flodl_bus.coordinator.core import Coordinator
     from flodl_bus.coordinator.membership import Admission

@@ -44,7 +44,7 @@ from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.ids import EntryId, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
-from flodl_bus.bus.streams import StreamsConfig
+from flodl_bus.bus.stream_ops import StreamsConfig
 from flodl_bus.protocol import signing, wire
 from flodl_bus.record.dispatch import dumps
 from flodl_bus.record.log import unjson

@@ -233,7 +233,7 @@ def run_rank(
         runtime.leave(signal_name(stop.signum))
     # The model, the data and the imports are built: out of the collector's view with
     # them, or each full collection stalls the training and reader threads for ms
-    # (``bus.streams.settle_heap``).
+    # (``bus.stream_ops.settle_heap``).
     gc.freeze()
     clean = False
     # The job's request_eval/request_checkpoint, called on this (the training) thread.

@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from flodl_bus.bus.connection import Backoff, connect
-from flodl_bus.bus.streams import StreamsConfig
+from flodl_bus.bus.stream_ops import StreamsConfig
 from flodl_bus.protocol.signing import RankKeys, fixed_keys, rank_keys_for
 
 #: Fast reconnects so fault tests stay short.

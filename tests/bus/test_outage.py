@@ -25,7 +25,8 @@ import structlog
 
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.server import RedisServer
-from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus, StreamsConfig
+from flodl_bus.bus.stream_ops import StreamsConfig
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from tests.bus.conftest import CK, RK
 

@@ -17,13 +17,8 @@ from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
-from flodl_bus.bus.streams import (
-    BusError,
-    RedisCoordinatorBus,
-    RedisRankBus,
-    StreamsConfig,
-    rank_group,
-)
+from flodl_bus.bus.stream_ops import BusError, StreamsConfig, rank_group
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys, signed_bytes
 from tests.bus.conftest import CK, FAST, RK, Backend

@@ -13,7 +13,8 @@ import structlog
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.ids import ZERO
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus, StreamsConfig
+from flodl_bus.bus.stream_ops import StreamsConfig
+from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.bus.trim import GroupHold, Trimmer
 from flodl_bus.protocol import messages as m
 from tests.bus.conftest import CK, FAST, RK, Backend

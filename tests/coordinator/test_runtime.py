@@ -18,7 +18,7 @@ from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
-from flodl_bus.bus.streams import stream_top
+from flodl_bus.bus.stream_ops import stream_top
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.membership import Admission

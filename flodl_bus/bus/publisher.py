@@ -1,0 +1,241 @@
+"""The rank's publisher: the sole writer of ``up:<r>`` (DESIGN §3 rule 2).
+
+One upstream stream per rank, written only by this thread, in ``publish()`` order (FIFO
+queue, one thread, each batch one WATCH/MULTI/EXEC transaction above the stream's top, so
+a foreign entry cannot split it). A retry after a lost reply first asks whether the
+batch's first entry, same id and same MAC, landed (rule 3).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Final
+
+import redis
+
+from flodl_bus.bus import entries
+from flodl_bus.bus.connection import BusClosed, Link
+from flodl_bus.bus.foreign import writer_limit
+from flodl_bus.bus.ids import EntryId, IdClock, format_id
+from flodl_bus.bus.stream_ops import (
+    BusError,
+    StreamsConfig,
+    _now_ms,
+    landed,
+    last_seq,
+    log,
+    stream_top,
+)
+from flodl_bus.protocol import wire
+from flodl_bus.protocol.signing import MacKey
+
+_STOP: Final = object()
+
+
+class _Publisher:
+    """The rank's sole writer of ``up:<r>``: a queue drained by one thread."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        stream: str,
+        rank: int,
+        key: MacKey,
+        config: StreamsConfig,
+        where: str,
+    ) -> None:
+        self.client = client
+        self.stream = stream
+        self.rank = rank
+        self.rank_field = str(rank)
+        self.key = key
+        self.config = config
+        self.link = Link(client, name=f"rank{rank}.publisher", where=where, backoff=config.backoff)
+        self.clock = IdClock()
+        self.seq = 0
+        self.error: BaseException | None = None
+        self.written = 0
+        self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._closed = False
+        self._closing = threading.Event()
+        #: the first id and mac of the last batch tried (a lost reply: did it land?)
+        self._tried: tuple[str, bytes] | None = None
+        self._blocked_since: float | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"flodl-bus-publisher-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, msg: object) -> None:
+        if self._closed:
+            raise BusClosed("publish after close")
+        if self.error is not None:
+            raise BusError(f"upstream publisher of rank {self.rank} failed: {self.error}")
+        self._q.put(msg)
+
+    def flush(self, timeout: float) -> bool:
+        if not self._thread.is_alive():
+            return self._q.empty() and self.error is None
+        done = threading.Event()
+        self._q.put(done)
+        # After a failure the thread still answers flushes but drops messages.
+        return done.wait(timeout) and self.error is None
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+        self._closing.set()
+        self.link.close()
+        self._thread.join(1.0)
+
+    def _run(self) -> None:
+        try:
+            self._drain()
+        except BusClosed:
+            return
+        except BaseException as exc:
+            # A dead publisher must be visible: flush() reports it and the rank stops
+            # instead of training on while its heartbeats silently pile up in the queue.
+            self.error = exc
+            log.error("bus_publisher_failed", rank=self.rank, error=repr(exc)[:200])
+
+    def _start(self) -> None:
+        top = stream_top(self.client, self.stream)
+        if top[0] <= writer_limit(_now_ms()):
+            self.clock.raise_floor(top)
+        # Continue the stream's seq: a reader that passed our earlier entries (this rank
+        # restarted) must not take the new ones for replays.
+        self.seq = max(
+            self.seq, last_seq(self.client, self.stream, self.key, self.rank_field, wire.UPSTREAM)
+        )
+
+    def _drain(self) -> None:
+        self.link.call(lambda retry: self._start())
+        get = self._q.get
+        get_nowait = self._q.get_nowait
+        limit = self.config.publish_batch
+        while True:
+            batch = [get()]
+            while len(batch) < limit:
+                try:
+                    batch.append(get_nowait())
+                except queue.Empty:
+                    break
+            msgs: list[object] = []
+            for item in batch:
+                if item is _STOP:
+                    self._write(msgs)
+                    return
+                if isinstance(item, threading.Event):
+                    self._write(msgs)
+                    msgs = []
+                    item.set()
+                else:
+                    msgs.append(item)
+            self._write(msgs)
+
+    def _write(self, msgs: list[object]) -> None:
+        if not msgs or self.error is not None:
+            return
+        batch: list[tuple[int, tuple[bytes, bytes]]] = []
+        for msg in msgs:
+            try:
+                encoded = entries.encode(msg)
+            except (TypeError, ValueError, OverflowError) as exc:
+                # e.g. an int beyond 64 bits: one message lost, loudly; the stream goes on
+                log.error("bus_publish_dropped", rank=self.rank, error=str(exc)[:200])
+                continue
+            self.seq += 1
+            batch.append((self.seq, encoded))
+        if not batch:
+            return
+        self._tried = None
+        try:
+            self.link.call(lambda retry: self._commit(batch, retry))
+        except BusClosed:
+            log.error("bus_publish_unwritten", rank=self.rank, count=len(batch))
+            return
+        except Exception as exc:
+            self.error = exc
+            log.error("bus_publisher_failed", rank=self.rank, error=str(exc)[:200])
+            return
+        self.written += len(batch)
+
+    def _commit(self, batch: list[tuple[int, tuple[bytes, bytes]]], retry: bool) -> None:
+        """Write the batch atomically, in order, above the stream's top.
+
+        WATCH + MULTI/EXEC makes the batch all-or-nothing: a foreign entry that lands
+        between our ids cannot leave half the batch written and the rest renumbered
+        behind it (which would break the rank's send order). Ids are chosen after the
+        stream's top is read under WATCH, so the XADDs cannot be refused."""
+        if retry and self._tried is not None and landed(self.client, self.stream, *self._tried):
+            return  # the lost reply was of a transaction that ran
+        while True:
+            with self.client.pipeline(transaction=True) as pipe:
+                try:
+                    pipe.watch(self.stream)  # type: ignore[no-untyped-call]
+                    top = stream_top(pipe, self.stream)
+                    if not self._follow(top):
+                        continue
+                    now = _now_ms()
+                    pipe.multi()
+                    for seq, encoded in batch:
+                        eid = format_id(self.clock.next(now))
+                        fields = entries.sign(
+                            self.key, self.stream, eid, encoded, self.rank_field, seq
+                        )
+                        if seq == batch[0][0]:
+                            self._tried = (eid, fields[entries.F_MAC])
+                        pipe.xadd(
+                            self.stream,
+                            fields,  # type: ignore[arg-type]
+                            id=eid,
+                            maxlen=self.config.maxlen,
+                            approximate=True,
+                        )
+                    pipe.execute()
+                    return
+                except redis.exceptions.WatchError:
+                    # Someone wrote the stream meanwhile (EXEC aborted, nothing of ours
+                    # landed), or, as redis-py reports a connection lost while watching,
+                    # the reply of an EXEC that may have run: ask the stream which.
+                    if self._tried is not None and landed(self.client, self.stream, *self._tried):
+                        return
+                    continue
+
+    def _follow(self, top: EntryId) -> bool:
+        """Lift our ids above ``top`` if a writer of the run may follow it; else wait
+        (False) for the coordinator to remove the foreign entry that put it there."""
+        if top <= self.clock.last:
+            self._blocked_end()
+            return True
+        if top[0] <= writer_limit(_now_ms()):
+            self.clock.raise_floor(top)
+            self._blocked_end()
+            return True
+        if self._blocked_since is None:
+            self._blocked_since = time.monotonic()
+            log.error(
+                "bus_stream_blocked",
+                stream=self.stream,
+                top=format_id(top),
+                reason="a foreign entry beyond any id of the run; waiting for the "
+                "coordinator to remove it",
+            )
+        if self._closing.wait(0.05):
+            raise BusClosed(f"{self.stream}: closed while blocked")
+        return False
+
+    def _blocked_end(self) -> None:
+        if self._blocked_since is not None:
+            log.warning(
+                "bus_stream_unblocked",
+                stream=self.stream,
+                blocked_s=round(time.monotonic() - self._blocked_since, 3),
+            )
+            self._blocked_since = None
