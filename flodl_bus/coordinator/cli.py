@@ -297,17 +297,10 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from flodl_bus.bus.streams import RedisCoordinatorBus
     from flodl_bus.coordinator.checkpoint import read_meta
     from flodl_bus.coordinator.core import Coordinator
+    from flodl_bus.coordinator.join_desk import Interrupted, JoinDesk, WorldNotFormed, form_world
     from flodl_bus.coordinator.membership import Admission
-    from flodl_bus.coordinator.runtime import (
-        EXIT_INTERRUPTED,
-        CoordinatorLoop,
-        Interrupted,
-        JoinDesk,
-        LoopOptions,
-        MetricsTable,
-        WorldNotFormed,
-        form_world,
-    )
+    from flodl_bus.coordinator.outputs import MetricsTable
+    from flodl_bus.coordinator.runtime import EXIT_INTERRUPTED, CoordinatorLoop, LoopOptions
     from flodl_bus.job import (
         JobError,
         call_job,

@@ -2,13 +2,13 @@
 
 Two phases:
 
-1. ``form_world``: admit workers from the ``join`` stream (``membership.Admission``)
-   until the world forms, posting their Assign / Reject answers.
+1. ``form_world`` (``join_desk``): admit workers from the ``join`` stream
+   (``membership.Admission``) until the world forms, posting their Assign / Reject answers.
 2. ``CoordinatorLoop.run``: read every rank's upstream in one blocking call, hand each
    delivery to ``core.handle`` in order, apply what it returns in that order, ack, then
    ``core.tick`` once per read batch. Every dispatch, and every tick that emits
    something or changes the core's state, is one record line (``DispatchRecorder``);
-   ``metrics.csv`` gets one row per ``EpochAggregated``.
+   ``metrics.csv`` gets one row per ``EpochAggregated`` (``outputs``).
 
 Ordering: effects are applied strictly in the order the core returned them, across
 ``Send`` and ``Broadcast``, because the bus numbers control entries from one clock in
@@ -20,39 +20,52 @@ The core never sees a clock: ``now`` is read once per dispatch (and once per tic
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import math
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import structlog
 
 from flodl_bus.bus.api import CoordinatorBus, Delivery
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
-from flodl_bus.coordinator.membership import Admission, Answer
+from flodl_bus.coordinator.join_desk import (
+    Interrupted,
+    JoinDesk,
+    JoinPort,
+    WorldNotFormed,
+    form_world,
+)
+from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
 from flodl_bus.coordinator.supervisor import SupervisorFeed
 from flodl_bus.exits import OK, STOPPED
 from flodl_bus.protocol.messages import (
-    Assign,
     CoordHeartbeat,
     DeclareDead,
     EpochAggregated,
-    EpochMetrics,
     EvalBroadcast,
-    Hello,
-    JoinMsg,
-    Reject,
     is_upstream,
 )
 from flodl_bus.record.dispatch import DispatchRecorder
+
+# Names other modules imported from here before the split; their homes are above.
+__all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_SAVED",
+    "CoordinatorLoop",
+    "Interrupted",
+    "JoinDesk",
+    "JoinPort",
+    "LoopOptions",
+    "MetricsTable",
+    "WorldNotFormed",
+    "form_world",
+    "write_meta_file",
+]
 
 log = structlog.get_logger("flodl_bus.coordinator")
 
@@ -62,14 +75,6 @@ EXIT_OK: Final = OK
 EXIT_SAVED: Final = STOPPED
 #: Stopped from outside before the run finished; ``cli`` reports 128 + the signal.
 EXIT_INTERRUPTED: Final = 130
-
-
-class Interrupted(Exception):
-    """A stop was requested while the world was still forming."""
-
-
-class WorldNotFormed(Exception):
-    """The world did not form within the join timeout; the message names why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,222 +96,6 @@ class LoopOptions:
             raise ValueError("block_ms must be at least 1")
         if self.exit_grace < 0 or self.first_contact < 0:
             raise ValueError("exit_grace and first_contact must be >= 0")
-
-
-class JoinPort(Protocol):
-    """The join stream as the runtime uses it (``bus.join.JoinStream``)."""
-
-    def post(self, msg: JoinMsg) -> str: ...
-
-    def read(self, after: str, block_ms: int | None) -> tuple[list[tuple[str, JoinMsg]], str]: ...
-
-
-# ----------------------------------------------------------------------- membership
-
-
-class JoinDesk:
-    """The coordinator's side of the join stream: read Hellos, post the answers.
-
-    The stream outlives a run (a run id reused on the same Redis, a persisted volume),
-    so it may hold Hellos of an earlier incarnation whose workers are long gone. A Hello
-    that some *other* coordinator already answered (an Assign or Reject we did not post)
-    is stale and skipped: a dead worker must never take a rank. Hellos nobody answered
-    are taken as live (a worker may say Hello before the coordinator starts).
-    """
-
-    def __init__(
-        self,
-        join: JoinPort,
-        admission: Admission,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        after: str = "0",
-    ) -> None:
-        self.join = join
-        self.admission = admission
-        self.clock = clock
-        #: Where Hellos start counting. A worker says Hello only after it read the
-        #: coordinator's identity, so the coordinator starts at the join stream's top as
-        #: it published that: an earlier Hello is of an earlier incarnation's worker,
-        #: whose key was agreed with a coordinator that is gone.
-        self.cursor = after
-        self._ours: set[str] = set()
-        self.stale: set[str] = set()
-
-    def poll(
-        self, block_ms: int | None, recorder: Callable[..., None] | None = None
-    ) -> list[Answer]:
-        got, self.cursor = self.join.read(self.cursor, block_ms)
-        now = self.clock()
-        adm = self.admission
-        # Answers first: a stale Hello comes before its answer, often in the same read.
-        for eid, msg in got:
-            if (
-                isinstance(msg, (Assign, Reject))
-                and eid not in self._ours
-                and msg.worker_id not in self.stale
-            ):
-                self.stale.add(msg.worker_id)
-                adm.forget(msg.worker_id)
-        answers: list[Answer] = []
-        for eid, msg in got:
-            if not isinstance(msg, Hello) or msg.worker_id in self.stale:
-                continue
-            log.info(
-                "worker_hello",
-                worker=msg.worker_id,
-                host=msg.host,
-                device=msg.device,
-                requested_rank=msg.requested_rank,
-            )
-            if recorder is not None:
-                recorder("hello", entry=eid, msg=msg, now=now)
-            answers += adm.hello(msg, now)
-        answers += adm.poll(now)
-        for a in answers:
-            self._ours.add(self.join.post(a))
-            if isinstance(a, Reject):
-                log.warning("worker_rejected", worker=a.worker_id, reason=a.reason)
-            else:
-                log.info(
-                    "worker_admitted", worker=a.worker_id, rank=a.rank, world_size=a.world_size
-                )
-            if recorder is not None:
-                recorder("join_answer", msg=a, now=now)
-        return answers
-
-
-def form_world(desk: JoinDesk, *, stop: threading.Event | None = None, block_ms: int = 200) -> None:
-    """Admit workers until the world forms."""
-    admission = desk.admission
-    admission.open(desk.clock())
-    last_note = started = desk.clock()
-    while not admission.formed:
-        if stop is not None and stop.is_set():
-            raise Interrupted("stopped while the world was forming")
-        desk.poll(block_ms)
-        now = desk.clock()
-        # The minimum-size world forms at the timeout if it can; a grace period later
-        # (a few polls) it could not, and nothing must wait forever for absent workers.
-        if not admission.formed and now - started > admission.join_timeout + 1.0:
-            failed = getattr(desk.join, "auth_failures", 0)
-            raise WorldNotFormed(
-                f"the world did not form within --join-timeout {admission.join_timeout:g}s: "
-                f"{admission.joined} of {admission.min_workers or admission.target} workers "
-                "joined"
-                + (
-                    f"; {failed} Hello(s) failed authentication (a worker's run secret is "
-                    "not this run's)"
-                    if failed
-                    else ""
-                )
-            )
-        if not admission.formed and now - last_note >= 10.0:
-            last_note = now
-            log.info(
-                "waiting_for_workers",
-                joined=admission.joined,
-                world_size=admission.target,
-                min_workers=admission.min_workers,
-            )
-    log.info("world_formed", world_size=admission.world_size)
-
-
-# ------------------------------------------------------------------------- outputs
-
-
-def write_meta_file(save_path: str, meta: Mapping[str, Any]) -> Path:
-    """``<save_path>.meta.json``, atomically: a resume never reads a torn file."""
-    path = Path(f"{save_path}.meta.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=1, sort_keys=True, allow_nan=False))
-    os.replace(tmp, path)
-    return path
-
-
-def _num(x: float | None) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return ""
-    return f"{x:.6g}"
-
-
-class MetricsTable:
-    """``metrics.csv``: one row per aggregated epoch, the eval metric merged in.
-
-    An eval scheduled at the transition into epoch ``e`` (and the final eval, scheduled
-    as epoch ``num_epochs``) scores the model after epoch ``e - 1``, so its metric lands
-    on row ``e - 1`` (it may arrive before that row: async epochs overlap). The file is
-    rewritten atomically on every change; it is a few hundred rows at most.
-    """
-
-    def __init__(self, path: str | Path, world_size: int) -> None:
-        self.path = Path(path)
-        self.ws = world_size
-        self.rows: dict[int, dict[str, str]] = {}
-        self.evals: dict[int, float] = {}
-        self._syncs_before = 0
-
-    #: Units and counts are the console's (launch/display.py): samples per second, and
-    #: ``syncs`` the averaging rounds of that epoch beside ``syncs_total`` for the run.
-    @property
-    def columns(self) -> list[str]:
-        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "version", "syncs", "syncs_total"]
-        cols += ["global_step", "anchor"]
-        for r in range(self.ws):
-            cols += [f"samples_r{r}", f"samples_per_s_r{r}", f"batch_share_r{r}", f"loss_r{r}"]
-        return [*cols, "eval_metric"]
-
-    def on_epoch(
-        self, em: EpochMetrics, *, version: int, syncs: int, step: int, anchor: int
-    ) -> None:
-        def at(seq: Sequence[Any], r: int) -> Any:
-            return seq[r] if r < len(seq) else None
-
-        row = {
-            "epoch": str(em.epoch),
-            "avg_loss": _num(em.avg_loss),
-            "epoch_ms": _num(em.epoch_ms),
-            "samples": str(sum(em.per_rank_samples)),
-            "version": str(version),
-            "syncs": str(max(0, syncs - self._syncs_before)),
-            "syncs_total": str(syncs),
-            "global_step": str(step),
-            "anchor": str(anchor),
-        }
-        for r in range(self.ws):
-            samples = at(em.per_rank_samples, r)
-            row[f"samples_r{r}"] = "" if samples is None else str(samples)
-            per_ms = at(em.per_rank_throughput, r)  # the wire's unit: samples per ms
-            row[f"samples_per_s_r{r}"] = _num(None if per_ms is None else per_ms * 1000.0)
-            row[f"batch_share_r{r}"] = _num(at(em.per_rank_batch_share, r))
-            row[f"loss_r{r}"] = _num(at(em.per_rank_loss, r))
-        row["eval_metric"] = _num(self.evals.get(em.epoch))
-        self.rows[em.epoch] = row
-        self._syncs_before = syncs
-        self.write()
-
-    def on_eval(self, scheduled_epoch: int, metric: float) -> None:
-        row_epoch = scheduled_epoch - 1
-        self.evals[row_epoch] = metric
-        row = self.rows.get(row_epoch)
-        if row is not None:
-            row["eval_metric"] = _num(metric)
-        self.write()
-
-    def write(self) -> None:
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=self.columns, lineterminator="\n")
-        w.writeheader()
-        for e in sorted(self.rows):
-            w.writerow(self.rows[e])
-        for e in sorted(set(self.evals) - set(self.rows)):
-            # An eval of an epoch never aggregated (a resumed run's first eval).
-            w.writerow({"epoch": str(e), "eval_metric": _num(self.evals[e])})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(buf.getvalue())
-        os.replace(tmp, self.path)
 
 
 # ---------------------------------------------------------------------------- loop

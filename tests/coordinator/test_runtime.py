@@ -21,17 +21,10 @@ from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
 from flodl_bus.bus.stream_ops import stream_top
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.join_desk import JoinDesk, form_world
 from flodl_bus.coordinator.membership import Admission
-from flodl_bus.coordinator.runtime import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    CoordinatorLoop,
-    JoinDesk,
-    LoopOptions,
-    MetricsTable,
-    form_world,
-    write_meta_file,
-)
+from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
+from flodl_bus.coordinator.runtime import EXIT_INTERRUPTED, EXIT_OK, CoordinatorLoop, LoopOptions
 from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import (
     Assign,
