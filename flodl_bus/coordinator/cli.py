@@ -217,7 +217,11 @@ def asked_run_dir(args: argparse.Namespace) -> Path:
 def default_save_stem(args: argparse.Namespace) -> Path:
     """Where the final consensus goes without --save-path; every rank reads it from
     the run's meta. Load it with ``model.load_state_dict(torch.load(STEM.model.pt))``."""
-    return asked_run_dir(args) / "consensus"
+    from flodl_bus.record.dispatch import fresh_run_dir
+
+    # The directory the record will go to (a fresh sibling when the asked one holds an
+    # earlier run's record), so a reused run id never overwrites an earlier run's model.
+    return fresh_run_dir(asked_run_dir(args), "coordinator") / "consensus"
 
 
 def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:

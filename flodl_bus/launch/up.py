@@ -65,6 +65,7 @@ from flodl_bus.launch.watch import Seen, StreamWatcher
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
 from flodl_bus.record.chain import raw_lines
+from flodl_bus.record.dispatch import fresh_run_dir
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
 
@@ -256,7 +257,12 @@ class Launcher:
         self.job: Job | None = None
         self.started = started
         self.started_wall = started_wall
-        self.run_dir = Path(args.run_dir or os.path.join("runs", run))
+        asked = Path(args.run_dir or os.path.join("runs", run))
+        # A reused run id must not write into the earlier run's directory: its records,
+        # logs, metrics, plot and consensus model all move to one fresh sibling, chosen
+        # here once and handed to every process (they then have nothing to rotate).
+        self.run_dir = fresh_run_dir(asked, "coordinator")
+        self.rotated_from = asked if self.run_dir != asked else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.record = Recorder(self.run_dir / "up.jsonl", role="up")
         self.secret = new_secret()
@@ -402,7 +408,13 @@ class Launcher:
             f"flodl-bus up: run {self.run}: {args.job}, {args.workers} workers x "
             f"{threads} thread(s), {args.mode}, {epochs} epochs, Redis {where}\n"
             f"  record: {self.run_dir}/   watch: flodl-bus tail --run {self.run} "
-            f"--redis-url {redact_url(url)}",
+            f"--redis-url {redact_url(url)}"
+            + (
+                f"\n  {self.rotated_from}/ holds an earlier run of this id: it is left as it "
+                f"is, this run goes to {self.run_dir}/"
+                if self.rotated_from is not None
+                else ""
+            ),
             flush=True,
         )
         bars = not args.no_progress and sys.stderr.isatty()

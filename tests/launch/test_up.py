@@ -266,3 +266,32 @@ def test_a_config_file_reaches_the_coordinator_and_every_rank_and_a_flag_beats_i
             if o["type"] == "LrUpdate"
         }
         assert lrs and all(lr == pytest.approx(base) for lr in lrs), lrs
+
+
+def test_a_reused_run_id_leaves_the_earlier_run_whole_and_both_replay(
+    tmp_path: Path, mark: str
+) -> None:
+    from flodl_bus.replay import replay_run
+
+    first = _up(tmp_path, mark, "--run", "again", "--epochs", "1")
+    out1, _ = first.communicate(timeout=150)
+    assert first.returncode == 0, out1
+    earlier = tmp_path / "runs" / "again"
+    kept = {p.name: p.read_bytes() for p in earlier.iterdir()}
+    assert "consensus.model.pt" in kept and "coordinator.log" in kept
+
+    second = _up(tmp_path, mark, "--run", "again", "--epochs", "1")
+    out2, _ = second.communicate(timeout=150)
+    assert second.returncode == 0, out2
+    later = tmp_path / "runs" / "again.2"
+    # The operator is told where the rerun went, and the earlier run is untouched:
+    # records, logs, metrics, plot and its consensus model alike.
+    assert f"this run goes to {Path('runs') / 'again.2'}/" in out2, out2
+    assert {p.name: p.read_bytes() for p in earlier.iterdir()} == kept
+    for name in ("coordinator.jsonl.zst", "rank0.jsonl.zst", "consensus.model.pt", "metrics.csv"):
+        assert (later / name).is_file(), f"{name} missing; {os.listdir(later)}"
+    for run_dir in (earlier, later):
+        results = replay_run(run_dir)
+        assert set(results) == {"coordinator", "rank:0", "rank:1"}
+        assert all(r.identical and r.replayed > 0 for r in results.values()), results
+    assert marked_pids(mark) == []
