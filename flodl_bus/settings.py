@@ -84,6 +84,14 @@ def _max_failure(text: str) -> str:
     return t
 
 
+def _speeds(text: str) -> tuple[float, ...]:
+    """One relative speed per rank, ``1,2.5,1`` (a TOML array reads the same)."""
+    parts = [t.strip() for t in text.strip().strip("[]()").split(",") if t.strip()]
+    if not parts:
+        raise SettingsError("expected one speed per rank, e.g. 1,2.5")
+    return tuple(_float(0.0, lo_open=True)(t) for t in parts)
+
+
 @dataclass(frozen=True, slots=True)
 class Knob:
     key: str
@@ -131,6 +139,29 @@ KNOBS: tuple[Knob, ...] = (
         _int(0),
         None,
         "the rank that runs epoch callbacks, evals and checkpoints (default: the fastest)",
+    ),
+    Knob(
+        "callback_slack",
+        _bool,
+        True,
+        "give the callback rank less work in an epoch's last window (true|false)",
+        metavar="BOOL",
+    ),
+    Knob(
+        "speed_hints",
+        _speeds,
+        None,
+        "relative rank speeds for the first counts and partitions, one per rank "
+        "(needs a fixed --world-size)",
+        metavar="S0,S1,...",
+    ),
+    Knob(
+        "stage_advisories",
+        _bool,
+        False,
+        "send StageAdvisory (each rank's span and next span) after every reduce; off "
+        "by default: it costs a reduce O(world^2) (BENCHMARKS)",
+        metavar="BOOL",
     ),
     Knob(
         "guard",

@@ -107,3 +107,42 @@ def test_up_hands_the_settings_to_the_coordinator_alone(tmp_path: Path) -> None:
     assert coord[i : i + 6] == ["--config", "run.toml", "--anchor", "4", "--outer", "nesterov"]
     worker = worker_argv(args, "r", 0, tmp_path)
     assert "--outer" not in worker and "--config" not in worker
+
+
+def test_slack_hints_and_advisories_are_reachable_by_flag_and_file(tmp_path: Path) -> None:
+    assert settings.resolve(parse())["callback_slack"] is True  # flodl's default
+    assert settings.resolve(parse())["stage_advisories"] is False  # see BENCHMARKS
+    toml = tmp_path / "run.toml"
+    toml.write_text("speed_hints = [1.0, 2.5]\nstage_advisories = true\n")
+    v = settings.resolve(parse("--config", str(toml), "--callback-slack", "false"))
+    assert v["speed_hints"] == (1.0, 2.5)
+    cfg = CoordinatorConfig(
+        mode="cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
+        **config_knobs(v),
+    )  # fmt: skip
+    assert cfg.speed_hints == (1.0, 2.5) and cfg.stage_advisories is True
+    assert cfg.callback_slack is False
+    assert settings.resolve(parse("--speed-hints", "1,3,2"))["speed_hints"] == (1.0, 3.0, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fix"),
+    [
+        (["--speed-hints", "1,0"], "--speed-hints: must be > 0.0"),
+        (["--speed-hints", ","], "--speed-hints: expected one speed per rank"),
+        (["--callback-slack", "maybe"], "--callback-slack: expected true or false"),
+    ],
+)
+def test_a_bad_hint_or_switch_is_named_with_its_fix(argv: list[str], fix: str) -> None:
+    with pytest.raises(settings.SettingsError) as exc:
+        settings.resolve(parse(*argv))
+    assert fix in str(exc.value)
+
+
+def test_speed_hints_for_another_world_size_are_refused() -> None:
+    v = settings.resolve(parse("--speed-hints", "1,2,3"))
+    with pytest.raises(ValueError, match="one positive entry per rank"):
+        CoordinatorConfig(
+            mode="cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
+            **config_knobs(v),
+        )  # fmt: skip

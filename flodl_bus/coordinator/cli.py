@@ -245,6 +245,9 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "max_failure": max_failure,
         "guard": knobs["guard"],
         "meta_controller": knobs["meta_controller"],
+        "callback_slack": knobs["callback_slack"],
+        "speed_hints": knobs["speed_hints"],
+        "stage_advisories": knobs["stage_advisories"],
     }
 
 
