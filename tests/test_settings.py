@@ -11,8 +11,8 @@ import pytest
 from flodl_bus import settings
 from flodl_bus.coordinator.cli import config_knobs
 from flodl_bus.coordinator.config import CoordinatorConfig, MaxFailure
-from flodl_bus.launch.up import _parser as up_parser
-from flodl_bus.launch.up import coordinator_argv, worker_argv
+from flodl_bus.launch.up_args import _parser as up_parser
+from flodl_bus.launch.up_args import coordinator_argv, worker_argv
 
 
 def parse(*argv: str) -> argparse.Namespace:

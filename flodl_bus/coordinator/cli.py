@@ -24,134 +24,36 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from redis.exceptions import RedisError
 
 from flodl_bus import settings
 from flodl_bus.bus.connection import (
-    DEFAULT_URL,
-    ENV_URL,
     REFUSALS,
     RedisUnreachable,
     connect_pinged,
     describe_refusal,
     redact_url,
 )
-from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.coordinator.config import MODES, CoordinatorConfig, MaxFailure, parse_mode
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.coordinator.cli_args import (
+    PROG,
+    ConfigError,
+    _check,
+    _parser,
+    _read_resume,
+    asked_run_dir,
+    config_knobs,
+    default_save_stem,
+)
+from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
-from flodl_bus.options import LOG_LEVELS, log_level
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
-
-PROG = "flodl-bus coordinator"
-
-
-class ConfigError(Exception):
-    """A configuration mistake; the message names the fix."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, not argparse's usage block: the line names the fix.
-        print(f"{PROG}: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog=PROG,
-        description="Run the coordinator of a run.",
-        epilog="Give --world-size N, or --min-workers M (with --join-timeout S). "
-        "Credentials: in the URL, or FLODL_REDIS_USERNAME / FLODL_REDIS_PASSWORD.",
-    )
-    required = p.add_argument_group("required")
-    required.add_argument("--run", required=True, help="run id shared with the workers")
-    required.add_argument(
-        "--job",
-        required=True,
-        help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job); the "
-        "current directory is importable",
-    )
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get(ENV_URL, DEFAULT_URL),
-        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
-    )
-    # Not argparse choices: parse_mode's refusal names the fix (nccl-async -> cpu-async).
-    p.add_argument(
-        "--mode",
-        default="nccl-cadence",
-        metavar="{" + ",".join(MODES) + "}",
-        help="averaging mode (default %(default)s)",
-    )
-    p.add_argument("--world-size", type=int, help="form the world when this many workers joined")
-    p.add_argument(
-        "--min-workers",
-        type=int,
-        help="form the world with at least this many workers once --join-timeout passed",
-    )
-    p.add_argument("--join-timeout", type=float, default=60.0, help="seconds (default 60)")
-    p.add_argument("--epochs", type=int, help="epochs to train (default: the job's)")
-    p.add_argument(
-        "--save-path",
-        help="checkpoint stem: <stem>.meta.json, <stem>.model.pt (default: the final "
-        "consensus goes to <run-dir>/consensus)",
-    )
-    p.add_argument("--resume", help="resume from <STEM>.meta.json, training only uncovered samples")
-    p.add_argument("--run-dir", help="record and metrics directory (default runs/<run>)")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds (default 30)")
-    p.add_argument("--eval-every", type=int, help="evaluate every N epochs")
-    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
-    p.add_argument(
-        "--no-final-eval", action="store_true", help="skip the final eval before Shutdown"
-    )
-    p.add_argument(
-        "--exit-grace",
-        type=float,
-        default=30.0,
-        help="seconds to wait for every rank's Exiting after Shutdown (default 30)",
-    )
-    p.add_argument(
-        "--reset-run",
-        action="store_true",
-        help="delete what an earlier run with this id left in Redis (streams, meta, secret) "
-        "before starting; without it such a run id is refused",
-    )
-    p.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        help="also write TensorBoard event files to DIR: loss, eval metric, samples/s per "
-        "rank, anchor and syncs per epoch (needs the tensorboard extra)",
-    )
-    p.add_argument(
-        "--expire-after",
-        type=float,
-        default=7 * 24 * 3600.0,
-        help="seconds after the run ends that its keys and secret expire in Redis "
-        "(default 604800, a week; 0 keeps them); the records on disk stay",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        type=log_level,
-        choices=LOG_LEVELS,
-        help="console log level (default info)",
-    )
-    p.add_argument(
-        "--supervisor-fd",
-        type=int,
-        help="an inherited pipe on which the launcher (flodl-bus up) reports ranks whose "
-        "process exited; its end of file stops the run in order",
-    )
-    settings.add_arguments(p)
-    return p
 
 
 def _reset_run(client: Any, keys: RunKeys) -> int:
@@ -160,111 +62,6 @@ def _reset_run(client: Any, keys: RunKeys) -> int:
     for i in range(0, len(doomed), 500):
         client.unlink(*doomed[i : i + 500])
     return len(doomed) - 1
-
-
-def _positive(name: str, value: int | float | None, *, zero_ok: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not zero_ok):
-        raise ConfigError(f"{name} must be {'>= 0' if zero_ok else 'positive'}, got {value}")
-
-
-def _check(args: argparse.Namespace) -> None:
-    try:
-        RunKeys(args.run)
-    except InvalidRunId as exc:
-        raise ConfigError(f"--run: {exc}") from None
-    if not args.job:
-        raise ConfigError(
-            "--job is required: name the Job to train as MODULE:NAME, "
-            "e.g. --job flodl_bus.examples.digits:job"
-        )
-    try:
-        parse_mode(args.mode)
-    except ValueError as exc:
-        raise ConfigError(f"--mode: {exc}") from None
-    if args.world_size is None and args.min_workers is None:
-        raise ConfigError("give --world-size N (or --min-workers M with --join-timeout S)")
-    _positive("--world-size", args.world_size)
-    _positive("--min-workers", args.min_workers)
-    if (
-        args.world_size is not None
-        and args.min_workers is not None
-        and args.min_workers > args.world_size
-    ):
-        raise ConfigError(
-            f"--min-workers {args.min_workers} exceeds --world-size {args.world_size}"
-        )
-    _positive("--join-timeout", args.join_timeout, zero_ok=True)
-    _positive("--epochs", args.epochs, zero_ok=True)
-    _positive("--heartbeat-timeout", args.heartbeat_timeout)
-    _positive("--eval-every", args.eval_every)
-    _positive("--checkpoint-every", args.checkpoint_every)
-    _positive("--exit-grace", args.exit_grace, zero_ok=True)
-    _positive("--expire-after", args.expire_after, zero_ok=True)
-    if args.tensorboard:
-        from flodl_bus.coordinator.metrics import TensorBoardScalars
-
-        why = TensorBoardScalars.available()
-        if why is not None:
-            raise ConfigError(why)
-
-
-def asked_run_dir(args: argparse.Namespace) -> Path:
-    return Path(args.run_dir or Path("runs") / args.run)
-
-
-def default_save_stem(args: argparse.Namespace) -> Path:
-    """Where the final consensus goes without --save-path; every rank reads it from
-    the run's meta. Load it with ``model.load_state_dict(torch.load(STEM.model.pt))``."""
-    from flodl_bus.record.dispatch import fresh_run_dir
-
-    # The directory the record will go to (a fresh sibling when the asked one holds an
-    # earlier run's record), so a reused run id never overwrites an earlier run's model.
-    return fresh_run_dir(asked_run_dir(args), "coordinator") / "consensus"
-
-
-def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
-    """The coordinator's share of the run settings, as ``CoordinatorConfig`` fields."""
-    mf = knobs["max_failure"]
-    max_failure = None
-    if mf is not None:
-        max_failure = (
-            MaxFailure(percent=float(mf[:-1]) / 100.0)
-            if mf.endswith("%")
-            else MaxFailure(absolute=int(mf))
-        )
-    return {
-        "seed": knobs["seed"],
-        "epoch_splits": knobs["epoch_splits"],
-        "anchor": knobs["anchor"],
-        "overhead_target": knobs["overhead_target"],
-        "max_batch_diff": knobs["max_batch_diff"],
-        "max_overshoot": knobs["max_overshoot"],
-        "epoch_callback_rank": knobs["callback_rank"],
-        "max_failure": max_failure,
-        "guard": knobs["guard"],
-        "meta_controller": knobs["meta_controller"],
-        "callback_slack": knobs["callback_slack"],
-        "speed_hints": knobs["speed_hints"],
-        "stage_advisories": knobs["stage_advisories"],
-    }
-
-
-def _read_resume(stem: str) -> dict[str, Any]:
-    path = Path(f"{stem}.meta.json")
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(
-            f"--resume: no checkpoint meta at {path}; pass the --save-path stem of the run "
-            "to resume"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"--resume: cannot read {path} ({exc})") from None
-    if not isinstance(meta, dict):
-        raise ConfigError(f"--resume: {path} is not a checkpoint meta object")
-    return meta
 
 
 def main(argv: Sequence[str] | None = None) -> int:

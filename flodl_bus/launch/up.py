@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import csv
 import dataclasses
-import math
 import os
 import secrets
 import shutil
@@ -33,10 +32,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Sequence
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -49,20 +46,23 @@ from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
 from flodl_bus.coordinator.supervisor import notice as supervisor_notice
 from flodl_bus.exits import (
     CONFIG,
-    FAILED,
-    OK,
-    STOP_SIGNALS,
-    STOPPED,
     by_signal,
     describe,
     signal_of,
 )
 from flodl_bus.launch.display import Progress, Summary, terminal_width
-from flodl_bus.launch.jobref import DEFAULT_JOB, check_job_ref
+from flodl_bus.launch.jobref import check_job_ref
+from flodl_bus.launch.outcome import (
+    _row_fields,
+    _signals_as_stop,
+    _Stop,
+    batches_per_rank,
+    run_exit_code,
+)
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
+from flodl_bus.launch.up_args import _default_run_id, _parser, coordinator_argv, worker_argv
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
-from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
 from flodl_bus.record.chain import raw_lines
 from flodl_bus.record.dispatch import fresh_run_dir
@@ -72,177 +72,9 @@ from flodl_bus.stop_signals import signal_name
 if TYPE_CHECKING:
     from flodl_bus.job import Job
 
-MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 #: how long ranks may take to exit on their own once the coordinator is done
 WORKER_EXIT_GRACE_S = 10.0
 EXIT_INTERRUPTED = by_signal(signal.SIGINT)
-
-
-class _Stop(BaseException):
-    """A stop signal to the launcher (SIGINT, SIGTERM, SIGHUP): shut the run down in
-    order. A BaseException, like KeyboardInterrupt, so no ``except Exception`` in the
-    watch loop swallows it."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def run_exit_code(
-    coordinator_rc: int | None,
-    worker_rcs: Sequence[int | None],
-    *,
-    signum: int | None = None,
-    lingered: bool = False,
-    target_missed: bool = False,
-) -> int:
-    """The launcher's exit code (``flodl_bus.exits``) from its children's outcomes.
-
-    The coordinator speaks for the run; a worker that did not finish (killed, crashed,
-    stopped by someone else's signal) makes a run that otherwise finished a failure, so
-    a script notices. A child's negative status (killed by a signal) never leaks out.
-    """
-    if signum is not None:
-        return by_signal(signum)
-    if coordinator_rc == CONFIG or CONFIG in worker_rcs:
-        return CONFIG
-    if coordinator_rc is not None and signal_of(coordinator_rc) is not None:
-        return coordinator_rc  # someone stopped the coordinator: the run was interrupted
-    if coordinator_rc == STOPPED:
-        # The protocol stopped the run; a rank's own failure (the job raised) is the
-        # cause, and says more than the stop it led to.
-        return FAILED if FAILED in worker_rcs else STOPPED
-    if coordinator_rc != OK or lingered or any(rc != OK for rc in worker_rcs):
-        return FAILED
-    return FAILED if target_missed else OK
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = OneLineParser(
-        prog="flodl-bus up",
-        description="Start Redis (embedded unless --redis-url), a coordinator and N workers "
-        "on this machine, and watch the run.",
-    )
-    p.add_argument("--job", default=DEFAULT_JOB, help=f"MODULE:NAME (default {DEFAULT_JOB})")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--mode", choices=MODES, default="cpu-cadence", help="default cpu-cadence")
-    p.add_argument("--redis-url", help="use this Redis instead of starting one")
-    p.add_argument("--epochs", type=int, help="override the job's number of epochs")
-    p.add_argument("--run", help="run id (default up-<date>-<time>-<random>)")
-    p.add_argument("--run-dir", help="where the record goes (default runs/<run>)")
-    p.add_argument("--save-path", help="checkpoint stem (a Ctrl-C then leaves a resumable one)")
-    p.add_argument("--resume", help="resume from this checkpoint stem")
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=1,
-        help="with --save-path: checkpoint every N epochs (default 1), so a Ctrl-C "
-        "leaves one to --resume from",
-    )
-    p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
-    p.add_argument(
-        "--tensorboard",
-        metavar="DIR",
-        help="TensorBoard event files in DIR (the coordinator writes them; needs the "
-        "tensorboard extra)",
-    )
-    p.add_argument("--no-progress", action="store_true", help="no bars (the table still shows)")
-    p.add_argument("--no-plot", action="store_true", help="skip plot.png")
-    p.add_argument(
-        "--require-target",
-        action="store_true",
-        help="exit 1 when the final metric misses the job's target_metric",
-    )
-    p.add_argument(
-        "--log-level",
-        default="info",
-        type=log_level,
-        choices=LOG_LEVELS,
-        help="children's console log level (default info)",
-    )
-    settings.add_arguments(p)
-    return p
-
-
-def _default_run_id() -> str:
-    return f"up-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
-
-
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flodl_bus.cli", *args]
-
-
-def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
-    """What the coordinator and every rank are told alike. Every process records into
-    the same run directory, so replay finds all the records side by side; ranks get the
-    epochs as a flag because they may read meta before the coordinator writes it."""
-    argv = [
-        "--run", run,
-        "--job", args.job,
-        "--mode", args.mode,
-        "--world-size", str(args.workers),
-        "--run-dir", str(run_dir),
-    ]  # fmt: skip
-    if args.epochs is not None:
-        argv += ["--epochs", str(args.epochs)]
-    return argv
-
-
-def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
-    argv = _cli("coordinator", *_shared_argv(args, run, run_dir))
-    # The run settings go to the coordinator alone: it publishes the ranks' share in
-    # the run's meta, where every rank reads it.
-    argv += settings.argv(args)
-    argv += ["--eval-every", str(args.eval_every)]
-    if args.save_path:
-        argv += ["--save-path", args.save_path]
-        if args.checkpoint_every > 0:
-            argv += ["--checkpoint-every", str(args.checkpoint_every)]
-    if args.resume:
-        argv += ["--resume", args.resume]
-    if args.tensorboard:
-        argv += ["--tensorboard", args.tensorboard]
-    return argv
-
-
-def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> list[str]:
-    argv = _cli("worker", *_shared_argv(args, run, run_dir))
-    argv += ["--rank", str(rank), "--log-level", args.log_level]
-    if args.save_path:
-        argv += ["--save-path", args.save_path]
-    return argv
-
-
-def batches_per_rank(run_header: Mapping[str, Any]) -> int | None:
-    """A rank's fair share of the run's batches (a bar's total; fast ranks overshoot it),
-    from the ``run`` line of the coordinator's record."""
-    try:
-        cfg = run_header["config"]
-        samples, batch = int(cfg["total_samples"]), int(cfg["batch_size"])
-        epochs, world = int(cfg["num_epochs"]), int(cfg["world_size"])
-    except (KeyError, TypeError, ValueError):
-        return None
-    if min(samples, batch, epochs, world) < 1:
-        return None
-    per_epoch = math.ceil(samples / batch)
-    return math.ceil(per_epoch * epochs / world)
-
-
-@contextlib.contextmanager
-def _signals_as_stop() -> Iterator[None]:
-    def on_stop(sig: int, _frame: FrameType | None) -> None:
-        raise _Stop(sig)
-
-    # Every stop signal explicitly, SIGINT included: started in the background from a
-    # script, the launcher inherits SIGINT ignored and would not stop on Ctrl-C / kill
-    # -INT. SIGHUP too: a closed terminal or ssh session must stop the children (they run
-    # in their own sessions and would not get the hang-up themselves), not orphan them.
-    previous = {sig: signal.signal(sig, on_stop) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 class Launcher:
@@ -734,20 +566,6 @@ class Launcher:
         self.record.close()
         print("\n".join(summary.lines(terminal_width(sys.stdout))), flush=True)
         return code
-
-
-def _row_fields(row: EpochRow) -> dict[str, Any]:
-    return {
-        "epoch": row.epoch,
-        "loss": row.loss,
-        "metric": row.metric,
-        "throughput": list(row.throughput),
-        "syncs": row.syncs,
-        "syncs_total": row.syncs_total,
-        "anchor": row.anchor,
-        "epoch_s": row.epoch_s,
-        "at": row.at,
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

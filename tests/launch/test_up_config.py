@@ -43,7 +43,7 @@ def test_a_ranks_bar_total_is_its_fair_share_of_the_runs_batches() -> None:
 
 
 def test_the_runs_epochs_reach_coordinator_and_every_rank_so_the_lr_schedule_agrees() -> None:
-    from flodl_bus.launch.up import _parser, coordinator_argv, worker_argv
+    from flodl_bus.launch.up_args import _parser, coordinator_argv, worker_argv
 
     args = _parser().parse_args(["--epochs", "8", "--workers", "2"])
     coord = coordinator_argv(args, "r", Path("runs/r"))
