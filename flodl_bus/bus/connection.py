@@ -14,6 +14,7 @@ Secrets never reach a log: URLs are logged through ``redact_url`` only.
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import re
@@ -544,3 +545,13 @@ def connect_pinged(url: str, *, client_name: str) -> redis.Redis:
             "start it or fix --redis-url"
         ) from None
     return client
+
+
+def add_url_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--redis-url``, defaulting to ``$FLODL_REDIS_URL``: every command that talks to
+    a run's Redis takes it the same way."""
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get(ENV_URL, DEFAULT_URL),
+        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
+    )

@@ -15,7 +15,6 @@ in Redis is an error (exit 2), not an empty wait.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -26,11 +25,10 @@ import orjson
 import redis
 
 from flodl_bus.bus.connection import (
-    DEFAULT_URL,
-    ENV_URL,
     MAX_BLOCK_MS,
     REFUSALS,
     RedisUnreachable,
+    add_url_argument,
     connect_pinged,
     describe_refusal,
     redact_url,
@@ -216,11 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     required = ap.add_argument_group("required")
     required.add_argument("--run", required=True, help="run id")
-    ap.add_argument(
-        "--redis-url",
-        default=os.environ.get(ENV_URL, DEFAULT_URL),
-        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
-    )
+    add_url_argument(ap)
     ap.add_argument("--rank", type=int, help="only ctl:<rank>, ctl:all and up:<rank>")
     ap.add_argument("--from-start", action="store_true", help="print what is already there")
     ap.add_argument("--count", type=int, help="exit after printing this many entries")

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 from flodl_bus import settings
-from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL
+from flodl_bus.bus.connection import add_url_argument
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, MaxFailure, parse_mode
 from flodl_bus.options import LOG_LEVELS, log_level
@@ -50,11 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job); the "
         "current directory is importable",
     )
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get(ENV_URL, DEFAULT_URL),
-        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
-    )
+    add_url_argument(p)
     # Not argparse choices: parse_mode's refusal names the fix (nccl-async -> cpu-async).
     p.add_argument(
         "--mode",

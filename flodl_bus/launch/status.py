@@ -13,7 +13,6 @@ stream's length. Nothing is taken from a consumer group and nothing is written.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -22,10 +21,9 @@ from typing import Any
 import redis
 
 from flodl_bus.bus.connection import (
-    DEFAULT_URL,
-    ENV_URL,
     REFUSALS,
     RedisUnreachable,
+    add_url_argument,
     connect_pinged,
     describe_refusal,
     redact_url,
@@ -160,11 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     required = ap.add_argument_group("required")
     required.add_argument("--run", required=True, help="run id")
-    ap.add_argument(
-        "--redis-url",
-        default=os.environ.get(ENV_URL, DEFAULT_URL),
-        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
-    )
+    add_url_argument(ap)
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -7,11 +7,10 @@ line that passes here imports the rank (and torch, seconds on a loaded machine).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
-from flodl_bus.bus.connection import DEFAULT_URL, ENV_URL
+from flodl_bus.bus.connection import add_url_argument
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 
@@ -43,11 +42,7 @@ def parser() -> argparse.ArgumentParser:
         help="MODULE:NAME of the flodl_bus Job to train (default: the coordinator's job, "
         "else the digits example)",
     )
-    p.add_argument(
-        "--redis-url",
-        default=os.environ.get(ENV_URL, DEFAULT_URL),
-        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
-    )
+    add_url_argument(p)
     p.add_argument(
         "--mode",
         choices=MODES,
