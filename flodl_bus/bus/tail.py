@@ -204,6 +204,36 @@ def run_exists(client: redis.Redis, keys: RunKeys) -> bool:
     return any(True for _ in client.scan_iter(match=f"{keys.prefix}*", count=1000))
 
 
+class RunUnavailable(Exception):
+    """The run id is malformed, its Redis refused or unreachable, or no such run is
+    there; the message is one line naming what to check."""
+
+
+def open_run(run: str, url: str, client_name: str) -> tuple[redis.Redis, RunKeys]:
+    """A client on an existing run, for the read-only commands (``tail``, ``status``):
+    every way of not getting one is a ``RunUnavailable`` with its one-line reason."""
+    try:
+        keys = RunKeys(run)
+    except ValueError as exc:
+        raise RunUnavailable(f"--run: {exc}") from None
+    try:
+        client = connect_pinged(url, client_name=client_name)
+    except RedisUnreachable as exc:
+        raise RunUnavailable(str(exc)) from None
+    try:
+        exists = run_exists(client, keys)
+    except REFUSALS as exc:
+        client.close()
+        raise RunUnavailable(describe_refusal(exc, url)) from None
+    if not exists:
+        client.close()
+        raise RunUnavailable(
+            f"no run {run!r} at {redact_url(url)} (no meta, no streams): "
+            "check --run and --redis-url"
+        )
+    return client, keys
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = OneLineParser(
         prog="flodl-bus tail",
@@ -226,23 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        keys = RunKeys(args.run)
-    except ValueError as exc:
-        print(f"flodl-bus tail: --run: {exc}", file=sys.stderr)
-        return 2
-    try:
-        client = connect_pinged(args.redis_url, client_name="flodl-tail")
-    except RedisUnreachable as exc:
+        client, keys = open_run(args.run, args.redis_url, "flodl-tail")
+    except RunUnavailable as exc:
         print(f"flodl-bus tail: {exc}", file=sys.stderr)
         return 2
     try:
-        if not run_exists(client, keys):
-            print(
-                f"flodl-bus tail: no run {args.run!r} at {redact_url(args.redis_url)} "
-                "(no meta, no streams): check --run and --redis-url",
-                file=sys.stderr,
-            )
-            return 2
         tail(
             client,
             args.run,

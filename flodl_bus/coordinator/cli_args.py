@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from flodl_bus import settings
 from flodl_bus.bus.connection import add_url_argument
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, MaxFailure, parse_mode
-from flodl_bus.options import LOG_LEVELS, log_level
+from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 
 PROG = "flodl-bus coordinator"
 
@@ -27,15 +26,8 @@ class ConfigError(Exception):
     """A configuration mistake; the message names the fix."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, not argparse's usage block: the line names the fix.
-        print(f"{PROG}: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog=PROG,
         description="Run the coordinator of a run.",
         epilog="Give --world-size N, or --min-workers M (with --join-timeout S). "

@@ -22,16 +22,13 @@ import redis
 
 from flodl_bus.bus.connection import (
     REFUSALS,
-    RedisUnreachable,
     add_url_argument,
-    connect_pinged,
     describe_refusal,
-    redact_url,
 )
 from flodl_bus.bus.entries import F_TYPE
 from flodl_bus.bus.ids import parse_id
-from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.bus.tail import run_exists
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.tail import RunUnavailable, open_run
 from flodl_bus.options import OneLineParser
 
 #: the newest entries of ``up:<r>`` looked at (a rank writes a Batch per step and a
@@ -162,23 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object instead of text")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        RunKeys(args.run)
-    except InvalidRunId as exc:
-        print(f"flodl-bus status: --run: {exc}", file=sys.stderr)
-        return 2
-    try:
-        client = connect_pinged(args.redis_url, client_name="flodl-status")
-    except RedisUnreachable as exc:
+        client, _keys = open_run(args.run, args.redis_url, "flodl-status")
+    except RunUnavailable as exc:
         print(f"flodl-bus status: {exc}", file=sys.stderr)
         return 2
     try:
-        if not run_exists(client, RunKeys(args.run)):
-            print(
-                f"flodl-bus status: no run {args.run!r} at {redact_url(args.redis_url)} "
-                "(no meta, no streams): check --run and --redis-url",
-                file=sys.stderr,
-            )
-            return 2
         st = read_status(client, args.run)
     except REFUSALS as exc:
         print(f"flodl-bus status: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
