@@ -48,6 +48,9 @@ class LocalCluster:
                         str(self.bus_ports[-1]),
                         "--cluster-node-timeout",
                         str(node_timeout_ms),
+                        # the other shards keep serving while one has no master
+                        "--cluster-require-full-coverage",
+                        "no",
                         # a lone replica may take over at once (no data-age veto)
                         "--cluster-replica-validity-factor",
                         "0",

@@ -187,8 +187,9 @@ def connect(
     if is_cluster_url(url):
         if key is None:
             raise BadRedisUrl(
-                f"{redact_url(url)} is a Redis Cluster URL, which this command does not "
-                "support: give it one node's redis:// URL, or run it against a single Redis"
+                f"{redact_url(url)} is a Redis Cluster URL, which only `flodl-bus "
+                "coordinator` and `worker` take: give this command a single Redis's "
+                "redis:// URL"
             )
         try:
             url = split_url(url)[0]

@@ -66,7 +66,8 @@ class RunKeys:
 
     def shard_of(self, rank: int) -> int | None:
         """The shard index rank ``rank``'s streams live on (None on one Redis)."""
-        return _rank(rank) % len(self.shards) if self.shards else None
+        _rank(rank)
+        return rank % len(self.shards) if self.shards else None
 
     def shard_prefix(self, shard: int | None) -> str:
         """The prefix of shard ``shard``'s keys (the run's prefix for None)."""
@@ -80,7 +81,7 @@ class RunKeys:
         return [self.prefix] + [self.shard_prefix(i) for i in range(len(self.shards))]
 
     def ctl(self, rank: int) -> str:
-        return f"{self.shard_prefix(self.shard_of(rank))}ctl:{rank}"
+        return f"{self.shard_prefix(self.shard_of(rank))}ctl:{_rank(rank)}"
 
     @property
     def ctl_all(self) -> str:
@@ -103,7 +104,7 @@ class RunKeys:
         return [self.broadcast_of_shard(i) for i in range(len(self.shards))]
 
     def up(self, rank: int) -> str:
-        return f"{self.shard_prefix(self.shard_of(rank))}up:{rank}"
+        return f"{self.shard_prefix(self.shard_of(rank))}up:{_rank(rank)}"
 
     def dlq_of_shard(self, shard: int | None) -> str:
         """The dlq beside a shard's streams: a reader's dead-letter write and its XACK go
