@@ -8,7 +8,9 @@ lost StartEpoch or SyncNow would leave a rank waiting for good, so the coordinat
    replica acknowledged survives the loss of its master;
 2. keeps every entry no replica acknowledged in time (a replica lagging, restarting or
    gone), with one ``bus_replication_unconfirmed`` line per episode, until a later WAIT
-   covers it (``bus_replication_confirmed``);
+   covers it (``bus_replication_confirmed``). While a master has no replica in sync
+   (a promoted replica whose old master is not back yet) it WAITs no more, which would
+   cost every write the whole timeout, but looks for a replica once a second;
 3. after any lost connection or redirect of its link (a failover shows as one of those),
    before its next write, looks each kept entry up: one that is gone is named
    (``bus_control_lost``: stream, id, seq, type) and written again with the same id, seq
@@ -25,8 +27,9 @@ Upstream entries are not WAITed for: a lost one shows as a seq gap at the coordi
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Final
+from typing import Any, Final
 
 import redis
 import structlog
@@ -40,8 +43,15 @@ log = structlog.get_logger("flodl_bus.bus")
 
 #: unconfirmed entries kept per shard (older ones are dropped with a line saying so)
 KEEP: Final = 100_000
+#: with no replica in sync, how often the guard looks for one again
+RECHECK_S: Final = 1.0
 
 Written = tuple[str, str, dict[bytes, bytes]]
+
+
+def _has_replica(client: redis.Redis) -> bool:
+    info: Any = client.info("replication")
+    return int(info.get("connected_slaves", 0)) > 0
 
 
 class ReplicaGuard:
@@ -57,6 +67,8 @@ class ReplicaGuard:
         #: entries named lost so far, and how many of them were written again
         self.lost = 0
         self.rewritten = 0
+        #: when a WAIT (or a look at INFO) last found no replica; None: WAIT as usual
+        self._degraded_at: float | None = None
 
     def _episodes(self) -> tuple[int, int, int]:
         return (moves(self.client), self.link.reconnects, self.link.write_blocks)
@@ -66,13 +78,33 @@ class ReplicaGuard:
         return len(self._kept)
 
     def written(self, items: list[Written]) -> None:
-        """After a write that Redis acknowledged: WAIT for a replica."""
+        """After a write that Redis acknowledged: WAIT for a replica.
+
+        A master with no replica in sync (a promoted replica before the old master is
+        back as its replica) would make every WAIT time out: after a WAIT that got no
+        replica, the guard looks at ``INFO replication`` at most once per ``RECHECK_S``
+        instead, and WAITs again once a replica is connected, keeping the entries
+        meanwhile."""
+        if self._degraded_at is not None:
+            now = time.monotonic()
+            if now - self._degraded_at < RECHECK_S:
+                self._keep(items)
+                return
+            if not _has_replica(self.client):
+                self._degraded_at = now
+                self._keep(items)
+                return
         acked = confirm(self.client, self.fence, self.wait_ms)
         if acked >= 1:
+            self._degraded_at = None
             if self._kept:
                 log.warning("bus_replication_confirmed", fence=self.fence, entries=len(self._kept))
                 self._kept.clear()
             return
+        self._degraded_at = time.monotonic()
+        self._keep(items)
+
+    def _keep(self, items: list[Written]) -> None:
         if not self._kept:
             log.error(
                 "bus_replication_unconfirmed",
