@@ -198,6 +198,7 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "callback_slack": knobs["callback_slack"],
         "speed_hints": knobs["speed_hints"],
         "stage_advisories": knobs["stage_advisories"],
+        "lockstep": knobs["lockstep"],
     }
 
 

@@ -394,8 +394,7 @@ class Coordinator:
         ):
             roles.pending_checkpoint_intent = False
             out.append(Send(roles.checkpoint, Checkpoint(epoch, roles.checkpoint)))
-            if self.checkpoints.enabled:
-                self.checkpoints.due = True
+            self.checkpoints.request(out)
         if bool(cfg.eval_every and epoch % cfg.eval_every == 0) or roles.pending_eval_intent:
             self.reduce.schedule_eval(epoch, out)
 

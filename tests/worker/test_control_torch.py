@@ -347,11 +347,13 @@ def test_eval_for_another_rank_or_without_eval_fn_is_silent() -> None:
     assert no_fn.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0)) == Dispatched()
 
 
-def test_save_consensus_model_writes_only_on_its_target(tmp_path: Path) -> None:
+def test_save_consensus_model_writes_the_model_on_its_target_and_each_ranks_state(
+    tmp_path: Path,
+) -> None:
     stem = tmp_path / "run" / "ckpt"
     other = make_core(rank=1, save_path=str(stem))
     assert other.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
-    assert not (tmp_path / "run").exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt.rank1.state.pt"]
     target = make_core(rank=0, save_path=str(stem))
     assert target.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
     saved = torch.load(tmp_path / "run" / "ckpt.model.pt")
