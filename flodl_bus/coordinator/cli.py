@@ -383,7 +383,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         recorder.close()
         bus.close()
         join.close()
-    status = {0: "finished", EXIT_INTERRUPTED: "interrupted"}.get(code, "saved")
+    status = {0: "finished", EXIT_INTERRUPTED: "interrupted", CONFIG: "refused"}.get(code, "saved")
     if code == EXIT_INTERRUPTED:
         code = stopped_code()
     try:

@@ -116,6 +116,8 @@ class Coordinator:
         self.phase = TRAINING
         self.finished = False
         self.finish_reason: SaveReason | None = None
+        #: why a rank refused the run's setup (``leaving.CONFIG_ERROR``), if one did
+        self.refused: str | None = None
         #: the rank the final eval went to; if it dies, the run stops waiting for it
         self.final_eval_rank: int | None = None
         self.final_eval_done = False
@@ -322,6 +324,14 @@ class Coordinator:
 
     def _on_leaving(self, r: int, reason: str, now: float, out: list[Out]) -> None:
         """A rank leaving mid-run said why (``protocol.leaving``)."""
+        if leaving.kind_of(reason) == leaving.CONFIG_ERROR:
+            # Set up wrong (a resume that does not fit the job): every rank is, and a
+            # save would overwrite the checkpoint; the run stops with the config code.
+            self.refused = leaving.detail_of(reason)
+            out.append(Alert("critical", "config_error", f"rank {r}: {self.refused}"))
+            self._on_exiting(r, out)
+            out += self.interrupt(now)
+            return
         if leaving.kind_of(reason) == leaving.JOB_FAILED:
             # The job's code is the same on every rank: what failed here fails there
             # too, so the run stops (with its save) instead of re-forming around it.
@@ -351,6 +361,7 @@ class Coordinator:
             self.roles.observe("checkpoint", msg.elapsed_ms)
             self.roles.checkpoint_succeeded(r)
             return
+        out.append(Alert("warn", "checkpoint_failed", f"rank {r}: {msg.error}"))
         nxt = self.roles.checkpoint_failed(r, self.alive_mask())
         if nxt is None:
             out.append(Alert("warn", "checkpoint_gave_up", f"version {msg.version}"))

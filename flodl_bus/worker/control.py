@@ -605,5 +605,10 @@ class WorkerControl:
 
 
 def _error_text(exc: BaseException) -> str:
+    # The job's JobError is one line already ("checkpoint_fn raised ValueError: x"):
+    # its type name in front would say twice that the job's code failed.
+    line = getattr(exc, "line", None)
+    if isinstance(line, str):
+        return line
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

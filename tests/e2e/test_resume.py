@@ -222,14 +222,31 @@ def test_each_rank_resumes_its_own_outer_optimizer_and_a_run_without_one_is_refu
         if p.name.startswith("rank") and rest in p.name:
             assert "resume_without_rank_state" not in p.output(), p.tail()
 
-    # Without the outer optimizer the saved state does not fit: the run stops, and the
-    # ranks say why in one line naming the fix.
-    bad = new_run_id("outer-c")
-    coord = cluster.coordinator(
-        bad, "--mode", mode, "--world-size", "2", "--epochs", "2", "--resume", str(half)
-    )
-    workers = cluster.ranked_workers(bad, 2, "--mode", mode)
+    # Without the outer optimizer the saved state does not fit: a config error (exit 2
+    # everywhere), each rank saying why in one line naming the fix, and the checkpoint
+    # left as it was (a save on the way out would overwrite what was resumed from).
+    files = sorted(half.parent.iterdir())
+    before = {p: p.read_bytes() for p in files}
+    _refused(cluster, half, mode, "resume with the same --outer setting")
+    # A model of other shapes under the stem: the same, naming the file and the fix.
+    wrong = digits.job.build_model().state_dict()
+    wrong["0.weight"] = torch.zeros(3, 3)
+    torch.save(wrong, f"{half}.model.pt")
+    _refused(cluster, half, mode, f"{half}.model.pt does not fit this job", *outer)
+    before[Path(f"{half}.model.pt")] = Path(f"{half}.model.pt").read_bytes()
+    assert sorted(half.parent.iterdir()) == files
+    assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def _refused(cluster: Cluster, stem: Path, mode: str, fix: str, *extra: str) -> None:
+    run = new_run_id("refused")
+    common = ("--mode", mode, "--world-size", "2", "--epochs", "2", *extra)
+    coord = cluster.coordinator(run, *common, "--resume", str(stem))
+    workers = cluster.ranked_workers(run, 2, "--mode", mode)
     codes = cluster.wait([coord, *workers], timeout=120)
-    assert codes[1:] == [1, 1] and codes[0] != 0, cluster.tails()
+    assert codes == [2, 2, 2], cluster.tails()
+    assert "job_failed" not in coord.output(), coord.tail()
+    assert "config_error" in coord.output(), coord.tail()
     for w in workers:
-        assert "resume with the same --outer setting" in w.output(), w.tail()
+        lines = [ln for ln in w.output().splitlines() if "rank_refused" in ln]
+        assert len(lines) == 1 and fix in lines[0] and "resume with" in lines[0], w.tail()
