@@ -135,6 +135,14 @@ KNOBS: tuple[Knob, ...] = (
     Knob("max_batch_diff", _int(0), None, "most batches a rank may run ahead (cpu throttle)"),
     Knob("max_overshoot", _int(0), None, "cpu-async: steps past its window a rank may run"),
     Knob(
+        "relax_up",
+        _bool,
+        False,
+        "cpu-async: each reduce the guard calls stable grows the anchor by one, within "
+        "--max-batch-diff (true|false)",
+        metavar="BOOL",
+    ),
+    Knob(
         "callback_rank",
         _int(0),
         None,

@@ -146,3 +146,21 @@ def test_speed_hints_for_another_world_size_are_refused() -> None:
             mode="cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
             **config_knobs(v),
         )  # fmt: skip
+
+
+def test_relax_up_is_off_by_default_and_reachable_by_flag_file_and_up(tmp_path: Path) -> None:
+    assert settings.resolve(parse())["relax_up"] is False  # flodl's default
+    toml = tmp_path / "run.toml"
+    toml.write_text("relax_up = true\n")
+    v = settings.resolve(parse("--config", str(toml)))
+    cfg = CoordinatorConfig(
+        mode="cpu-async", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
+        **config_knobs(v),
+    )  # fmt: skip
+    assert cfg.relax_up is True
+    flag = settings.resolve(parse("--config", str(toml), "--relax-up", "false"))
+    assert flag["relax_up"] is False
+    args = up_parser().parse_args(["--workers", "2", "--relax-up", "true"])
+    coord = coordinator_argv(args, "r", tmp_path)
+    assert coord[coord.index("--relax-up") + 1] == "true"
+    assert "--relax-up" not in worker_argv(args, "r", 0, tmp_path)

@@ -191,6 +191,7 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "overhead_target": knobs["overhead_target"],
         "max_batch_diff": knobs["max_batch_diff"],
         "max_overshoot": knobs["max_overshoot"],
+        "relax_up": knobs["relax_up"],
         "epoch_callback_rank": knobs["callback_rank"],
         "max_failure": max_failure,
         "guard": knobs["guard"],

@@ -90,6 +90,8 @@ class CoordinatorConfig:
     max_batch_diff: int | None = None
     #: None = auto-tuned (async only): 3, +1 per stable reduce up to 15
     max_overshoot: int | None = None
+    #: cpu-async: every Stable reduce also grows the anchor by one (flodl: opt-in)
+    relax_up: bool = False
     #: None = 0.05, or 0.3 when EASGD blending is on (cpu-async)
     trend_threshold: float | None = None
     partition_ratios: tuple[float, ...] | None = None

@@ -183,8 +183,11 @@ class ElChe:
         self._recompute(first=first)
         self.pending_anchor = self._growth_proposal(report)
 
-    def apply_verdict(self, verdict: Verdict) -> None:
-        """Commit (Stable), veto (SuppressGrowth) or discard-and-shrink (NudgeDown)."""
+    def apply_verdict(self, verdict: Verdict, relax_up: bool = False) -> None:
+        """Commit (Stable), veto (SuppressGrowth) or discard-and-shrink (NudgeDown).
+
+        ``relax_up``: a Stable verdict also grows the anchor by one (flodl's opt-in
+        ``elche_relax_up``, which the caller grants to cpu-async only)."""
         if verdict.kind is VerdictKind.STABLE:
             self._stable_streak += 1
             if not self.growth_armed and self._stable_streak >= REARM_AFTER:
@@ -192,6 +195,8 @@ class ElChe:
             if self.pending_anchor is not None and self.pending_anchor != self.anchor:
                 self.anchor = self.pending_anchor
                 self._recompute(first=False)
+            if relax_up:
+                self.relax_anchor_up()
         else:
             self._stable_streak = 0
             self.growth_armed = False
@@ -204,6 +209,29 @@ class ElChe:
         f = min(max(factor, 0.1), 1.0)
         self.anchor = max(1, min(self.anchor, math.ceil(self.anchor * f)))
         self._recompute(first=False)
+
+    def relax_anchor_up(self) -> None:
+        """One more batch per window, up to ``max_anchor`` (reference §4.9.4).
+
+        The upward twin of ``nudge_anchor_down``: while the guard keeps saying Stable,
+        async windows lengthen and the reduce is paid less often. With a
+        ``max_batch_diff`` the step is refused when it would put the fastest rank more
+        than that many batches ahead of the slowest (for speed ratio R the anchor then
+        stops near ``max_batch_diff / (R - 1)``), as the throttle would hold it anyway.
+        """
+        if self.anchor >= self.max_anchor:
+            return
+        if self.max_batch_diff is not None:
+            known = [ms for r in range(self.world_size) if (ms := self.smoothed_ms(r))]
+            if known:
+                new_anchor = self.anchor + 1
+                fast = max(1, _round_half_up(new_anchor * max(known) / min(known)))
+                if fast - new_anchor > self.max_batch_diff:
+                    return
+        self.anchor += 1
+        # Uncalibrated counts (equal, or speed hints) stay until the first measurement.
+        if self.anchor_rank is not None and self.smoothed_ms(self.anchor_rank) is not None:
+            self._recompute(first=False)
 
     def stage_slack(self, rank: int, ms: float) -> None:
         """The next recompute shortens ``rank``'s window by ``ms`` of callback time."""

@@ -198,7 +198,10 @@ class Reduce:
         core.last_verdict = verdict = merge(guard, nudge)
         core.version += 1
         core.avg_count += 1
-        core.elche.apply_verdict(verdict)
+        # Relax-up lengthens windows only where ranks overshoot them anyway (async).
+        core.elche.apply_verdict(
+            verdict, relax_up=core.policy is Policy.ASYNC and core.config.relax_up
+        )
         if core.overshoot_auto:
             if verdict.kind is VerdictKind.STABLE:
                 core.max_overshoot = min(core.max_overshoot + 1, OVERSHOOT_CEILING)

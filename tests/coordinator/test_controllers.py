@@ -156,3 +156,30 @@ def test_every_reduce_re_advises_and_a_dead_rank_is_not_advised() -> None:
 def test_advisories_are_off_by_default_and_absent_for_a_fixed_partition() -> None:
     assert advisories(make().start(0.0)) == {}
     assert advisories(make(progressive=False, stage_advisories=True).start(0.0)) == {}
+
+
+def test_relax_up_grows_the_cpu_async_anchor_by_one_per_stable_reduce() -> None:
+    core = make("cpu-async", anchor=10, relax_up=True, meta_controller=False)
+    for _ in range(3):
+        window(core, 0.1)
+    assert core.last_verdict.kind is VerdictKind.STABLE
+    assert core.elche.anchor == 13
+
+
+def test_relax_up_is_off_by_default_and_never_lengthens_cadence_windows() -> None:
+    default = make("cpu-async", anchor=10, meta_controller=False)
+    cadence = make("cpu-cadence", anchor=10, relax_up=True, meta_controller=False)
+    for core in (default, cadence):
+        for _ in range(3):
+            window(core, 0.1)
+        assert core.elche.anchor == 10
+
+
+def test_relax_up_waits_while_the_guard_vetoes_growth() -> None:
+    core = make("cpu-async", anchor=10, relax_up=True, meta_controller=False)
+    for i in range(4):
+        # Divergence rising above the async threshold (0.3) three windows running.
+        core.reduce.divergence = [0.3 + 0.1 * i, 0.3 + 0.1 * i]
+        window(core, 0.1)
+    assert core.last_verdict.kind is VerdictKind.SUPPRESS_GROWTH
+    assert core.elche.anchor == 12  # two Stable windows before the climb was seen

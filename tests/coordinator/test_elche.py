@@ -214,3 +214,61 @@ def test_callback_slack_survives_a_growth_commit_in_the_same_finish() -> None:
     assert el.pending_anchor is not None
     el.apply_verdict(STABLE)
     assert el.counts[0] == 2 * el.anchor - 6
+
+
+def test_relax_up_adds_one_batch_to_the_anchor_on_a_stable_verdict() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [20, 10]
+    el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 11 and el.counts == [22, 11]
+
+
+def test_relax_up_needs_the_flag_and_a_stable_verdict() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 10.0))
+    el.apply_verdict(STABLE)
+    assert el.anchor == 10
+    el.apply_verdict(SUPPRESS, relax_up=True)
+    assert el.anchor == 10
+    el.apply_verdict(Verdict(VerdictKind.NUDGE_DOWN, 0.5), relax_up=True)
+    assert el.anchor == 5
+
+
+def test_relax_up_follows_a_committed_growth_proposal() -> None:
+    el = ElChe(2, overhead_target=0.1)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    assert el.pending_anchor == 20
+    el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 21
+
+
+def test_relax_up_stops_at_max_anchor() -> None:
+    el = ElChe(2, anchor=10, max_anchor=11)
+    el.report_window(report(10.0, 10.0))
+    for _ in range(3):
+        el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 11
+
+
+def test_relax_up_refuses_a_step_that_would_put_the_fast_rank_past_max_batch_diff() -> None:
+    # Speed ratio 3 and max_batch_diff 100: the anchor stops at 50 ([50, 150], diff 100).
+    el = ElChe(2, anchor=48, max_batch_diff=100)
+    el.report_window(report(10.0, 30.0))
+    for _ in range(5):
+        el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 50
+    free = ElChe(2, anchor=48)
+    free.report_window(report(10.0, 30.0))
+    for _ in range(5):
+        free.apply_verdict(STABLE, relax_up=True)
+    assert free.anchor == 53
+
+
+def test_relax_up_before_any_measurement_keeps_the_hinted_counts() -> None:
+    el = ElChe(2, speed_hints=(2.0, 1.0))
+    assert el.counts == [20, 10]
+    el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 11 and el.counts == [20, 10]
