@@ -27,6 +27,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "callback_slack": False,
     "stage_advisories": False,
     "scheduler_meta": False,
+    "window_wait": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -121,6 +122,9 @@ class CoordinatorConfig:
     stage_advisories: bool = False
     #: checkpoint meta carries the controllers' state, so a resume continues them
     scheduler_meta: bool = True
+    #: nccl progressive cadence: an open gate waits for a mover still short of a
+    #: delivered sample while its chunk is out (reference §4.6.1)
+    window_wait: bool = True
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)

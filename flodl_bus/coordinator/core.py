@@ -234,7 +234,9 @@ class Coordinator:
         self.reduce.poll(now, out)
         if self.finished:
             return out
-        if self.should_average():
+        if not self.should_average():
+            self.reduce.wait_since = None
+        elif self.reduce.window_ready(now, self.ledger):
             self._trigger(now, out)
         aggregated = self.dispatch.aggregate_ready(now, out)
         self._advance(now, out, aggregated)
@@ -421,7 +423,7 @@ class Coordinator:
             trailing = any(self.ledger.steps[r] > 0 for r in alive)
             if len(alive) >= 2 and trailing:
                 # Final consensus reduce, while idle ranks still service control.
-                if self.reduce.settled():
+                if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled
                     self._trigger(now, out)
                 return

@@ -102,6 +102,8 @@ class Reduce:
         self.post_norm: float | None = None
         self.upload_ms: list[float | None] = [None] * ws
         self.throttled = [False] * ws
+        #: when the open gate started waiting for the window to complete (NCCL cadence)
+        self.wait_since: float | None = None
 
     # ------------------------------------------------------------- the backend's rules
     @property
@@ -155,25 +157,50 @@ class Reduce:
         """Whether a window's delivered (marginal) times are comparable across ranks."""
         return self.core.policy is not Policy.SYNC
 
+    def window_ready(self, now: float, window: Ledger) -> bool:
+        """The gate is open: whether to reduce now or wait for the window to complete."""
+        return True
+
     # ------------------------------------------------------------- closing a window
+    def _movers(self, window: Ledger) -> list[int]:
+        core = self.core
+        return [r for r in range(core.ws) if core.alive(r) and window.steps[r] > 0]
+
+    @staticmethod
+    def _has_delivered(window: Ledger, r: int) -> bool:
+        # Callback time taken out of the window can leave batches with no time left.
+        return window.delivered_batches[r] > 0 and window.delivered_ms[r] > 0
+
+    def movers_delivered_complete(self, window: Ledger) -> bool:
+        """Every live rank that stepped in ``window`` has a delivered (marginal) sample;
+        idle and dead ranks do not count. A one-batch window has none: its only batch is
+        the fill."""
+        return all(self._has_delivered(window, r) for r in self._movers(window))
+
+    def timing_feed(self, window: Ledger) -> tuple[list[float], list[int]]:
+        """Per rank (ms, batches) ElChe learns the window from: the delivered scale
+        (compute + data wait, fill excluded) where the mode measures it and every mover
+        has a sample, else the compute scale for every rank. All or none: a mix makes a
+        data-starved rank look fast and hands it the most work (§6 #15)."""
+        return self._feed(window)[1:]
+
+    def _feed(self, window: Ledger) -> tuple[bool, list[float], list[int]]:
+        if self.measures_delivered() and self.movers_delivered_complete(window):
+            return True, list(window.delivered_ms), list(window.delivered_batches)
+        return False, list(window.wall_ms), list(window.steps)
+
     def window_report(self, closed: Ledger, reduce_ms: float) -> WindowReport:
         core = self.core
-        movers = [r for r in range(core.ws) if core.alive(r) and closed.steps[r] > 0]
-        # All-or-none: mixing delivered and compute scales inverts allocations (§6 #15).
-        coherent = self.measures_delivered() and all(
-            closed.delivered_batches[r] > 0 for r in movers
-        )
+        delivered, feed_ms, feed_batches = self._feed(closed)
         ms: list[float | None] = [None] * core.ws
         fill = 0.0
-        for r in movers:
-            if coherent:
-                marginal = closed.delivered_ms[r] / closed.delivered_batches[r]
-                ms[r] = marginal
-                first = closed.first_batch_ms[r]
-                if first is not None:
-                    fill = max(fill, first - marginal)
-            else:
-                ms[r] = closed.wall_ms[r] / closed.steps[r]
+        for r in self._movers(closed):
+            if feed_batches[r] <= 0:
+                continue
+            ms[r] = per_batch = feed_ms[r] / feed_batches[r]
+            first = closed.first_batch_ms[r]
+            if delivered and first is not None:
+                fill = max(fill, first - per_batch)
         return WindowReport(tuple(ms), reduce_ms=reduce_ms, fill_ms=fill)
 
     def close_window(self, closed: Ledger, reduce_ms: float) -> None:
@@ -301,6 +328,34 @@ class NcclReduce(Reduce):
 
     def measures_delivered(self) -> bool:
         return self.core.policy is Policy.CADENCE
+
+    def window_ready(self, now: float, window: Ledger) -> bool:
+        """Progressive cadence waits, before SyncNow, for a mover still short of a
+        delivered sample while its chunk is out (§4.6.1): the rest of that chunk may
+        complete the sample, and a window reduced without it feeds ElChe the compute
+        scale. Bounded by ``heartbeat_timeout + 2 s`` (0.1 s without the elastic sweep,
+        where a silent rank is never found dead); ticks go on meanwhile, so the
+        coordinator's heartbeat does too. The reference also waits out its ceiling for
+        a mover whose chunk has come back; nothing more arrives for this window then."""
+        cfg = self.core.config
+        if not (cfg.window_wait and cfg.policy is Policy.CADENCE and cfg.is_progressive):
+            return True
+        dispatch = self.core.dispatch
+        waiting = any(
+            dispatch.has_in_flight(r)
+            for r in self._movers(window)
+            if not self._has_delivered(window, r)
+        )
+        if not waiting:
+            self.wait_since = None
+            return True
+        if self.wait_since is None:
+            self.wait_since = now
+        ceiling = cfg.heartbeat_timeout + 2.0 if cfg.elastic else 0.1
+        if now - self.wait_since >= ceiling:
+            self.wait_since = None
+            return True
+        return False
 
     def trigger(self, now: float, closed: Ledger, armed: ArmedSave | None, out: list[Out]) -> None:
         core = self.core
