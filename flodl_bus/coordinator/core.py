@@ -295,7 +295,7 @@ class Coordinator:
     def state_summary(self) -> dict[str, Any]:
         open_, why = self.gate()
         live, reduce = self.live, self.reduce
-        return {
+        summary = {
             "phase": self.phase,
             "version": self.version,
             "global_step": self.global_step,
@@ -316,6 +316,12 @@ class Coordinator:
             "pools": self.dispatch.remaining(),
             "gate": {"open": open_, "why": why},
         }
+        if reduce.wait_since is not None:
+            # A tick that starts the wait changes nothing else: this makes the recorder
+            # keep it, so a replay's ceiling counts from the same instant. Absent when
+            # not waiting, as in records made before the wait existed.
+            summary["window_wait_since"] = reduce.wait_since
+        return summary
 
     # ================================================================= upstream
     def _on_exiting(self, r: int, out: list[Out]) -> None:

@@ -379,11 +379,15 @@ def test_nccl_cadence_wait_ends_when_the_movers_chunks_come_back() -> None:
 
 def test_nccl_cadence_wait_gives_up_at_its_ceiling_on_the_compute_scale() -> None:
     core, _ = one_batch_windows()
+    assert "window_wait_since" not in core.state_summary()
     assert not msgs(core.tick(1.0), m.SyncNow)
+    # the tick that began the wait changed the recorded state: a replay counts from it
+    assert core.state_summary()["window_wait_since"] == 1.0
     beat(core, [0, 1], 32.0)
     assert not msgs(core.tick(32.0), m.SyncNow)
     beat(core, [0, 1], 33.1)
     assert msgs(core.tick(33.1), m.SyncNow)  # heartbeat_timeout 30 s + 2 s
+    assert "window_wait_since" not in core.state_summary()
     assert core.elche.smoothed_ms(0) == 10.0
     quick, _ = one_batch_windows(elastic=False)
     assert not msgs(quick.tick(0.05), m.SyncNow)
