@@ -177,11 +177,14 @@ class ElChe:
                 self._zero_windows[r] += 1
         if not seen:
             return
+        # Election and growth read the phase this report starts in (flodl advances it
+        # after the report): Stable's rules apply from the 6th calibration on.
+        phase = self.phase
         first = self.calibrations == 0
         self.calibrations += 1
-        self._elect_anchor_rank()
+        self._elect_anchor_rank(phase)
         self._recompute(first=first)
-        self.pending_anchor = self._growth_proposal(report)
+        self.pending_anchor = self._growth_proposal(report, phase)
 
     def apply_verdict(self, verdict: Verdict, relax_up: bool = False) -> None:
         """Commit (Stable), veto (SuppressGrowth) or discard-and-shrink (NudgeDown).
@@ -206,9 +209,12 @@ class ElChe:
         self.pending_anchor = None
 
     def nudge_anchor_down(self, factor: float) -> None:
+        if not math.isfinite(factor):
+            return
         f = min(max(factor, 0.1), 1.0)
         self.anchor = max(1, min(self.anchor, math.ceil(self.anchor * f)))
-        self._recompute(first=False)
+        if self._slow_ms() is not None:
+            self._recompute(first=False)
 
     def relax_anchor_up(self) -> None:
         """One more batch per window, up to ``max_anchor`` (reference §4.9.4).
@@ -230,7 +236,7 @@ class ElChe:
                     return
         self.anchor += 1
         # Uncalibrated counts (equal, or speed hints) stay until the first measurement.
-        if self.anchor_rank is not None and self.smoothed_ms(self.anchor_rank) is not None:
+        if self._slow_ms() is not None:
             self._recompute(first=False)
 
     def stage_slack(self, rank: int, ms: float) -> None:
@@ -238,7 +244,10 @@ class ElChe:
         self._slack = (rank, ms)
 
     # ------------------------------------------------------------------ internals
-    def _elect_anchor_rank(self) -> None:
+    def _slow_ms(self) -> float | None:
+        return self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+
+    def _elect_anchor_rank(self, phase: str | None = None) -> None:
         ms = [self.smoothed_ms(r) for r in range(self.world_size)]
         known = [(m, r) for r, m in enumerate(ms) if m is not None]
         if not known:
@@ -246,7 +255,7 @@ class ElChe:
         cur = self.anchor_rank
         if cur is not None and self._zero_windows[cur] >= DEAD_WINDOW_ESCAPE:
             cur = None
-        if cur is not None and self.phase not in ("stable", "mature"):
+        if cur is not None and (phase or self.phase) not in ("stable", "mature"):
             return
         slowest = max(m for m, _ in known)
         if cur is not None:
@@ -257,7 +266,7 @@ class ElChe:
         self.anchor_rank = min(cohort)
 
     def _recompute(self, first: bool) -> None:
-        slow = self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+        slow = self._slow_ms()
         slack = self._active_slack
         new = []
         for r in range(self.world_size):
@@ -267,17 +276,18 @@ class ElChe:
             else:
                 target = max(1, _round_half_up(self.anchor * min(slow / ms, MAX_SPEED_RATIO)))
             old = self.counts[r]
+            slacked = False
             if slack is not None and slack[0] == r and ms is not None:
                 # Callback time the rank will spend at the epoch's end: its window is
                 # shortened so the others do not wait for it (no dead zone here).
                 target = max(1, target - math.ceil(slack[1] / ms))
-            elif not first:
-                if old > 0 and abs(target - old) / old < DEAD_ZONE:
+                slacked = True
+            if not first:
+                if not slacked and abs(target - old) <= DEAD_ZONE * old:
                     target = old
                 elif self.max_batch_diff is not None:
                     d = self.max_batch_diff
-                    target = min(max(target, old - d), old + d)
-                    target = max(target, 1)
+                    target = max(min(max(target, old - d), old + d), 1)
             new.append(target)
         self.counts = new
         self._apply_window_cap()
@@ -298,10 +308,12 @@ class ElChe:
             scaled[scaled.index(max(scaled))] -= 1
         self.counts = scaled
 
-    def _growth_proposal(self, report: WindowReport) -> int | None:
+    def _growth_proposal(self, report: WindowReport, phase: str) -> int | None:
+        if phase == "probe":
+            return None  # one sample is a reading, not a trend
         if not self.growth or not self.growth_armed or self.window_cap_binding:
             return None
-        marginal = self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+        marginal = self._slow_ms()
         if marginal is None:
             return None
         cost = max(report.reduce_ms, 0.0) + max(report.fill_ms, 0.0)
@@ -309,10 +321,8 @@ class ElChe:
         if denom <= 0:
             return None
         overhead = cost / denom
-        if self.phase == "warmup":
-            if self.calibrations < 2 or overhead <= WARMUP_MARGIN * self.overhead_target:
-                return None
-        elif overhead <= self.overhead_target:
+        margin = WARMUP_MARGIN if phase == "warmup" else 1.0
+        if overhead <= margin * self.overhead_target:
             return None
         step = min(overhead / self.overhead_target, GROWTH_STEP_CAP)
         proposal = min(max(math.ceil(self.anchor * step), self.min_anchor), self.max_anchor)

@@ -108,9 +108,22 @@ def test_nudge_down_discards_the_proposal_and_shrinks() -> None:
 
 def test_nudge_anchor_down() -> None:
     el = ElChe(2, anchor=20)
+    el.report_window(report(10.0, 10.0))
     el.nudge_anchor_down(0.5)
     assert el.anchor == 10
     assert el.counts == [10, 10]
+
+
+def test_nudge_before_any_measurement_shrinks_the_anchor_and_keeps_the_counts() -> None:
+    el = ElChe(2, anchor=20, speed_hints=(2.0, 1.0))
+    el.nudge_anchor_down(0.5)
+    assert el.anchor == 10 and el.counts == [40, 20]
+
+
+def test_a_nan_nudge_factor_changes_nothing() -> None:
+    el = ElChe(2, anchor=20)
+    el.nudge_anchor_down(float("nan"))
+    assert el.anchor == 20
 
 
 def test_nudge_anchor_down_clamped_to_one() -> None:
@@ -272,3 +285,42 @@ def test_relax_up_before_any_measurement_keeps_the_hinted_counts() -> None:
     assert el.counts == [20, 10]
     el.apply_verdict(STABLE, relax_up=True)
     assert el.anchor == 11 and el.counts == [20, 10]
+
+
+def test_dead_zone_keeps_a_count_whose_change_is_exactly_five_percent() -> None:
+    el = ElChe(2, anchor=20)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [40, 20]
+    el.report_window(report(2 * 400 / 42 - 10, 20.0))  # rank 0 mean 400/42: target 42
+    assert el.counts == [40, 20]  # 2 of 40 is not more than 5 %
+
+
+def test_a_slack_shortened_window_still_moves_by_at_most_max_batch_diff() -> None:
+    el = ElChe(2, max_batch_diff=2)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [20, 10]
+    el.stage_slack(0, 100.0)  # 10 batches of rank 0's time
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [18, 10]
+
+
+def test_stable_growth_threshold_applies_from_the_sixth_calibration() -> None:
+    # overhead 17.6 / (10 x 10 + 17.6) ~ 0.15: above the 0.1 target, under warm-up's 0.2
+    el = ElChe(2, overhead_target=0.1)
+    for _ in range(5):
+        el.report_window(report(10.0, 10.0, reduce_ms=17.6))
+        assert el.pending_anchor is None
+        el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 10.0, reduce_ms=17.6))
+    assert el.phase == "stable" and el.pending_anchor == 15
+
+
+def test_anchor_rank_re_election_waits_for_the_sixth_calibration() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    assert el.anchor_rank == 1
+    for _ in range(4):
+        el.report_window(report(40.0, 20.0))  # rank 0 turned slow
+    assert el.anchor_rank == 1  # the fifth report still starts in warm-up
+    el.report_window(report(40.0, 20.0))
+    assert el.anchor_rank == 0

@@ -345,6 +345,7 @@ def one_batch_windows(mode: str = "nccl-cadence", **kw: Any) -> tuple[Coordinato
     chunk, rank 1 one batch, and the gate opens with rank 1 short of a delivered sample."""
     core, out = started(mode, anchor=3, **kw)
     assert [p.partition_size for p in plans(out).values()] == [3, 3]
+    core.elche.report_window(WindowReport((20.0, 20.0)))  # both ranks measured at 20 ms
     core.elche.nudge_anchor_down(0.1)
     assert core.elche.counts == [1, 1]
     for _ in range(3):
@@ -360,7 +361,7 @@ def test_nccl_cadence_waits_for_a_movers_chunk_to_complete_its_delivered_sample(
     batch(core, 1, 0.02)  # the rest of rank 1's chunk: its marginal sample lands
     assert msgs(core.tick(0.03), m.SyncNow)
     # ElChe learned the delivered scale (10 ms compute + 10 ms data), not compute alone
-    assert core.elche.smoothed_ms(0) == core.elche.smoothed_ms(1) == 20.0
+    assert core.elche.smoothed_ms(0) == core.elche.smoothed_ms(1) == 20.0  # (20 + 20) / 2
 
 
 def test_nccl_cadence_wait_ends_when_the_movers_chunks_come_back() -> None:
@@ -388,7 +389,7 @@ def test_nccl_cadence_wait_gives_up_at_its_ceiling_on_the_compute_scale() -> Non
     beat(core, [0, 1], 33.1)
     assert msgs(core.tick(33.1), m.SyncNow)  # heartbeat_timeout 30 s + 2 s
     assert "window_wait_since" not in core.state_summary()
-    assert core.elche.smoothed_ms(0) == 10.0
+    assert core.elche.smoothed_ms(0) == 15.0  # (20 + 10 ms compute) / 2
     quick, _ = one_batch_windows(elastic=False)
     assert not msgs(quick.tick(0.05), m.SyncNow)
     assert msgs(quick.tick(0.16), m.SyncNow)  # 0.1 s without the staleness sweep
