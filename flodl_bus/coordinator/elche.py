@@ -82,10 +82,10 @@ class ElChe:
         self._rings: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(world_size)]
         self._zero_windows = [0] * world_size
         self._history: deque[tuple[int, ...]] = deque(maxlen=COUNTS_HISTORY)
-        #: (rank, ms) of callback time the next recompute takes off that rank's count
-        self._slack: tuple[int, float] | None = None
+        #: per-rank ms of callback time the next report's recompute takes off the counts
+        self._slack: list[float] | None = None
         #: the slack of the window being planned (every recompute until the next report)
-        self._active_slack: tuple[int, float] | None = None
+        self._active_slack: list[float] | None = None
         if speed_hints is not None:
             # Before any measurement, a hinted faster rank starts with a larger window,
             # as a measured one would (the first calibration replaces it).
@@ -239,9 +239,10 @@ class ElChe:
         if self._slow_ms() is not None:
             self._recompute(first=False)
 
-    def stage_slack(self, rank: int, ms: float) -> None:
-        """The next recompute shortens ``rank``'s window by ``ms`` of callback time."""
-        self._slack = (rank, ms)
+    def stage_slack(self, slack_ms: Sequence[float]) -> None:
+        """The next report shortens each rank's window by its ms of callback time."""
+        if len(slack_ms) == self.world_size:
+            self._slack = list(slack_ms)
 
     # ------------------------------------------------------------------ internals
     def _slow_ms(self) -> float | None:
@@ -277,10 +278,10 @@ class ElChe:
                 target = max(1, _round_half_up(self.anchor * min(slow / ms, MAX_SPEED_RATIO)))
             old = self.counts[r]
             slacked = False
-            if slack is not None and slack[0] == r and ms is not None:
+            if slack is not None and slack[r] > 0 and ms is not None:
                 # Callback time the rank will spend at the epoch's end: its window is
                 # shortened so the others do not wait for it (no dead zone here).
-                target = max(1, target - math.ceil(slack[1] / ms))
+                target = max(1, target - math.ceil(slack[r] / ms))
                 slacked = True
             if not first:
                 if not slacked and abs(target - old) <= DEAD_ZONE * old:

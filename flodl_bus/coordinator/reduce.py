@@ -43,6 +43,10 @@ SLACK_SHARE = 0.05
 SLACK_FLOOR_MS = 100.0
 
 
+def _every(every: int | None, epoch: int) -> bool:
+    return bool(every) and epoch % (every or 1) == 0
+
+
 class Ledger:
     """What each rank did since the last reduce (reference §4.3)."""
 
@@ -237,23 +241,35 @@ class Reduce:
         core.global_step += sum(closed.steps)
 
     def _stage_slack(self) -> None:
-        """The epoch's last window: its callback rank's window is shortened by the
-        callback's expected time, if that time is worth it (§4.13.4)."""
+        """The epoch's last window: each rank that runs a callback at the epoch's end
+        (epoch_fn on its role, checkpoint and eval on theirs when due) gets a window
+        shorter by the callbacks' expected time, where that time is worth it (§4.13.4)."""
         core = self.core
         elche = core.elche
         if not core.config.callback_slack or not elche.calibrated:
             return
         remaining = core.dispatch.epoch_remaining()
-        if remaining is None or remaining == 0 or remaining > sum(elche.counts):
+        epoch = core.dispatch.oldest_open_epoch()
+        if remaining is None or epoch is None or remaining == 0 or remaining > sum(elche.counts):
             return
-        rank = core.roles.epoch_callback
-        slack = core.roles.ewma_ms["epoch_fn"]
-        if slack is None or not core.alive(rank):
-            return
+        cfg, roles = core.config, core.roles
+        nxt = epoch + 1
+        due = (
+            (roles.epoch_callback, "epoch_fn", True),
+            (roles.checkpoint, "checkpoint", _every(cfg.checkpoint_every, nxt)),
+            (roles.eval, "eval", _every(cfg.eval_every, nxt)),
+        )
+        slack = [0.0] * core.ws
+        for rank, kind, fires in due:
+            ms = roles.ewma_ms[kind]
+            if fires and ms is not None and core.alive(rank):
+                slack[rank] += ms
         slow = elche.smoothed_ms(elche.anchor_rank) if elche.anchor_rank is not None else None
         anchor_wall_ms = elche.anchor * slow if slow is not None else 0.0
-        if slack >= max(SLACK_SHARE * anchor_wall_ms, SLACK_FLOOR_MS):
-            elche.stage_slack(rank, slack)
+        threshold = max(SLACK_SHARE * anchor_wall_ms, SLACK_FLOOR_MS)
+        slack = [s if s >= threshold else 0.0 for s in slack]
+        if any(slack):
+            elche.stage_slack(slack)
 
     def after_window(self, now: float, out: list[Out]) -> None:
         self.throttled = [False] * self.core.ws

@@ -183,3 +183,23 @@ def test_relax_up_waits_while_the_guard_vetoes_growth() -> None:
         window(core, 0.1)
     assert core.last_verdict.kind is VerdictKind.SUPPRESS_GROWTH
     assert core.elche.anchor == 12  # two Stable windows before the climb was seen
+
+
+def test_callback_slack_adds_an_eval_due_at_the_epochs_end_to_its_ranks_window() -> None:
+    for every, counts in ((1, [8, 10]), (2, [20, 10])):
+        core = slack_core(ewma_ms=60.0, eval_every=every)  # 60 ms alone is under 100
+        core.handle(0, m.EvalResult(0, 0, 0, 0.9, 60.0), 0.0)
+        window(core, 0.1, ms=(10.0, 20.0))
+        window(core, 0.1, ms=(10.0, 20.0))
+        # epoch 1 is due under every=1: 60 + 60 ms, ceil(120 / 10) batches off rank 0
+        assert core.elche.counts == counts
+
+
+def test_callback_slack_shortens_the_checkpoint_ranks_window_when_one_is_due() -> None:
+    core = slack_core(ewma_ms=None, checkpoint_every=1)
+    core.handle(0, m.CheckpointResult(0, 1, 5.0, "disk full"), 0.0)  # role fails over
+    core.handle(1, m.CheckpointResult(1, 1, 150.0), 0.0)
+    assert core.roles.checkpoint == 1 and core.roles.epoch_callback == 0
+    window(core, 0.1, ms=(10.0, 20.0))
+    window(core, 0.1, ms=(10.0, 20.0))
+    assert core.elche.counts == [20, 2]  # ceil(150 / 20) = 8 off the anchor's 10

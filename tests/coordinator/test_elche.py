@@ -211,7 +211,7 @@ def test_callback_slack_shortens_the_callback_ranks_window_for_one_report() -> N
     el = ElChe(2)
     el.report_window(report(10.0, 20.0))
     assert el.counts == [20, 10]
-    el.stage_slack(0, 55.0)  # ceil(55 / 10) = 6 batches off rank 0
+    el.stage_slack([55.0, 0.0])  # ceil(55 / 10) = 6 batches off rank 0
     el.report_window(report(10.0, 20.0))
     assert el.counts == [14, 10]
     el.report_window(report(10.0, 20.0))
@@ -222,7 +222,7 @@ def test_callback_slack_survives_a_growth_commit_in_the_same_finish() -> None:
     el = ElChe(2)
     el.report_window(report(10.0, 20.0))
     el.report_window(report(10.0, 20.0))
-    el.stage_slack(0, 55.0)
+    el.stage_slack([55.0, 0.0])
     el.report_window(report(10.0, 20.0, reduce_ms=200.0))
     assert el.pending_anchor is not None
     el.apply_verdict(STABLE)
@@ -299,7 +299,7 @@ def test_a_slack_shortened_window_still_moves_by_at_most_max_batch_diff() -> Non
     el = ElChe(2, max_batch_diff=2)
     el.report_window(report(10.0, 20.0))
     assert el.counts == [20, 10]
-    el.stage_slack(0, 100.0)  # 10 batches of rank 0's time
+    el.stage_slack([100.0, 0.0])  # 10 batches of rank 0's time
     el.report_window(report(10.0, 20.0))
     assert el.counts == [18, 10]
 
