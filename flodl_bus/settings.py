@@ -127,6 +127,14 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob("anchor", _int(1), None, "initial batches per window of the slowest rank"),
     Knob(
+        "min_anchor",
+        _int(1),
+        None,
+        "floor of the anchor's overhead-driven growth (default: the initial anchor); a "
+        "divergence nudge may still go below it",
+    ),
+    Knob("max_anchor", _int(1), 1000, "ceiling of the anchor (batches of the slowest rank)"),
+    Knob(
         "overhead_target",
         _float(0.01, 0.5),
         0.05,

@@ -188,6 +188,8 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "seed": knobs["seed"],
         "epoch_splits": knobs["epoch_splits"],
         "anchor": knobs["anchor"],
+        "min_anchor": knobs["min_anchor"],
+        "max_anchor": knobs["max_anchor"],
         "overhead_target": knobs["overhead_target"],
         "max_batch_diff": knobs["max_batch_diff"],
         "max_overshoot": knobs["max_overshoot"],

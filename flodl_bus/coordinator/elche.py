@@ -65,7 +65,12 @@ class ElChe:
         self.world_size = world_size
         self.max_anchor = max(1, max_anchor)
         self.anchor = min(anchor, self.max_anchor)
-        self.min_anchor = min(min_anchor if min_anchor is not None else self.anchor, self.anchor)
+        if min_anchor is None:
+            self.min_anchor = self.anchor
+        else:
+            # A floor above the starting anchor lifts it (flodl's with_min_anchor).
+            self.min_anchor = min(max(1, min_anchor), self.max_anchor)
+            self.anchor = max(self.anchor, self.min_anchor)
         self.overhead_target = min(max(overhead_target, 0.01), 0.5)
         self.max_batch_diff = max_batch_diff
         self.window_cap = window_cap

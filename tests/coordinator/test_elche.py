@@ -324,3 +324,12 @@ def test_anchor_rank_re_election_waits_for_the_sixth_calibration() -> None:
     assert el.anchor_rank == 1  # the fifth report still starts in warm-up
     el.report_window(report(40.0, 20.0))
     assert el.anchor_rank == 0
+
+
+def test_a_min_anchor_above_the_initial_anchor_lifts_it_and_max_anchor_caps_both() -> None:
+    el = ElChe(2, anchor=10, min_anchor=20)
+    assert el.anchor == 20 and el.min_anchor == 20 and el.counts == [20, 20]
+    capped = ElChe(2, anchor=10, min_anchor=30, max_anchor=25)
+    assert capped.anchor == 25 and capped.min_anchor == 25
+    low = ElChe(2, anchor=10, min_anchor=4)
+    assert low.anchor == 10 and low.min_anchor == 4
