@@ -236,7 +236,9 @@ class Coordinator:
         self.reduce.poll(now, out)
         if self.finished:
             return out
-        if self.should_average():
+        if not self.should_average():
+            self.reduce.wait_since = None
+        elif self.reduce.window_ready(now, self.ledger):
             self._trigger(now, out)
         aggregated = self.dispatch.aggregate_ready(now, out)
         self._advance(now, out, aggregated)
@@ -295,7 +297,7 @@ class Coordinator:
     def state_summary(self) -> dict[str, Any]:
         open_, why = self.gate()
         live, reduce = self.live, self.reduce
-        return {
+        summary = {
             "phase": self.phase,
             "version": self.version,
             "global_step": self.global_step,
@@ -316,6 +318,12 @@ class Coordinator:
             "pools": self.dispatch.remaining(),
             "gate": {"open": open_, "why": why},
         }
+        if reduce.wait_since is not None:
+            # A tick that starts the wait changes nothing else: this makes the recorder
+            # keep it, so a replay's ceiling counts from the same instant. Absent when
+            # not waiting, as in records made before the wait existed.
+            summary["window_wait_since"] = reduce.wait_since
+        return summary
 
     # ================================================================= upstream
     def _on_exiting(self, r: int, out: list[Out]) -> None:
@@ -431,7 +439,7 @@ class Coordinator:
             trailing = any(self.ledger.steps[r] > 0 for r in alive)
             if len(alive) >= 2 and trailing:
                 # Final consensus reduce, while idle ranks still service control.
-                if self.reduce.settled():
+                if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled
                     self._trigger(now, out)
                 return
