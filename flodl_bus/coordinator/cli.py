@@ -323,6 +323,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record
     recorder.header(
         run=args.run,
+        shards=list(keys.shards),
         config=dataclasses.asdict(config),
         settings=knobs,
         config_file=args.config,

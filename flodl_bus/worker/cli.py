@@ -368,6 +368,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
         record_header={
             "run": args.run,
+            "shards": list(keys.shards),
             "mode": mode,
             "job": args.job or meta.get("job"),
             "settings": knobs,

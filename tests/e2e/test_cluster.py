@@ -14,6 +14,7 @@ from flodl_bus.bus.cluster_server import LocalCluster
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.replay import replay_run
 from tests.e2e.harness import (
     Cluster,
     cluster_fixture,
@@ -87,6 +88,11 @@ def test_digits_over_a_redis_cluster_trains_each_sample_once_with_ranks_on_three
     assert recs[-1]["event"] == "end" and recs[-1]["reason"] is None
     # nothing was dead-lettered on any shard
     assert all(connect(local.url, key=d).xlen(d) == 0 for d in keys.dlqs)
+    # the records name the shards, and every process replays identically
+    assert header(recs)["shards"] == list(shards)
+    replays = replay_run(run_dir)
+    assert sorted(replays) == ["coordinator", *(f"rank:{r}" for r in range(RANKS))]
+    assert {k: r.summary() for k, r in replays.items() if not r.identical} == {}
 
 
 def test_a_run_goes_on_through_the_failover_of_a_master_that_holds_a_rank(
