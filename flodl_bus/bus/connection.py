@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
@@ -582,7 +582,24 @@ def connect_pinged(url: str, *, client_name: str, key: str | None = None) -> red
             f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}): "
             "start it or fix --redis-url"
         ) from None
+    if not is_cluster_url(url) and _is_cluster_node(client):
+        client.close()
+        raise RedisUnreachable(
+            f"Redis at {redact_url(url)} is a node of a Redis Cluster: give `flodl-bus "
+            "coordinator` and `worker` the cluster's URL, redis+cluster://HOST:PORT; other "
+            "commands take a single Redis"
+        )
     return client
+
+
+def _is_cluster_node(client: redis.Redis) -> bool:
+    """Whether ``client``'s server runs in cluster mode (there, a plain client would meet
+    MOVED on most keys). A user without INFO (the worker ACL user) is not asked."""
+    try:
+        info: Any = client.info("cluster")
+    except redis.exceptions.RedisError:
+        return False
+    return bool(int(info.get("cluster_enabled", 0) or 0))
 
 
 def add_url_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

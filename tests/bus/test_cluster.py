@@ -16,7 +16,7 @@ import structlog
 from flodl_bus.bus import cluster
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.cluster_server import LocalCluster
-from flodl_bus.bus.connection import BadRedisUrl, connect
+from flodl_bus.bus.connection import BadRedisUrl, RedisUnreachable, connect, connect_pinged
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.sharded import ShardedCoordinatorBus
 from flodl_bus.bus.streams import RedisRankBus
@@ -301,3 +301,11 @@ def test_a_rank_whose_url_does_not_match_the_run_layout_is_told_the_fix() -> Non
     with pytest.raises(cluster.ClusterUrlError, match="single Redis"):
         cluster.check_layout("redis+cluster://127.0.0.1:1", RunKeys("r"))
     cluster.check_layout("redis://127.0.0.1:1/0", RunKeys("r"))
+
+
+def test_a_plain_url_to_a_cluster_node_is_refused_in_one_line_naming_the_cluster_url(
+    local_cluster: LocalCluster,
+) -> None:
+    node = f"redis://127.0.0.1:{local_cluster.nodes[0].port}/0"
+    with pytest.raises(RedisUnreachable, match=r"node of a Redis Cluster.*redis\+cluster://"):
+        connect_pinged(node, client_name="t")

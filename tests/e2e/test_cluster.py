@@ -98,7 +98,8 @@ def test_digits_over_a_redis_cluster_trains_each_sample_once_with_ranks_on_three
 def test_a_run_goes_on_through_the_failover_of_a_master_that_holds_a_rank(
     on_cluster: tuple[Cluster, LocalCluster],
 ) -> None:
-    """The master of rank 0's shard is killed mid-run; its replica takes over and the run
+    """Workers dial in (no --rank: the join stream, on the run's home slot); then the
+    master of rank 0's shard is killed mid-run; its replica takes over and the run
     finishes with every sample of each epoch trained once."""
     procs, local = on_cluster
     run = new_run_id("failover")
@@ -106,7 +107,7 @@ def test_a_run_goes_on_through_the_failover_of_a_master_that_holds_a_rank(
     coord = procs.coordinator(
         run, "--mode", "cpu-cadence", "--world-size", str(RANKS), "--epochs", str(epochs)
     )
-    workers = procs.ranked_workers(run, RANKS, "--mode", "cpu-cadence")
+    workers = [procs.worker(run, f"w{i}") for i in range(RANKS)]
     run_dir = procs.run_dir(run)
     wait_for(lambda: len(metrics_rows(run_dir)) >= 1, 120, "an epoch", procs)
     home = connect(local.url, key=RunKeys(run).meta)
