@@ -37,8 +37,8 @@ class WindowReport:
     ms_per_batch: tuple[float | None, ...]
     #: wall time of the reduce itself
     reduce_ms: float = 0.0
-    #: pipeline fill beyond a marginal batch (first batch of the window)
-    fill_ms: float = 0.0
+    #: per rank, the window's first batch beyond a marginal one (the pipeline fill)
+    fill_ms: tuple[float, ...] = ()
 
 
 def _round_half_up(x: float) -> int:
@@ -324,7 +324,11 @@ class ElChe:
         marginal = self._slow_ms()
         if marginal is None:
             return None
-        cost = max(report.reduce_ms, 0.0) + max(report.fill_ms, 0.0)
+        # The anchor (slowest) rank's fill: it never waits on the allocation, so its
+        # fixed cost per window is what a longer window amortizes.
+        b = self.anchor_rank
+        fill = report.fill_ms[b] if b is not None and b < len(report.fill_ms) else 0.0
+        cost = max(report.reduce_ms, 0.0) + max(fill, 0.0)
         denom = self.anchor * marginal + cost
         if denom <= 0:
             return None
