@@ -295,6 +295,11 @@ def test_dead_zone_keeps_a_count_whose_change_is_exactly_five_percent() -> None:
     assert el.counts == [40, 20]
     el.report_window(report(2 * 400 / 42 - 10, 20.0))  # rank 0 mean 400/42: target 42
     assert el.counts == [40, 20]  # 2 of 40 is not more than 5 %
+    # records made before this rule replay with the old boundary (it moved at 5 %)
+    old = ElChe(2, anchor=20, dead_zone_keeps_five_percent=False)
+    old.report_window(report(10.0, 20.0))
+    old.report_window(report(2 * 400 / 42 - 10, 20.0))
+    assert old.counts == [42, 20]
 
 
 def test_a_slack_shortened_window_still_moves_by_at_most_max_batch_diff() -> None:
