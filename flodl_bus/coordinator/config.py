@@ -129,6 +129,10 @@ class CoordinatorConfig:
     #: ElChe keeps a count whose change is exactly 5 % (flodl); records made before this
     #: existed moved it
     dead_zone_keeps_five_percent: bool = True
+    #: a deterministic schedule (sync modes): one batch per rank per window, the next
+    #: plan only after the window's average, and epoch-boundary checkpoints taken at
+    #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)
@@ -153,6 +157,12 @@ class CoordinatorConfig:
             raise ValueError("partition_ratios needs one entry per rank")
         if self.guard not in GUARDS:
             raise ValueError(f"guard {self.guard!r} is not one of {', '.join(GUARDS)}")
+        if self.lockstep and (self.policy is not Policy.SYNC or self.is_progressive):
+            raise ValueError(
+                f"lockstep needs the fixed partition of a sync mode, not {self.mode}"
+                f"{' with progressive dispatch' if self.policy is Policy.SYNC else ''}: "
+                "use --mode nccl-sync or cpu-sync, or drop lockstep"
+            )
         if self.speed_hints is not None and (
             len(self.speed_hints) != self.world_size or min(self.speed_hints) <= 0
         ):

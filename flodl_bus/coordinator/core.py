@@ -117,6 +117,8 @@ class Coordinator:
         self.phase = TRAINING
         self.finished = False
         self.finish_reason: SaveReason | None = None
+        #: why a rank refused the run's setup (``leaving.CONFIG_ERROR``), if one did
+        self.refused: str | None = None
         #: the rank the final eval went to; if it dies, the run stops waiting for it
         self.final_eval_rank: int | None = None
         self.final_eval_done = False
@@ -331,6 +333,14 @@ class Coordinator:
 
     def _on_leaving(self, r: int, reason: str, now: float, out: list[Out]) -> None:
         """A rank leaving mid-run said why (``protocol.leaving``)."""
+        if leaving.kind_of(reason) == leaving.CONFIG_ERROR:
+            # Set up wrong (a resume that does not fit the job): every rank is, and a
+            # save would overwrite the checkpoint; the run stops with the config code.
+            self.refused = leaving.detail_of(reason)
+            out.append(Alert("critical", "config_error", f"rank {r}: {self.refused}"))
+            self._on_exiting(r, out)
+            out += self.interrupt(now)
+            return
         if leaving.kind_of(reason) == leaving.JOB_FAILED:
             # The job's code is the same on every rank: what failed here fails there
             # too, so the run stops (with its save) instead of re-forming around it.
@@ -360,6 +370,7 @@ class Coordinator:
             self.roles.observe("checkpoint", msg.elapsed_ms)
             self.roles.checkpoint_succeeded(r)
             return
+        out.append(Alert("warn", "checkpoint_failed", f"rank {r}: {msg.error}"))
         nxt = self.roles.checkpoint_failed(r, self.alive_mask())
         if nxt is None:
             out.append(Alert("warn", "checkpoint_gave_up", f"version {msg.version}"))
@@ -403,8 +414,7 @@ class Coordinator:
         ):
             roles.pending_checkpoint_intent = False
             out.append(Send(roles.checkpoint, Checkpoint(epoch, roles.checkpoint)))
-            if self.checkpoints.enabled:
-                self.checkpoints.due = True
+            self.checkpoints.request(out)
         if bool(cfg.eval_every and epoch % cfg.eval_every == 0) or roles.pending_eval_intent:
             self.reduce.schedule_eval(epoch, out)
 

@@ -357,6 +357,12 @@ class ElChe:
             "phase": self.phase,
             "calibrations": self.calibrations,
             "anchor_rank": self.anchor_rank,
+            # What the next windows' growth and elections read (absent in older metas).
+            "growth_armed": self.growth_armed,
+            "stable_streak": self._stable_streak,
+            "zero_windows": list(self._zero_windows),
+            "history": [list(h) for h in self._history],
+            "slack": None if self._slack is None else list(self._slack),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -370,4 +376,13 @@ class ElChe:
         self.calibrations = int(state.get("calibrations", 0))
         ar = state.get("anchor_rank")
         self.anchor_rank = int(ar) if ar is not None else None
+        self.growth_armed = bool(state.get("growth_armed", self.growth_armed))
+        self._stable_streak = int(state.get("stable_streak", 0))
+        zeros = [int(z) for z in state.get("zero_windows", [])]
+        if len(zeros) == self.world_size:
+            self._zero_windows = zeros
+        self._history.clear()
+        self._history.extend(tuple(int(c) for c in h) for h in state.get("history", []))
+        slack = state.get("slack")
+        self._slack = None if slack is None else [float(x) for x in slack]
         self._apply_window_cap()
