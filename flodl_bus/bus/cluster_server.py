@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -25,7 +26,14 @@ from flodl_bus.bus.server import RedisServer, RedisServerError, free_port
 class LocalCluster:
     """``masters`` masters with ``replicas`` replicas each, on 127.0.0.1."""
 
-    def __init__(self, *, masters: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        *,
+        masters: int = 3,
+        replicas: int = 1,
+        node_timeout_ms: int = 1000,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.directory = tempfile.mkdtemp(prefix="flodl-cluster-")
         self.node_timeout_ms = node_timeout_ms
         self.n_masters = masters
@@ -54,9 +62,14 @@ class LocalCluster:
                         # a lone replica may take over at once (no data-age veto)
                         "--cluster-replica-validity-factor",
                         "0",
+                        *extra_args,
                     ],
                 )
             )
+
+    @property
+    def masters(self) -> list[RedisServer]:
+        return self.nodes[: self.n_masters]
 
     @property
     def url(self) -> str:

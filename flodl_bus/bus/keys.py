@@ -115,12 +115,16 @@ class RunKeys:
     def dlqs(self) -> list[str]:
         return [self.dlq] + [self.dlq_of_shard(i) for i in range(len(self.shards))]
 
+    def shard_of_key(self, key: str) -> int | None:
+        """The shard a key of the run lives on (None: a run-wide key, or one Redis)."""
+        for i in range(len(self.shards)):
+            if key.startswith(self.shard_prefix(i)):
+                return i
+        return None
+
     def dlq_for(self, stream: str) -> str:
         """The dlq in the slot of ``stream`` (the run's dlq on one Redis)."""
-        for i in range(len(self.shards)):
-            if stream.startswith(self.shard_prefix(i)):
-                return self.dlq_of_shard(i)
-        return self.dlq
+        return self.dlq_of_shard(self.shard_of_key(stream))
 
     def fence(self, shard: int | None) -> str:
         """A counter the coordinator bumps after a write so that ``WAIT`` (which counts

@@ -71,6 +71,8 @@ class ShardedCoordinatorBus:
             )
             for i, client in enumerate(clients)
         ]
+        #: each shard's entry ids of the last broadcast batch (benches time them)
+        self.broadcast_ids: list[list[str]] = []
         self._q: queue.Queue[list[Delivery] | BaseException] = queue.Queue(_QUEUE_BATCHES)
         self._stop = threading.Event()
         self._threads = [
@@ -131,8 +133,8 @@ class ShardedCoordinatorBus:
             raise ValueError("send_batch: unicasts and broadcasts go in separate batches")
         with self._lock:
             if items[0][0] is None:
-                ids = [part.send_batch(items) for part in self.parts]
-                return ids[0]
+                self.broadcast_ids = [part.send_batch(items) for part in self.parts]
+                return self.broadcast_ids[0]
             by_shard: dict[int, list[int]] = {}
             for i, (rank, _) in enumerate(items):
                 assert rank is not None
@@ -180,6 +182,10 @@ class ShardedCoordinatorBus:
     def trim_now(self) -> None:
         for part in self.parts:
             part.trim_now()
+
+    @property
+    def trimmed_passes(self) -> int:
+        return sum(p.trimmed_passes for p in self.parts)
 
     @property
     def reconnects(self) -> int:

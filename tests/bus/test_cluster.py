@@ -274,3 +274,30 @@ def test_an_entry_a_failover_lost_is_named_and_written_again() -> None:
             coord.close()
             for bus in buses:
                 bus.close()
+
+
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("flodl_bus.bus.acl", ["create", "r1"]),
+        ("flodl_bus.bus.tail", ["--run", "r1"]),
+        ("flodl_bus.launch.status", ["--run", "r1"]),
+    ],
+)
+def test_commands_that_take_a_single_redis_refuse_a_cluster_url_in_one_line(
+    module: str, args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib
+
+    main = importlib.import_module(module).main
+    assert main([*args, "--redis-url", "redis+cluster://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a Redis Cluster URL, which only" in err[0]
+
+
+def test_a_rank_whose_url_does_not_match_the_run_layout_is_told_the_fix() -> None:
+    with pytest.raises(cluster.ClusterUrlError, match="redis\\+cluster://HOST:PORT"):
+        cluster.check_layout("redis://127.0.0.1:1/0", RunKeys("r", (1, 2, 3)))
+    with pytest.raises(cluster.ClusterUrlError, match="single Redis"):
+        cluster.check_layout("redis+cluster://127.0.0.1:1", RunKeys("r"))
+    cluster.check_layout("redis://127.0.0.1:1/0", RunKeys("r"))
