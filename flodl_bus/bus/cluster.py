@@ -38,7 +38,6 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from flodl_bus.bus.keys import RunKeys
 
 SCHEMES: Final = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
-ENV_CLUSTER: Final = "FLODL_REDIS_CLUSTER"
 #: how long the coordinator's WAIT waits for a replica to acknowledge a control write
 DEFAULT_WAIT_MS: Final = 200
 #: timeouts of the short-lived connections that ask a node for the slot map

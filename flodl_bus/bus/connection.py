@@ -608,5 +608,6 @@ def add_url_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) 
     parser.add_argument(
         "--redis-url",
         default=os.environ.get(ENV_URL, DEFAULT_URL),
-        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL})",
+        help=f"Redis URL (default: ${ENV_URL} or {DEFAULT_URL}); `coordinator` and "
+        "`worker` also take a Redis Cluster's redis+cluster://HOST:PORT[,HOST:PORT]",
     )
