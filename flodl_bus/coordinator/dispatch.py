@@ -529,7 +529,7 @@ class PartitionDispatch(Dispatch):
     def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
         core = self.core
         if core.last_aggregated + 1 > self.epoch:
-            if core.config.lockstep and self._window_open():
+            if core.config.lockstep and (core.reduce.in_flight or any(core.ledger.steps)):
                 # The epoch's last window is averaged first: its steps and the next
                 # epoch's never share a round, whoever's report came first.
                 return
@@ -547,11 +547,6 @@ class PartitionDispatch(Dispatch):
             for r in range(core.ws):
                 if core.alive(r):
                     self._send_next(r, out)
-
-    def _window_open(self) -> bool:
-        """Steps not yet averaged, or a round still running."""
-        core = self.core
-        return core.reduce.in_flight or any(core.ledger.steps)
 
     def take_back(self, r: int) -> list[Range]:
         done = self.batches_done[r] * self.core.bs
