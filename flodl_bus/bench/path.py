@@ -168,9 +168,7 @@ def _sends(url: str, ranks: int) -> tuple[float, float]:
         connect(url), keys, fixed_keys(SEED), ranks=range(ranks), config=QUIET
     )
     plan = m.EpochPlan(epoch=0, partition_offset=0, partition_size=64)
-    items: list[tuple[int | None, m.ControlWire]] = [
-        (r, m.StartEpoch(plan)) for r in range(ranks)
-    ]
+    items: list[tuple[int | None, m.ControlWire]] = [(r, m.StartEpoch(plan)) for r in range(ranks)]
     best_send = best_cast = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()

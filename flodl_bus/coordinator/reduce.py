@@ -113,6 +113,10 @@ class Reduce:
         """Rank ``r`` holds the gate for this backend's own reason."""
         return False
 
+    def any_blocks(self) -> bool:
+        """False only if ``blocks`` holds for no rank (then the gate needs not ask)."""
+        return False
+
     def settled(self) -> bool:
         """No rank is inside a collective (Shutdown may go out)."""
         return True
@@ -244,6 +248,7 @@ class NcclReduce(Reduce):
         #: each rank's step when SyncNow went out; a later step is its ack
         self.sync_step = [0] * ws
         self.acked = [True] * ws
+        self._all_acked = [True] * ws
         #: live ranks whose ack is missing (a counter: a per-ack scan is O(ws) per ack)
         self.unacked = 0
         self.armed = False
@@ -252,6 +257,10 @@ class NcclReduce(Reduce):
 
     def blocks(self, r: int) -> bool:
         return not self.acked[r]
+
+    def any_blocks(self) -> bool:
+        # Any missing ack, live rank or not (one C comparison): exact where it says no.
+        return self.acked != self._all_acked
 
     def settled(self) -> bool:
         return self.unacked == 0

@@ -283,7 +283,7 @@ class CoordinatorLoop:
         return self._state
 
     def _state_after(self) -> dict[str, Any]:
-        self._state = self.core.state_summary()
+        self._state = self.core.state_summary(self._state)
         return self._state
 
     def _tick(self) -> None:
@@ -297,6 +297,10 @@ class CoordinatorLoop:
         after = self._state_after()
         if outs or after != before:
             self.rec.core_call("tick", now=now, before=before, after=after, out=outs)
+        else:
+            # Unrecorded, unchanged: keep the very object the recorder holds as its last
+            # state, so the next call's "before" is recognised without a comparison.
+            self._state = before
         self._apply(outs, now)
 
     def _apply(self, outs: Sequence[Out], now: float) -> None:
