@@ -130,6 +130,8 @@ class CoordinatorLoop:
         self.metrics = metrics
         self.options = options or LoopOptions()
         self.rank_of = rank_of
+        #: ``rank_of`` per stream, asked once (it parses the key)
+        self._stream_ranks: dict[str, int | None] = {}
         self.clock = clock
         self.join = join
         self._next_join_poll = 0.0
@@ -245,8 +247,11 @@ class CoordinatorLoop:
     def _dispatch_all(self, deliveries: Sequence[Delivery]) -> None:
         core = self.core
         rec = self.rec
+        ranks = self._stream_ranks
         for d in deliveries:
-            rank = self.rank_of(d.stream)
+            rank = ranks.get(d.stream, -1)
+            if rank == -1:
+                rank = ranks[d.stream] = self.rank_of(d.stream)
             if rank is None:
                 log.error("upstream_from_unknown_stream", stream=d.stream, entry=d.entry_id)
                 continue
