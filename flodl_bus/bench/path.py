@@ -10,11 +10,14 @@ size N, on a real ``redis-server`` (loopback) with every rank's upstream pre-fil
 * ``+ record``: the same with the dispatch record (state summary + record line);
 * ``send``: one ``StartEpoch`` to every rank in one batch (encode, MAC, XADD), per
   message; ``broadcast``: one signed ``CoordHeartbeat`` to every rank (MAC vector up to
-  64 ranks, Ed25519 above).
+  64 ranks, Ed25519 above);
+* per read, whatever it holds: an XREADGROUP over the N upstream streams that finds
+  nothing, and one ``Coordinator.tick`` (the loop runs one after every read).
 
-References from the same run: a PING round trip, and the budget: with ``--step-ms``
-steps, N ranks send 2N messages a step, so one thread keeps up only while a message
-costs less than step / 2N; ``cores`` is the share of one core the path needs.
+Each stage's figure is the best of ``--repeats`` passes. References from the same run: a
+PING round trip, and the budget: with ``--step-ms`` steps, N ranks send 2N messages a
+step, so one thread keeps up only while a message costs less than step / 2N; ``cores``
+is the share of one core the path needs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class PathCosts:
     send_us: float
     broadcast_us: float
     record_bytes: float
+    read_us: float
+    tick_us: float
     ping_us: float
     budget_us: float
 
@@ -115,10 +120,12 @@ def _config(ranks: int, steps: int) -> CoordinatorConfig:
 def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[float, int, float]:
     """(µs per message, messages, record bytes per message) of one pre-filled pass."""
     keys = RunKeys(f"path-{uuid.uuid4().hex[:8]}")
-    total = _prefill(url, keys, ranks, steps)
     bus = RedisCoordinatorBus(
         connect(url), keys, fixed_keys(SEED), ranks=range(ranks), config=QUIET
     )
+    for _ in range(3):
+        bus.read_upstream(0)  # the first reads drain the (empty) pending lists: not timed
+    total = _prefill(url, keys, ranks, steps)
     rec = None
     loop = None
     if stage != "ingest":
@@ -133,16 +140,12 @@ def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[floa
         if rec is not None:
             rec.core_call("start", now=now, before=before, after=core.state_summary(), out=outs)
         loop._apply(outs, now)
-    got = empty = 0
+    got = 0
     t0 = time.perf_counter()
     while got < total:
         ds = bus.read_upstream(200)
         if not ds:
-            # the reader's first pass drains its (empty) pending list
-            empty += 1
-            if empty > 10:
-                raise RuntimeError(f"bench path: stalled at {got}/{total} messages")
-            continue
+            raise RuntimeError(f"bench path: stalled at {got}/{total} messages")
         got += len(ds)
         if loop is None:
             bus.ack(ds)
@@ -182,11 +185,47 @@ def _sends(url: str, ranks: int) -> tuple[float, float]:
     return best_send, best_cast
 
 
-def measure(url: str, ranks: int, steps: int, step_ms: float, work: Path) -> PathCosts:
-    ingest, n, _ = _run(url, ranks, steps, "ingest", work)
-    core, _, _ = _run(url, ranks, steps, "core", work)
-    record, _, size = _run(url, ranks, steps, "record", work)
+def _per_read(url: str, ranks: int, steps: int) -> tuple[float, float]:
+    """(µs of an XREADGROUP over every rank's stream that finds nothing, µs of a tick)."""
+    bus = RedisCoordinatorBus(
+        connect(url), RunKeys(f"path-{uuid.uuid4().hex[:8]}"), fixed_keys(SEED),
+        ranks=range(ranks), config=QUIET,
+    )  # fmt: skip
+    for _ in range(3):
+        bus.read_upstream(0)  # the first passes drain the (empty) pending lists
+    read = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            bus.read_upstream(0)
+        read = min(read, (time.perf_counter() - t0) * 1e5)
+    bus.close()
+    core = Coordinator(_config(ranks, steps))
+    now = 100.0
+    core.start(now)
+    tick = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20):
+            now += 0.001
+            core.tick(now)
+        tick = min(tick, (time.perf_counter() - t0) * 5e4)
+    return read, tick
+
+
+def measure(
+    url: str, ranks: int, steps: int, step_ms: float, work: Path, repeats: int = 3
+) -> PathCosts:
+    """Each stage's best of ``repeats`` passes (a shared host's noise only adds)."""
+
+    def best(stage: str) -> tuple[float, int, float]:
+        return min(_run(url, ranks, steps, stage, work) for _ in range(repeats))
+
+    ingest, n, _ = best("ingest")
+    core, _, _ = best("core")
+    record, _, size = best("record")
     send, cast = _sends(url, ranks)
+    read, tick = _per_read(url, ranks, steps)
     return PathCosts(
         ranks=ranks,
         messages=n,
@@ -196,6 +235,8 @@ def measure(url: str, ranks: int, steps: int, step_ms: float, work: Path) -> Pat
         send_us=send,
         broadcast_us=cast,
         record_bytes=size,
+        read_us=read,
+        tick_us=tick,
         ping_us=_ping_us(url),
         budget_us=step_ms * 1000 / (2 * ranks),
     )
@@ -214,6 +255,8 @@ def report(c: PathCosts, step_ms: float) -> str:
             f"  ingest+core+record {c.record_us:7.1f} µs/msg   {cores(c.record_us)}   "
             f"(record {c.record_us - c.core_us:+.1f} µs, {c.record_bytes:.0f} B/msg on disk)",
             f"  send (batched)     {c.send_us:7.1f} µs/msg   broadcast {c.broadcast_us:.1f} µs",
+            f"  per read           {c.read_us + c.tick_us:7.1f} µs      (empty XREADGROUP "
+            f"{c.read_us:.1f} µs + tick {c.tick_us:.1f} µs, whatever the read holds)",
         ]
     )
 
@@ -223,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ranks", default="64,256,1024", help="comma-separated world sizes")
     ap.add_argument("--steps", type=int, default=8, help="pre-filled steps per rank")
     ap.add_argument("--step-ms", type=float, default=50.0, help="step time of the budget")
+    ap.add_argument("--repeats", type=int, default=3, help="passes per stage (best kept)")
     ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
     args = ap.parse_args(argv)
     try:
@@ -230,8 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         print(f"--ranks: expected numbers like 64,256, got {args.ranks!r}", file=sys.stderr)
         return 2
-    if not counts or min(counts) < 1 or args.steps < 1 or args.step_ms <= 0:
-        print("--ranks, --steps and --step-ms must be positive", file=sys.stderr)
+    if not counts or min(counts) < 1 or min(args.steps, args.repeats) < 1 or args.step_ms <= 0:
+        print("--ranks, --steps, --repeats and --step-ms must be positive", file=sys.stderr)
         return 2
     server = None
     url = args.redis_url
@@ -241,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="flodl-path-") as tmp:
             for n in counts:
-                print(report(measure(url, n, args.steps, args.step_ms, Path(tmp)), args.step_ms))
+                costs = measure(url, n, args.steps, args.step_ms, Path(tmp), args.repeats)
+                print(report(costs, args.step_ms), flush=True)
     finally:
         if server is not None:
             server.stop()
