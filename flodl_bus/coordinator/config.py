@@ -27,6 +27,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "callback_slack": False,
     "stage_advisories": False,
     "scheduler_meta": False,
+    "window_wait": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -90,6 +91,8 @@ class CoordinatorConfig:
     max_batch_diff: int | None = None
     #: None = auto-tuned (async only): 3, +1 per stable reduce up to 15
     max_overshoot: int | None = None
+    #: cpu-async: every Stable reduce also grows the anchor by one (flodl: opt-in)
+    relax_up: bool = False
     #: None = 0.05, or 0.3 when EASGD blending is on (cpu-async)
     trend_threshold: float | None = None
     partition_ratios: tuple[float, ...] | None = None
@@ -119,6 +122,9 @@ class CoordinatorConfig:
     stage_advisories: bool = False
     #: checkpoint meta carries the controllers' state, so a resume continues them
     scheduler_meta: bool = True
+    #: nccl progressive cadence: an open gate waits for a mover still short of a
+    #: delivered sample while its chunk is out (reference §4.6.1)
+    window_wait: bool = True
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)

@@ -237,7 +237,9 @@ class Coordinator:
         self.reduce.poll(now, out)
         if self.finished:
             return out
-        if self.should_average():
+        if not self.should_average():
+            self.reduce.wait_since = None
+        elif self.reduce.window_ready(now, self.ledger):
             self._trigger(now, out)
         aggregated = self.dispatch.aggregate_ready(now, out)
         self._advance(now, out, aggregated)
@@ -312,7 +314,7 @@ class Coordinator:
                 return was  # type: ignore[no-any-return]
             return now if fresh else list(now)
 
-        return {
+        summary = {
             "phase": self.phase,
             "version": self.version,
             "global_step": self.global_step,
@@ -333,6 +335,12 @@ class Coordinator:
             "pools": self.dispatch.remaining(),
             "gate": {"open": open_, "why": why},
         }
+        if reduce.wait_since is not None:
+            # A tick that starts the wait changes nothing else: this makes the recorder
+            # keep it, so a replay's ceiling counts from the same instant. Absent when
+            # not waiting, as in records made before the wait existed.
+            summary["window_wait_since"] = reduce.wait_since
+        return summary
 
     def _flagged(self, flags: list[bool]) -> list[int]:
         """The ranks whose flag is set, in order; none (the usual answer) at the cost of
@@ -445,7 +453,7 @@ class Coordinator:
             trailing = any(self.ledger.steps[r] > 0 for r in alive)
             if len(alive) >= 2 and trailing:
                 # Final consensus reduce, while idle ranks still service control.
-                if self.reduce.settled():
+                if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled
                     self._trigger(now, out)
                 return

@@ -86,6 +86,10 @@ class Dispatch:
         """Batches the oldest open epoch has still to hand out (None: not tracked)."""
         return None
 
+    def oldest_open_epoch(self) -> int | None:
+        """The epoch ``epoch_remaining`` counts (None: not tracked)."""
+        return None
+
     def on_batch(self, r: int) -> None:
         pass
 
@@ -192,6 +196,9 @@ class PoolDispatch(Dispatch):
         if not self.pools:
             return None
         return self.pools[min(self.pools)].remaining() // self.core.bs
+
+    def oldest_open_epoch(self) -> int | None:
+        return min(self.pools) if self.pools else None
 
     def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
         pool = self.pools.get(msg.epoch)

@@ -258,9 +258,7 @@ class DispatchRecorder:
             return {"before": before, "after": after}
         self._state = after
         if last is not None and (before is last or before == last):
-            d = states.delta(last, after, hint)
-            if d is not None:
-                return d
+            return states.delta(last, after, hint)
         return {"before": before, "after": after}
 
     def event(self, name: str, **fields: Any) -> None:

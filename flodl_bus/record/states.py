@@ -12,9 +12,11 @@ So a core event after the first carries only:
 ``"changed": {key: value, ...}``
     every state key whose value differs from the previous event's ``after``, whole;
 ``"patched": {key: [index, value, index, value, ...], ...}`` (absent when empty)
-    per-rank lists of unchanged length of which only a few entries changed.
+    per-rank lists of unchanged length of which only a few entries changed;
+``"removed": [key, ...]`` (absent when empty)
+    keys the state no longer has (a key it gained is in ``changed``).
 
-Keys in neither are unchanged. The first core event, and any whose ``before`` is not the
+Keys in none of them are unchanged. The first core event, and any whose ``before`` is not the
 previous ``after`` (which the coordinator loop never produces), carries ``before`` and
 ``after`` whole, as every line of older records does. ``expand`` turns a record's events
 back into whole states when it is read, so replay compares whole states as before; the
@@ -36,6 +38,11 @@ PATCH_SHARE: Final = 0.25
 
 CHANGED: Final = "changed"
 PATCHED: Final = "patched"
+REMOVED: Final = "removed"
+_DELTA: Final = (CHANGED, PATCHED, REMOVED)
+
+
+_ABSENT: Final[Any] = object()
 
 
 def _changed_at(prev: list[Any], cur: list[Any], hint: int | None) -> list[int]:
@@ -54,16 +61,17 @@ def _changed_at(prev: list[Any], cur: list[Any], hint: int | None) -> list[int]:
 
 def delta(
     prev: Mapping[str, Any], cur: Mapping[str, Any], hint: int | None = None
-) -> dict[str, Any] | None:
-    """The fields of a line that take ``prev`` to ``cur`` (``changed``, maybe
-    ``patched``), or None when the two have different keys (write both whole).
-    ``hint``: the rank the call was about, where a change most likely is."""
-    if prev.keys() != cur.keys():
-        return None
+) -> dict[str, Any]:
+    """The fields of a line that take ``prev`` to ``cur``: ``changed``, and
+    ``patched``/``removed`` where there are any. ``hint``: the rank the call was about,
+    where a change most likely is."""
     changed: dict[str, Any] = {}
     patched: dict[str, list[Any]] = {}
     for k, v in cur.items():
-        p = prev[k]
+        p = prev.get(k, _ABSENT)
+        if p is _ABSENT:
+            changed[k] = v
+            continue
         if p is v:
             continue  # a list the summary handed back unchanged (``state_summary(reuse)``)
         if type(v) is list and type(p) is list and len(v) == len(p) >= PATCH_MIN:
@@ -76,9 +84,13 @@ def delta(
         elif p == v:
             continue
         changed[k] = v
+    out: dict[str, Any] = {CHANGED: changed}
     if patched:
-        return {CHANGED: changed, PATCHED: patched}
-    return {CHANGED: changed}
+        out[PATCHED] = patched
+    gone = [k for k in prev if k not in cur]
+    if gone:
+        out[REMOVED] = gone
+    return out
 
 
 def _copy(value: Any) -> Any:
@@ -101,13 +113,16 @@ def apply(prev: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
     unchanged values with ``prev``."""
     changed = fields.get(CHANGED)
     patched = fields.get(PATCHED) or {}
+    removed = fields.get(REMOVED) or []
     if not isinstance(changed, Mapping) or not isinstance(patched, Mapping):
         raise BadDelta("changed/patched are not maps")
+    if not isinstance(removed, list):
+        raise BadDelta("removed is not a list")
     out = dict(prev)
-    for k, v in changed.items():
-        if k not in out:
-            raise BadDelta(f"changed key {k!r} is not a state key")
-        out[k] = v
+    for k in removed:
+        if out.pop(k, _ABSENT) is _ABSENT:
+            raise BadDelta(f"removed key {k!r} is not a state key")
+    out.update(changed)
     for k, flat in patched.items():
         base = out.get(k)
         if type(base) is not list or type(flat) is not list or len(flat) % 2:
@@ -135,7 +150,7 @@ def expand(events: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                     "a whole state"
                 )
             after = apply(state, ev)
-            ev = {k: v for k, v in ev.items() if k != CHANGED and k != PATCHED}
+            ev = {k: v for k, v in ev.items() if k not in _DELTA}
             ev["before"] = _copy(state)
             ev["after"] = _copy(after)
             state = after

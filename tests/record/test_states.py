@@ -51,6 +51,8 @@ def _mutate(rnd: random.Random, s: dict[str, Any]) -> dict[str, Any]:
     elif kind == 4:
         out["gate"] = {"open": rnd.random() < 0.5, "why": f"rank {rnd.randrange(n)}"}
         out["pools"] = {"0": rnd.randrange(100), "1": 5}
+        if out.pop("window_wait_since", None) is None:  # a key that comes and goes
+            out["window_wait_since"] = rnd.random()
     else:
         out["steps"] = list(s["steps"])  # equal, not the same list
     return out
@@ -66,7 +68,6 @@ def test_deltas_over_a_run_add_up_to_every_state_whatever_the_hint(n: int) -> No
     for k, (a, b) in enumerate(itertools.pairwise(seq)):
         hint = rnd.choice([None, 0, n - 1, rnd.randrange(n)])  # right, wrong or none
         d = states.delta(a, b, hint)
-        assert d is not None
         events.append({"event": "dispatch", "i": k + 1, **d})
     got = list(states.expand(events))
     assert [e["after"] for e in got] == seq
@@ -91,16 +92,17 @@ def test_a_list_changed_in_many_places_or_a_short_one_is_written_whole() -> None
     }
 
 
-def test_states_with_different_keys_get_no_delta() -> None:
+def test_a_key_the_state_gains_is_changed_and_one_it_loses_removed() -> None:
     a = _state(8)
-    assert states.delta(a, {**a, "new": 1}, None) is None
+    gained = {**a, "window_wait_since": 3.5}
+    assert states.delta(a, gained, None) == {"changed": {"window_wait_since": 3.5}}
+    assert states.delta(gained, a, None) == {"changed": {}, "removed": ["window_wait_since"]}
 
 
 def test_expanded_events_share_no_list_so_changing_one_changes_no_other() -> None:
     a = _state(32)
     b = dict(a, steps=[1] + [0] * 31)
     d = states.delta(a, b, 0)
-    assert d is not None
     first, second = states.expand([{"i": 0, "before": a, "after": a}, {"i": 1, **d}])
     second["after"]["steps"][5] = 99
     second["before"]["steps"][6] = 99
@@ -119,7 +121,10 @@ def test_expanded_events_share_no_list_so_changing_one_changes_no_other() -> Non
             "outside the list",
         ),
         (
-            [{"i": 0, "before": {"s": 1}, "after": {"s": 1}}, {"i": 1, "changed": {"t": 2}}],
+            [
+                {"i": 0, "before": {"s": 1}, "after": {"s": 1}},
+                {"i": 1, "changed": {}, "removed": ["t"]},
+            ],
             "not a state key",
         ),
     ],
