@@ -16,7 +16,7 @@ from typing import Any
 from flodl_bus import settings
 from flodl_bus.bus.connection import add_url_argument
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.coordinator.config import MODES, MaxFailure, parse_mode
+from flodl_bus.coordinator.config import MODES, CoordinatorConfig, MaxFailure, Policy, parse_mode
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 
 PROG = "flodl-bus coordinator"
@@ -202,6 +202,19 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "speed_hints": knobs["speed_hints"],
         "stage_advisories": knobs["stage_advisories"],
     }
+
+
+def ignored_settings(config: CoordinatorConfig) -> list[tuple[str, str]]:
+    """Settings the run's mode does not use: (key, why), for a warning (flodl warns and
+    ignores them too)."""
+    if config.policy is Policy.ASYNC:
+        return []
+    out: list[tuple[str, str]] = []
+    if config.max_overshoot is not None:
+        out.append(("max_overshoot", "only cpu-async ranks run past their window"))
+    if config.relax_up:
+        out.append(("relax_up", "the anchor relaxes up on cpu-async only"))
+    return out
 
 
 def _read_resume(stem: str) -> dict[str, Any]:

@@ -188,8 +188,10 @@ class ElChe:
         first = self.calibrations == 0
         self.calibrations += 1
         self._elect_anchor_rank(phase)
-        self._recompute(first=first)
+        # Proposed before the recompute, as flodl does: the window cap it checks is the
+        # one the window just closed ran under.
         self.pending_anchor = self._growth_proposal(report, phase)
+        self._recompute(first=first)
 
     def apply_verdict(self, verdict: Verdict, relax_up: bool = False) -> None:
         """Commit (Stable), veto (SuppressGrowth) or discard-and-shrink (NudgeDown).

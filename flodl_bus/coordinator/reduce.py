@@ -211,7 +211,7 @@ class Reduce:
                 fill = max(fill, first - per_batch)
         return WindowReport(tuple(ms), reduce_ms=reduce_ms, fill_ms=fill)
 
-    def close_window(self, closed: Ledger, reduce_ms: float) -> None:
+    def close_window(self, closed: Ledger, reduce_ms: float, out: list[Out]) -> None:
         """The reduce happened: ElChe learns the window, the guard judges it, version+1."""
         core = self.core
         self._stage_slack()
@@ -234,9 +234,16 @@ class Reduce:
         core.version += 1
         core.avg_count += 1
         # Relax-up lengthens windows only where ranks overshoot them anyway (async).
+        anchor = core.elche.anchor
         core.elche.apply_verdict(
             verdict, relax_up=core.policy is Policy.ASYNC and core.config.relax_up
         )
+        if verdict.kind is VerdictKind.NUDGE_DOWN:
+            # flodl's drift alert: the replicas drifted (or the LR dropped) enough to
+            # shorten the windows.
+            why = [*core.meta.fired, *(["guard"] if guard.kind is VerdictKind.NUDGE_DOWN else [])]
+            detail = f"anchor {anchor} -> {core.elche.anchor} ({', '.join(why)})"
+            out.append(Alert("warn", "drift", detail))
         if core.overshoot_auto:
             if verdict.kind is VerdictKind.STABLE:
                 core.max_overshoot = min(core.max_overshoot + 1, OVERSHOOT_CEILING)
@@ -392,7 +399,7 @@ class NcclReduce(Reduce):
         out.append(Broadcast(SyncNow()))
         # Ranks block in the collective: nothing else can move before they return, so
         # the cycle finishes in the same call (§4.6.1).
-        self.close_window(closed, self.last_sync_ms)
+        self.close_window(closed, self.last_sync_ms, out)
         out.append(Broadcast(SetGlobalStep(core.global_step)))
         core.checkpoints.finish(armed, out)
         self.after_window(now, out)
@@ -481,7 +488,7 @@ class CpuReduce(Reduce):
             reduce_ms = (now - self.started_at) * 1000.0
             self.started_at = None
             self._closing = None
-            self.close_window(closed, reduce_ms)
+            self.close_window(closed, reduce_ms, out)
             plans: dict[int, EpochPlan] = core.dispatch.plans_for_update(now, out)
             for r in range(core.ws):
                 if core.alive(r):

@@ -8,6 +8,7 @@ from typing import Any
 
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.effects import Alert, Out
 from flodl_bus.coordinator.guard import MsfGuard, NoGuard, TrendGuard, VerdictKind
 from flodl_bus.coordinator.reduce import Ledger
 from flodl_bus.protocol import messages as m
@@ -19,14 +20,16 @@ def make(mode: str = "cpu-cadence", ws: int = 2, **kw: Any) -> Coordinator:
     return Coordinator(CoordinatorConfig(mode=mode, world_size=ws, batch_size=1, **kw))
 
 
-def window(core: Coordinator, lr: float, ms: tuple[float, ...] = (10.0, 10.0)) -> None:
+def window(core: Coordinator, lr: float, ms: tuple[float, ...] = (10.0, 10.0)) -> list[Out]:
     """One closed window: every rank reported its LR and trained a few batches."""
     closed = Ledger(core.ws)
     for r in range(core.ws):
         core.handle(r, m.LrUpdate(r, lr), 0.0)
         for _ in range(3):
             closed.record_batch(r, ms[r], 0.0, 0.5)
-    core.reduce.close_window(closed, 0.0)
+    out: list[Out] = []
+    core.reduce.close_window(closed, 0.0, out)
+    return out
 
 
 def test_an_lr_drop_reported_by_the_ranks_shrinks_the_anchor_by_default() -> None:
@@ -34,9 +37,12 @@ def test_an_lr_drop_reported_by_the_ranks_shrinks_the_anchor_by_default() -> Non
     for _ in range(3):
         window(core, 0.1)
     assert core.elche.anchor == 20
-    window(core, 0.01)
+    out = window(core, 0.01)
     assert core.last_verdict.kind is VerdictKind.NUDGE_DOWN
     assert core.elche.anchor == 10 and core.meta.fired == ("lr_drop",)
+    # flodl's drift alert names the shrink and its source
+    assert out == [Alert("warn", "drift", "anchor 20 -> 10 (lr_drop)")]
+    assert window(core, 0.01) == []
 
 
 def test_the_meta_controller_can_be_turned_off() -> None:
@@ -55,7 +61,7 @@ def test_a_dead_ranks_stale_lr_is_not_read() -> None:
         for r in (0, 1):
             core.handle(r, m.LrUpdate(r, lr), 0.0)
             closed.record_batch(r, 10.0, 0.0, 0.5)
-        core.reduce.close_window(closed, 0.0)
+        core.reduce.close_window(closed, 0.0, [])
     # 1.0 -> 0.6 is a 40 % drop; with the dead rank's 1.0 averaged in it would be 27 %
     assert core.meta.fired == ("lr_drop",)
 

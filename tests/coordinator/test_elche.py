@@ -333,3 +333,15 @@ def test_a_min_anchor_above_the_initial_anchor_lifts_it_and_max_anchor_caps_both
     assert capped.anchor == 25 and capped.min_anchor == 25
     low = ElChe(2, anchor=10, min_anchor=4)
     assert low.anchor == 10 and low.min_anchor == 4
+
+
+def test_growth_is_judged_against_the_window_cap_the_closed_window_ran_under() -> None:
+    el = ElChe(2, anchor=10, overhead_target=0.1, window_cap=25)
+    el.report_window(report(10.0, 10.0))
+    assert el.counts == [10, 10] and not el.window_cap_binding
+    # rank 1 turns out twice as fast: its count doubles past the cap (binding from now)
+    el.report_window(report(20.0, 5.0, reduce_ms=150.0))
+    assert el.window_cap_binding and sum(el.counts) == 25
+    assert el.pending_anchor == 20  # the window that just closed was not capped
+    el.report_window(report(15.0, 7.5, reduce_ms=150.0))
+    assert el.pending_anchor is None  # this one was
