@@ -33,7 +33,14 @@ from flodl_bus.coordinator.guard import STABLE, Verdict, make_guard
 from flodl_bus.coordinator.liveness import Liveness
 from flodl_bus.coordinator.meta import MetaController
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
-from flodl_bus.coordinator.reduce import OVERSHOOT_START, CpuReduce, Ledger, NcclReduce, Reduce
+from flodl_bus.coordinator.reduce import (
+    OVERSHOOT_START,
+    CpuReduce,
+    Ledger,
+    NcclReduce,
+    Reduce,
+    SoloReduce,
+)
 from flodl_bus.coordinator.roles import Roles
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
@@ -127,7 +134,13 @@ class Coordinator:
         self.dispatch: Dispatch = (
             PoolDispatch(self) if cfg.is_progressive else PartitionDispatch(self)
         )
-        self.reduce: Reduce = NcclReduce(self) if cfg.backend is Backend.NCCL else CpuReduce(self)
+        self.reduce: Reduce
+        if ws == 1 and cfg.solo_without_rounds:
+            self.reduce = SoloReduce(self, adopts_consensus=cfg.backend is Backend.CPU)
+        elif cfg.backend is Backend.NCCL:
+            self.reduce = NcclReduce(self)
+        else:
+            self.reduce = CpuReduce(self)
 
     @classmethod
     def from_meta(cls, config: CoordinatorConfig, meta: Mapping[str, Any]) -> Coordinator:
@@ -419,7 +432,9 @@ class Coordinator:
         alive = [r for r in range(self.ws) if self.alive(r)]
         if self.phase == TRAINING:
             trailing = any(self.ledger.steps[r] > 0 for r in alive)
-            if len(alive) >= 2 and trailing:
+            # A world of one closes its last window too (no round: its global step).
+            solo = isinstance(self.reduce, SoloReduce)
+            if (len(alive) >= 2 or solo) and trailing:
                 # Final consensus reduce, while idle ranks still service control.
                 if self.reduce.settled():
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled

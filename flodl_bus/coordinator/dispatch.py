@@ -26,7 +26,7 @@ from flodl_bus.coordinator.chunk_pool import (
     split_ranges,
     throughput_sizes,
 )
-from flodl_bus.coordinator.config import Policy
+from flodl_bus.coordinator.config import Backend, Policy
 from flodl_bus.coordinator.effects import Out, Send
 from flodl_bus.protocol.messages import (
     EpochPlan,
@@ -147,6 +147,14 @@ class PoolDispatch(Dispatch):
         self._advise_due = False
         self._live_sum_key = (-1, -1)
         self._live_sum = 0
+        #: NCCL cadence: a rank held idle by the reduce's wait is given more work
+        cfg = core.config
+        self.bridges = (
+            cfg.bridge_idle
+            and cfg.backend is Backend.NCCL
+            and cfg.policy is Policy.CADENCE
+            and core.ws > 1
+        )
 
     def start(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
@@ -364,7 +372,7 @@ class PoolDispatch(Dispatch):
             return None
         budget = self._budget(r)
         if core.ledger.steps[r] >= budget:
-            return None
+            return self._bridge(r, out, via_update)
         num_epochs = core.config.num_epochs
         epoch = self.rank_epoch[r]
         pool = self.pools.get(epoch)
@@ -388,7 +396,14 @@ class PoolDispatch(Dispatch):
                 return None
         batches = self._chunk_batches(r, pool, budget)
         if batches <= 0:
-            return None
+            return self._bridge(r, out, via_update)
+        return self._take(r, pool, batches, out, via_update)
+
+    def _take(
+        self, r: int, pool: ChunkPool, batches: int, out: list[Out], via_update: bool
+    ) -> EpochPlan | None:
+        core = self.core
+        epoch = pool.epoch
         got = pool.take_chunk(batches * core.bs, r)
         if got is None:
             return None
@@ -401,6 +416,52 @@ class PoolDispatch(Dispatch):
         if not via_update:
             out.append(Send(r, StartEpoch(plan)))
         return plan
+
+    def _bridge(self, r: int, out: list[Out], via_update: bool) -> EpochPlan | None:
+        """Work for an NCCL cadence rank the dispatch would otherwise hold idle (its
+        window is full, or its final-window slot is spent) while the reduce waits on a
+        slower rank: it trains on and takes the SyncNow between two batches, so it waits
+        at most one batch per averaging instead of the slow rank's rest (issue 19).
+
+        The bridge is drawn from the rank's own epoch (never past the epoch barrier,
+        §6 #17) and sized by wall time: the batches it trains while the slowest owing
+        rank finishes its window at its measured speed, at least one and at most its
+        own window. What it trains after the SyncNow counts in the next window; the
+        collective weighs every batch by the work the rank really did."""
+        core = self.core
+        if not self.bridges or via_update:
+            return None
+        pool = self.pools.get(self.rank_epoch[r])
+        if pool is None or pool.remaining() < core.bs:
+            return None
+        if core.gate()[0]:
+            # The reduce fires on this tick; its wake-up hands the rank its next window.
+            return None
+        batches = min(self._bridge_batches(r), pool.remaining() // core.bs)
+        return self._take(r, pool, batches, out, via_update)
+
+    def _bridge_batches(self, r: int) -> int:
+        core = self.core
+        counts, steps = core.elche.counts, core.ledger.steps
+        owed_ms = 0.0
+        for s in range(core.ws):
+            if s == r or not core.alive(s) or steps[s] >= counts[s] or self.quiesced(s):
+                continue
+            ms = self._ms_per_batch(s)
+            if ms is not None:
+                owed_ms = max(owed_ms, (counts[s] - steps[s]) * ms)
+        mine = self._ms_per_batch(r)
+        if mine is None or owed_ms <= 0.0:
+            return 1
+        return max(1, min(math.ceil(owed_ms / mine), counts[r]))
+
+    def _ms_per_batch(self, r: int) -> float | None:
+        """ElChe's smoothed speed, or this window's before the first calibration."""
+        ms = self.core.elche.smoothed_ms(r)
+        ledger = self.core.ledger
+        if ms is None and ledger.steps[r] > 0:
+            ms = ledger.wall_ms[r] / ledger.steps[r]
+        return ms if ms is not None and ms > 0.0 else None
 
     def _chunk_batches(self, r: int, pool: ChunkPool, budget: int) -> int:
         core = self.core

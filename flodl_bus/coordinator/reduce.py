@@ -1,5 +1,7 @@
 """The reduce cycle (reference §4.3 to §4.8): one interface, two backends, chosen once.
 
+``SoloReduce``: a world of one rank, whatever the backend; the average of one model is
+that model, so a window closes in the coordinator alone, with no message to the rank.
 ``NcclReduce``: ``SyncNow``, the ranks block in the collective and ack with their next
 step; the cycle closes in the call that opened it. ``CpuReduce``: ``RequestParams``, each
 rank's snapshot is reduced in the background and its ``SyncAck`` is the ack; the cycle
@@ -233,6 +235,37 @@ class Reduce:
         self.core.dispatch.after_reduce(now, out)
 
 
+class SoloReduce(Reduce):
+    """A world of one: a window closes without a round (no SyncNow, no RequestParams).
+
+    The average over one rank is its own model, so a round would only cost the rank a
+    control message, a parameter pass for its norms and an ack (11% of a one-GPU
+    cifar_resnet run under nccl-sync, issue 19). What a window feeds in the coordinator
+    (ElChe, the guard, the version, the global step, an armed checkpoint) still happens.
+    The rank is sent no ``SetGlobalStep``: its step counter is never reset by a round,
+    so ``global_step + steps_since_avg`` already places its LR, and the global step would
+    count the window twice. A resumed run still starts from the saved global step.
+    """
+
+    def __init__(self, core: Coordinator, *, adopts_consensus: bool) -> None:
+        super().__init__(core)
+        self.adopts_consensus = adopts_consensus
+
+    def acks(self) -> list[bool]:
+        return [True] * self.core.ws
+
+    def schedule_eval(self, epoch: int, out: list[Out]) -> None:
+        # The live model is the consensus: it is scored at the epoch's start, as nccl's.
+        roles = self.core.roles
+        roles.pending_eval_intent = False
+        out.append(Send(roles.eval, ExecuteEvalCallback(epoch, epoch, roles.eval)))
+
+    def trigger(self, now: float, closed: Ledger, armed: ArmedSave | None, out: list[Out]) -> None:
+        self.close_window(closed, 0.0)
+        self.core.checkpoints.finish(armed, out)
+        self.after_window(now, out)
+
+
 class NcclReduce(Reduce):
     """The NCCL ack protocol (§4.4, §4.6.1)."""
 
@@ -249,6 +282,12 @@ class NcclReduce(Reduce):
         self.armed = False
         self.started_at = 0.0
         self.last_sync_ms = 0.0
+        # With bridges only the SyncAck acks, never a Batch (flodl takes either): a
+        # bridging rank trains until the SyncNow reaches it, so a Batch arriving after
+        # the trigger may have been trained before the collective, with a step above the
+        # coordinator's snapshot. The rank sends its SyncAck right after the collective,
+        # before any later batch.
+        self.acks_on_batch = not core.config.bridge_idle
 
     def blocks(self, r: int) -> bool:
         return not self.acked[r]
@@ -261,7 +300,7 @@ class NcclReduce(Reduce):
 
     def on_batch(self, r: int, step_count: int, now: float) -> None:
         super().on_batch(r, step_count, now)
-        if not self.acked[r] and step_count > self.sync_step[r]:
+        if self.acks_on_batch and not self.acked[r] and step_count > self.sync_step[r]:
             self._ack(r, now)
 
     def on_sync_ack(self, r: int, msg: SyncAck, now: float) -> None:
