@@ -30,7 +30,7 @@ from typing import Any
 from flodl_bus.bench.idle import idle_of_run
 
 
-def _call(tree: Path, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+def _call(tree: Path, args: argparse.Namespace, run_dir: Path) -> dict[str, Any] | None:
     env = dict(os.environ, PYTHONPATH=str(tree.resolve()))
     out = run_dir / "bench.json"
     cmd = [
@@ -44,7 +44,10 @@ def _call(tree: Path, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]
         cmd += ["--epochs", str(args.epochs)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"bench train failed in {run_dir}:\n{done.stdout[-2000:]}{done.stderr}")
+        # A failed call is reported and left out of the medians (it is no timing).
+        tail = (done.stdout + done.stderr).strip().splitlines()[-12:]
+        print(f"bench train failed in {run_dir}:\n    " + "\n    ".join(tail), flush=True)
+        return None
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             load = os.getloadavg()[0]
             run_dir = args.out / f"{name}-{rep}"
             res = _call(trees[name], args, run_dir)
+            if res is None:
+                continue
             ddp = res["runs"]["ddp"][0]
             ddp_tt = ddp["to_target"][0] if ddp["to_target"] else None
             line = [f"rep {rep} {name:<6} load {load:4.1f}  ddp to target {_f(ddp_tt)} s"]
