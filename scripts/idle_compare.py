@@ -81,6 +81,7 @@ def _figures(run_dir: Path, modes: list[str]) -> dict[str, dict[str, Any]]:
             fig["syncs"] = idle.syncs
             fig["at_sync_share"] = [a / r["wall"] for a in idle.at_sync_s]
             fig["peer_share"] = [a / r["wall"] for a in idle.peer_s]
+            fig["peer_end_share"] = [a / r["wall"] for a in idle.peer_epoch_end_s]
             fig["peer_steps"] = [
                 m / st if st > 0 else 0.0
                 for m, st in zip(idle.median_peer_s, idle.step_s, strict=True)
@@ -99,8 +100,8 @@ def summarize(out_dir: Path, modes: list[str]) -> dict[str, Any]:
             rows.setdefault((tree, mode), []).append(fig)
     print(f"\nmedians over the calls that finished ({out_dir})")
     print(f"{'tree':<7}{'mode':<14}{'calls':>6}{'to target s':>12}{'vs ddp':>8}{'train s':>9}"
-          f"{'ddp train s':>12}  per rank: waiting at SyncNow / for a peer (share of"
-          " the run), median wait for a peer (steps)")  # fmt: skip
+          f"{'ddp train s':>12}  per rank: waiting at SyncNow / for a peer (at epoch ends)"
+          " as shares of the run / median wait for a peer in steps")  # fmt: skip
     summary: dict[str, Any] = {}
     for (tree, mode), figs in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         med = {
@@ -109,11 +110,13 @@ def summarize(out_dir: Path, modes: list[str]) -> dict[str, Any]:
         }
         ranks = []
         for r in range(2):
-            at, peer, steps = (
+            at, peer, end, steps = (
                 _median([f[key][r] for f in figs if key in f])
-                for key in ("at_sync_share", "peer_share", "peer_steps")
+                for key in ("at_sync_share", "peer_share", "peer_end_share", "peer_steps")
             )
-            ranks.append(f"r{r} {_f(at, '.0%')} / {_f(peer, '.0%')} / {_f(steps, '.1f')}")
+            ranks.append(
+                f"r{r} {_f(at, '.0%')} / {_f(peer, '.0%')} ({_f(end, '.0%')}) / {_f(steps, '.1f')}"
+            )
         print(f"{tree:<7}{mode:<14}{len(figs):>6}{_f(med['to_target']):>12}"
               f"{_f(med['vs_ddp'], '.3f'):>7}x{_f(med['wall']):>9}{_f(med['ddp_wall']):>12}  "
               + ", ".join(ranks))  # fmt: skip

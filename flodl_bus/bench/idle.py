@@ -45,6 +45,9 @@ class Idle:
     peer_s: tuple[float, ...] = ()
     #: each rank's median of that wait per SyncNow (seconds)
     median_peer_s: tuple[float, ...] = ()
+    #: the part of ``peer_s`` at averagings that closed an epoch: there the epoch barrier
+    #: (§6 #17) leaves a rank done with its share nothing it may train
+    peer_epoch_end_s: tuple[float, ...] = ()
 
 
 def _type(msg: Any) -> str | None:
@@ -54,12 +57,17 @@ def _type(msg: Any) -> str | None:
 def averaging_idle(records: Iterable[Mapping[str, Any]], world: int) -> Idle | None:
     """Each rank's gaps between batches, split by whether a SyncNow fell in them."""
     syncs: list[float] = []  # in record order, which is time order
+    #: the syncs whose step also aggregated an epoch (the window ended with the epoch)
+    epoch_end: set[int] = set()
     batches: list[list[tuple[float, float]]] = [[] for _ in range(world)]
     for rec in records:
         now = rec.get("now")
         if now is None:
             continue
-        if any(_type(o.get("msg")) == "SyncNow" for o in rec.get("out") or ()):
+        outs = {_type(o.get("msg")) for o in rec.get("out") or ()}
+        if "SyncNow" in outs:
+            if "EpochAggregated" in outs:
+                epoch_end.add(len(syncs))
             syncs.append(float(now))
         msg = rec.get("msg")
         if _type(msg) != "Batch":
@@ -86,13 +94,16 @@ def averaging_idle(records: Iterable[Mapping[str, Any]], world: int) -> Idle | N
             else:
                 other[r] += gap
     peer: list[list[float]] = [[] for _ in range(world)]
-    for gaps in across.values():
+    peer_end = [0.0] * world
+    for i, gaps in across.items():
         known = [g for g in gaps if g is not None]
         if len(known) < world:
             continue
         least = min(known)
         for r, g in enumerate(known):
             peer[r].append(g - least)
+            if i in epoch_end:
+                peer_end[r] += g - least
     return Idle(
         syncs=len(syncs),
         at_sync_s=tuple(sum(g) for g in at_sync),
@@ -101,6 +112,7 @@ def averaging_idle(records: Iterable[Mapping[str, Any]], world: int) -> Idle | N
         step_s=tuple(statistics.median(s for _, s in bs) for bs in batches),
         peer_s=tuple(sum(p) for p in peer),
         median_peer_s=tuple(statistics.median(p) if p else 0.0 for p in peer),
+        peer_epoch_end_s=tuple(peer_end),
     )
 
 
@@ -127,8 +139,9 @@ def describe(idle: Idle, train_s: float) -> Sequence[str]:
         if idle.peer_s:
             peer, pmed = idle.peer_s[r], idle.median_peer_s[r]
             psteps = f"{pmed / step:.1f} steps" if step > 0 else "-"
+            end = idle.peer_epoch_end_s[r] if idle.peer_epoch_end_s else 0.0
             lines.append(
                 f"        of which waiting for a peer {peer:6.2f} s ({peer / train_s:5.1%}; "
-                f"median {pmed * 1000:.2f} ms = {psteps})"
+                f"median {pmed * 1000:.2f} ms = {psteps}; {end:.2f} s at an epoch's end)"
             )
     return lines
