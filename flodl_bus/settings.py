@@ -127,6 +127,14 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob("anchor", _int(1), None, "initial batches per window of the slowest rank"),
     Knob(
+        "min_anchor",
+        _int(1),
+        None,
+        "floor of the anchor's overhead-driven growth (default: the initial anchor); a "
+        "divergence nudge may still go below it",
+    ),
+    Knob("max_anchor", _int(1), 1000, "ceiling of the anchor (batches of the slowest rank)"),
+    Knob(
         "overhead_target",
         _float(0.01, 0.5),
         0.05,
@@ -134,6 +142,14 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob("max_batch_diff", _int(0), None, "most batches a rank may run ahead (cpu throttle)"),
     Knob("max_overshoot", _int(0), None, "cpu-async: steps past its window a rank may run"),
+    Knob(
+        "relax_up",
+        _bool,
+        False,
+        "cpu-async: each reduce the guard calls stable grows the anchor by one, within "
+        "--max-batch-diff (true|false)",
+        metavar="BOOL",
+    ),
     Knob(
         "callback_rank",
         _int(0),
@@ -161,6 +177,15 @@ KNOBS: tuple[Knob, ...] = (
         False,
         "send StageAdvisory (each rank's span and next span) after every reduce; off "
         "by default: it costs a reduce O(world^2) (BENCHMARKS)",
+        metavar="BOOL",
+    ),
+    Knob(
+        "lockstep",
+        _bool,
+        False,
+        "deterministic schedule (sync modes): every rank gets one batch per window and "
+        "the next only after that window's average, so two runs, or a run and its "
+        "resume, train bit for bit alike; slower (a round trip per step)",
         metavar="BOOL",
     ),
     Knob(

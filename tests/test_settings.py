@@ -146,3 +146,34 @@ def test_speed_hints_for_another_world_size_are_refused() -> None:
             mode="cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
             **config_knobs(v),
         )  # fmt: skip
+
+
+def test_relax_up_is_off_by_default_and_reachable_by_flag_file_and_up(tmp_path: Path) -> None:
+    assert settings.resolve(parse())["relax_up"] is False  # flodl's default
+    toml = tmp_path / "run.toml"
+    toml.write_text("relax_up = true\n")
+    v = settings.resolve(parse("--config", str(toml)))
+    cfg = CoordinatorConfig(
+        mode="cpu-async", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
+        **config_knobs(v),
+    )  # fmt: skip
+    assert cfg.relax_up is True
+    flag = settings.resolve(parse("--config", str(toml), "--relax-up", "false"))
+    assert flag["relax_up"] is False
+    args = up_parser().parse_args(["--workers", "2", "--relax-up", "true"])
+    coord = coordinator_argv(args, "r", tmp_path)
+    assert coord[coord.index("--relax-up") + 1] == "true"
+    assert "--relax-up" not in worker_argv(args, "r", 0, tmp_path)
+
+
+def test_the_anchors_floor_and_ceiling_are_reachable_by_flag_and_file(tmp_path: Path) -> None:
+    v = settings.resolve(parse())
+    assert v["max_anchor"] == 1000 and v["min_anchor"] is None  # flodl's defaults
+    toml = tmp_path / "run.toml"
+    toml.write_text("min_anchor = 20\n")
+    v = settings.resolve(parse("--config", str(toml), "--max-anchor", "200"))
+    cfg = CoordinatorConfig(
+        mode="cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=1,
+        **config_knobs(v),
+    )  # fmt: skip
+    assert cfg.min_anchor == 20 and cfg.max_anchor == 200

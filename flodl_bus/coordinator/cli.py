@@ -50,6 +50,7 @@ from flodl_bus.coordinator.cli_args import (
     asked_run_dir,
     config_knobs,
     default_save_stem,
+    ignored_settings,
 )
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
@@ -182,6 +183,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     import structlog
 
     log = structlog.get_logger("flodl_bus.coordinator")
+    for key, why in ignored_settings(probe):
+        log.warning("setting_ignored", setting=key, mode=args.mode, reason=why)
     sig = dataset_signature(train)
     run_fields: dict[str, str] = {
         "mode": args.mode,
@@ -383,7 +386,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         recorder.close()
         bus.close()
         join.close()
-    status = {0: "finished", EXIT_INTERRUPTED: "interrupted"}.get(code, "saved")
+    status = {0: "finished", EXIT_INTERRUPTED: "interrupted", CONFIG: "refused"}.get(code, "saved")
     if code == EXIT_INTERRUPTED:
         code = stopped_code()
     try:

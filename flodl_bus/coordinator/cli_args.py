@@ -16,7 +16,7 @@ from typing import Any
 from flodl_bus import settings
 from flodl_bus.bus.connection import add_url_argument
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.coordinator.config import MODES, MaxFailure, parse_mode
+from flodl_bus.coordinator.config import MODES, CoordinatorConfig, MaxFailure, Policy, parse_mode
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 
 PROG = "flodl-bus coordinator"
@@ -188,9 +188,12 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "seed": knobs["seed"],
         "epoch_splits": knobs["epoch_splits"],
         "anchor": knobs["anchor"],
+        "min_anchor": knobs["min_anchor"],
+        "max_anchor": knobs["max_anchor"],
         "overhead_target": knobs["overhead_target"],
         "max_batch_diff": knobs["max_batch_diff"],
         "max_overshoot": knobs["max_overshoot"],
+        "relax_up": knobs["relax_up"],
         "epoch_callback_rank": knobs["callback_rank"],
         "max_failure": max_failure,
         "guard": knobs["guard"],
@@ -198,7 +201,21 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "callback_slack": knobs["callback_slack"],
         "speed_hints": knobs["speed_hints"],
         "stage_advisories": knobs["stage_advisories"],
+        "lockstep": knobs["lockstep"],
     }
+
+
+def ignored_settings(config: CoordinatorConfig) -> list[tuple[str, str]]:
+    """Settings the run's mode does not use: (key, why), for a warning (flodl warns and
+    ignores them too)."""
+    if config.policy is Policy.ASYNC:
+        return []
+    out: list[tuple[str, str]] = []
+    if config.max_overshoot is not None:
+        out.append(("max_overshoot", "only cpu-async ranks run past their window"))
+    if config.relax_up:
+        out.append(("relax_up", "the anchor relaxes up on cpu-async only"))
+    return out
 
 
 def _read_resume(stem: str) -> dict[str, Any]:
@@ -214,4 +231,10 @@ def _read_resume(stem: str) -> dict[str, Any]:
         raise ConfigError(f"--resume: cannot read {path} ({exc})") from None
     if not isinstance(meta, dict):
         raise ConfigError(f"--resume: {path} is not a checkpoint meta object")
+    model = Path(f"{stem}.model.pt")
+    if not model.exists():
+        raise ConfigError(
+            f"--resume: no consensus model at {model} beside its meta; pass the "
+            "--save-path stem of a run whose save finished"
+        )
     return meta

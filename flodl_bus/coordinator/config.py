@@ -29,6 +29,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "scheduler_meta": False,
     "bridge_idle": False,
     "solo_without_rounds": False,
+    "window_wait": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -92,6 +93,8 @@ class CoordinatorConfig:
     max_batch_diff: int | None = None
     #: None = auto-tuned (async only): 3, +1 per stable reduce up to 15
     max_overshoot: int | None = None
+    #: cpu-async: every Stable reduce also grows the anchor by one (flodl: opt-in)
+    relax_up: bool = False
     #: None = 0.05, or 0.3 when EASGD blending is on (cpu-async)
     trend_threshold: float | None = None
     partition_ratios: tuple[float, ...] | None = None
@@ -127,6 +130,13 @@ class CoordinatorConfig:
     bridge_idle: bool = True
     #: a world of one closes its windows without a round (no SyncNow, no RequestParams)
     solo_without_rounds: bool = True
+    #: nccl progressive cadence: an open gate waits for a mover still short of a
+    #: delivered sample while its chunk is out (reference §4.6.1)
+    window_wait: bool = True
+    #: a deterministic schedule (sync modes): one batch per rank per window, the next
+    #: plan only after the window's average, and epoch-boundary checkpoints taken at
+    #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)
@@ -151,6 +161,12 @@ class CoordinatorConfig:
             raise ValueError("partition_ratios needs one entry per rank")
         if self.guard not in GUARDS:
             raise ValueError(f"guard {self.guard!r} is not one of {', '.join(GUARDS)}")
+        if self.lockstep and (self.policy is not Policy.SYNC or self.is_progressive):
+            raise ValueError(
+                f"lockstep needs the fixed partition of a sync mode, not {self.mode}"
+                f"{' with progressive dispatch' if self.policy is Policy.SYNC else ''}: "
+                "use --mode nccl-sync or cpu-sync, or drop lockstep"
+            )
         if self.speed_hints is not None and (
             len(self.speed_hints) != self.world_size or min(self.speed_hints) <= 0
         ):

@@ -123,6 +123,8 @@ class Coordinator:
         self.phase = TRAINING
         self.finished = False
         self.finish_reason: SaveReason | None = None
+        #: why a rank refused the run's setup (``leaving.CONFIG_ERROR``), if one did
+        self.refused: str | None = None
         #: the rank the final eval went to; if it dies, the run stops waiting for it
         self.final_eval_rank: int | None = None
         self.final_eval_done = False
@@ -247,7 +249,9 @@ class Coordinator:
         self.reduce.poll(now, out)
         if self.finished:
             return out
-        if self.should_average():
+        if not self.should_average():
+            self.reduce.wait_since = None
+        elif self.reduce.window_ready(now, self.ledger):
             self._trigger(now, out)
         aggregated = self.dispatch.aggregate_ready(now, out)
         self._advance(now, out, aggregated)
@@ -306,7 +310,7 @@ class Coordinator:
     def state_summary(self) -> dict[str, Any]:
         open_, why = self.gate()
         live, reduce = self.live, self.reduce
-        return {
+        summary = {
             "phase": self.phase,
             "version": self.version,
             "global_step": self.global_step,
@@ -327,6 +331,12 @@ class Coordinator:
             "pools": self.dispatch.remaining(),
             "gate": {"open": open_, "why": why},
         }
+        if reduce.wait_since is not None:
+            # A tick that starts the wait changes nothing else: this makes the recorder
+            # keep it, so a replay's ceiling counts from the same instant. Absent when
+            # not waiting, as in records made before the wait existed.
+            summary["window_wait_since"] = reduce.wait_since
+        return summary
 
     # ================================================================= upstream
     def _on_exiting(self, r: int, out: list[Out]) -> None:
@@ -335,6 +345,14 @@ class Coordinator:
 
     def _on_leaving(self, r: int, reason: str, now: float, out: list[Out]) -> None:
         """A rank leaving mid-run said why (``protocol.leaving``)."""
+        if leaving.kind_of(reason) == leaving.CONFIG_ERROR:
+            # Set up wrong (a resume that does not fit the job): every rank is, and a
+            # save would overwrite the checkpoint; the run stops with the config code.
+            self.refused = leaving.detail_of(reason)
+            out.append(Alert("critical", "config_error", f"rank {r}: {self.refused}"))
+            self._on_exiting(r, out)
+            out += self.interrupt(now)
+            return
         if leaving.kind_of(reason) == leaving.JOB_FAILED:
             # The job's code is the same on every rank: what failed here fails there
             # too, so the run stops (with its save) instead of re-forming around it.
@@ -364,6 +382,7 @@ class Coordinator:
             self.roles.observe("checkpoint", msg.elapsed_ms)
             self.roles.checkpoint_succeeded(r)
             return
+        out.append(Alert("warn", "checkpoint_failed", f"rank {r}: {msg.error}"))
         nxt = self.roles.checkpoint_failed(r, self.alive_mask())
         if nxt is None:
             out.append(Alert("warn", "checkpoint_gave_up", f"version {msg.version}"))
@@ -407,8 +426,7 @@ class Coordinator:
         ):
             roles.pending_checkpoint_intent = False
             out.append(Send(roles.checkpoint, Checkpoint(epoch, roles.checkpoint)))
-            if self.checkpoints.enabled:
-                self.checkpoints.due = True
+            self.checkpoints.request(out)
         if bool(cfg.eval_every and epoch % cfg.eval_every == 0) or roles.pending_eval_intent:
             self.reduce.schedule_eval(epoch, out)
 
@@ -436,7 +454,7 @@ class Coordinator:
             solo = isinstance(self.reduce, SoloReduce)
             if (len(alive) >= 2 or solo) and trailing:
                 # Final consensus reduce, while idle ranks still service control.
-                if self.reduce.settled():
+                if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled
                     self._trigger(now, out)
                 return

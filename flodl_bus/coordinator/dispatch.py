@@ -86,6 +86,10 @@ class Dispatch:
         """Batches the oldest open epoch has still to hand out (None: not tracked)."""
         return None
 
+    def oldest_open_epoch(self) -> int | None:
+        """The epoch ``epoch_remaining`` counts (None: not tracked)."""
+        return None
+
     def on_batch(self, r: int) -> None:
         pass
 
@@ -200,6 +204,9 @@ class PoolDispatch(Dispatch):
         if not self.pools:
             return None
         return self.pools[min(self.pools)].remaining() // self.core.bs
+
+    def oldest_open_epoch(self) -> int | None:
+        return min(self.pools) if self.pools else None
 
     def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
         pool = self.pools.get(msg.epoch)
@@ -434,8 +441,12 @@ class PoolDispatch(Dispatch):
         pool = self.pools.get(self.rank_epoch[r])
         if pool is None or pool.remaining() < core.bs:
             return None
-        if core.gate()[0]:
+        if core.gate()[0] and not core.reduce.window_waits(core.ledger):
             # The reduce fires on this tick; its wake-up hands the rank its next window.
+            return None
+        if core.ledger.delivered_batches[r] == 0:
+            # Its window has no marginal sample yet (one batch): a bridge out would hold
+            # the window wait (§4.6.1) on this rank instead of shortening anything.
             return None
         batches = min(self._bridge_batches(r), pool.remaining() // core.bs)
         return self._take(r, pool, batches, out, via_update)
@@ -583,12 +594,29 @@ class PartitionDispatch(Dispatch):
     def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
         core = self.core
         if core.last_aggregated + 1 > self.epoch:
+            if core.config.lockstep and self._window_open():
+                # The epoch's last window is averaged first: its steps and the next
+                # epoch's never share a round, whoever's report came first.
+                return
             self._open_epoch(core.last_aggregated + 1, out)
         elif core.training:
             # A plan whose send failed went back to its queue; resend it.
             for r in range(core.ws):
                 if core.alive(r) and not self.sent[r] and self.queued[r]:
                     self._send_next(r, out)
+
+    def after_reduce(self, now: float, out: list[Out]) -> None:
+        core = self.core
+        if core.config.lockstep and core.training:
+            # A new window: every rank with work left gets its next batch now.
+            for r in range(core.ws):
+                if core.alive(r):
+                    self._send_next(r, out)
+
+    def _window_open(self) -> bool:
+        """Steps not yet averaged, or a round still running."""
+        core = self.core
+        return core.reduce.in_flight or any(core.ledger.steps)
 
     def take_back(self, r: int) -> list[Range]:
         done = self.batches_done[r] * self.core.bs
@@ -614,7 +642,7 @@ class PartitionDispatch(Dispatch):
         for s, share in zip(survivors, shares):
             if not share:
                 continue
-            if self.sent[s]:
+            if self.sent[s] and not core.config.lockstep:
                 for off, size in share:
                     out.append(Send(s, ExtendPartition(off, size)))
                     self.sent[s].append((off, size))
@@ -672,7 +700,15 @@ class PartitionDispatch(Dispatch):
     def _send_next(self, r: int, out: list[Out]) -> None:
         if self.sent[r] or not self.queued[r]:
             return
+        core = self.core
+        if core.config.lockstep and (core.ledger.steps[r] > 0 or core.reduce.in_flight):
+            # Lockstep: one batch per window; the next waits for this window's average
+            # (``after_reduce``), so where rounds fall never depends on timing.
+            return
         off, size = self.queued[r].popleft()
+        if core.config.lockstep and size > core.bs:
+            self.queued[r].appendleft((off + core.bs, size - core.bs))
+            size = core.bs
         self.sent[r] = [(off, size)]
         self.batches_done[r] = 0
         out.append(Send(r, StartEpoch(EpochPlan(self.epoch, off, size))))

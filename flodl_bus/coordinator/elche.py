@@ -65,7 +65,12 @@ class ElChe:
         self.world_size = world_size
         self.max_anchor = max(1, max_anchor)
         self.anchor = min(anchor, self.max_anchor)
-        self.min_anchor = min(min_anchor if min_anchor is not None else self.anchor, self.anchor)
+        if min_anchor is None:
+            self.min_anchor = self.anchor
+        else:
+            # A floor above the starting anchor lifts it (flodl's with_min_anchor).
+            self.min_anchor = min(max(1, min_anchor), self.max_anchor)
+            self.anchor = max(self.anchor, self.min_anchor)
         self.overhead_target = min(max(overhead_target, 0.01), 0.5)
         self.max_batch_diff = max_batch_diff
         self.window_cap = window_cap
@@ -82,10 +87,10 @@ class ElChe:
         self._rings: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(world_size)]
         self._zero_windows = [0] * world_size
         self._history: deque[tuple[int, ...]] = deque(maxlen=COUNTS_HISTORY)
-        #: (rank, ms) of callback time the next recompute takes off that rank's count
-        self._slack: tuple[int, float] | None = None
+        #: per-rank ms of callback time the next report's recompute takes off the counts
+        self._slack: list[float] | None = None
         #: the slack of the window being planned (every recompute until the next report)
-        self._active_slack: tuple[int, float] | None = None
+        self._active_slack: list[float] | None = None
         if speed_hints is not None:
             # Before any measurement, a hinted faster rank starts with a larger window,
             # as a measured one would (the first calibration replaces it).
@@ -177,14 +182,22 @@ class ElChe:
                 self._zero_windows[r] += 1
         if not seen:
             return
+        # Election and growth read the phase this report starts in (flodl advances it
+        # after the report): Stable's rules apply from the 6th calibration on.
+        phase = self.phase
         first = self.calibrations == 0
         self.calibrations += 1
-        self._elect_anchor_rank()
+        self._elect_anchor_rank(phase)
+        # Proposed before the recompute, as flodl does: the window cap it checks is the
+        # one the window just closed ran under.
+        self.pending_anchor = self._growth_proposal(report, phase)
         self._recompute(first=first)
-        self.pending_anchor = self._growth_proposal(report)
 
-    def apply_verdict(self, verdict: Verdict) -> None:
-        """Commit (Stable), veto (SuppressGrowth) or discard-and-shrink (NudgeDown)."""
+    def apply_verdict(self, verdict: Verdict, relax_up: bool = False) -> None:
+        """Commit (Stable), veto (SuppressGrowth) or discard-and-shrink (NudgeDown).
+
+        ``relax_up``: a Stable verdict also grows the anchor by one (flodl's opt-in
+        ``elche_relax_up``, which the caller grants to cpu-async only)."""
         if verdict.kind is VerdictKind.STABLE:
             self._stable_streak += 1
             if not self.growth_armed and self._stable_streak >= REARM_AFTER:
@@ -192,6 +205,8 @@ class ElChe:
             if self.pending_anchor is not None and self.pending_anchor != self.anchor:
                 self.anchor = self.pending_anchor
                 self._recompute(first=False)
+            if relax_up:
+                self.relax_anchor_up()
         else:
             self._stable_streak = 0
             self.growth_armed = False
@@ -201,16 +216,46 @@ class ElChe:
         self.pending_anchor = None
 
     def nudge_anchor_down(self, factor: float) -> None:
+        if not math.isfinite(factor):
+            return
         f = min(max(factor, 0.1), 1.0)
         self.anchor = max(1, min(self.anchor, math.ceil(self.anchor * f)))
-        self._recompute(first=False)
+        if self._slow_ms() is not None:
+            self._recompute(first=False)
 
-    def stage_slack(self, rank: int, ms: float) -> None:
-        """The next recompute shortens ``rank``'s window by ``ms`` of callback time."""
-        self._slack = (rank, ms)
+    def relax_anchor_up(self) -> None:
+        """One more batch per window, up to ``max_anchor`` (reference §4.9.4).
+
+        The upward twin of ``nudge_anchor_down``: while the guard keeps saying Stable,
+        async windows lengthen and the reduce is paid less often. With a
+        ``max_batch_diff`` the step is refused when it would put the fastest rank more
+        than that many batches ahead of the slowest (for speed ratio R the anchor then
+        stops near ``max_batch_diff / (R - 1)``), as the throttle would hold it anyway.
+        """
+        if self.anchor >= self.max_anchor:
+            return
+        if self.max_batch_diff is not None:
+            known = [ms for r in range(self.world_size) if (ms := self.smoothed_ms(r))]
+            if known:
+                new_anchor = self.anchor + 1
+                fast = max(1, _round_half_up(new_anchor * max(known) / min(known)))
+                if fast - new_anchor > self.max_batch_diff:
+                    return
+        self.anchor += 1
+        # Uncalibrated counts (equal, or speed hints) stay until the first measurement.
+        if self._slow_ms() is not None:
+            self._recompute(first=False)
+
+    def stage_slack(self, slack_ms: Sequence[float]) -> None:
+        """The next report shortens each rank's window by its ms of callback time."""
+        if len(slack_ms) == self.world_size:
+            self._slack = list(slack_ms)
 
     # ------------------------------------------------------------------ internals
-    def _elect_anchor_rank(self) -> None:
+    def _slow_ms(self) -> float | None:
+        return self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+
+    def _elect_anchor_rank(self, phase: str | None = None) -> None:
         ms = [self.smoothed_ms(r) for r in range(self.world_size)]
         known = [(m, r) for r, m in enumerate(ms) if m is not None]
         if not known:
@@ -218,7 +263,7 @@ class ElChe:
         cur = self.anchor_rank
         if cur is not None and self._zero_windows[cur] >= DEAD_WINDOW_ESCAPE:
             cur = None
-        if cur is not None and self.phase not in ("stable", "mature"):
+        if cur is not None and (phase or self.phase) not in ("stable", "mature"):
             return
         slowest = max(m for m, _ in known)
         if cur is not None:
@@ -229,7 +274,7 @@ class ElChe:
         self.anchor_rank = min(cohort)
 
     def _recompute(self, first: bool) -> None:
-        slow = self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+        slow = self._slow_ms()
         slack = self._active_slack
         new = []
         for r in range(self.world_size):
@@ -239,17 +284,18 @@ class ElChe:
             else:
                 target = max(1, _round_half_up(self.anchor * min(slow / ms, MAX_SPEED_RATIO)))
             old = self.counts[r]
-            if slack is not None and slack[0] == r and ms is not None:
+            slacked = False
+            if slack is not None and slack[r] > 0 and ms is not None:
                 # Callback time the rank will spend at the epoch's end: its window is
                 # shortened so the others do not wait for it (no dead zone here).
-                target = max(1, target - math.ceil(slack[1] / ms))
-            elif not first:
-                if old > 0 and abs(target - old) / old < DEAD_ZONE:
+                target = max(1, target - math.ceil(slack[r] / ms))
+                slacked = True
+            if not first:
+                if not slacked and abs(target - old) <= DEAD_ZONE * old:
                     target = old
                 elif self.max_batch_diff is not None:
                     d = self.max_batch_diff
-                    target = min(max(target, old - d), old + d)
-                    target = max(target, 1)
+                    target = max(min(max(target, old - d), old + d), 1)
             new.append(target)
         self.counts = new
         self._apply_window_cap()
@@ -270,10 +316,12 @@ class ElChe:
             scaled[scaled.index(max(scaled))] -= 1
         self.counts = scaled
 
-    def _growth_proposal(self, report: WindowReport) -> int | None:
+    def _growth_proposal(self, report: WindowReport, phase: str) -> int | None:
+        if phase == "probe":
+            return None  # one sample is a reading, not a trend
         if not self.growth or not self.growth_armed or self.window_cap_binding:
             return None
-        marginal = self.smoothed_ms(self.anchor_rank) if self.anchor_rank is not None else None
+        marginal = self._slow_ms()
         if marginal is None:
             return None
         cost = max(report.reduce_ms, 0.0) + max(report.fill_ms, 0.0)
@@ -281,10 +329,8 @@ class ElChe:
         if denom <= 0:
             return None
         overhead = cost / denom
-        if self.phase == "warmup":
-            if self.calibrations < 2 or overhead <= WARMUP_MARGIN * self.overhead_target:
-                return None
-        elif overhead <= self.overhead_target:
+        margin = WARMUP_MARGIN if phase == "warmup" else 1.0
+        if overhead <= margin * self.overhead_target:
             return None
         step = min(overhead / self.overhead_target, GROWTH_STEP_CAP)
         proposal = min(max(math.ceil(self.anchor * step), self.min_anchor), self.max_anchor)
@@ -300,6 +346,12 @@ class ElChe:
             "phase": self.phase,
             "calibrations": self.calibrations,
             "anchor_rank": self.anchor_rank,
+            # What the next windows' growth and elections read (absent in older metas).
+            "growth_armed": self.growth_armed,
+            "stable_streak": self._stable_streak,
+            "zero_windows": list(self._zero_windows),
+            "history": [list(h) for h in self._history],
+            "slack": None if self._slack is None else list(self._slack),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -313,4 +365,13 @@ class ElChe:
         self.calibrations = int(state.get("calibrations", 0))
         ar = state.get("anchor_rank")
         self.anchor_rank = int(ar) if ar is not None else None
+        self.growth_armed = bool(state.get("growth_armed", self.growth_armed))
+        self._stable_streak = int(state.get("stable_streak", 0))
+        zeros = [int(z) for z in state.get("zero_windows", [])]
+        if len(zeros) == self.world_size:
+            self._zero_windows = zeros
+        self._history.clear()
+        self._history.extend(tuple(int(c) for c in h) for h in state.get("history", []))
+        slack = state.get("slack")
+        self._slack = None if slack is None else [float(x) for x in slack]
         self._apply_window_cap()

@@ -78,8 +78,12 @@ class MsfGuard:
 
     ``λ = ln(D_t / D_{t-1}) / k_max`` (``k_max``: the most steps a rank ran in the
     window), smoothed by a bias-corrected EMA. Three windows in a row above 1e-3 veto
-    growth; three above 1e-2 shrink the anchor by half (``NudgeDown``), so the anchor can
-    come down when the windows are too long, which the trend guard never does.
+    growth; three above 1e-2 shrink the anchor by half (``NudgeDown``, which wins when
+    both are due), so the anchor can come down when the windows are too long, which the
+    trend guard never does. Each trigger restarts its own streak when it fires, so a
+    sustained climb acts every third window, not every window. A divergence at or below
+    the noise floor (1e-8) yields no rate and breaks the chain: the next window's ratio
+    against ~0 would read as an explosion.
     """
 
     def __init__(self, enabled: bool = True) -> None:
@@ -93,31 +97,33 @@ class MsfGuard:
         self._nudge_streak = 0
 
     def report(self, deltas: Sequence[float | None], k_max: int = 1) -> Verdict:
-        value = max(max_relative_delta(deltas), MSF_FLOOR)
+        value = max_relative_delta(deltas)
         self.history.append(value)
-        prev, self._prev = self._prev, value
-        if not self.enabled or prev is None or k_max <= 0:
+        prev, self._prev = self._prev, (value if value > MSF_FLOOR else None)
+        if prev is not None and value > MSF_FLOOR and k_max > 0:
+            lam = math.log(value / prev) / k_max
+            self._n += 1
+            self._ema = MSF_EMA * self._ema + (1 - MSF_EMA) * lam
+        # The smoothed rate persists through a window that yields no sample of its own.
+        self.rate = self._ema / (1 - MSF_EMA**self._n) if self._n else None
+        if not self.enabled:
             return STABLE
-        lam = math.log(value / prev) / k_max
-        self._n += 1
-        self._ema = MSF_EMA * self._ema + (1 - MSF_EMA) * lam
-        rate = self._ema / (1 - MSF_EMA**self._n)
-        self.rate = rate
+        rate = self.rate if self.rate is not None else -math.inf
         self._suppress_streak = self._suppress_streak + 1 if rate > MSF_SUPPRESS else 0
         self._nudge_streak = self._nudge_streak + 1 if rate > MSF_NUDGE else 0
         if self._nudge_streak >= MSF_STREAK:
-            # A fresh streak must build before the next halving (else one episode of
-            # growth would take the anchor to 1 in a few windows).
             self._nudge_streak = 0
             return Verdict(VerdictKind.NUDGE_DOWN, MSF_NUDGE_FACTOR)
         if self._suppress_streak >= MSF_STREAK:
+            self._suppress_streak = 0
             return SUPPRESS
         return STABLE
 
     def restore(self, history: Iterable[float]) -> None:
         self.history.clear()
         self.history.extend(float(h) for h in history)
-        self._prev = self.history[-1] if self.history else None
+        last = self.history[-1] if self.history else None
+        self._prev = last if last is not None and last > MSF_FLOOR else None
 
     def state(self) -> dict[str, Any]:
         """The rate's EMA and streaks (the history travels as ``trend_history``)."""

@@ -3,16 +3,20 @@ enters a phase that wants shorter windows.
 
 Divergence collapses at an LR drop (the replicas stop moving apart), which the guards
 read as "windows can grow"; but after a drop the model is fine-tuning and long windows
-waste it. Two detectors, silent while ElChe is still probing:
+waste it. Each closed window it records the LR (the lowest live rank's that reported
+one; nothing is recorded before any did), the anchor and the guard's verdict, in windows
+of 3, 5 and 5. Two detectors, silent while ElChe is still probing:
 
-* a sharp LR drop: the ranks' LR fell more than 30 % below the recent mean (base 0.5);
+* an LR cliff: the LR fell more than 30 % since the previous window (base 0.5); a
+  gradual decay never trips it, and one drop is one nudge;
 * convergence: the last K guard verdicts all vetoed or shrank growth (K and base by
-  ElChe phase: warmup 5 / 0.3, stable 3 / 0.5, mature 2 / 0.7).
+  ElChe phase: warmup 5 / 0.3, stable 3 / 0.5, mature 2 / 0.7); it fires again every
+  window the vetoes go on.
 
 A detector's factor is ``base - (1 - base) * trend``, ``trend`` the anchor's relative
-distance above its recent mean (a freshly grown anchor comes down further), clamped to
-[0.1, 0.95]; both firing multiply. Each detector's window restarts after it fires, so
-one drop is one nudge.
+distance from the mean of the anchor window (which includes it): a freshly grown anchor
+comes down further, one already shrinking less. Clamped to [0.1, 0.95]; both firing
+multiply, clamped again.
 """
 
 from __future__ import annotations
@@ -50,35 +54,28 @@ class MetaController:
     def observe(
         self, lrs: Sequence[float | None], anchor: int, guard: Verdict, phase: str
     ) -> Verdict | None:
-        """One closed window: the live ranks' last LRs, ElChe's anchor and phase, the
-        guard's verdict. Returns a NudgeDown, or None."""
+        """One closed window: the ranks' last LRs (None: dead or not reported), ElChe's
+        anchor and phase, the guard's verdict. Returns a NudgeDown, or None."""
         self.fired = ()
-        known = [lr for lr in lrs if lr is not None]
-        lr = sum(known) / len(known) if known else None
-        prev_lrs = list(self.lrs)
-        if lr is not None:
-            self.lrs.append(lr)
-        self.verdicts.append(guard.kind)
-        mean_anchor = sum(self.anchors) / len(self.anchors) if self.anchors else float(anchor)
-        self.anchors.append(anchor)
-        if not self.enabled or phase == "probe":
+        lr = next((x for x in lrs if x is not None), None)
+        if not self.enabled or lr is None:
             return None
-        trend = (anchor - mean_anchor) / mean_anchor if mean_anchor > 0 else 0.0
+        self.lrs.append(lr)
+        self.anchors.append(anchor)
+        self.verdicts.append(guard.kind)
+        if phase == "probe":
+            return None
+        trend = self.anchor_trend()
         factors: list[float] = []
         fired: list[str] = []
-        if lr is not None and prev_lrs:
-            mean_lr = sum(prev_lrs) / len(prev_lrs)
-            if mean_lr > 0 and lr < (1 - LR_DROP) * mean_lr:
-                factors.append(_clamp(LR_DROP_BASE - (1 - LR_DROP_BASE) * trend))
-                fired.append("lr_drop")
-                self.lrs.clear()
-                self.lrs.append(lr)
+        if self._lr_cliff():
+            factors.append(_clamp(LR_DROP_BASE - (1 - LR_DROP_BASE) * trend))
+            fired.append("lr_drop")
         k, base = CONVERGENCE.get(phase, (0, 0.0))
         tail = list(self.verdicts)[-k:] if k else []
         if k and len(tail) == k and all(v is not VerdictKind.STABLE for v in tail):
             factors.append(_clamp(base - (1 - base) * trend))
             fired.append("convergence")
-            self.verdicts.clear()
         if not factors:
             return None
         self.fired = tuple(fired)
@@ -86,6 +83,19 @@ class MetaController:
         for f in factors:
             factor *= f
         return Verdict(VerdictKind.NUDGE_DOWN, _clamp(factor))
+
+    def anchor_trend(self) -> float:
+        """``(anchor - mean) / mean`` over the anchor window, this window's included."""
+        if len(self.anchors) < 2:
+            return 0.0
+        mean = sum(self.anchors) / len(self.anchors)
+        return (self.anchors[-1] - mean) / mean if mean > 0 else 0.0
+
+    def _lr_cliff(self) -> bool:
+        if len(self.lrs) < 2:
+            return False
+        prev, now = self.lrs[-2], self.lrs[-1]
+        return prev > 0 and now < prev and (prev - now) / prev > LR_DROP
 
     def state(self) -> dict[str, Any]:
         return {

@@ -45,6 +45,10 @@ SLACK_SHARE = 0.05
 SLACK_FLOOR_MS = 100.0
 
 
+def _every(every: int | None, epoch: int) -> bool:
+    return bool(every) and epoch % (every or 1) == 0
+
+
 class Ledger:
     """What each rank did since the last reduce (reference §4.3)."""
 
@@ -104,6 +108,8 @@ class Reduce:
         self.post_norm: float | None = None
         self.upload_ms: list[float | None] = [None] * ws
         self.throttled = [False] * ws
+        #: when the open gate started waiting for the window to complete (NCCL cadence)
+        self.wait_since: float | None = None
 
     # ------------------------------------------------------------- the backend's rules
     @property
@@ -157,28 +163,57 @@ class Reduce:
         """Whether a window's delivered (marginal) times are comparable across ranks."""
         return self.core.policy is not Policy.SYNC
 
+    def window_ready(self, now: float, window: Ledger) -> bool:
+        """The gate is open: whether to reduce now or wait for the window to complete."""
+        return True
+
+    def window_waits(self, window: Ledger) -> bool:
+        """An open gate would wait for ``window`` to complete (no side effect)."""
+        return False
+
     # ------------------------------------------------------------- closing a window
+    def _movers(self, window: Ledger) -> list[int]:
+        core = self.core
+        return [r for r in range(core.ws) if core.alive(r) and window.steps[r] > 0]
+
+    @staticmethod
+    def _has_delivered(window: Ledger, r: int) -> bool:
+        # Callback time taken out of the window can leave batches with no time left.
+        return window.delivered_batches[r] > 0 and window.delivered_ms[r] > 0
+
+    def movers_delivered_complete(self, window: Ledger) -> bool:
+        """Every live rank that stepped in ``window`` has a delivered (marginal) sample;
+        idle and dead ranks do not count. A one-batch window has none: its only batch is
+        the fill."""
+        return all(self._has_delivered(window, r) for r in self._movers(window))
+
+    def timing_feed(self, window: Ledger) -> tuple[list[float], list[int]]:
+        """Per rank (ms, batches) ElChe learns the window from: the delivered scale
+        (compute + data wait, fill excluded) where the mode measures it and every mover
+        has a sample, else the compute scale for every rank. All or none: a mix makes a
+        data-starved rank look fast and hands it the most work (§6 #15)."""
+        return self._feed(window)[1:]
+
+    def _feed(self, window: Ledger) -> tuple[bool, list[float], list[int]]:
+        if self.measures_delivered() and self.movers_delivered_complete(window):
+            return True, list(window.delivered_ms), list(window.delivered_batches)
+        return False, list(window.wall_ms), list(window.steps)
+
     def window_report(self, closed: Ledger, reduce_ms: float) -> WindowReport:
         core = self.core
-        movers = [r for r in range(core.ws) if core.alive(r) and closed.steps[r] > 0]
-        # All-or-none: mixing delivered and compute scales inverts allocations (§6 #15).
-        coherent = self.measures_delivered() and all(
-            closed.delivered_batches[r] > 0 for r in movers
-        )
+        delivered, feed_ms, feed_batches = self._feed(closed)
         ms: list[float | None] = [None] * core.ws
         fill = 0.0
-        for r in movers:
-            if coherent:
-                marginal = closed.delivered_ms[r] / closed.delivered_batches[r]
-                ms[r] = marginal
-                first = closed.first_batch_ms[r]
-                if first is not None:
-                    fill = max(fill, first - marginal)
-            else:
-                ms[r] = closed.wall_ms[r] / closed.steps[r]
+        for r in self._movers(closed):
+            if feed_batches[r] <= 0:
+                continue
+            ms[r] = per_batch = feed_ms[r] / feed_batches[r]
+            first = closed.first_batch_ms[r]
+            if delivered and first is not None:
+                fill = max(fill, first - per_batch)
         return WindowReport(tuple(ms), reduce_ms=reduce_ms, fill_ms=fill)
 
-    def close_window(self, closed: Ledger, reduce_ms: float) -> None:
+    def close_window(self, closed: Ledger, reduce_ms: float, out: list[Out]) -> None:
         """The reduce happened: ElChe learns the window, the guard judges it, version+1."""
         core = self.core
         self._stage_slack()
@@ -200,7 +235,17 @@ class Reduce:
         core.last_verdict = verdict = merge(guard, nudge)
         core.version += 1
         core.avg_count += 1
-        core.elche.apply_verdict(verdict)
+        # Relax-up lengthens windows only where ranks overshoot them anyway (async).
+        anchor = core.elche.anchor
+        core.elche.apply_verdict(
+            verdict, relax_up=core.policy is Policy.ASYNC and core.config.relax_up
+        )
+        if verdict.kind is VerdictKind.NUDGE_DOWN:
+            # flodl's drift alert: the replicas drifted (or the LR dropped) enough to
+            # shorten the windows.
+            why = [*core.meta.fired, *(["guard"] if guard.kind is VerdictKind.NUDGE_DOWN else [])]
+            detail = f"anchor {anchor} -> {core.elche.anchor} ({', '.join(why)})"
+            out.append(Alert("warn", "drift", detail))
         if core.overshoot_auto:
             if verdict.kind is VerdictKind.STABLE:
                 core.max_overshoot = min(core.max_overshoot + 1, OVERSHOOT_CEILING)
@@ -209,23 +254,35 @@ class Reduce:
         core.global_step += sum(closed.steps)
 
     def _stage_slack(self) -> None:
-        """The epoch's last window: its callback rank's window is shortened by the
-        callback's expected time, if that time is worth it (§4.13.4)."""
+        """The epoch's last window: each rank that runs a callback at the epoch's end
+        (epoch_fn on its role, checkpoint and eval on theirs when due) gets a window
+        shorter by the callbacks' expected time, where that time is worth it (§4.13.4)."""
         core = self.core
         elche = core.elche
         if not core.config.callback_slack or not elche.calibrated:
             return
         remaining = core.dispatch.epoch_remaining()
-        if remaining is None or remaining == 0 or remaining > sum(elche.counts):
+        epoch = core.dispatch.oldest_open_epoch()
+        if remaining is None or epoch is None or remaining == 0 or remaining > sum(elche.counts):
             return
-        rank = core.roles.epoch_callback
-        slack = core.roles.ewma_ms["epoch_fn"]
-        if slack is None or not core.alive(rank):
-            return
+        cfg, roles = core.config, core.roles
+        nxt = epoch + 1
+        due = (
+            (roles.epoch_callback, "epoch_fn", True),
+            (roles.checkpoint, "checkpoint", _every(cfg.checkpoint_every, nxt)),
+            (roles.eval, "eval", _every(cfg.eval_every, nxt)),
+        )
+        slack = [0.0] * core.ws
+        for rank, kind, fires in due:
+            ms = roles.ewma_ms[kind]
+            if fires and ms is not None and core.alive(rank):
+                slack[rank] += ms
         slow = elche.smoothed_ms(elche.anchor_rank) if elche.anchor_rank is not None else None
         anchor_wall_ms = elche.anchor * slow if slow is not None else 0.0
-        if slack >= max(SLACK_SHARE * anchor_wall_ms, SLACK_FLOOR_MS):
-            elche.stage_slack(rank, slack)
+        threshold = max(SLACK_SHARE * anchor_wall_ms, SLACK_FLOOR_MS)
+        slack = [s if s >= threshold else 0.0 for s in slack]
+        if any(slack):
+            elche.stage_slack(slack)
 
     def after_window(self, now: float, out: list[Out]) -> None:
         self.throttled = [False] * self.core.ws
@@ -261,7 +318,7 @@ class SoloReduce(Reduce):
         out.append(Send(roles.eval, ExecuteEvalCallback(epoch, epoch, roles.eval)))
 
     def trigger(self, now: float, closed: Ledger, armed: ArmedSave | None, out: list[Out]) -> None:
-        self.close_window(closed, 0.0)
+        self.close_window(closed, 0.0, out)
         self.core.checkpoints.finish(armed, out)
         self.after_window(now, out)
 
@@ -338,6 +395,37 @@ class NcclReduce(Reduce):
     def measures_delivered(self) -> bool:
         return self.core.policy is Policy.CADENCE
 
+    def window_ready(self, now: float, window: Ledger) -> bool:
+        """Progressive cadence waits, before SyncNow, for a mover still short of a
+        delivered sample while its chunk is out (§4.6.1): the rest of that chunk may
+        complete the sample, and a window reduced without it feeds ElChe the compute
+        scale. Bounded by ``heartbeat_timeout + 2 s`` (0.1 s without the elastic sweep,
+        where a silent rank is never found dead); ticks go on meanwhile, so the
+        coordinator's heartbeat does too. The reference also waits out its ceiling for
+        a mover whose chunk has come back; nothing more arrives for this window then."""
+        cfg = self.core.config
+        if not self.window_waits(window):
+            self.wait_since = None
+            return True
+        if self.wait_since is None:
+            self.wait_since = now
+        ceiling = cfg.heartbeat_timeout + 2.0 if cfg.elastic else 0.1
+        if now - self.wait_since >= ceiling:
+            self.wait_since = None
+            return True
+        return False
+
+    def window_waits(self, window: Ledger) -> bool:
+        cfg = self.core.config
+        if not (cfg.window_wait and cfg.policy is Policy.CADENCE and cfg.is_progressive):
+            return False
+        dispatch = self.core.dispatch
+        return any(
+            dispatch.has_in_flight(r)
+            for r in self._movers(window)
+            if not self._has_delivered(window, r)
+        )
+
     def trigger(self, now: float, closed: Ledger, armed: ArmedSave | None, out: list[Out]) -> None:
         core = self.core
         self.sync_step = list(self.last_step_count)
@@ -348,7 +436,7 @@ class NcclReduce(Reduce):
         out.append(Broadcast(SyncNow()))
         # Ranks block in the collective: nothing else can move before they return, so
         # the cycle finishes in the same call (§4.6.1).
-        self.close_window(closed, self.last_sync_ms)
+        self.close_window(closed, self.last_sync_ms, out)
         out.append(Broadcast(SetGlobalStep(core.global_step)))
         core.checkpoints.finish(armed, out)
         self.after_window(now, out)
@@ -437,7 +525,7 @@ class CpuReduce(Reduce):
             reduce_ms = (now - self.started_at) * 1000.0
             self.started_at = None
             self._closing = None
-            self.close_window(closed, reduce_ms)
+            self.close_window(closed, reduce_ms, out)
             plans: dict[int, EpochPlan] = core.dispatch.plans_for_update(now, out)
             for r in range(core.ws):
                 if core.alive(r):

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flodl_bus.worker.host import usable_cores
+
 
 @dataclass(frozen=True)
 class StopPlan:
@@ -123,13 +125,6 @@ def thread_env(base: Mapping[str, str], threads: int) -> dict[str, str]:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         env[var] = n
     return env
-
-
-def usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def threads_per_worker(workers: int, cores: int | None = None) -> int:

@@ -16,7 +16,6 @@ Bad configuration exits with status 2 and one line naming the fix.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import socket
 import sys
@@ -140,24 +139,15 @@ def _resolve_mode(given: str | None, meta: Mapping[str, str]) -> str:
     return given or theirs or DEFAULT_MODE
 
 
-def _with_resumed_model(job: Job, stem: str) -> Job:
-    """The job, its model starting from the consensus a checkpoint saved."""
-    import torch
-
+def _check_resume(stem: str) -> None:
+    """The saved consensus is there (whether it fits the job's model is the rank's to
+    say, when it loads it: ``worker.resume.restore_model``)."""
     path = Path(f"{stem}.model.pt")
     if not path.exists():
         raise ConfigError(
             f"no consensus model at {path} to resume from: pass the --save-path stem of "
             "a run that checkpointed"
         )
-    build = job.build_model
-
-    def build_resumed() -> nn.Module:
-        model = build()
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model
-
-    return dataclasses.replace(job, build_model=build_resumed)
 
 
 def _check_data_env() -> None:
@@ -299,7 +289,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         save_path = args.save_path or meta.get("save_path") or None
         resume = args.resume or meta.get("resume") or None
         if resume:
-            job = _with_resumed_model(job, resume)
+            _check_resume(resume)
         try:
             knobs = settings.from_meta(meta)
         except settings.SettingsError as exc:

@@ -259,6 +259,9 @@ class LoaderFeed:
             pin_memory=device.type == "cuda",
             persistent_workers=workers > 0,
             prefetch_factor=2 if workers > 0 else None,
+            # Not fork: the rank already runs its bus reader, heartbeat and param-plane
+            # threads, and a forked child can inherit one of their locks held forever.
+            multiprocessing_context="forkserver" if workers > 0 else None,
             # Its own generator: the workers' seeds must not draw from the global RNG,
             # which the model's training (dropout) reads.
             generator=torch.Generator().manual_seed(seed),

@@ -58,6 +58,8 @@ class SimRank:
     trained: list[tuple[int, int]] = field(default_factory=list)
     outbox: list[object] = field(default_factory=list)
     dropped_plans: int = 0
+    #: at each round (SyncNow, RequestParams): (steps it weighs, batches trained so far)
+    rounds_seen: list[tuple[int, int]] = field(default_factory=list)
     aggregated: list[m.EpochMetrics] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)
     saves: int = 0
@@ -71,6 +73,8 @@ class SimRank:
 
     # ------------------------------------------------------------------ control
     def dispatch(self, msg: object) -> None:
+        if isinstance(msg, (m.RequestParams, m.SyncNow)):
+            self.rounds_seen.append((self.steps_since_avg, len(self.trained)))
         if isinstance(msg, m.RequestParams):
             self.steps_at_snapshot = self.steps_since_avg
             self.snapshots += 1

@@ -9,6 +9,8 @@ import redis
 
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.coordinator.cli import _reset_run, main
+from flodl_bus.coordinator.cli_args import ignored_settings
+from flodl_bus.coordinator.config import CoordinatorConfig
 
 BASE = ["--run", "r1", "--job", "flodl_bus.examples.digits:job", "--world-size", "2"]
 DEAD_REDIS = "redis://127.0.0.1:1/0"
@@ -53,6 +55,11 @@ def test_resume_from_a_missing_or_foreign_meta_is_refused_before_redis_is_touche
     assert main(argv) == 2
     assert "no checkpoint meta at" in capsys.readouterr().err
     Path(f"{stem}.meta.json").write_text('{"schema": 5, "coverage": {"batch_size": 64}}')
+    # A meta whose model was never written (a save cut short) is no resume point.
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no consensus model at {stem}.model.pt" in err, err
+    Path(f"{stem}.model.pt").write_bytes(b"")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "resume with the same" in err, err
@@ -94,3 +101,18 @@ def test_a_run_whose_world_never_formed_still_expires_its_keys_and_secret(
     assert real_redis.hget(keys.meta, "status") == b"not formed"
     for name in (keys.meta, keys.secret, keys.identity):
         assert 0 < real_redis.ttl(name) <= 300, name
+
+
+def test_async_only_settings_given_to_another_mode_are_named_for_a_warning() -> None:
+    def cfg(mode: str, **kw: object) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            mode=mode, world_size=2, total_samples=100, batch_size=1, num_epochs=1, **kw
+        )
+
+    both = {"max_overshoot": 5, "relax_up": True}
+    assert [k for k, _ in ignored_settings(cfg("cpu-cadence", **both))] == [
+        "max_overshoot",
+        "relax_up",
+    ]
+    assert ignored_settings(cfg("cpu-async", **both)) == []
+    assert ignored_settings(cfg("nccl-cadence")) == []

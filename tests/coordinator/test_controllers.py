@@ -8,6 +8,7 @@ from typing import Any
 
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.effects import Alert, Out
 from flodl_bus.coordinator.guard import MsfGuard, NoGuard, TrendGuard, VerdictKind
 from flodl_bus.coordinator.reduce import Ledger
 from flodl_bus.protocol import messages as m
@@ -19,14 +20,16 @@ def make(mode: str = "cpu-cadence", ws: int = 2, **kw: Any) -> Coordinator:
     return Coordinator(CoordinatorConfig(mode=mode, world_size=ws, batch_size=1, **kw))
 
 
-def window(core: Coordinator, lr: float, ms: tuple[float, ...] = (10.0, 10.0)) -> None:
+def window(core: Coordinator, lr: float, ms: tuple[float, ...] = (10.0, 10.0)) -> list[Out]:
     """One closed window: every rank reported its LR and trained a few batches."""
     closed = Ledger(core.ws)
     for r in range(core.ws):
         core.handle(r, m.LrUpdate(r, lr), 0.0)
         for _ in range(3):
             closed.record_batch(r, ms[r], 0.0, 0.5)
-    core.reduce.close_window(closed, 0.0)
+    out: list[Out] = []
+    core.reduce.close_window(closed, 0.0, out)
+    return out
 
 
 def test_an_lr_drop_reported_by_the_ranks_shrinks_the_anchor_by_default() -> None:
@@ -34,9 +37,12 @@ def test_an_lr_drop_reported_by_the_ranks_shrinks_the_anchor_by_default() -> Non
     for _ in range(3):
         window(core, 0.1)
     assert core.elche.anchor == 20
-    window(core, 0.01)
+    out = window(core, 0.01)
     assert core.last_verdict.kind is VerdictKind.NUDGE_DOWN
     assert core.elche.anchor == 10 and core.meta.fired == ("lr_drop",)
+    # flodl's drift alert names the shrink and its source
+    assert out == [Alert("warn", "drift", "anchor 20 -> 10 (lr_drop)")]
+    assert window(core, 0.01) == []
 
 
 def test_the_meta_controller_can_be_turned_off() -> None:
@@ -55,7 +61,7 @@ def test_a_dead_ranks_stale_lr_is_not_read() -> None:
         for r in (0, 1):
             core.handle(r, m.LrUpdate(r, lr), 0.0)
             closed.record_batch(r, 10.0, 0.0, 0.5)
-        core.reduce.close_window(closed, 0.0)
+        core.reduce.close_window(closed, 0.0, [])
     # 1.0 -> 0.6 is a 40 % drop; with the dead rank's 1.0 averaged in it would be 27 %
     assert core.meta.fired == ("lr_drop",)
 
@@ -156,3 +162,50 @@ def test_every_reduce_re_advises_and_a_dead_rank_is_not_advised() -> None:
 def test_advisories_are_off_by_default_and_absent_for_a_fixed_partition() -> None:
     assert advisories(make().start(0.0)) == {}
     assert advisories(make(progressive=False, stage_advisories=True).start(0.0)) == {}
+
+
+def test_relax_up_grows_the_cpu_async_anchor_by_one_per_stable_reduce() -> None:
+    core = make("cpu-async", anchor=10, relax_up=True, meta_controller=False)
+    for _ in range(3):
+        window(core, 0.1)
+    assert core.last_verdict.kind is VerdictKind.STABLE
+    assert core.elche.anchor == 13
+
+
+def test_relax_up_is_off_by_default_and_never_lengthens_cadence_windows() -> None:
+    default = make("cpu-async", anchor=10, meta_controller=False)
+    cadence = make("cpu-cadence", anchor=10, relax_up=True, meta_controller=False)
+    for core in (default, cadence):
+        for _ in range(3):
+            window(core, 0.1)
+        assert core.elche.anchor == 10
+
+
+def test_relax_up_waits_while_the_guard_vetoes_growth() -> None:
+    core = make("cpu-async", anchor=10, relax_up=True, meta_controller=False)
+    for i in range(4):
+        # Divergence rising above the async threshold (0.3) three windows running.
+        core.reduce.divergence = [0.3 + 0.1 * i, 0.3 + 0.1 * i]
+        window(core, 0.1)
+    assert core.last_verdict.kind is VerdictKind.SUPPRESS_GROWTH
+    assert core.elche.anchor == 12  # two Stable windows before the climb was seen
+
+
+def test_callback_slack_adds_an_eval_due_at_the_epochs_end_to_its_ranks_window() -> None:
+    for every, counts in ((1, [8, 10]), (2, [20, 10])):
+        core = slack_core(ewma_ms=60.0, eval_every=every)  # 60 ms alone is under 100
+        core.handle(0, m.EvalResult(0, 0, 0, 0.9, 60.0), 0.0)
+        window(core, 0.1, ms=(10.0, 20.0))
+        window(core, 0.1, ms=(10.0, 20.0))
+        # epoch 1 is due under every=1: 60 + 60 ms, ceil(120 / 10) batches off rank 0
+        assert core.elche.counts == counts
+
+
+def test_callback_slack_shortens_the_checkpoint_ranks_window_when_one_is_due() -> None:
+    core = slack_core(ewma_ms=None, checkpoint_every=1)
+    core.handle(0, m.CheckpointResult(0, 1, 5.0, "disk full"), 0.0)  # role fails over
+    core.handle(1, m.CheckpointResult(1, 1, 150.0), 0.0)
+    assert core.roles.checkpoint == 1 and core.roles.epoch_callback == 0
+    window(core, 0.1, ms=(10.0, 20.0))
+    window(core, 0.1, ms=(10.0, 20.0))
+    assert core.elche.counts == [20, 2]  # ceil(150 / 20) = 8 off the anchor's 10

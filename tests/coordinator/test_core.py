@@ -3,7 +3,7 @@ aggregation, the state summary, intents and checkpoints (reference §4.11-§4.16
 
 from __future__ import annotations
 
-from flodl_bus.coordinator.effects import Finished
+from flodl_bus.coordinator.effects import Alert, Finished
 from flodl_bus.protocol import messages as m
 from tests.coordinator.drive import feed, metrics, msgs, plans, started, types
 
@@ -12,6 +12,9 @@ def test_checkpoint_failure_fails_over_to_the_next_live_rank() -> None:
     core, _ = started("nccl-sync", ws=3)
     out = core.handle(0, m.CheckpointResult(0, 4, 5.0, "disk full"), 0.0)
     assert [(o.rank, o.msg) for o in msgs(out, m.Checkpoint)] == [(1, m.Checkpoint(4, 1))]
+    # One line says whose checkpoint failed and why, before it moves on.
+    (alert,) = [o for o in out if isinstance(o, Alert)]
+    assert (alert.event, alert.detail) == ("checkpoint_failed", "rank 0: disk full")
     core.handle(1, m.CheckpointResult(1, 4, 100.0), 0.0)
     core.handle(1, m.CheckpointResult(1, 5, 50.0), 0.0)
     assert core.roles.checkpoint == 1

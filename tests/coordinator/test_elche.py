@@ -108,9 +108,22 @@ def test_nudge_down_discards_the_proposal_and_shrinks() -> None:
 
 def test_nudge_anchor_down() -> None:
     el = ElChe(2, anchor=20)
+    el.report_window(report(10.0, 10.0))
     el.nudge_anchor_down(0.5)
     assert el.anchor == 10
     assert el.counts == [10, 10]
+
+
+def test_nudge_before_any_measurement_shrinks_the_anchor_and_keeps_the_counts() -> None:
+    el = ElChe(2, anchor=20, speed_hints=(2.0, 1.0))
+    el.nudge_anchor_down(0.5)
+    assert el.anchor == 10 and el.counts == [40, 20]
+
+
+def test_a_nan_nudge_factor_changes_nothing() -> None:
+    el = ElChe(2, anchor=20)
+    el.nudge_anchor_down(float("nan"))
+    assert el.anchor == 20
 
 
 def test_nudge_anchor_down_clamped_to_one() -> None:
@@ -198,7 +211,7 @@ def test_callback_slack_shortens_the_callback_ranks_window_for_one_report() -> N
     el = ElChe(2)
     el.report_window(report(10.0, 20.0))
     assert el.counts == [20, 10]
-    el.stage_slack(0, 55.0)  # ceil(55 / 10) = 6 batches off rank 0
+    el.stage_slack([55.0, 0.0])  # ceil(55 / 10) = 6 batches off rank 0
     el.report_window(report(10.0, 20.0))
     assert el.counts == [14, 10]
     el.report_window(report(10.0, 20.0))
@@ -209,8 +222,126 @@ def test_callback_slack_survives_a_growth_commit_in_the_same_finish() -> None:
     el = ElChe(2)
     el.report_window(report(10.0, 20.0))
     el.report_window(report(10.0, 20.0))
-    el.stage_slack(0, 55.0)
+    el.stage_slack([55.0, 0.0])
     el.report_window(report(10.0, 20.0, reduce_ms=200.0))
     assert el.pending_anchor is not None
     el.apply_verdict(STABLE)
     assert el.counts[0] == 2 * el.anchor - 6
+
+
+def test_relax_up_adds_one_batch_to_the_anchor_on_a_stable_verdict() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [20, 10]
+    el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 11 and el.counts == [22, 11]
+
+
+def test_relax_up_needs_the_flag_and_a_stable_verdict() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 10.0))
+    el.apply_verdict(STABLE)
+    assert el.anchor == 10
+    el.apply_verdict(SUPPRESS, relax_up=True)
+    assert el.anchor == 10
+    el.apply_verdict(Verdict(VerdictKind.NUDGE_DOWN, 0.5), relax_up=True)
+    assert el.anchor == 5
+
+
+def test_relax_up_follows_a_committed_growth_proposal() -> None:
+    el = ElChe(2, overhead_target=0.1)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 10.0, reduce_ms=100.0))
+    assert el.pending_anchor == 20
+    el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 21
+
+
+def test_relax_up_stops_at_max_anchor() -> None:
+    el = ElChe(2, anchor=10, max_anchor=11)
+    el.report_window(report(10.0, 10.0))
+    for _ in range(3):
+        el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 11
+
+
+def test_relax_up_refuses_a_step_that_would_put_the_fast_rank_past_max_batch_diff() -> None:
+    # Speed ratio 3 and max_batch_diff 100: the anchor stops at 50 ([50, 150], diff 100).
+    el = ElChe(2, anchor=48, max_batch_diff=100)
+    el.report_window(report(10.0, 30.0))
+    for _ in range(5):
+        el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 50
+    free = ElChe(2, anchor=48)
+    free.report_window(report(10.0, 30.0))
+    for _ in range(5):
+        free.apply_verdict(STABLE, relax_up=True)
+    assert free.anchor == 53
+
+
+def test_relax_up_before_any_measurement_keeps_the_hinted_counts() -> None:
+    el = ElChe(2, speed_hints=(2.0, 1.0))
+    assert el.counts == [20, 10]
+    el.apply_verdict(STABLE, relax_up=True)
+    assert el.anchor == 11 and el.counts == [20, 10]
+
+
+def test_dead_zone_keeps_a_count_whose_change_is_exactly_five_percent() -> None:
+    el = ElChe(2, anchor=20)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [40, 20]
+    el.report_window(report(2 * 400 / 42 - 10, 20.0))  # rank 0 mean 400/42: target 42
+    assert el.counts == [40, 20]  # 2 of 40 is not more than 5 %
+
+
+def test_a_slack_shortened_window_still_moves_by_at_most_max_batch_diff() -> None:
+    el = ElChe(2, max_batch_diff=2)
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [20, 10]
+    el.stage_slack([100.0, 0.0])  # 10 batches of rank 0's time
+    el.report_window(report(10.0, 20.0))
+    assert el.counts == [18, 10]
+
+
+def test_stable_growth_threshold_applies_from_the_sixth_calibration() -> None:
+    # overhead 17.6 / (10 x 10 + 17.6) ~ 0.15: above the 0.1 target, under warm-up's 0.2
+    el = ElChe(2, overhead_target=0.1)
+    for _ in range(5):
+        el.report_window(report(10.0, 10.0, reduce_ms=17.6))
+        assert el.pending_anchor is None
+        el.apply_verdict(STABLE)
+    el.report_window(report(10.0, 10.0, reduce_ms=17.6))
+    assert el.phase == "stable" and el.pending_anchor == 15
+
+
+def test_anchor_rank_re_election_waits_for_the_sixth_calibration() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    assert el.anchor_rank == 1
+    for _ in range(4):
+        el.report_window(report(40.0, 20.0))  # rank 0 turned slow
+    assert el.anchor_rank == 1  # the fifth report still starts in warm-up
+    el.report_window(report(40.0, 20.0))
+    assert el.anchor_rank == 0
+
+
+def test_a_min_anchor_above_the_initial_anchor_lifts_it_and_max_anchor_caps_both() -> None:
+    el = ElChe(2, anchor=10, min_anchor=20)
+    assert el.anchor == 20 and el.min_anchor == 20 and el.counts == [20, 20]
+    capped = ElChe(2, anchor=10, min_anchor=30, max_anchor=25)
+    assert capped.anchor == 25 and capped.min_anchor == 25
+    low = ElChe(2, anchor=10, min_anchor=4)
+    assert low.anchor == 10 and low.min_anchor == 4
+
+
+def test_growth_is_judged_against_the_window_cap_the_closed_window_ran_under() -> None:
+    el = ElChe(2, anchor=10, overhead_target=0.1, window_cap=25)
+    el.report_window(report(10.0, 10.0))
+    assert el.counts == [10, 10] and not el.window_cap_binding
+    # rank 1 turns out twice as fast: its count doubles past the cap (binding from now)
+    el.report_window(report(20.0, 5.0, reduce_ms=150.0))
+    assert el.window_cap_binding and sum(el.counts) == 25
+    assert el.pending_anchor == 20  # the window that just closed was not capped
+    el.report_window(report(15.0, 7.5, reduce_ms=150.0))
+    assert el.pending_anchor is None  # this one was

@@ -46,24 +46,43 @@ def test_one_drop_is_one_nudge() -> None:
 
 
 def test_a_freshly_grown_anchor_is_nudged_further() -> None:
-    # anchor mean 10 then 20: trend +1 -> 0.5 - 0.5 * 1 = 0, clamped to 0.1
+    # anchors 10, 20: mean 15, trend 1/3 -> 0.5 - 0.5 / 3 = 1/3
     mc = MetaController()
     mc.observe([0.1], 10, STABLE, "stable")
     v = mc.observe([0.01], 20, STABLE, "stable")
-    assert v is not None and math.isclose(v.factor, 0.1)
+    assert v is not None and math.isclose(v.factor, 1 / 3)
 
 
 def test_a_shrunk_anchor_is_nudged_less_and_never_above_095() -> None:
     mc = MetaController()
-    mc.observe([0.1], 100, STABLE, "stable")
-    v = mc.observe([0.01], 10, STABLE, "stable")  # trend -0.9 -> 0.95
+    for _ in range(4):
+        mc.observe([0.1], 100, STABLE, "stable")
+    v = mc.observe([0.01], 1, STABLE, "stable")  # mean 80.2, trend -0.99 -> 0.99
     assert v is not None and math.isclose(v.factor, 0.95)
+
+
+def test_a_gradual_lr_decay_is_not_a_cliff() -> None:
+    # each step under 30 % of the previous window's LR, though 0.06 is 33 % under 0.09
+    mc = MetaController()
+    assert [mc.observe([lr], 10, STABLE, "stable") for lr in (0.1, 0.08, 0.06)] == [None] * 3
+
+
+def test_the_lr_read_is_the_lowest_live_rank_that_reported_one() -> None:
+    mc = MetaController()
+    mc.observe([None, 0.1, 0.5], 10, STABLE, "stable")
+    assert mc.observe([None, 0.01, 0.5], 10, STABLE, "stable") is not None
+
+
+def test_nothing_is_observed_before_any_rank_reported_its_lr() -> None:
+    mc = MetaController()
+    assert [mc.observe([None], 10, SUPPRESS, "mature") for _ in range(3)] == [None] * 3
+    assert mc.state() == {"lrs": [], "anchors": [], "verdicts": []}
 
 
 def test_convergence_needs_k_vetoes_in_a_row_by_phase() -> None:
     for phase, k, base in (("warmup", 5, 0.3), ("stable", 3, 0.5), ("mature", 2, 0.7)):
         mc = MetaController()
-        got = [mc.observe([None], 10, SUPPRESS, phase) for _ in range(k)]
+        got = [mc.observe([0.1], 10, SUPPRESS, phase) for _ in range(k)]
         assert got[:-1] == [None] * (k - 1), phase
         assert got[-1] == Verdict(NUDGE, base), phase
         assert mc.fired == ("convergence",)
@@ -71,10 +90,16 @@ def test_convergence_needs_k_vetoes_in_a_row_by_phase() -> None:
 
 def test_a_stable_verdict_breaks_the_convergence_run() -> None:
     mc = MetaController()
-    mc.observe([None], 10, SUPPRESS, "stable")
-    mc.observe([None], 10, SUPPRESS, "stable")
-    assert mc.observe([None], 10, STABLE, "stable") is None
-    assert mc.observe([None], 10, SUPPRESS, "stable") is None
+    mc.observe([0.1], 10, SUPPRESS, "stable")
+    mc.observe([0.1], 10, SUPPRESS, "stable")
+    assert mc.observe([0.1], 10, STABLE, "stable") is None
+    assert mc.observe([0.1], 10, SUPPRESS, "stable") is None
+
+
+def test_convergence_fires_every_window_the_vetoes_go_on() -> None:
+    mc = MetaController()
+    got = [mc.observe([0.1], 10, SUPPRESS, "stable") for _ in range(5)]
+    assert got == [None, None] + [Verdict(NUDGE, 0.5)] * 3
 
 
 def test_both_detectors_multiply() -> None:

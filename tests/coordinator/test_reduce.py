@@ -4,10 +4,14 @@ reduce cycles and the global step, throttle, the stall ceiling, async overshoot
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from flodl_bus.coordinator.config import MODES
+from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.elche import WindowReport
+from flodl_bus.coordinator.reduce import Ledger
 from flodl_bus.protocol import messages as m
 from tests.coordinator.drive import beat, feed, make, metrics, msgs, plans, started, types
 
@@ -310,3 +314,135 @@ def test_a_world_of_one_in_a_record_made_before_still_averages_alone() -> None:
     core, _ = started("nccl-sync", ws=1, total=100, solo_without_rounds=False)
     feed(core, 0, 1)
     assert types(core.tick(0.01))[:2] == ["SyncNow", "SetGlobalStep"]
+
+
+# ----------------------------------------------------------- the delivered timing feed
+def window_of(
+    steps: list[int], wall: list[float], delivered: list[float], batches: list[int]
+) -> Ledger:
+    w = Ledger(len(steps))
+    w.steps, w.wall_ms = list(steps), list(wall)
+    w.delivered_ms, w.delivered_batches = list(delivered), list(batches)
+    return w
+
+
+def test_movers_delivered_complete_requires_every_mover() -> None:
+    core = make("cpu-cadence")
+    w = window_of([4, 4], [40.0, 100.0], [80.0, 0.0], [4, 0])
+    assert not core.reduce.movers_delivered_complete(w)
+    w.delivered_ms[1], w.delivered_batches[1] = 200.0, 4
+    assert core.reduce.movers_delivered_complete(w)
+
+
+def test_movers_delivered_complete_ignores_idle_and_dead_ranks() -> None:
+    core = make("cpu-cadence", ws=3)
+    core.start(0.0)
+    core.declare_dead(2, 0.0)
+    # rank 1 idle this window (a quiesced tail), rank 2 stepped before it died
+    w = window_of([4, 0, 4], [40.0, 0.0, 40.0], [80.0, 0.0, 0.0], [4, 0, 0])
+    assert core.reduce.movers_delivered_complete(w)
+
+
+def test_a_mover_whose_callback_time_took_all_its_delivered_time_has_no_sample() -> None:
+    core = make("cpu-cadence")
+    w = window_of([4, 4], [40.0, 100.0], [80.0, 200.0], [3, 3])
+    w.delivered_ms[1] = 0.0  # Ledger.exclude clamps at 0 after a long eval
+    assert not core.reduce.movers_delivered_complete(w)
+    assert core.reduce.timing_feed(w) == ([40.0, 100.0], [4, 4])
+
+
+def test_timing_feed_all_or_none_falls_back_to_compute_scale() -> None:
+    # Rank 0's delivered cost is twice its compute; rank 1 has no delivered sample:
+    # mixing the two scales would make rank 0 look 5x slower, not 2.5x.
+    core = make("cpu-cadence")
+    w = window_of([4, 4], [40.0, 100.0], [80.0, 0.0], [4, 0])
+    assert core.reduce.timing_feed(w) == ([40.0, 100.0], [4, 4])
+    assert core.reduce.window_report(w, 0.0).ms_per_batch == (10.0, 25.0)
+
+
+def test_timing_feed_uses_delivered_when_window_complete() -> None:
+    core = make("cpu-cadence")
+    w = window_of([4, 4], [40.0, 100.0], [80.0, 220.0], [4, 4])
+    assert core.reduce.timing_feed(w) == ([80.0, 220.0], [4, 4])
+    assert core.reduce.window_report(w, 0.0).ms_per_batch == (20.0, 55.0)
+
+
+def test_timing_feed_sync_keeps_compute_scale() -> None:
+    for mode in ("cpu-sync", "nccl-sync"):
+        core = make(mode)
+        w = window_of([1, 1], [10.0, 20.0], [99.0, 99.0], [1, 1])
+        assert core.reduce.timing_feed(w) == ([10.0, 20.0], [1, 1])
+
+
+def test_timing_feed_nccl_cadence_rides_the_delivered_scale() -> None:
+    core = make("nccl-cadence")
+    w = window_of([4, 4], [40.0, 100.0], [80.0, 220.0], [4, 4])
+    assert core.reduce.timing_feed(w) == ([80.0, 220.0], [4, 4])
+
+
+# ----------------------------------------------------------- the window-completion wait
+def batch(core: Coordinator, r: int, now: float, data_ms: float = 10.0) -> None:
+    step = core.reduce.last_step_count[r] + 1
+    core.handle(r, m.Batch(r, 10.0, data_ms, step, 0.5), now)
+
+
+def one_batch_windows(mode: str = "nccl-cadence", **kw: Any) -> tuple[Coordinator, list[Any]]:
+    """Each rank has a 3-batch chunk out when the anchor drops to 1: rank 0 trains its
+    chunk, rank 1 one batch, and the gate opens with rank 1 short of a delivered sample."""
+    core, out = started(mode, anchor=3, **kw)
+    assert [p.partition_size for p in plans(out).values()] == [3, 3]
+    core.elche.report_window(WindowReport((20.0, 20.0)))  # both ranks measured at 20 ms
+    core.elche.nudge_anchor_down(0.1)
+    assert core.elche.counts == [1, 1]
+    for _ in range(3):
+        batch(core, 0, 0.0)
+    batch(core, 1, 0.0)
+    assert core.should_average()
+    return core, out
+
+
+def test_nccl_cadence_waits_for_a_movers_chunk_to_complete_its_delivered_sample() -> None:
+    core, _ = one_batch_windows()
+    assert not msgs(core.tick(0.01), m.SyncNow)
+    batch(core, 1, 0.02)  # the rest of rank 1's chunk: its marginal sample lands
+    assert msgs(core.tick(0.03), m.SyncNow)
+    # ElChe learned the delivered scale (10 ms compute + 10 ms data), not compute alone
+    assert core.elche.smoothed_ms(0) == core.elche.smoothed_ms(1) == 20.0  # (20 + 20) / 2
+
+
+def test_nccl_cadence_wait_ends_when_the_movers_chunks_come_back() -> None:
+    # Anchor 1: one-batch chunks, one-batch windows, never a delivered sample.
+    core, out = started("nccl-cadence", anchor=1)
+    assert [p.partition_size for p in plans(out).values()] == [1, 1]
+    for r in (0, 1):
+        batch(core, r, 0.0)
+    assert not msgs(core.tick(0.01), m.SyncNow)
+    core.handle(0, metrics(0, 0, 1), 0.02)
+    assert not msgs(core.tick(0.02), m.SyncNow)
+    core.handle(1, metrics(1, 0, 1), 0.03)  # nothing more can come for this window
+    assert msgs(core.tick(0.03), m.SyncNow)
+    assert core.elche.smoothed_ms(1) == 10.0  # fed on the compute scale
+
+
+def test_nccl_cadence_wait_gives_up_at_its_ceiling_on_the_compute_scale() -> None:
+    core, _ = one_batch_windows()
+    assert "window_wait_since" not in core.state_summary()
+    assert not msgs(core.tick(1.0), m.SyncNow)
+    # the tick that began the wait changed the recorded state: a replay counts from it
+    assert core.state_summary()["window_wait_since"] == 1.0
+    beat(core, [0, 1], 32.0)
+    assert not msgs(core.tick(32.0), m.SyncNow)
+    beat(core, [0, 1], 33.1)
+    assert msgs(core.tick(33.1), m.SyncNow)  # heartbeat_timeout 30 s + 2 s
+    assert "window_wait_since" not in core.state_summary()
+    assert core.elche.smoothed_ms(0) == 15.0  # (20 + 10 ms compute) / 2
+    quick, _ = one_batch_windows(elastic=False)
+    assert not msgs(quick.tick(0.05), m.SyncNow)
+    assert msgs(quick.tick(0.16), m.SyncNow)  # 0.1 s without the staleness sweep
+
+
+def test_only_nccl_cadence_waits_for_the_window() -> None:
+    cpu, _ = one_batch_windows("cpu-cadence")
+    assert msgs(cpu.tick(0.01), m.RequestParams)
+    legacy, _ = one_batch_windows(window_wait=False)  # a record from before the wait
+    assert msgs(legacy.tick(0.01), m.SyncNow)

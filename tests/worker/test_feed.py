@@ -114,6 +114,14 @@ def test_a_map_style_dataset_gives_the_same_batches_through_a_data_loader(worker
     assert feed.starts == (3 if workers == 0 else 4)
 
 
+def test_the_loaders_workers_come_from_a_forkserver_never_a_fork_of_the_threaded_rank() -> None:
+    # A fork of the rank copies locks its bus and param-plane threads may hold.
+    feed = LoaderFeed(Rows(digits.train_data()), CPU, workers=2)
+    assert feed.loader is not None
+    assert feed.loader.multiprocessing_context.get_start_method() == "forkserver"
+    feed.close()
+
+
 def test_the_loader_draws_nothing_from_the_global_rng() -> None:
     torch.manual_seed(3)
     want = torch.rand(4)

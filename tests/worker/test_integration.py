@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -111,6 +111,10 @@ class ScriptedCoordinator:
     def control_plane(self) -> list[object]:
         return [m for m in self.received if not isinstance(m, Heartbeat)]
 
+    def close(self) -> None:
+        if self._bus is not None:  # its trimmer thread would outlive the test's server
+            self._bus.close()
+
 
 @pytest.fixture
 def run_id() -> str:
@@ -123,6 +127,19 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
     try:
         yield c
     finally:
+        c.close()
+
+
+@pytest.fixture
+def scripted(client: redis.Redis, run_id: str) -> Iterator[Callable[[bytes], ScriptedCoordinator]]:
+    made: list[ScriptedCoordinator] = []
+
+    def make(secret: bytes) -> ScriptedCoordinator:
+        made.append(ScriptedCoordinator(client, run_id, secret))
+        return made[-1]
+
+    yield make
+    for c in made:
         c.close()
 
 
@@ -170,10 +187,14 @@ def finish(proc: subprocess.Popen[bytes], timeout: float = 20.0) -> tuple[int, s
 
 
 def test_a_rank_process_trains_through_throttle_sync_extend_checkpoint_and_shutdown(
-    redis_url: str, client: redis.Redis, run_id: str, tmp_path: Path
+    redis_url: str,
+    client: redis.Redis,
+    run_id: str,
+    tmp_path: Path,
+    scripted: Callable[[bytes], ScriptedCoordinator],
 ) -> None:
     secret = new_secret()
-    coord = ScriptedCoordinator(client, run_id, secret)
+    coord = scripted(secret)
     stem = tmp_path / "ckpt"
     proc = start_worker(
         redis_url, run_id, secret, "--save-path", str(stem), "--heartbeat-interval", "0.2"
@@ -232,7 +253,11 @@ def test_a_rank_process_trains_through_throttle_sync_extend_checkpoint_and_shutd
 
 
 def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_torch_dataset(
-    redis_url: str, client: redis.Redis, run_id: str, tmp_path: Path
+    redis_url: str,
+    client: redis.Redis,
+    run_id: str,
+    tmp_path: Path,
+    scripted: Callable[[bytes], ScriptedCoordinator],
 ) -> None:
     seen_path = tmp_path / "seen.json"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
@@ -240,7 +265,7 @@ def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_to
     env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", FLODL_TEST_SEEN=str(seen_path))
     env["FLODL_DATA_WORKERS"] = "2"
     secret = new_secret()
-    coord = ScriptedCoordinator(client, run_id, secret)
+    coord = scripted(secret)
     proc = start_worker(
         redis_url, run_id, secret, "--no-record", job="tests.worker.jobs:dataset_job", env=env
     )
@@ -269,10 +294,13 @@ def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_to
 
 
 def test_a_rank_whose_coordinator_falls_silent_stops_within_the_timeout(
-    redis_url: str, client: redis.Redis, run_id: str
+    redis_url: str,
+    client: redis.Redis,
+    run_id: str,
+    scripted: Callable[[bytes], ScriptedCoordinator],
 ) -> None:
     secret = new_secret()
-    coord = ScriptedCoordinator(client, run_id, secret)
+    coord = scripted(secret)
     proc = start_worker(
         redis_url,
         run_id,
