@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flodl_bus.coordinator import bridge
 from flodl_bus.coordinator.chunk_pool import (
     ChunkPool,
     Range,
@@ -26,7 +27,7 @@ from flodl_bus.coordinator.chunk_pool import (
     split_ranges,
     throughput_sizes,
 )
-from flodl_bus.coordinator.config import Backend, Policy
+from flodl_bus.coordinator.config import Policy
 from flodl_bus.coordinator.effects import Out, Send
 from flodl_bus.protocol.messages import (
     EpochPlan,
@@ -152,13 +153,7 @@ class PoolDispatch(Dispatch):
         self._live_sum_key = (-1, -1)
         self._live_sum = 0
         #: NCCL cadence: a rank held idle by the reduce's wait is given more work
-        cfg = core.config
-        self.bridges = (
-            cfg.bridge_idle
-            and cfg.backend is Backend.NCCL
-            and cfg.policy is Policy.CADENCE
-            and core.ws > 1
-        )
+        self.bridges = bridge.applies(core.config)
 
     def start(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
@@ -425,54 +420,16 @@ class PoolDispatch(Dispatch):
         return plan
 
     def _bridge(self, r: int, out: list[Out], via_update: bool) -> EpochPlan | None:
-        """Work for an NCCL cadence rank the dispatch would otherwise hold idle (its
-        window is full, or its final-window slot is spent) while the reduce waits on a
-        slower rank: it trains on and takes the SyncNow between two batches, so it waits
-        at most one batch per averaging instead of the slow rank's rest (issue 19).
-
-        The bridge is drawn from the rank's own epoch (never past the epoch barrier,
-        §6 #17) and sized by wall time: the batches it trains while the slowest owing
-        rank finishes its window at its measured speed, at least one and at most its
-        own window. What it trains after the SyncNow counts in the next window; the
-        collective weighs every batch by the work the rank really did."""
+        """A chunk of ``r``'s own epoch (never past the barrier, §6 #17) while the
+        reduce waits on a slower rank (``coordinator.bridge``)."""
         core = self.core
         if not self.bridges or via_update:
             return None
         pool = self.pools.get(self.rank_epoch[r])
-        if pool is None or pool.remaining() < core.bs:
+        if pool is None or pool.remaining() < core.bs or not bridge.wanted(core, r):
             return None
-        if core.gate()[0] and not core.reduce.window_waits(core.ledger):
-            # The reduce fires on this tick; its wake-up hands the rank its next window.
-            return None
-        if core.ledger.delivered_batches[r] == 0:
-            # Its window has no marginal sample yet (one batch): a bridge out would hold
-            # the window wait (§4.6.1) on this rank instead of shortening anything.
-            return None
-        batches = min(self._bridge_batches(r), pool.remaining() // core.bs)
-        return self._take(r, pool, batches, out, via_update)
-
-    def _bridge_batches(self, r: int) -> int:
-        core = self.core
-        counts, steps = core.elche.counts, core.ledger.steps
-        owed_ms = 0.0
-        for s in range(core.ws):
-            if s == r or not core.alive(s) or steps[s] >= counts[s] or self.quiesced(s):
-                continue
-            ms = self._ms_per_batch(s)
-            if ms is not None:
-                owed_ms = max(owed_ms, (counts[s] - steps[s]) * ms)
-        mine = self._ms_per_batch(r)
-        if mine is None or owed_ms <= 0.0:
-            return 1
-        return max(1, min(math.ceil(owed_ms / mine), counts[r]))
-
-    def _ms_per_batch(self, r: int) -> float | None:
-        """ElChe's smoothed speed, or this window's before the first calibration."""
-        ms = self.core.elche.smoothed_ms(r)
-        ledger = self.core.ledger
-        if ms is None and ledger.steps[r] > 0:
-            ms = ledger.wall_ms[r] / ledger.steps[r]
-        return ms if ms is not None and ms > 0.0 else None
+        size = min(bridge.batches(core, self, r), pool.remaining() // core.bs)
+        return self._take(r, pool, size, out, via_update)
 
     def _chunk_batches(self, r: int, pool: ChunkPool, budget: int) -> int:
         core = self.core
