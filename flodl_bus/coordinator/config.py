@@ -30,6 +30,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "bridge_idle": False,
     "solo_without_rounds": False,
     "window_wait": False,
+    "dead_zone_keeps_five_percent": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -133,6 +134,9 @@ class CoordinatorConfig:
     #: nccl progressive cadence: an open gate waits for a mover still short of a
     #: delivered sample while its chunk is out (reference §4.6.1)
     window_wait: bool = True
+    #: ElChe keeps a count whose change is exactly 5 % (flodl); records made before this
+    #: existed moved it
+    dead_zone_keeps_five_percent: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

@@ -102,6 +102,7 @@ class Coordinator:
             window_cap=cfg.epoch_batches(0),
             growth=self.policy is not Policy.SYNC,
             speed_hints=cfg.speed_hints,
+            dead_zone_keeps_five_percent=cfg.dead_zone_keeps_five_percent,
         )
         self.guard = make_guard(cfg)
         self.meta = MetaController(cfg.meta_controller)

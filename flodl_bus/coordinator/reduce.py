@@ -203,15 +203,15 @@ class Reduce:
         core = self.core
         delivered, feed_ms, feed_batches = self._feed(closed)
         ms: list[float | None] = [None] * core.ws
-        fill = 0.0
+        fill = [0.0] * core.ws
         for r in self._movers(closed):
             if feed_batches[r] <= 0:
                 continue
             ms[r] = per_batch = feed_ms[r] / feed_batches[r]
             first = closed.first_batch_ms[r]
             if delivered and first is not None:
-                fill = max(fill, first - per_batch)
-        return WindowReport(tuple(ms), reduce_ms=reduce_ms, fill_ms=fill)
+                fill[r] = max(first - per_batch, 0.0)
+        return WindowReport(tuple(ms), reduce_ms=reduce_ms, fill_ms=tuple(fill))
 
     def close_window(self, closed: Ledger, reduce_ms: float, out: list[Out]) -> None:
         """The reduce happened: ElChe learns the window, the guard judges it, version+1."""

@@ -367,6 +367,16 @@ def test_timing_feed_uses_delivered_when_window_complete() -> None:
     assert core.reduce.window_report(w, 0.0).ms_per_batch == (20.0, 55.0)
 
 
+def test_window_report_gives_each_mover_its_own_fill_on_the_delivered_scale() -> None:
+    core = make("cpu-cadence")
+    w = window_of([4, 4], [40.0, 100.0], [60.0, 150.0], [3, 3])
+    w.first_batch_ms = [50.0, 40.0]
+    # rank 0: 50 ms first batch against 20 ms marginal; rank 1's first was no slower
+    assert core.reduce.window_report(w, 0.0).fill_ms == (30.0, 0.0)
+    w.delivered_batches[1] = 0  # compute scale: no marginal rate, no fill
+    assert core.reduce.window_report(w, 0.0).fill_ms == (0.0, 0.0)
+
+
 def test_timing_feed_sync_keeps_compute_scale() -> None:
     for mode in ("cpu-sync", "nccl-sync"):
         core = make(mode)
