@@ -180,6 +180,15 @@ KNOBS: tuple[Knob, ...] = (
         metavar="BOOL",
     ),
     Knob(
+        "lockstep",
+        _bool,
+        False,
+        "deterministic schedule (sync modes): every rank gets one batch per window and "
+        "the next only after that window's average, so two runs, or a run and its "
+        "resume, train bit for bit alike; slower (a round trip per step)",
+        metavar="BOOL",
+    ),
+    Knob(
         "guard",
         _choice(GUARDS),
         "trend",

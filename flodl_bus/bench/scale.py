@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,8 @@ from typing import Any
 import redis
 
 from flodl_bus.bench.netns import DelayRelay
+from flodl_bus.bus import cluster
+from flodl_bus.bus.cluster_server import LocalCluster
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer, free_port
@@ -89,6 +91,10 @@ class ScaleResult:
     heartbeat_timeout_s: float
     #: from cutting a rank's link to the coordinator's DeclareDead (None: no cut)
     dead_after_cut_s: float | None
+    #: Redis masters the run's control plane was spread over (1: one Redis)
+    redis_masters: int = 1
+    #: CPU of the busiest master (``redis_cpu`` sums every master)
+    redis_cpu_busiest: float = float("nan")
 
 
 def _quantile(xs: Sequence[float], q: float) -> float:
@@ -118,12 +124,24 @@ def _share(samples: Sequence[Sequence[float]], a: float, b: float) -> float:
 
 
 class _RedisWatch:
-    """INFO cpu/memory, PING round trips and the run's stream bytes, sampled."""
+    """INFO cpu/memory, PING round trips and the run's stream bytes, sampled. On a Redis
+    Cluster: INFO of every master (``nodes``), CPU per master, memory summed."""
 
-    def __init__(self, client: redis.Redis, keys: RunKeys, ranks: int) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RunKeys,
+        ranks: int,
+        nodes: Sequence[redis.Redis] = (),
+        client_for: Callable[[str], redis.Redis] | None = None,
+    ) -> None:
         self.client = client
         self.keys = keys
         self.ranks = ranks
+        self.nodes = list(nodes) or [client]
+        self.client_for = client_for or (lambda key: client)
+        #: (time, CPU seconds) of each node
+        self.node_cpu: list[list[tuple[float, float]]] = [[] for _ in self.nodes]
         self.cpu: list[tuple[float, float]] = []
         self.memory: list[tuple[float, int]] = []
         self.stream_bytes: list[tuple[float, int]] = []
@@ -132,10 +150,16 @@ class _RedisWatch:
         self.host: list[tuple[float, float]] = []
 
     def sample(self) -> None:
-        info: Any = self.client.info("all")
         t = time.monotonic()
-        self.cpu.append((t, float(info["used_cpu_sys"]) + float(info["used_cpu_user"])))
-        self.memory.append((t, int(info["used_memory"])))
+        cpu, memory = 0.0, 0
+        for i, node in enumerate(self.nodes):
+            info: Any = node.info("all")
+            used = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+            self.node_cpu[i].append((t, used))
+            cpu += used
+            memory += int(info["used_memory"])
+        self.cpu.append((t, cpu))
+        self.memory.append((t, memory))
         for _ in range(5):
             t0 = time.perf_counter()
             self.client.ping()
@@ -148,14 +172,10 @@ class _RedisWatch:
     def _stream_bytes(self) -> int:
         """Bytes of the run's streams per rank: a sample of ranks, plus ctl:all / N."""
         picks = sorted({0, self.ranks // 2, self.ranks - 1, *range(0, self.ranks, 97)})
-        pipe = self.client.pipeline(transaction=False)
-        for r in picks:
-            pipe.memory_usage(self.keys.up(r))
-            pipe.memory_usage(self.keys.ctl(r))
-        pipe.memory_usage(self.keys.ctl_all)
-        got = [int(x or 0) for x in pipe.execute()]
-        per_rank = sum(got[:-1]) / len(picks)
-        return int(per_rank + got[-1] / self.ranks)
+        names = [k for r in picks for k in (self.keys.up(r), self.keys.ctl(r))]
+        got = [int(self.client_for(k).memory_usage(k) or 0) for k in names]  # type: ignore[arg-type]
+        bcast = sum(int(self.client_for(k).memory_usage(k) or 0) for k in self.keys.broadcasts)  # type: ignore[arg-type]
+        return int(sum(got) / len(picks) + bcast / self.ranks)
 
 
 def _host_busy() -> float | None:
@@ -169,10 +189,11 @@ def _host_busy() -> float | None:
     return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
 
 
-def _trained_an_epoch(client: redis.Redis, keys: RunKeys, args: argparse.Namespace) -> bool:
+def _trained_an_epoch(watch: _RedisWatch, keys: RunKeys, args: argparse.Namespace) -> bool:
     """Whether the rank to cut off has published a whole epoch's steps (Batch + LrUpdate)."""
+    key = keys.up(args.cut_rank)
     try:
-        info: Any = client.xinfo_stream(keys.up(args.cut_rank))
+        info: Any = watch.client_for(key).xinfo_stream(key)
     except redis.exceptions.ResponseError:
         return False
     return bool(int(info.get("entries-added", 0)) >= 2 * args.steps + 4)
@@ -186,14 +207,20 @@ def _spawn(
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
+def run_one(args: argparse.Namespace, n: int, on_cluster: bool = False) -> ScaleResult:
     procs = max(1, min(args.procs, n))
     work = Path(tempfile.mkdtemp(prefix=f"flodl-scale-{n}-"))
-    server = None
+    server: RedisServer | None = None
+    local: LocalCluster | None = None
     relay = None
     url = args.redis_url
     nets = [pair.split("=", 1) for pair in args.rank_netns.split(",")] if args.rank_netns else []
-    if url is None:
+    if on_cluster and url is None:
+        local = LocalCluster(
+            masters=3, replicas=1, extra_args=["--maxclients", str(max(10_000, 4 * n + 256))]
+        ).start()
+        url = local.url
+    elif url is None:
         extra = ["--maxclients", str(max(10_000, 4 * n + 256))]
         if nets:
             extra += ["--bind", " ".join(["127.0.0.1", *(h for _, h in nets)])]
@@ -206,9 +233,25 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
         relay = DelayRelay([h for _, h in nets], rank_port, ("127.0.0.1", server.port),
                            args.relay_ms)  # fmt: skip
     run = f"scale{n}-{os.getpid()}"
-    keys = RunKeys(run)
-    admin = connect(url, client_name="bench-scale-driver")
-    base_memory = int(admin.info("memory")["used_memory"])  # type: ignore[index]
+    keys = RunKeys(run, cluster.plan_shards(url, run))
+    admin = connect(url, client_name="bench-scale-driver", key=keys.meta)
+    nodes: list[redis.Redis] = []
+    pinned: dict[str, redis.Redis] = {}
+    if keys.shards:
+        nodes = [
+            redis.Redis(host=m.node[0], port=m.node[1], socket_timeout=10)
+            for m in cluster.topology_of(url).masters()
+        ]
+        for b in keys.broadcasts:
+            pinned[keys.short(b)] = connect(url, key=b)
+
+    def client_for(key: str) -> redis.Redis:
+        shard = keys.shard_of_key(key)
+        if shard is None:
+            return admin
+        return pinned[keys.short(keys.broadcast_of_shard(shard))]
+
+    base_memory = sum(int(c.info("memory")["used_memory"]) for c in nodes or [admin])  # type: ignore[index]
     common = [
         "--url", url, "--run", run, "--dir", str(work), "--ranks", str(n),
         "--steps", str(args.steps), "--epochs", str(args.epochs),
@@ -228,13 +271,13 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
             prefix = ["ip", "netns", "exec", ns]
             extra += ["--url", f"redis://{host}:{rank_port}/0"]
         children.append(_spawn("sim", common, extra, prefix))
-    watch = _RedisWatch(admin, keys, n)
+    watch = _RedisWatch(admin, keys, n, nodes, client_for)
     deadline = started + args.timeout + 60
     cut_at: float | None = None
     try:
         while any(c.poll() is None for c in children) and time.monotonic() < deadline:
             watch.sample()
-            if args.cut is not None and cut_at is None and _trained_an_epoch(admin, keys, args):
+            if args.cut is not None and cut_at is None and _trained_an_epoch(watch, keys, args):
                 subprocess.run(shlex.split(args.cut), check=True)
                 cut_at = time.monotonic()
             time.sleep(0.2 if args.cut is not None and cut_at is None else 0.5)
@@ -250,6 +293,8 @@ def run_one(args: argparse.Namespace, n: int) -> ScaleResult:
         if server is not None:
             server.stop()
             server.cleanup()
+        if local is not None:
+            local.cleanup()
     failed = [c for c in children if c.returncode != 0]
     if failed:
         err = (failed[0].stderr.read() if failed[0].stderr else b"").decode(errors="replace")
@@ -309,6 +354,7 @@ def _figures(
     harness = sum(sim_shares)
     trained = [r.get("trained_s", float("nan")) / args.epochs for r in ranks]
     redis_cpu = _share(watch.cpu, a, b)
+    busiest = max(_share(nc, a, b) for nc in watch.node_cpu)
     host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
     mem = [m for t, m in watch.memory if a <= t <= b] or [m for _, m in watch.memory]
     # a short run may fall between two samples: then every sample taken while the run's
@@ -320,7 +366,7 @@ def _figures(
     cores = os.cpu_count() or 1
     shares = {
         "coordinator (one core)": coord_cpu,
-        "redis-server (one core)": redis_cpu,
+        "redis-server (one core)": busiest,
         "a sim process (one GIL)": max(sim_shares, default=0.0),
     }
     worst = max(shares, key=lambda k: shares[k])
@@ -369,6 +415,8 @@ def _figures(
             if cut_at is not None
             else None
         ),
+        redis_masters=len(watch.nodes),
+        redis_cpu_busiest=busiest,
     )
 
 
@@ -377,7 +425,12 @@ def report(r: ScaleResult) -> str:
         [
             f"ranks {r.ranks} ({r.procs} sim processes, {r.host_cores} cores), "
             f"step {r.step_ms:g} ms x {r.steps} steps x {r.epochs} epochs, wall {r.wall_s:.1f} s, "
-            f"network: {r.network}",
+            f"network: {r.network}, "
+            + (
+                "one Redis"
+                if r.redis_masters == 1
+                else f"Redis Cluster of {r.redis_masters} masters"
+            ),
             f"  epoch time        {r.epoch_s:8.3f} s   ideal {r.ideal_s:.3f} s   "
             f"overhead {100 * r.overhead:+.1f}%",
             f"  ranks' own time   {r.trained_s:8.3f} s   per epoch in their plans "
@@ -387,7 +440,10 @@ def report(r: ScaleResult) -> str:
             f"({r.dispatch_p50_ms / r.ping_p50_ms:.1f}x)   p99 {r.dispatch_p99_ms:.2f} ms "
             f"({r.dispatches_timed} deliveries)",
             f"  coordinator CPU   {r.coordinator_cpu:8.2f} cores (saturates at 1)",
-            f"  redis-server CPU  {r.redis_cpu:8.2f} cores (saturates at 1)",
+            f"  redis-server CPU  {r.redis_cpu:8.2f} cores (saturates at 1)"
+            if r.redis_masters == 1
+            else f"  redis CPU         {r.redis_cpu:8.2f} cores over {r.redis_masters} masters, "
+            f"busiest {r.redis_cpu_busiest:.2f} (saturates at 1)",
             f"  sim ranks CPU     {r.harness_cpu:8.2f} cores of {r.host_cores}   "
             f"(host busy: {r.host_cpu:.2f} cores, every process; busiest sim process "
             f"{r.sim_process_cpu:.2f})",
@@ -412,6 +468,18 @@ def report(r: ScaleResult) -> str:
     )
 
 
+def compare(one: ScaleResult, on: ScaleResult) -> str:
+    """The cluster's figures beside one Redis's, same rank count, same host."""
+    return (
+        f"  cluster vs one Redis at {one.ranks} ranks: epoch overhead "
+        f"{100 * on.overhead:+.1f}% vs {100 * one.overhead:+.1f}%, dispatch p50/p99 "
+        f"{on.dispatch_p50_ms:.2f}/{on.dispatch_p99_ms:.2f} vs "
+        f"{one.dispatch_p50_ms:.2f}/{one.dispatch_p99_ms:.2f} ms, busiest Redis CPU "
+        f"{on.redis_cpu_busiest:.2f} vs {one.redis_cpu_busiest:.2f} cores, coordinator CPU "
+        f"{on.coordinator_cpu:.2f} vs {one.coordinator_cpu:.2f}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flodl-bus bench scale", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="64", help="comma-separated rank counts (64,256,1024)")
@@ -426,7 +494,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-record", action="store_true", help="coordinator without its dispatch record"
     )
     ap.add_argument("--profile", default=None, help="cProfile the coordinator into this file")
-    ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
+    ap.add_argument(
+        "--redis-url",
+        default=None,
+        help="an existing server, or a cluster's redis+cluster:// URL (default: start one)",
+    )
+    ap.add_argument(
+        "--cluster",
+        action="store_true",
+        help="per rank count, also run on a local Redis Cluster (3 masters + 3 replicas) "
+        "and print its figures beside the single Redis's",
+    )
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--keep", default=None, help="copy every process's raw timings here")
     # set by `bench latency` (which makes the namespaces), not meant to be typed
@@ -449,6 +527,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = run_one(args, n)
         results.append(r)
         print(report(r), flush=True)
+        if args.cluster and args.redis_url is None:
+            c = run_one(args, n, on_cluster=True)
+            results.append(c)
+            print(report(c), flush=True)
+            print(compare(r, c), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
     return 0

@@ -26,10 +26,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flodl_bus.bus import cluster
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.sharded import ShardedCoordinatorBus
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
@@ -120,10 +122,58 @@ class TimedCoordinatorBus(RedisCoordinatorBus):
         return ids
 
 
+class TimedShardedBus(ShardedCoordinatorBus):
+    """``TimedCoordinatorBus`` on a Redis Cluster: each shard's copy of a broadcast is
+    its own entry (id) on its own stream, each timed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sent: list[tuple[str, str, str, float]] = []
+        super().__init__(*args, **kwargs)
+
+    def send(self, rank: int, msg: ControlWire) -> None:
+        t0 = time.monotonic()
+        super().send(rank, msg)
+        part = self._part(rank)
+        stream = self.keys.ctl(rank)
+        self.sent.append((stream, format_id(part._tops[stream]), wire.type_name(msg), t0))
+
+    def broadcast(self, msg: ControlWire) -> None:
+        t0 = time.monotonic()
+        super().broadcast(msg)
+        for part in self.parts:
+            top = part._tops[part._bcast]
+            self.sent.append((part._bcast, format_id(top), wire.type_name(msg), t0))
+
+    def send_batch(self, items: Sequence[tuple[int | None, ControlWire]]) -> list[str]:
+        t0 = time.monotonic()
+        ids = super().send_batch(items)
+        if items and items[0][0] is None:
+            for part, shard_ids in zip(self.parts, self.broadcast_ids, strict=True):
+                for (_, msg), eid in zip(items, shard_ids, strict=True):
+                    self.sent.append((part._bcast, eid, wire.type_name(msg), t0))
+            return ids
+        for (rank, msg), eid in zip(items, ids, strict=True):
+            assert rank is not None
+            self.sent.append((self.keys.ctl(rank), eid, wire.type_name(msg), t0))
+        return ids
+
+
+_KEYS: dict[tuple[str, str], RunKeys] = {}
+
+
+def run_keys(args: argparse.Namespace) -> RunKeys:
+    """The run's keys; on a Redis Cluster every process plans the same shards (the plan
+    is a function of the run id and the cluster's masters)."""
+    at = (args.url, args.run)
+    if at not in _KEYS:
+        _KEYS[at] = RunKeys(args.run, cluster.plan_shards(args.url, args.run))
+    return _KEYS[at]
+
+
 def run_coordinator(args: argparse.Namespace) -> int:
     raise_fd_limit()
     out = Path(args.dir)
-    keys = RunKeys(args.run)
+    keys = run_keys(args)
     ck = fixed_keys(SEED)
     n = args.ranks
     config = CoordinatorConfig(
@@ -135,8 +185,15 @@ def run_coordinator(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
     )
     core = Coordinator(config)
-    client = connect(args.url, client_name="bench-coordinator")
-    bus = TimedCoordinatorBus(client, keys, ck, ranks=range(n))
+    bus: TimedCoordinatorBus | TimedShardedBus
+    if keys.shards:
+        clients = [
+            connect(args.url, client_name="bench-coordinator", key=b) for b in keys.broadcasts
+        ]
+        bus = TimedShardedBus(clients, keys, ck, ranks=range(n), wait_ms=cluster.DEFAULT_WAIT_MS)
+    else:
+        client = connect(args.url, client_name="bench-coordinator")
+        bus = TimedCoordinatorBus(client, keys, ck, ranks=range(n))
     rec = None
     if not args.no_record:
         rec = DispatchRecorder(out, "coordinator")
@@ -222,9 +279,11 @@ class SimRank:
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         self.rank = rank
         self.step_s = args.step_ms / 1000.0
-        keys = RunKeys(args.run)
+        keys = run_keys(args)
         ck = fixed_keys(SEED)
-        bus = TimedRankBus(connect(args.url), keys, rank, rank_keys_for(ck, rank))
+        bus = TimedRankBus(
+            connect(args.url, key=keys.ctl(rank)), keys, rank, rank_keys_for(ck, rank)
+        )
         self.bus = bus
         self.inbox = Inbox()
         params = NoParams()

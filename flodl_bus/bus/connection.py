@@ -22,13 +22,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from flodl_bus.bus.cluster import ClusterUrlError, is_cluster_url, pinned_client, split_url
 
 ENV_USERNAME: Final = "FLODL_REDIS_USERNAME"
 ENV_PASSWORD: Final = "FLODL_REDIS_PASSWORD"
@@ -169,13 +171,30 @@ def connect(
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     client_name: str | None = None,
     env: Mapping[str, str] | None = None,
+    key: str | None = None,
 ) -> redis.Redis:
-    """A client (with its own connection pool) for ``url``; bytes in, bytes out."""
+    """A client (with its own connection pool) for ``url``; bytes in, bytes out.
+
+    A Redis Cluster URL (``redis+cluster://``, ``bus.cluster``) gives a client pinned to
+    the master of ``key``'s slot: the caller names the key (a run's meta, a rank's
+    control stream) whose slot it works in."""
     if socket_timeout * 1000 <= 2 * MAX_BLOCK_MS:
         raise ValueError(
             f"socket_timeout {socket_timeout}s must exceed twice the longest BLOCK "
             f"({MAX_BLOCK_MS} ms), or a quiet stream would look like a dead server"
         )
+    cluster_url = url
+    if is_cluster_url(url):
+        if key is None:
+            raise BadRedisUrl(
+                f"{redact_url(url)} is a Redis Cluster URL, which only `flodl-bus "
+                "coordinator` and `worker` take: give this command a single Redis's "
+                "redis:// URL"
+            )
+        try:
+            url = split_url(url)[0]
+        except ClusterUrlError as exc:
+            raise BadRedisUrl(f"{exc} (in {redact_url(cluster_url)!r})") from None
     t = parse_url(url, env)
     common: dict[str, object] = {
         "db": t.db,
@@ -199,10 +218,15 @@ def connect(
     }
     if t.scheme == "rediss":
         tcp["ssl"] = True
-        for key, value in t.ssl_options:
-            tcp[key] = (
-                value.lower() in ("1", "true", "yes") if key == "ssl_check_hostname" else value
+        for name, value in t.ssl_options:
+            tcp[name] = (
+                value.lower() in ("1", "true", "yes") if name == "ssl_check_hostname" else value
             )
+    if cluster_url is not url:
+        if t.db != 0:
+            raise BadRedisUrl(f"a Redis Cluster has database 0 only: {redact_url(cluster_url)}")
+        assert key is not None
+        return pinned_client(cluster_url, key, common=common, tcp=tcp)
     return redis.Redis(**common, **tcp)  # type: ignore[arg-type]
 
 
@@ -246,6 +270,8 @@ _TRANSIENT_CODES: Final = {
     "MISCONF": "snapshot failing, writes refused",
     "TRYAGAIN": "try again",
     "CLUSTERDOWN": "cluster down",
+    "MOVED": "slot served by another node (failover or resharding)",
+    "ASK": "slot migrating to another node",
 }
 #: A pipeline's error reads "Command # 2 (XADD ...) of pipeline caused error: OOM ...";
 #: a plain one "BUSY Redis is busy ..." (redis-py strips the codes it knows, so the
@@ -265,6 +291,8 @@ def transient_kind(exc: BaseException) -> str | None:
         return "TRYAGAIN"
     if isinstance(exc, redis.exceptions.ClusterDownError):
         return "CLUSTERDOWN"
+    if isinstance(exc, redis.exceptions.AskError):  # MovedError subclasses AskError
+        return "MOVED" if isinstance(exc, redis.exceptions.MovedError) else "ASK"
     if type(exc) is redis.exceptions.ResponseError:
         m = _CODE_IN_MESSAGE.search(str(exc))
         if m is not None and m.group(1) in ("BUSY", "MISCONF"):
@@ -382,11 +410,21 @@ class Link:
                     raise
                 retry = True
                 self._refused(kind, exc)
+                if kind in ("MOVED", "ASK"):
+                    self._redirected()
                 self._pause(deadline, f"writes refused ({self._blocked_kind})")
                 continue
             if self._blocked_since is not None:
                 self._unblocked()
             return result
+
+    def _redirected(self) -> None:
+        """The slot lives elsewhere now (a pinned cluster client, ``bus.cluster``):
+        every connection of the client goes, so the next one asks where the slot is,
+        and a reader re-reads its pending entries there."""
+        self.client.connection_pool.disconnect()
+        if self.on_lost is not None:
+            self.on_lost()
 
     def _pause(self, deadline: float | None, why: str) -> None:
         """After a failed attempt: give up if ``deadline`` has passed, else wait the next
@@ -527,13 +565,13 @@ REFUSALS: Final = (
 )
 
 
-def connect_pinged(url: str, *, client_name: str) -> redis.Redis:
+def connect_pinged(url: str, *, client_name: str, key: str | None = None) -> redis.Redis:
     """``connect`` plus a PING, for a command that cannot start without Redis: a bad URL,
     a server that does not answer, or one that refuses the credentials becomes one
     ``RedisUnreachable`` line (the URL's password redacted, the user and where its
     credentials came from named), never a traceback."""
     try:
-        client = connect(url, client_name=client_name)
+        client = connect(url, client_name=client_name, key=key)
         client.ping()
     except BadRedisUrl as exc:
         raise RedisUnreachable(f"--redis-url: {exc}") from None
@@ -544,7 +582,24 @@ def connect_pinged(url: str, *, client_name: str) -> redis.Redis:
             f"cannot reach Redis at {redact_url(url)} ({type(exc).__name__}): "
             "start it or fix --redis-url"
         ) from None
+    if not is_cluster_url(url) and _is_cluster_node(client):
+        client.close()
+        raise RedisUnreachable(
+            f"Redis at {redact_url(url)} is a node of a Redis Cluster: give `flodl-bus "
+            "coordinator` and `worker` the cluster's URL, redis+cluster://HOST:PORT; other "
+            "commands take a single Redis"
+        )
     return client
+
+
+def _is_cluster_node(client: redis.Redis) -> bool:
+    """Whether ``client``'s server runs in cluster mode (there, a plain client would meet
+    MOVED on most keys). A user without INFO (the worker ACL user) is not asked."""
+    try:
+        info: Any = client.info("cluster")
+    except redis.exceptions.RedisError:
+        return False
+    return bool(int(info.get("cluster_enabled", 0) or 0))
 
 
 def add_url_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -29,6 +29,7 @@ from flodl_bus.bus.ids import EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.bus.publisher import _Publisher
 from flodl_bus.bus.reader import _GroupReader
+from flodl_bus.bus.replication import ReplicaGuard
 from flodl_bus.bus.stream_ops import (
     DEFAULT_MAXLEN,
     BusError,
@@ -101,7 +102,7 @@ class RedisRankBus:
         self.rank = rank
         self.config = config or StreamsConfig()
         self._ctl = self.keys.ctl(rank)
-        self._all = self.keys.ctl_all
+        self._all = self.keys.ctl_all_of(rank)
         self._rank_fields = {self._ctl: str(rank), self._all: BROADCAST}
         self._verifiers: dict[str, Verifier] = {
             self._ctl: keys.rank_key,
@@ -116,7 +117,7 @@ class RedisRankBus:
             config=self.config,
             name=f"rank{rank}.reader",
             where=where,
-            dlq=self.keys.dlq,
+            dlq=self.keys.dlq_for(self._ctl),
         )
         self._publisher = _Publisher(
             client, self.keys.up(rank), rank, keys.rank_key, self.config, where
@@ -168,13 +169,24 @@ class RedisCoordinatorBus:
         ranks: Iterable[int] = (),
         config: StreamsConfig | None = None,
         where: str = "",
+        shard: int | None = None,
+        clock: IdClock | None = None,
+        lock: threading.RLock | None = None,
+        wait_ms: int = 0,
     ) -> None:
+        """``shard``, ``clock``, ``lock``: one shard of a run on a Redis Cluster
+        (``bus.sharded``), the shards sharing one id clock and one lock so that every
+        rank's control keeps the send order. ``wait_ms`` > 0: each control write is
+        followed by ``WAIT 1 wait_ms`` (``bus.replication``)."""
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.client = client
         self.signing = keys
         self.config = config or StreamsConfig()
-        self._lock = threading.Lock()
-        self._clock = IdClock()
+        self.shard = shard
+        self._bcast = self.keys.broadcast_of_shard(shard)
+        self._dlq = self.keys.dlq_of_shard(shard)
+        self._lock = lock if lock is not None else threading.RLock()
+        self._clock = clock if clock is not None else IdClock()
         self._seqs: dict[str, int] = {}
         #: the last id written per control stream (the trimmer's margin)
         self._tops: dict[str, EntryId] = {}
@@ -190,11 +202,17 @@ class RedisCoordinatorBus:
             consumer=COORDINATOR_GROUP,
             ordered=False,
             config=self.config,
-            name="coordinator.reader",
+            name="coordinator.reader" if shard is None else f"coordinator.reader.s{shard}",
             where=where,
-            dlq=self.keys.dlq,
+            dlq=self._dlq,
         )
-        self._link.call(lambda retry: self._raise_floor(self.keys.ctl_all))
+        self._guard = (
+            ReplicaGuard(client, self.keys.fence(shard), wait_ms, self._link)
+            if wait_ms > 0
+            else None
+        )
+        with self._lock:
+            self._link.call(lambda retry: self._raise_floor(self._bcast))
         for rank in ranks:
             self.add_rank(rank)
         self._trim_stop = threading.Event()
@@ -257,7 +275,7 @@ class RedisCoordinatorBus:
 
         def op(retry: bool) -> None:
             ensure_group(self.client, self.keys.ctl(rank), rank_group(rank))
-            ensure_group(self.client, self.keys.ctl_all, rank_group(rank))
+            ensure_group(self.client, self._bcast, rank_group(rank))
             with self._lock:
                 self._raise_floor(self.keys.ctl(rank))
 
@@ -270,7 +288,7 @@ class RedisCoordinatorBus:
         self._write(self.keys.ctl(rank), str(rank), msg, self.signing.rank(rank))
 
     def broadcast(self, msg: ControlWire) -> None:
-        self._write(self.keys.ctl_all, BROADCAST, msg, self.signing.broadcast)
+        self._write(self._bcast, BROADCAST, msg, self.signing.broadcast)
 
     def send_batch(self, items: Sequence[tuple[int | None, ControlWire]]) -> list[str]:
         """Every ``(rank, msg)`` (rank None: a broadcast) in one round trip, in order;
@@ -296,7 +314,7 @@ class RedisCoordinatorBus:
         for rank, msg in items:
             _require(msg, _CONTROL_TYPES, "a control stream")
             if rank is None:
-                plan.append((self.keys.ctl_all, BROADCAST, self.signing.broadcast))
+                plan.append((self._bcast, BROADCAST, self.signing.broadcast))
             else:
                 plan.append((self.keys.ctl(rank), str(rank), self.signing.rank(rank)))
         with self._lock:
@@ -305,8 +323,11 @@ class RedisCoordinatorBus:
             streams = list(dict.fromkeys(st for st, _, _ in plan))
             tried: list[tuple[str, str, bytes]] = []
             ids: list[str] = []
+            written: list[tuple[str, str, dict[bytes, bytes]]] = []
 
             def op(retry: bool) -> None:
+                if self._guard is not None:
+                    self._guard.recover()
                 if retry and tried and landed(self.client, *tried[-1]):
                     return  # the lost reply was of a transaction that ran
                 while True:
@@ -317,12 +338,14 @@ class RedisCoordinatorBus:
                                 continue
                             pipe.multi()
                             ids.clear()
+                            written.clear()
                             for (st, rf, sg), enc, seq in zip(plan, encoded, seqs, strict=True):
                                 eid = format_id(self._clock.next(_now_ms()))
                                 fields = entries.sign(sg, st, eid, enc, rf, seq)
                                 if not ids:
                                     tried.append((st, eid, fields[entries.F_MAC]))
                                 ids.append(eid)
+                                written.append((st, eid, fields))
                                 pipe.xadd(
                                     st,
                                     fields,  # type: ignore[arg-type]
@@ -343,7 +366,13 @@ class RedisCoordinatorBus:
             self._link.call(op)
             for (st, _, _), eid in zip(plan, ids, strict=True):
                 self._tops[st] = parse_id(eid)
+            self._confirm(written)
             return list(ids)
+
+    def _confirm(self, written: list[tuple[str, str, dict[bytes, bytes]]]) -> None:
+        guard = self._guard
+        if guard is not None and written:
+            self._link.call(lambda retry: guard.written(written))
 
     def _above_tops(self, streams: Sequence[str]) -> bool:
         """Read every stream's top (one pipeline) and lift the clock above those a writer
@@ -388,14 +417,18 @@ class RedisCoordinatorBus:
             encoded = entries.encode(msg)
             seq = self._next_seq(stream, rank_field, signer)
             tried: list[tuple[str, bytes]] = []
+            written: list[tuple[str, str, dict[bytes, bytes]]] = []
 
             def op(retry: bool) -> None:
+                if self._guard is not None:
+                    self._guard.recover()
                 if retry and tried and landed(self.client, stream, *tried[-1]):
                     return  # the lost reply was of an XADD that ran
                 while True:
                     eid = format_id(self._clock.next(_now_ms()))
                     fields = entries.sign(signer, stream, eid, encoded, rank_field, seq)
                     tried.append((eid, fields[entries.F_MAC]))
+                    written[:] = [(stream, eid, fields)]
                     try:
                         self.client.xadd(
                             stream,
@@ -417,12 +450,13 @@ class RedisCoordinatorBus:
                     self._raise_floor(stream)
 
             self._link.call(op)
+            self._confirm(written)
 
     def _repair(self, stream: str, floor: EntryId | None = None) -> None:
         repair_stream(
             self.client,
             stream,
-            self.keys.dlq,
+            self._dlq,
             floor=self._clock.last if floor is None else floor,
             now_ms=_now_ms(),
             by="coordinator",
@@ -440,7 +474,9 @@ class RedisCoordinatorBus:
                 def op(retry: bool, s: str = stream, f: EntryId = floor) -> None:
                     self._repair(s, f)
 
-                self._link.call(op)
+                # the lock: on a cluster each shard's reader runs on its own thread
+                with self._lock:
+                    self._link.call(op)
         return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:

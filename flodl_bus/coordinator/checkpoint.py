@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from flodl_bus.coordinator.chunk_pool import Range, coalesce
 from flodl_bus.coordinator.config import CoordinatorConfig
-from flodl_bus.coordinator.effects import Out, Send, WriteMeta
+from flodl_bus.coordinator.effects import Broadcast, Out, WriteMeta
 from flodl_bus.coordinator.guard import MsfGuard
 from flodl_bus.protocol.messages import SaveConsensusModel, SaveReason
 
@@ -140,6 +140,12 @@ class Checkpoints:
             "max_overshoot": core.max_overshoot,
             "meta_controller": core.meta.state(),
             "callback_ewma_ms": dict(core.roles.ewma_ms),
+            # Who evaluates and saves was elected from measured speed: a resume keeps it.
+            "roles": {
+                "epoch_callback": core.roles.epoch_callback,
+                "eval": core.roles.eval,
+                "checkpoint": core.roles.checkpoint,
+            },
         }
         if isinstance(core.guard, MsfGuard):
             state["msf"] = core.guard.state()
@@ -155,6 +161,27 @@ class Checkpoints:
                 core.roles.ewma_ms[kind] = None if ms is None else float(ms)
         if isinstance(core.guard, MsfGuard) and "msf" in state:
             core.guard.restore_state(state["msf"])
+        roles = state.get("roles")
+        if isinstance(roles, Mapping) and core.roles.pinned is None:
+            picks = [int(roles.get(k, 0)) for k in ("epoch_callback", "eval", "checkpoint")]
+            if all(0 <= p < core.ws for p in picks):
+                r = core.roles
+                r.epoch_callback, r.eval, r.checkpoint = picks
+                r.dirty = True
+
+    def request(self, out: list[Out]) -> None:
+        """A checkpoint epoch opened: save at the next reduce, or at once in lockstep,
+        where an epoch opens only after its predecessor's last window was averaged and
+        before any rank has its first batch: the consensus, each rank's state and the
+        coverage are then exactly the boundary's, which a resume needs to go on bit for
+        bit (the ranks' Adam moments and random state are the ones at the consensus)."""
+        if not self.enabled:
+            return
+        if self.core.config.lockstep:
+            out.append(WriteMeta(self.meta(SaveReason.CHECKPOINT, self.coverage())))
+            self._send_save(out)
+        else:
+            self.due = True
 
     def arm(self) -> ArmedSave | None:
         if not self.enabled or not self.due:
@@ -179,7 +206,8 @@ class Checkpoints:
         core = self.core
         target = core.roles.checkpoint
         if core.alive(target):
-            out.append(Send(target, SaveConsensusModel(target)))
+            # To every rank: the target writes the model, each rank its own state.
+            out.append(Broadcast(SaveConsensusModel(target)))
         self.saved_at_version = core.version
 
     def coverage(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from flodl_bus import settings
+from flodl_bus.bus import cluster
 from flodl_bus.bus.connection import (
     REFUSALS,
     RedisUnreachable,
@@ -56,13 +57,20 @@ from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 
+Owners = list[tuple[Any, str]]
 
-def _reset_run(client: Any, keys: RunKeys) -> int:
-    """Delete every key of the run (its hash-tagged streams, meta, store) and its secret."""
-    doomed = [*client.scan_iter(match=f"{keys.prefix}*", count=1000), keys.secret]
-    for i in range(0, len(doomed), 500):
-        client.unlink(*doomed[i : i + 500])
-    return len(doomed) - 1
+
+def _reset_run(client: Any, keys: RunKeys, owners: Owners | None = None) -> int:
+    """Delete every key of the run (its hash-tagged streams, meta, store) and its secret
+    (``owners``: a client per key prefix, on a cluster one per shard)."""
+    deleted = 0
+    for owner, prefix in owners or [(client, keys.prefix)]:
+        doomed = list(owner.scan_iter(match=f"{prefix}*", count=1000))
+        for i in range(0, len(doomed), 500):
+            owner.unlink(*doomed[i : i + 500])
+        deleted += len(doomed)
+    client.unlink(keys.secret)
+    return deleted
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -175,9 +183,17 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
 
     keys = RunKeys(args.run)
     try:
-        client = connect_pinged(args.redis_url, client_name="flodl-coordinator")
+        client = connect_pinged(args.redis_url, client_name="flodl-coordinator", key=keys.meta)
+        # On a Redis Cluster: a shard per master, the ranks spread over them.
+        keys = RunKeys(args.run, cluster.plan_shards(args.redis_url, args.run))
+        owners = cluster.key_owners(args.redis_url, keys, client, client_name="flodl-coordinator")
     except RedisUnreachable as exc:
         raise ConfigError(str(exc)) from None
+    except (RedisError, cluster.ClusterUrlError) as exc:
+        raise ConfigError(
+            f"Redis Cluster at {redact_url(args.redis_url)}: {exc}; check that every "
+            "node answers and the cluster is ok (CLUSTER INFO)"
+        ) from None
 
     configure_console(args.log_level)
     import structlog
@@ -197,12 +213,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         "save_path": save_path or "",
         "resume": args.resume or "",
         "status": "joining",
+        "shards": cluster.shards_field(keys.shards),
     }
     # An earlier run's streams under the same id would hand the new ranks its stale
     # control entries (and its secret); only workers ever read meta, so its presence
     # means a coordinator already ran this id.
     if args.reset_run:
-        log.info("run_reset", run=args.run, keys_deleted=_reset_run(client, keys))
+        log.info("run_reset", run=args.run, keys_deleted=_reset_run(client, keys, owners))
     elif client.exists(keys.meta):
         raise ConfigError(
             f"run id {args.run!r} already has state in Redis from an earlier coordinator "
@@ -278,14 +295,14 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     except WorldNotFormed as exc:
         client.hset(keys.meta, "status", "not formed")
         if args.expire_after > 0:  # a run that never formed has ended too
-            expire_run(client, keys, args.expire_after)
+            expire_run(client, keys, args.expire_after, owners)
         log.error("world_not_formed", reason=str(exc))
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     except Interrupted:
         client.hset(keys.meta, "status", "interrupted")
         if args.expire_after > 0:
-            expire_run(client, keys, args.expire_after)
+            expire_run(client, keys, args.expire_after, owners)
         return stopped_code()
     ws = admission.world_size
     assert ws is not None
@@ -306,6 +323,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record
     recorder.header(
         run=args.run,
+        shards=list(keys.shards),
         config=dataclasses.asdict(config),
         settings=knobs,
         config_file=args.config,
@@ -327,9 +345,22 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         )
     except BadKey as exc:
         raise ConfigError(f"a worker's Hello carries no usable key: {exc}") from None
-    bus = RedisCoordinatorBus(
-        client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
-    )
+    bus: Any
+    if keys.shards:
+        from flodl_bus.bus.sharded import ShardedCoordinatorBus
+
+        bus = ShardedCoordinatorBus(
+            [c for c, _ in owners[1:]],
+            keys,
+            rank_keys,
+            ranks=range(ws),
+            where=redact_url(args.redis_url),
+            wait_ms=cluster.DEFAULT_WAIT_MS,
+        )
+    else:
+        bus = RedisCoordinatorBus(
+            client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
+        )
 
     metrics = MetricsTable(run_dir / "metrics.csv", ws)
     board: Any = None
@@ -386,13 +417,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         recorder.close()
         bus.close()
         join.close()
-    status = {0: "finished", EXIT_INTERRUPTED: "interrupted"}.get(code, "saved")
+    status = {0: "finished", EXIT_INTERRUPTED: "interrupted", CONFIG: "refused"}.get(code, "saved")
     if code == EXIT_INTERRUPTED:
         code = stopped_code()
     try:
         client.hset(keys.meta, "status", status)
         if args.expire_after > 0:
-            expired = expire_run(client, keys, args.expire_after)
+            expired = expire_run(client, keys, args.expire_after, owners)
             log.info("run_keys_expire", keys=expired, after_s=args.expire_after)
     finally:
         client.close()
@@ -400,15 +431,21 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     return code
 
 
-def expire_run(client: Any, keys: RunKeys, seconds: float) -> int:
+def expire_run(client: Any, keys: RunKeys, seconds: float, owners: Owners | None = None) -> int:
     """Let every key of the run and its secret expire ``seconds`` from now (a finished
-    run's streams would otherwise stay in Redis for good). Returns how many were set."""
+    run's streams would otherwise stay in Redis for good). Returns how many were set.
+    ``owners``: a client per key prefix (on a cluster, one per shard)."""
     ttl = max(1, int(seconds))
-    names = [*client.scan_iter(match=f"{keys.prefix}*", count=1000), keys.secret]
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.expire(name, ttl)
-    return sum(1 for ok in pipe.execute() if ok)
+    set_ = 0
+    for owner, prefix in owners or [(client, keys.prefix)]:
+        names = list(owner.scan_iter(match=f"{prefix}*", count=1000))
+        if owner is client:
+            names.append(keys.secret)
+        pipe = owner.pipeline(transaction=False)
+        for name in names:
+            pipe.expire(name, ttl)
+        set_ += sum(1 for ok in pipe.execute() if ok)
+    return set_
 
 
 #: how often the coordinator refreshes its state in ``meta``

@@ -201,6 +201,7 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "callback_slack": knobs["callback_slack"],
         "speed_hints": knobs["speed_hints"],
         "stage_advisories": knobs["stage_advisories"],
+        "lockstep": knobs["lockstep"],
     }
 
 
@@ -230,4 +231,10 @@ def _read_resume(stem: str) -> dict[str, Any]:
         raise ConfigError(f"--resume: cannot read {path} ({exc})") from None
     if not isinstance(meta, dict):
         raise ConfigError(f"--resume: {path} is not a checkpoint meta object")
+    model = Path(f"{stem}.model.pt")
+    if not model.exists():
+        raise ConfigError(
+            f"--resume: no consensus model at {model} beside its meta; pass the "
+            "--save-path stem of a run whose save finished"
+        )
     return meta

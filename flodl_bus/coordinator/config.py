@@ -27,7 +27,10 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "callback_slack": False,
     "stage_advisories": False,
     "scheduler_meta": False,
+    "bridge_idle": False,
+    "solo_without_rounds": False,
     "window_wait": False,
+    "dead_zone_keeps_five_percent": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -122,9 +125,22 @@ class CoordinatorConfig:
     stage_advisories: bool = False
     #: checkpoint meta carries the controllers' state, so a resume continues them
     scheduler_meta: bool = True
+    #: nccl-cadence: a rank the reduce would hold idle (its window done, a slower rank's
+    #: not) trains a bridge chunk until its SyncNow; a round is then acked by SyncAcks
+    #: only (issue 19). Not a setting: off only to replay records made before it
+    bridge_idle: bool = True
+    #: a world of one closes its windows without a round (no SyncNow, no RequestParams)
+    solo_without_rounds: bool = True
     #: nccl progressive cadence: an open gate waits for a mover still short of a
     #: delivered sample while its chunk is out (reference §4.6.1)
     window_wait: bool = True
+    #: ElChe keeps a count whose change is exactly 5 % (flodl); records made before this
+    #: existed moved it
+    dead_zone_keeps_five_percent: bool = True
+    #: a deterministic schedule (sync modes): one batch per rank per window, the next
+    #: plan only after the window's average, and epoch-boundary checkpoints taken at
+    #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees
+    lockstep: bool = False
 
     def __post_init__(self) -> None:
         parse_mode(self.mode)
@@ -149,6 +165,12 @@ class CoordinatorConfig:
             raise ValueError("partition_ratios needs one entry per rank")
         if self.guard not in GUARDS:
             raise ValueError(f"guard {self.guard!r} is not one of {', '.join(GUARDS)}")
+        if self.lockstep and (self.policy is not Policy.SYNC or self.is_progressive):
+            raise ValueError(
+                f"lockstep needs the fixed partition of a sync mode, not {self.mode}"
+                f"{' with progressive dispatch' if self.policy is Policy.SYNC else ''}: "
+                "use --mode nccl-sync or cpu-sync, or drop lockstep"
+            )
         if self.speed_hints is not None and (
             len(self.speed_hints) != self.world_size or min(self.speed_hints) <= 0
         ):

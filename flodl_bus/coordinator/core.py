@@ -34,7 +34,14 @@ from flodl_bus.coordinator.guard import STABLE, Verdict, make_guard
 from flodl_bus.coordinator.liveness import Liveness
 from flodl_bus.coordinator.meta import MetaController
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
-from flodl_bus.coordinator.reduce import OVERSHOOT_START, CpuReduce, Ledger, NcclReduce, Reduce
+from flodl_bus.coordinator.reduce import (
+    OVERSHOOT_START,
+    CpuReduce,
+    Ledger,
+    NcclReduce,
+    Reduce,
+    SoloReduce,
+)
 from flodl_bus.coordinator.roles import Roles
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
@@ -98,6 +105,7 @@ class Coordinator:
             window_cap=cfg.epoch_batches(0),
             growth=self.policy is not Policy.SYNC,
             speed_hints=cfg.speed_hints,
+            dead_zone_keeps_five_percent=cfg.dead_zone_keeps_five_percent,
         )
         self.guard = make_guard(cfg)
         self.meta = MetaController(cfg.meta_controller)
@@ -119,6 +127,8 @@ class Coordinator:
         self.phase = TRAINING
         self.finished = False
         self.finish_reason: SaveReason | None = None
+        #: why a rank refused the run's setup (``leaving.CONFIG_ERROR``), if one did
+        self.refused: str | None = None
         #: the rank the final eval went to; if it dies, the run stops waiting for it
         self.final_eval_rank: int | None = None
         self.final_eval_done = False
@@ -130,7 +140,13 @@ class Coordinator:
         self.dispatch: Dispatch = (
             PoolDispatch(self) if cfg.is_progressive else PartitionDispatch(self)
         )
-        self.reduce: Reduce = NcclReduce(self) if cfg.backend is Backend.NCCL else CpuReduce(self)
+        self.reduce: Reduce
+        if ws == 1 and cfg.solo_without_rounds:
+            self.reduce = SoloReduce(self, adopts_consensus=cfg.backend is Backend.CPU)
+        elif cfg.backend is Backend.NCCL:
+            self.reduce = NcclReduce(self)
+        else:
+            self.reduce = CpuReduce(self)
 
     @classmethod
     def from_meta(cls, config: CoordinatorConfig, meta: Mapping[str, Any]) -> Coordinator:
@@ -354,6 +370,14 @@ class Coordinator:
 
     def _on_leaving(self, r: int, reason: str, now: float, out: list[Out]) -> None:
         """A rank leaving mid-run said why (``protocol.leaving``)."""
+        if leaving.kind_of(reason) == leaving.CONFIG_ERROR:
+            # Set up wrong (a resume that does not fit the job): every rank is, and a
+            # save would overwrite the checkpoint; the run stops with the config code.
+            self.refused = leaving.detail_of(reason)
+            out.append(Alert("critical", "config_error", f"rank {r}: {self.refused}"))
+            self._on_exiting(r, out)
+            out += self.interrupt(now)
+            return
         if leaving.kind_of(reason) == leaving.JOB_FAILED:
             # The job's code is the same on every rank: what failed here fails there
             # too, so the run stops (with its save) instead of re-forming around it.
@@ -383,6 +407,7 @@ class Coordinator:
             self.roles.observe("checkpoint", msg.elapsed_ms)
             self.roles.checkpoint_succeeded(r)
             return
+        out.append(Alert("warn", "checkpoint_failed", f"rank {r}: {msg.error}"))
         nxt = self.roles.checkpoint_failed(r, self.alive_mask())
         if nxt is None:
             out.append(Alert("warn", "checkpoint_gave_up", f"version {msg.version}"))
@@ -426,8 +451,7 @@ class Coordinator:
         ):
             roles.pending_checkpoint_intent = False
             out.append(Send(roles.checkpoint, Checkpoint(epoch, roles.checkpoint)))
-            if self.checkpoints.enabled:
-                self.checkpoints.due = True
+            self.checkpoints.request(out)
         if bool(cfg.eval_every and epoch % cfg.eval_every == 0) or roles.pending_eval_intent:
             self.reduce.schedule_eval(epoch, out)
 
@@ -451,7 +475,9 @@ class Coordinator:
         alive = [r for r in range(self.ws) if self.alive(r)]
         if self.phase == TRAINING:
             trailing = any(self.ledger.steps[r] > 0 for r in alive)
-            if len(alive) >= 2 and trailing:
+            # A world of one closes its last window too (no round: its global step).
+            solo = isinstance(self.reduce, SoloReduce)
+            if (len(alive) >= 2 or solo) and trailing:
                 # Final consensus reduce, while idle ranks still service control.
                 if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled

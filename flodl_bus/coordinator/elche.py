@@ -37,8 +37,8 @@ class WindowReport:
     ms_per_batch: tuple[float | None, ...]
     #: wall time of the reduce itself
     reduce_ms: float = 0.0
-    #: pipeline fill beyond a marginal batch (first batch of the window)
-    fill_ms: float = 0.0
+    #: per rank, the window's first batch beyond a marginal one (the pipeline fill)
+    fill_ms: tuple[float, ...] = ()
 
 
 def _round_half_up(x: float) -> int:
@@ -57,6 +57,7 @@ class ElChe:
         window_cap: int | None = None,
         growth: bool = True,
         speed_hints: Sequence[float] | None = None,
+        dead_zone_keeps_five_percent: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError("ElChe needs at least one rank")
@@ -73,6 +74,7 @@ class ElChe:
             self.anchor = max(self.anchor, self.min_anchor)
         self.overhead_target = min(max(overhead_target, 0.01), 0.5)
         self.max_batch_diff = max_batch_diff
+        self._dead_zone_inclusive = dead_zone_keeps_five_percent
         self.window_cap = window_cap
         self.growth = growth
         #: bumped whenever ``counts`` is replaced, so callers can cache sums over it
@@ -291,7 +293,7 @@ class ElChe:
                 target = max(1, target - math.ceil(slack[r] / ms))
                 slacked = True
             if not first:
-                if not slacked and abs(target - old) <= DEAD_ZONE * old:
+                if not slacked and self._in_dead_zone(target, old):
                     target = old
                 elif self.max_batch_diff is not None:
                     d = self.max_batch_diff
@@ -300,6 +302,11 @@ class ElChe:
         self.counts = new
         self._apply_window_cap()
         self._history.append(tuple(self.counts))
+
+    def _in_dead_zone(self, target: int, old: int) -> bool:
+        if self._dead_zone_inclusive:
+            return abs(target - old) <= DEAD_ZONE * old
+        return old > 0 and abs(target - old) / old < DEAD_ZONE
 
     def _apply_window_cap(self) -> None:
         cap = self.window_cap
@@ -324,7 +331,11 @@ class ElChe:
         marginal = self._slow_ms()
         if marginal is None:
             return None
-        cost = max(report.reduce_ms, 0.0) + max(report.fill_ms, 0.0)
+        # The anchor (slowest) rank's fill: it never waits on the allocation, so its
+        # fixed cost per window is what a longer window amortizes.
+        b = self.anchor_rank
+        fill = report.fill_ms[b] if b is not None and b < len(report.fill_ms) else 0.0
+        cost = max(report.reduce_ms, 0.0) + max(fill, 0.0)
         denom = self.anchor * marginal + cost
         if denom <= 0:
             return None
@@ -346,6 +357,12 @@ class ElChe:
             "phase": self.phase,
             "calibrations": self.calibrations,
             "anchor_rank": self.anchor_rank,
+            # What the next windows' growth and elections read (absent in older metas).
+            "growth_armed": self.growth_armed,
+            "stable_streak": self._stable_streak,
+            "zero_windows": list(self._zero_windows),
+            "history": [list(h) for h in self._history],
+            "slack": None if self._slack is None else list(self._slack),
         }
 
     def restore(self, state: Mapping[str, Any]) -> None:
@@ -359,4 +376,13 @@ class ElChe:
         self.calibrations = int(state.get("calibrations", 0))
         ar = state.get("anchor_rank")
         self.anchor_rank = int(ar) if ar is not None else None
+        self.growth_armed = bool(state.get("growth_armed", self.growth_armed))
+        self._stable_streak = int(state.get("stable_streak", 0))
+        zeros = [int(z) for z in state.get("zero_windows", [])]
+        if len(zeros) == self.world_size:
+            self._zero_windows = zeros
+        self._history.clear()
+        self._history.extend(tuple(int(c) for c in h) for h in state.get("history", []))
+        slack = state.get("slack")
+        self._slack = None if slack is None else [float(x) for x in slack]
         self._apply_window_cap()

@@ -41,7 +41,7 @@ from flodl_bus.coordinator.join_desk import (
 )
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
 from flodl_bus.coordinator.supervisor import SupervisorFeed
-from flodl_bus.exits import OK, STOPPED
+from flodl_bus.exits import CONFIG, OK, STOPPED
 from flodl_bus.protocol.messages import (
     CoordHeartbeat,
     DeclareDead,
@@ -196,6 +196,8 @@ class CoordinatorLoop:
                 dispatches=self.dispatches,
             )
             self.rec.flush()
+        if core.refused is not None:
+            return CONFIG
         if interrupted:
             return EXIT_INTERRUPTED
         if self.finished is not None and self.finished.reason is not None:

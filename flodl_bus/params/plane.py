@@ -182,12 +182,6 @@ class TorchParamPort:
         for b, c in zip(self.buffers, avg.buffers):
             b.copy_(c, non_blocking=True)
 
-    @property
-    def evals_score_consensus(self) -> bool:
-        """The cpu backend's evals score the consensus (flodl's ``adopt_consensus``):
-        its ranks train on between rounds, and cpu-async holds a blend, not the average."""
-        return self._cpu is not None
-
     def consensus(self) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None:
         """The last realized consensus: (params, averaged buffers) in model order."""
         return self._consensus

@@ -20,6 +20,10 @@ JOB_FAILED: Final = "job_failed"
 AVERAGING_FAILED: Final = "averaging_failed"
 #: A rank's own runtime failed (not the job's code): declared dead at once.
 RANK_FAILED: Final = "rank_failed"
+#: The rank was set up wrong (a resume whose saved state does not fit this job): no
+#: rank can go on either, so the run stops without a save (which would overwrite the
+#: checkpoint) and every process exits with the config code.
+CONFIG_ERROR: Final = "config_error"
 
 #: Detail beyond this is cut: the reason is one console line, the traceback lives in the
 #: rank's log.
@@ -47,4 +51,4 @@ def detail_of(text: str) -> str:
     return text.partition(": ")[2] if kind_of(text) is not None else text
 
 
-_KINDS: Final = frozenset({JOB_FAILED, AVERAGING_FAILED, RANK_FAILED})
+_KINDS: Final = frozenset({JOB_FAILED, AVERAGING_FAILED, RANK_FAILED, CONFIG_ERROR})

@@ -208,7 +208,7 @@ class Feeder:
         pipe = self.pipeline()
         n = 0
         for stream in sorted(by_stream):
-            rank_field = BROADCAST if stream == self.keys.ctl_all else stream.rsplit(":", 1)[1]
+            rank_field = BROADCAST if stream in self.keys.broadcasts else stream.rsplit(":", 1)[1]
             owner = self.keys.rank_of(stream)
             if owner is not None:
                 REPLAY_KEYS.rank(owner)
@@ -414,7 +414,8 @@ class _Replay:
         self.stopped = False
         self.client = fakeredis.FakeRedis(server=fakeredis.FakeServer())
         run = rec.header.get("run") or "replay"
-        self.keys = RunKeys(str(run))
+        # a run on a Redis Cluster names its shards (its streams' tags) in the header
+        self.keys = RunKeys(str(run), tuple(int(n) for n in rec.header.get("shards") or ()))
         if transport not in TRANSPORTS:
             raise ValueError(f"transport {transport!r}: one of {', '.join(TRANSPORTS)}")
         self.transport = transport

@@ -139,11 +139,18 @@ class RecordedModel:
         r = self.script.answer("model", "evaluate", (), math.nan)
         return float(r) if r is not None else math.nan
 
+    def evaluate_consensus(self) -> float:
+        r = self.script.answer("model", "evaluate_consensus", (), math.nan)
+        return float(r) if r is not None else math.nan
+
     def save_bundle(self, reason: SaveReason) -> None:
         self.script.answer("model", "save_bundle", (int(reason),))
 
     def save_consensus(self) -> None:
         self.script.answer("model", "save_consensus", ())
+
+    def save_rank_state(self) -> None:
+        self.script.answer("model", "save_rank_state", ())
 
 
 class RecordedClock:

@@ -64,7 +64,7 @@ class RankReplay(_Replay):
             self.use_direct(
                 {
                     self.keys.ctl(rank): rank_keys.rank_key,
-                    self.keys.ctl_all: rank_keys.broadcast_verifier(rank),
+                    self.keys.ctl_all_of(rank): rank_keys.broadcast_verifier(rank),
                 },
                 wire.CONTROL,
             )

@@ -16,7 +16,6 @@ Bad configuration exits with status 2 and one line naming the fix.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import socket
 import sys
@@ -30,6 +29,7 @@ import redis
 from torch import nn
 
 from flodl_bus import settings
+from flodl_bus.bus import cluster
 from flodl_bus.bus.connection import (
     REFUSALS,
     RedisUnreachable,
@@ -93,7 +93,9 @@ def _params_factory(
         return TorchParamPort(
             list(model.parameters()),
             list(model.buffers()),
-            redis_client=connect(url, client_name=f"flodl-rank{rank}-params"),
+            redis_client=connect(
+                url, client_name=f"flodl-rank{rank}-params", key=RunKeys(run).meta
+            ),
             run_id=run,
             rank=rank,
             world_size=world,
@@ -140,24 +142,15 @@ def _resolve_mode(given: str | None, meta: Mapping[str, str]) -> str:
     return given or theirs or DEFAULT_MODE
 
 
-def _with_resumed_model(job: Job, stem: str) -> Job:
-    """The job, its model starting from the consensus a checkpoint saved."""
-    import torch
-
+def _check_resume(stem: str) -> None:
+    """The saved consensus is there (whether it fits the job's model is the rank's to
+    say, when it loads it: ``worker.resume.restore_model``)."""
     path = Path(f"{stem}.model.pt")
     if not path.exists():
         raise ConfigError(
             f"no consensus model at {path} to resume from: pass the --save-path stem of "
             "a run that checkpointed"
         )
-    build = job.build_model
-
-    def build_resumed() -> nn.Module:
-        model = build()
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        return model
-
-    return dataclasses.replace(job, build_model=build_resumed)
 
 
 def _check_data_env() -> None:
@@ -266,7 +259,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         keys = RunKeys(args.run)
         who = f"rank{args.rank}" if args.rank is not None else "joiner"
         try:
-            client = connect_pinged(args.redis_url, client_name=f"flodl-{who}")
+            client = connect_pinged(args.redis_url, client_name=f"flodl-{who}", key=keys.meta)
         except RedisUnreachable as exc:
             raise ConfigError(str(exc)) from None
         if secret_from_env() is None and not _secret_there(client, keys):
@@ -293,13 +286,19 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         except SecretError as exc:
             raise ConfigError(str(exc)) from None
         meta = _run_meta(client.hgetall(keys.meta))  # type: ignore[arg-type]
+        try:
+            # On a Redis Cluster the coordinator spread the ranks over shards.
+            keys = RunKeys(args.run, cluster.parse_shards(meta.get("shards")))
+            cluster.check_layout(args.redis_url, keys)
+        except cluster.ClusterUrlError as exc:
+            raise ConfigError(str(exc)) from None
         mode = _resolve_mode(args.mode, meta)
         if job is None:
             job = _load_job(meta.get("job") or DEFAULT_JOB)
         save_path = args.save_path or meta.get("save_path") or None
         resume = args.resume or meta.get("resume") or None
         if resume:
-            job = _with_resumed_model(job, resume)
+            _check_resume(resume)
         try:
             knobs = settings.from_meta(meta)
         except settings.SettingsError as exc:
@@ -347,8 +346,11 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     configure_console(args.log_level)
     how = "assigned" if args.rank is None else "given"
     _say(f"rank {rank} of {world} ({how}) in run {args.run!r}: {mode}, {job.name}, {device}")
+    bus_client = client
+    if keys.shards:
+        bus_client = connect(args.redis_url, client_name=f"flodl-rank{rank}", key=keys.ctl(rank))
     bus = _ConsoleRankBus(
-        client,
+        bus_client,
         keys,
         rank,
         RankKeys(kx.rank_key(ident, args.run, rank), ident.sign_pub),
@@ -366,6 +368,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
         record_header={
             "run": args.run,
+            "shards": list(keys.shards),
             "mode": mode,
             "job": args.job or meta.get("job"),
             "settings": knobs,

@@ -398,9 +398,10 @@ class WorkerControl:
             return _NOTHING
 
         if isinstance(msg, SaveConsensusModel):
-            if msg.target_rank != self.rank:
-                return _NOTHING
-            return Dispatched(logs=self._save_consensus())
+            # Broadcast: its target writes the model, every rank its own state (a
+            # resume from any save restores each rank's optimizer and random state).
+            logs = self._save_consensus() if msg.target_rank == self.rank else ()
+            return Dispatched(logs=logs + self._save_rank_state())
 
         if isinstance(msg, StageAdvisory):
             if self.stager is not None:
@@ -428,12 +429,11 @@ class WorkerControl:
         self.pending_consensus_eval = None
         if self.model is None or not self.model.has_eval_fn:
             return _NOTHING
-        # Scored right after adoption, before any further step: with overwrite adoption
-        # the model *is* this round's consensus (under the cpu-async EASGD blend it is
-        # the blend; scoring the exact consensus would need the port to swap it in and
-        # back).
+        # Scored right after adoption, before any further step, as the consensus: under
+        # overwrite adoption the model is this round's consensus already; under the
+        # cpu-async EASGD blend it is not, and the port swaps the consensus in.
         schedule_id, epoch = armed
-        eval_msg = ExecuteEvalCallback(schedule_id=schedule_id, epoch=epoch, target_rank=self.rank)
+        eval_msg = ExecuteEvalCallback(schedule_id, epoch, self.rank, adopt_consensus=True)
         return Dispatched(upstream=(self._evaluate(eval_msg),))
 
     # ------------------------------------------------------------- plan and steps
@@ -546,7 +546,10 @@ class WorkerControl:
         else:
             model.eval_mode()
             try:
-                metric = float(model.evaluate())
+                # Per message (flodl's adopt_consensus): the last consensus, or the
+                # live model, whatever the mode.
+                score = model.evaluate_consensus if msg.adopt_consensus else model.evaluate
+                metric = float(score())
             except Exception as exc:
                 error = _error_text(exc)
             finally:
@@ -590,7 +593,22 @@ class WorkerControl:
             return (Log("error", "save_consensus_failed", fields),)
         return ()
 
+    def _save_rank_state(self) -> tuple[Log, ...]:
+        if self.model is None or not self.model.has_save_path:
+            return ()  # the target said so already; nothing to write anywhere
+        try:
+            self.model.save_rank_state()
+        except Exception as exc:
+            fields = {"rank": self.rank, "error": _error_text(exc)}
+            return (Log("error", "rank_state_not_saved", fields),)
+        return ()
+
 
 def _error_text(exc: BaseException) -> str:
+    # The job's JobError is one line already ("checkpoint_fn raised ValueError: x"):
+    # its type name in front would say twice that the job's code failed.
+    line = getattr(exc, "line", None)
+    if isinstance(line, str):
+        return line
     text = str(exc)
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -46,9 +46,6 @@ def checkpoint_to(stem: str) -> CheckpointFn:
 class ConsensusSource(Protocol):
     """A param plane that keeps the last realized consensus (``TorchParamPort``)."""
 
-    @property
-    def evals_score_consensus(self) -> bool: ...
-
     def consensus(self) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None: ...
 
 
@@ -114,15 +111,20 @@ class TorchModelPort:
         self.model.train()
 
     def evaluate(self) -> float:
+        """The live model's score."""
         if self.eval_fn is None or self.eval_data is None:
             raise RuntimeError("no eval_fn or eval dataset")
-        eval_fn, data = self.eval_fn, self.eval_data
-        src = self.consensus
         with torch.no_grad():
-            if src is not None and src.evals_score_consensus:
-                with self._consensus_swapped_in():
-                    return float(eval_fn(self.model, data))
-            return float(eval_fn(self.model, data))
+            return float(self.eval_fn(self.model, self.eval_data))
+
+    def evaluate_consensus(self) -> float:
+        """The last realized consensus's score (flodl's ``adopt_consensus``): swapped
+        into the model for the call, and the live values put back bit for bit (under
+        cpu-async the live model is the EASGD blend, which is not the consensus)."""
+        if self.eval_fn is None or self.eval_data is None:
+            raise RuntimeError("no eval_fn or eval dataset")
+        with torch.no_grad(), self._consensus_swapped_in():
+            return float(self.eval_fn(self.model, self.eval_data))
 
     def save_bundle(self, reason: SaveReason) -> None:
         stem = self._stem()
@@ -143,6 +145,9 @@ class TorchModelPort:
         stem = self._stem()
         stem.parent.mkdir(parents=True, exist_ok=True)
         _atomic_save(self.consensus_state_dict(), stem.with_name(stem.name + ".model.pt"))
+
+    def save_rank_state(self) -> None:
+        save_rank_state(self._stem(), self.rank, self.optimizer, self.params)
 
     def consensus_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict with the last realized consensus in place of the live

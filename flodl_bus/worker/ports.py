@@ -37,7 +37,13 @@ class ModelPort(Protocol):
     def train_mode(self) -> None: ...
 
     def evaluate(self) -> float:
-        """The user's eval callback on the held-out dataset (model already in eval mode)."""
+        """The user's eval callback on the held-out dataset, scoring the live model
+        (already in eval mode)."""
+        ...
+
+    def evaluate_consensus(self) -> float:
+        """The same callback scoring the last realized consensus in place of the live
+        model, which is restored exactly afterwards (``adopt_consensus``)."""
         ...
 
     def save_bundle(self, reason: SaveReason) -> None:
@@ -46,6 +52,11 @@ class ModelPort(Protocol):
 
     def save_consensus(self) -> None:
         """Write the current (post-collective consensus) model under the save path."""
+        ...
+
+    def save_rank_state(self) -> None:
+        """Write this rank's optimizer, outer optimizer and random state under the save
+        path (``<stem>.rank<r>.state.pt``), beside a consensus save."""
         ...
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from flodl_bus.bus.api import RankBus
-from flodl_bus.exits import FAILED, OK, STOPPED, by_signal
+from flodl_bus.exits import CONFIG, FAILED, OK, STOPPED, by_signal
 from flodl_bus.job import Job, JobError, call_job, check_train_data
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED
@@ -36,7 +36,7 @@ from flodl_bus.worker.model_port import (
     checkpoint_to,
 )
 from flodl_bus.worker.ports import ModelPort
-from flodl_bus.worker.resume import restore_rank_state, save_rank_state
+from flodl_bus.worker.resume import restore_model, restore_rank_state, save_rank_state
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 
 #: Builds the param plane for a rank: (model, inject into the control queue, publish).
@@ -74,9 +74,9 @@ class RankOptions:
     feed: FeedOptions | None = None
     #: torch threads of this rank; None: its share of the host (``worker.host``)
     threads: int | None = None
-    #: the save stem this run resumes from: the rank restores its optimizer, outer
-    #: optimizer and random state from ``<stem>.rank<r>.state.pt`` (the model is the
-    #: job's ``build_model``, which the CLI points at ``<stem>.model.pt``)
+    #: the save stem this run resumes from: the rank loads the consensus from
+    #: ``<stem>.model.pt`` and its optimizer, outer optimizer and random state from
+    #: ``<stem>.rank<r>.state.pt``; one that does not fit exits ``CONFIG``
     resume: str | None = None
 
 
@@ -144,6 +144,12 @@ def run_rank(
         eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
     except JobError as exc:
         return _failed_before_start(bus, rank, exc)
+    if options.resume is not None:
+        # Before the param plane exists: it may take the model's values as they are.
+        try:
+            restore_model(options.resume, model)
+        except ValueError as exc:
+            return _refused(bus, rank, f"--resume: {exc}")
 
     recording = None
     if options.record_dir is not None:
@@ -164,7 +170,7 @@ def run_rank(
             close_params = getattr(params, "close", None)
             if callable(close_params):
                 close_params()
-            return _failed_before_start(bus, rank, JobError(f"resume: {exc}"))
+            return _refused(bus, rank, f"--resume: {exc}")
     raw_params = params
     model_port: ModelPort = TorchModelPort(
         rank=rank,
@@ -298,6 +304,19 @@ def _log_failure(rank: int, why: str, exc: BaseException | None, recording: Any)
     if recording is not None:
         text = "".join(traceback.format_exception(exc))
         recording.event("rank_failed", reason=why, traceback=text)
+
+
+def _refused(bus: RankBus, rank: int, line: str) -> int:
+    """The rank cannot start as set up (a resume that does not fit): one line, upstream
+    too (the coordinator stops the run without a save), and the config exit code."""
+    structlog.get_logger("flodl_bus.worker").error("rank_refused", rank=rank, reason=line)
+    try:
+        bus.publish(Exiting(rank=rank, reason=leaving.reason(leaving.CONFIG_ERROR, line)))
+        if not bus.flush(5.0):
+            structlog.get_logger("flodl_bus.worker").error("upstream_flush_timeout", rank=rank)
+    finally:
+        bus.close()
+    return CONFIG
 
 
 def _failed_before_start(bus: RankBus, rank: int, exc: JobError) -> int:

@@ -177,11 +177,18 @@ class RecordingModel:
         metric: float = self._run("evaluate", (), self.inner.evaluate)
         return metric
 
+    def evaluate_consensus(self) -> float:
+        metric: float = self._run("evaluate_consensus", (), self.inner.evaluate_consensus)
+        return metric
+
     def save_bundle(self, reason: SaveReason) -> None:
         self._run("save_bundle", (int(reason),), lambda: self.inner.save_bundle(reason))
 
     def save_consensus(self) -> None:
         self._run("save_consensus", (), self.inner.save_consensus)
+
+    def save_rank_state(self) -> None:
+        self._run("save_rank_state", (), self.inner.save_rank_state)
 
 
 class RecordingClock:

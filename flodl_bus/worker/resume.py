@@ -52,6 +52,33 @@ def save_rank_state(
     return path
 
 
+def restore_model(stem: str | Path, model: torch.nn.Module) -> None:
+    """Load the saved consensus into ``model``; a file that is missing or does not fit
+    this job's model raises ``ValueError`` in one line naming the fix."""
+    path = Path(f"{stem}.model.pt")
+    fix = "resume with the job and --save-path stem that wrote it"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"no consensus model at {path}; {fix}") from None
+    except Exception as exc:
+        raise ValueError(f"{path} is not a readable model ({_first_line(exc)}); {fix}") from None
+    try:
+        model.load_state_dict(state)
+    except Exception as exc:
+        raise ValueError(
+            f"{path} does not fit this job's model ({_first_line(exc)}); {fix}"
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    if not lines:
+        return type(exc).__name__
+    # torch's load_state_dict says which keys and shapes in lines after its first.
+    return " ".join(lines[:3])[:300]
+
+
 def restore_rank_state(
     stem: str | Path, rank: int, optimizer: torch.optim.Optimizer | None, params: object
 ) -> bool:

@@ -44,3 +44,20 @@ def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure
                   "redis memory", "stream bytes", "record", "saturated"):  # fmt: skip
         assert label in printed
     assert main(["--ranks", "eight"]) == 2
+
+
+@pytest.mark.slow
+def test_bench_scale_with_cluster_runs_the_same_ranks_on_three_masters_beside_one_redis(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "scale.json"
+    argv = ["--ranks", "6", "--steps", "6", "--epochs", "2", "--step-ms", "20", "--cluster"]
+    assert main([*argv, "--procs", "2", "--timeout", "120", "--json", str(out)]) == 0
+    one, on = json.loads(out.read_text())
+    assert (one["redis_masters"], on["redis_masters"]) == (1, 3)
+    for got in (one, on):
+        assert got["ranks_clean"] == 6 and got["declared_dead"] == 0
+        assert got["steps_done"] == 6 * 6 * 2
+        assert got["dispatches_timed"] >= 6 * 2
+        assert math.isfinite(got["redis_cpu_busiest"])
+    assert "cluster vs one Redis at 6 ranks" in capsys.readouterr().out

@@ -39,3 +39,40 @@ def test_rank_of_a_stream_key_and_short_names() -> None:
     assert k.short("flodl:{other}:up:5") == "flodl:{other}:up:5"
     with pytest.raises(ValueError):
         k.ctl(-1)
+
+
+def test_a_sharded_run_keeps_each_rank_with_its_shard_broadcast_and_run_wide_keys_home() -> None:
+    k = RunKeys("r", shards=(5, 9, 2))
+    assert [k.ctl(4), k.up(4), k.ctl_all_of(4), k.dlq_for(k.up(4))] == [
+        "flodl:{r:9}:ctl:4",
+        "flodl:{r:9}:up:4",
+        "flodl:{r:9}:ctl:all",
+        "flodl:{r:9}:dlq",
+    ]
+    assert [k.meta, k.join, k.dlq, k.secret] == [
+        "flodl:{r}:meta",
+        "flodl:{r}:join",
+        "flodl:{r}:dlq",
+        "flodl-secret:{r}",
+    ]
+    assert k.broadcasts == ["flodl:{r:5}:ctl:all", "flodl:{r:9}:ctl:all", "flodl:{r:2}:ctl:all"]
+    assert (k.rank_of(k.up(7)), k.short(k.ctl(7)), k.short(k.ctl_all_of(2))) == (
+        7,
+        "ctl:7",
+        "s2/ctl:all",
+    )
+    # ':' never occurs in a run id, so a shard tag is never another run's tag
+    with pytest.raises(InvalidRunId):
+        RunKeys("r:9")
+    with pytest.raises(ValueError, match="differ"):
+        RunKeys("r", shards=(1, 1))
+
+
+def test_a_run_on_one_redis_keeps_the_single_tag_layout() -> None:
+    k = RunKeys("r")
+    assert (k.ctl_all_of(3), k.broadcasts, k.dlqs, k.dlq_for(k.up(3))) == (
+        k.ctl_all,
+        [k.ctl_all],
+        [k.dlq],
+        k.dlq,
+    )

@@ -127,3 +127,25 @@ def test_a_meta_without_the_scheduler_block_still_resumes_with_fresh_controllers
     del meta["scheduler"]
     resumed = Coordinator.from_meta(cfg, meta)
     assert resumed.max_overshoot == 3 and resumed.meta.state()["lrs"] == []
+
+
+def test_a_resume_continues_elches_growth_state_and_the_elected_roles() -> None:
+    """A mid-run cadence run: the resumed core's ElChe and roles equal the saved one's
+    (its next windows grow, elect and share exactly as the run that never stopped)."""
+    cfg = config("cpu-cadence", num_epochs=3)
+    cluster = Cluster(cfg, speeds=[1, 4, 2])
+    cluster.run()
+    core = cluster.core
+    assert core.elche.calibrated and core.roles.epoch_callback == 0
+    core.roles.epoch_callback = core.roles.eval = core.roles.checkpoint = 2
+    meta = json.loads(json.dumps(core.checkpoints.meta(m.SaveReason.CHECKPOINT, {})))
+    meta["coverage"] = core.checkpoints.coverage()
+    resumed = Coordinator.from_meta(cfg, meta)
+    assert resumed.elche.state() == core.elche.state()
+    assert resumed.elche.recent_batch_share() == core.elche.recent_batch_share()
+    assert (resumed.roles.epoch_callback, resumed.roles.eval, resumed.roles.checkpoint) == (
+        2,
+        2,
+        2,
+    )
+    assert resumed.roles.dirty  # the ranks hear the role before the first plan

@@ -55,6 +55,11 @@ def test_resume_from_a_missing_or_foreign_meta_is_refused_before_redis_is_touche
     assert main(argv) == 2
     assert "no checkpoint meta at" in capsys.readouterr().err
     Path(f"{stem}.meta.json").write_text('{"schema": 5, "coverage": {"batch_size": 64}}')
+    # A meta whose model was never written (a save cut short) is no resume point.
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no consensus model at {stem}.model.pt" in err, err
+    Path(f"{stem}.model.pt").write_bytes(b"")
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "resume with the same" in err, err

@@ -3,7 +3,7 @@ aggregation, the state summary, intents and checkpoints (reference §4.11-§4.16
 
 from __future__ import annotations
 
-from flodl_bus.coordinator.effects import Finished
+from flodl_bus.coordinator.effects import Alert, Finished
 from flodl_bus.protocol import messages as m
 from tests.coordinator.drive import feed, metrics, msgs, plans, started, types
 
@@ -12,6 +12,9 @@ def test_checkpoint_failure_fails_over_to_the_next_live_rank() -> None:
     core, _ = started("nccl-sync", ws=3)
     out = core.handle(0, m.CheckpointResult(0, 4, 5.0, "disk full"), 0.0)
     assert [(o.rank, o.msg) for o in msgs(out, m.Checkpoint)] == [(1, m.Checkpoint(4, 1))]
+    # One line says whose checkpoint failed and why, before it moves on.
+    (alert,) = [o for o in out if isinstance(o, Alert)]
+    assert (alert.event, alert.detail) == ("checkpoint_failed", "rank 0: disk full")
     core.handle(1, m.CheckpointResult(1, 4, 100.0), 0.0)
     core.handle(1, m.CheckpointResult(1, 5, 50.0), 0.0)
     assert core.roles.checkpoint == 1
@@ -50,7 +53,9 @@ def test_final_reduce_precedes_shutdown_and_nccl_settle_gate_waits() -> None:
     feed(core, 1, 1)
     assert msgs(core.tick(0.01), m.SyncNow)
     core.handle(0, m.SyncAck(0, 3), 0.02)
-    feed(core, 1, 1)  # step 2 > snapshot 1: acks rank 1
+    feed(core, 1, 1)  # a batch never acks: it may have been trained before the SyncNow
+    assert not core.reduce.settled()
+    core.handle(1, m.SyncAck(1, 3), 0.02)
     core.handle(1, metrics(1, 0, 2), 0.02)
     out = core.tick(0.03)
     assert msgs(out, m.EpochAggregated)
@@ -58,7 +63,7 @@ def test_final_reduce_precedes_shutdown_and_nccl_settle_gate_waits() -> None:
     assert msgs(out, m.SyncNow) and not msgs(out, m.Shutdown)
     assert not msgs(core.tick(0.04), m.Shutdown)  # settle gate: SyncNow unacked
     core.handle(0, m.SyncAck(0, 4), 0.05)
-    core.handle(1, m.SyncAck(1, 3), 0.05)
+    core.handle(1, m.SyncAck(1, 4), 0.05)
     out = core.tick(0.06)
     assert msgs(out, m.Shutdown) and isinstance(out[-1], Finished)
     assert core.global_step == 4

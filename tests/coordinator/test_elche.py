@@ -6,7 +6,9 @@ from flodl_bus.coordinator.elche import ElChe, WindowReport
 from flodl_bus.coordinator.guard import STABLE, SUPPRESS, Verdict, VerdictKind
 
 
-def report(*ms: float | None, reduce_ms: float = 0.0, fill_ms: float = 0.0) -> WindowReport:
+def report(
+    *ms: float | None, reduce_ms: float = 0.0, fill_ms: tuple[float, ...] = ()
+) -> WindowReport:
     return WindowReport(tuple(ms), reduce_ms=reduce_ms, fill_ms=fill_ms)
 
 
@@ -293,6 +295,11 @@ def test_dead_zone_keeps_a_count_whose_change_is_exactly_five_percent() -> None:
     assert el.counts == [40, 20]
     el.report_window(report(2 * 400 / 42 - 10, 20.0))  # rank 0 mean 400/42: target 42
     assert el.counts == [40, 20]  # 2 of 40 is not more than 5 %
+    # records made before this rule replay with the old boundary (it moved at 5 %)
+    old = ElChe(2, anchor=20, dead_zone_keeps_five_percent=False)
+    old.report_window(report(10.0, 20.0))
+    old.report_window(report(2 * 400 / 42 - 10, 20.0))
+    assert old.counts == [42, 20]
 
 
 def test_a_slack_shortened_window_still_moves_by_at_most_max_batch_diff() -> None:
@@ -345,3 +352,15 @@ def test_growth_is_judged_against_the_window_cap_the_closed_window_ran_under() -
     assert el.pending_anchor == 20  # the window that just closed was not capped
     el.report_window(report(15.0, 7.5, reduce_ms=150.0))
     assert el.pending_anchor is None  # this one was
+
+
+def test_growth_counts_the_anchor_ranks_fill_not_a_faster_ranks() -> None:
+    el = ElChe(2, anchor=10, overhead_target=0.1)
+    el.report_window(report(10.0, 20.0))
+    assert el.anchor_rank == 1
+    # the fast rank's 200 ms first batch (say, its loader starting) grows nothing
+    el.report_window(report(10.0, 20.0, fill_ms=(200.0, 0.0)))
+    assert el.pending_anchor is None
+    # the slowest rank's does: 100 / (10 x 20 + 100) = 1/3, over warm-up's 0.2
+    el.report_window(report(10.0, 20.0, fill_ms=(0.0, 100.0)))
+    assert el.pending_anchor == 20

@@ -4,8 +4,9 @@ stays flodl's clean completion."""
 
 from __future__ import annotations
 
+from flodl_bus.coordinator.effects import Alert, Finished, WriteMeta
+from flodl_bus.protocol import leaving, wire
 from flodl_bus.protocol import messages as m
-from flodl_bus.protocol import wire
 from tests.coordinator.test_core import msgs, started
 
 
@@ -39,3 +40,18 @@ def test_the_reason_crosses_the_wire_and_an_old_exiting_still_decodes() -> None:
     back = wire.from_map(wire.to_map(m.Exiting(1, reason="SIGTERM")))
     assert back == m.Exiting(1, reason="SIGTERM")
     assert wire.from_map({"v": wire.SCHEMA_VERSION, "type": "Exiting", "rank": 1}) == m.Exiting(1)
+
+
+def test_a_rank_refusing_its_setup_stops_the_run_without_a_save_and_says_why() -> None:
+    core, _ = started("nccl-sync", ws=2, total=3000, save_path="/x/ckpt")
+    why = "--resume: /x/ckpt.model.pt does not fit this job's model (size mismatch)"
+    out = core.handle(1, m.Exiting(1, reason=leaving.reason(leaving.CONFIG_ERROR, why)), 0.2)
+    assert core.refused == why
+    assert [(o.event, o.detail) for o in out if isinstance(o, Alert)] == [
+        ("config_error", f"rank 1: {why}")
+    ]
+    # Shutdown, not ShutdownWithSave: a save would overwrite the checkpoint resumed from.
+    assert msgs(out, m.Shutdown) and not msgs(out, m.ShutdownWithSave)
+    assert not any(isinstance(o, WriteMeta) for o in out)
+    assert [o.reason for o in out if isinstance(o, Finished)] == [None]
+    assert not msgs(out, m.DeclareDead)

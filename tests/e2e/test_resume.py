@@ -118,22 +118,85 @@ def _trained(
     return state
 
 
-@pytest.mark.parametrize(("world", "mode"), [(1, "nccl-sync")])
+#: the deterministic schedule: with more than one rank, where rounds fall and how many
+#: steps each weighs otherwise follow timing, and two straight runs already differ
+LOCKSTEP = ("--lockstep", "true")
+
+
+@pytest.mark.parametrize(
+    ("world", "mode", "extra"),
+    [(1, "nccl-sync", ()), (2, "nccl-sync", LOCKSTEP), (2, "cpu-sync", LOCKSTEP)],
+)
 def test_a_run_resumed_at_an_epoch_boundary_ends_bit_identical_to_one_never_stopped(
-    cluster: Cluster, tmp_path: Path, world: int, mode: str
+    cluster: Cluster, tmp_path: Path, world: int, mode: str, extra: tuple[str, ...]
 ) -> None:
     total, first = 4, 2
-    straight = _trained(cluster, new_run_id("straight"), tmp_path / "s" / "m", total, world, mode)
+    straight = _trained(
+        cluster, new_run_id("straight"), tmp_path / "s" / "m", total, world, mode, *extra
+    )
     half = tmp_path / "h" / "m"
-    stopped = _trained(cluster, new_run_id("half"), half, first, world, mode)
+    stopped = _trained(cluster, new_run_id("half"), half, first, world, mode, *extra)
     for r in range(world):
         assert Path(f"{half}.rank{r}.state.pt").exists()
     resumed = _trained(
-        cluster, new_run_id("rest"), tmp_path / "r" / "m", total, world, mode, "--resume", str(half)
+        cluster,
+        new_run_id("rest"),
+        tmp_path / "r" / "m",
+        total,
+        world,
+        mode,
+        *extra,
+        "--resume",
+        str(half),
     )
     assert set(resumed) == set(straight)
     # The stop was real: the half-way model is not the end model.
     assert any(not torch.equal(stopped[k], straight[k]) for k in straight)
+    for k in straight:
+        assert torch.equal(resumed[k], straight[k]), k
+
+
+def test_a_run_killed_after_a_mid_run_checkpoint_resumes_bit_identical_to_one_never_stopped(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """A --checkpoint-every save carries each rank's optimizer and random state: a run
+    killed (SIGKILL, nothing written after the save) and resumed from it ends where the
+    run that never stopped ends, bit for bit."""
+    mode, world, total = "nccl-sync", 2, 4
+    common = ("--mode", mode, "--world-size", str(world), "--epochs", str(total), *LOCKSTEP)
+    straight = _trained(
+        cluster, new_run_id("ck-straight"), tmp_path / "s" / "m", total, world, mode, *LOCKSTEP
+    )
+
+    stem = tmp_path / "ckpt" / "m"
+    run = new_run_id("ck-killed")
+    procs = [
+        cluster.coordinator(
+            run, *common, "--save-path", str(stem), "--checkpoint-every", "2", job=SLOW
+        ),
+        *cluster.ranked_workers(run, world, "--mode", mode),
+    ]
+
+    def saved() -> bool:
+        states = [Path(f"{stem}.rank{r}.state.pt") for r in range(world)]
+        return _checkpointed(stem) and all(p.exists() for p in states)
+
+    wait_for(saved, 120, "the epoch-2 checkpoint with every rank's state", cluster)
+    for p in procs:
+        p.popen.send_signal(signal.SIGKILL)
+    for p in procs:
+        p.popen.wait(timeout=10)
+    meta = json.loads(Path(f"{stem}.meta.json").read_text())
+    assert meta["coverage"]["next_epoch"] == 2 and meta["coverage"]["epochs"] == []
+    assert len(metrics_rows(cluster.run_dir(run))) < total, "the run ended before the kill"
+
+    rest = new_run_id("ck-rest")
+    resumed = _trained(
+        cluster, rest, tmp_path / "r" / "m", total, world, mode, *LOCKSTEP, "--resume", str(stem)
+    )
+    for p in cluster.procs:
+        if p.name.startswith("rank") and rest in p.name:
+            assert "resume_without_rank_state" not in p.output(), p.tail()
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
 
@@ -159,14 +222,31 @@ def test_each_rank_resumes_its_own_outer_optimizer_and_a_run_without_one_is_refu
         if p.name.startswith("rank") and rest in p.name:
             assert "resume_without_rank_state" not in p.output(), p.tail()
 
-    # Without the outer optimizer the saved state does not fit: the run stops, and the
-    # ranks say why in one line naming the fix.
-    bad = new_run_id("outer-c")
-    coord = cluster.coordinator(
-        bad, "--mode", mode, "--world-size", "2", "--epochs", "2", "--resume", str(half)
-    )
-    workers = cluster.ranked_workers(bad, 2, "--mode", mode)
+    # Without the outer optimizer the saved state does not fit: a config error (exit 2
+    # everywhere), each rank saying why in one line naming the fix, and the checkpoint
+    # left as it was (a save on the way out would overwrite what was resumed from).
+    files = sorted(half.parent.iterdir())
+    before = {p: p.read_bytes() for p in files}
+    _refused(cluster, half, mode, "resume with the same --outer setting")
+    # A model of other shapes under the stem: the same, naming the file and the fix.
+    wrong = digits.job.build_model().state_dict()
+    wrong["0.weight"] = torch.zeros(3, 3)
+    torch.save(wrong, f"{half}.model.pt")
+    _refused(cluster, half, mode, f"{half}.model.pt does not fit this job", *outer)
+    before[Path(f"{half}.model.pt")] = Path(f"{half}.model.pt").read_bytes()
+    assert sorted(half.parent.iterdir()) == files
+    assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def _refused(cluster: Cluster, stem: Path, mode: str, fix: str, *extra: str) -> None:
+    run = new_run_id("refused")
+    common = ("--mode", mode, "--world-size", "2", "--epochs", "2", *extra)
+    coord = cluster.coordinator(run, *common, "--resume", str(stem))
+    workers = cluster.ranked_workers(run, 2, "--mode", mode)
     codes = cluster.wait([coord, *workers], timeout=120)
-    assert codes[1:] == [1, 1] and codes[0] != 0, cluster.tails()
+    assert codes == [2, 2, 2], cluster.tails()
+    assert "job_failed" not in coord.output(), coord.tail()
+    assert "config_error" in coord.output(), coord.tail()
     for w in workers:
-        assert "resume with the same --outer setting" in w.output(), w.tail()
+        lines = [ln for ln in w.output().splitlines() if "rank_refused" in ln]
+        assert len(lines) == 1 and fix in lines[0] and "resume with" in lines[0], w.tail()

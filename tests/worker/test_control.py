@@ -133,11 +133,18 @@ class ListModel:
         self._call("evaluate")
         return self.metric
 
+    def evaluate_consensus(self) -> float:
+        self._call("evaluate_consensus")
+        return self.metric
+
     def save_bundle(self, reason: SaveReason) -> None:
         self._call(f"save_bundle {reason.snake}")
 
     def save_consensus(self) -> None:
         self._call("save_consensus")
+
+    def save_rank_state(self) -> None:
+        self._call("save_rank_state")
 
 
 class StepClock:
@@ -503,7 +510,23 @@ def test_an_armed_eval_scores_the_next_realized_consensus_once() -> None:
     assert isinstance(result, EvalResult) and (result.schedule_id, result.epoch) == (4, 4)
     assert r.control.pending_consensus_eval is None
     assert r.control.dispatch(update(3)) == Dispatched()
-    assert r.model.calls.count("evaluate") == 1
+    # Scored as the consensus (under cpu-async the adopted model is a blend, not it).
+    assert r.model.calls.count("evaluate_consensus") == 1
+    assert "evaluate" not in r.model.calls
+
+
+def test_an_eval_scores_the_consensus_or_the_live_model_as_its_message_says() -> None:
+    r = make()
+    r.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0, adopt_consensus=True))
+    r.control.dispatch(ExecuteEvalCallback(2, 2, target_rank=0, adopt_consensus=False))
+    assert r.model.calls == [
+        "eval_mode",
+        "evaluate_consensus",
+        "train_mode",
+        "eval_mode",
+        "evaluate",
+        "train_mode",
+    ]
 
 
 # ------------------------------------------------------------ saves, log lines
@@ -543,10 +566,20 @@ def test_failed_saves_return_an_error_line_and_never_raise() -> None:
     )
 
 
-def test_a_save_for_another_rank_does_nothing() -> None:
+def test_a_save_writes_the_model_on_its_target_and_each_ranks_own_state_everywhere() -> None:
     r = make()
     assert r.control.dispatch(SaveConsensusModel(target_rank=1)) == Dispatched()
-    assert r.model.calls == []
+    assert r.model.calls == ["save_rank_state"]
+    assert r.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
+    assert r.model.calls == ["save_rank_state", "save_consensus", "save_rank_state"]
+
+
+def test_a_failed_rank_state_save_is_one_error_line_and_never_raises() -> None:
+    r = make(raises={"save_rank_state": OSError("disk full")})
+    out = r.control.dispatch(SaveConsensusModel(target_rank=1))
+    assert out.logs == (
+        Log("error", "rank_state_not_saved", {"rank": 0, "error": "OSError: disk full"}),
+    )
 
 
 def test_a_port_failure_propagates_out_of_dispatch() -> None:

@@ -4,6 +4,7 @@ ports of a real rank (``LocalParams``, ``TorchModelPort``): the integration side
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from flodl_bus.protocol.messages import (
     Update,
 )
 from flodl_bus.worker.control import PARAM_NORM_EVERY, Dispatched
+from flodl_bus.worker.rank import _checkpoint_fn
 from tests.worker.rig import Core, ListStager, StepClock, make_core
 
 
@@ -299,6 +301,18 @@ def test_checkpoint_callback_failure_is_reported_not_raised() -> None:
     assert isinstance(result, CheckpointResult) and result.error == "OSError: disk full"
 
 
+def test_a_failing_job_checkpoint_fn_is_one_line_naming_it_once() -> None:
+    def boom(version: int, model: nn.Module) -> None:
+        raise ValueError("no room")
+
+    # The rank's own wiring of the job's hook (what the run uses).
+    hook = _checkpoint_fn(dataclasses.replace(digits.job, checkpoint_fn=boom), None)
+    c = make_core(checkpoint_fn=hook)
+    (result,) = c.control.dispatch(Checkpoint(version=3, target_rank=0)).upstream
+    assert isinstance(result, CheckpointResult)
+    assert result.error == "checkpoint_fn raised ValueError: no room"
+
+
 def test_eval_on_its_target_runs_in_eval_mode_then_returns_to_train_mode() -> None:
     modes: list[bool] = []
 
@@ -347,11 +361,13 @@ def test_eval_for_another_rank_or_without_eval_fn_is_silent() -> None:
     assert no_fn.control.dispatch(ExecuteEvalCallback(1, 1, target_rank=0)) == Dispatched()
 
 
-def test_save_consensus_model_writes_only_on_its_target(tmp_path: Path) -> None:
+def test_save_consensus_model_writes_the_model_on_its_target_and_each_ranks_state(
+    tmp_path: Path,
+) -> None:
     stem = tmp_path / "run" / "ckpt"
     other = make_core(rank=1, save_path=str(stem))
     assert other.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
-    assert not (tmp_path / "run").exists()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["ckpt.rank1.state.pt"]
     target = make_core(rank=0, save_path=str(stem))
     assert target.control.dispatch(SaveConsensusModel(target_rank=0)) == Dispatched()
     saved = torch.load(tmp_path / "run" / "ckpt.model.pt")

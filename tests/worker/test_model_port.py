@@ -24,8 +24,7 @@ class Net(nn.Module):
 class Kept:
     """What the param plane holds after a round: params and averaged buffers."""
 
-    def __init__(self, model: nn.Module, value: float, *, evals: bool) -> None:
-        self.evals_score_consensus = evals
+    def __init__(self, model: nn.Module, value: float) -> None:
         floats = [b for b in model.buffers() if b.dtype == torch.float32]
         self.params = [torch.full_like(p, value) for p in model.parameters()]
         self.buffers = [torch.full_like(b, value) for b in floats]
@@ -35,7 +34,7 @@ class Kept:
 
 
 def weight_sum(model: nn.Module, _data: ArrayDataset) -> float:
-    return float(sum(p.sum() for p in model.parameters()))
+    return float(sum(p.detach().sum() for p in model.parameters()))
 
 
 def port(model: nn.Module, source: ConsensusSource | None, tmp_path: Path) -> TorchModelPort:
@@ -55,7 +54,7 @@ def test_the_consensus_save_writes_the_consensus_not_the_live_model(tmp_path: Pa
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(9.0)
-    kept = Kept(model, 2.0, evals=True)
+    kept = Kept(model, 2.0)
     assert isinstance(kept, ConsensusSource)
     port(model, kept, tmp_path).save_consensus()
     saved = torch.load(tmp_path / "run.model.pt")
@@ -67,26 +66,32 @@ def test_the_consensus_save_writes_the_consensus_not_the_live_model(tmp_path: Pa
     fresh.load_state_dict(torch.load(tmp_path / "run.model.pt"))  # the one-line load
 
 
-def test_an_eval_scores_the_consensus_and_restores_the_live_model(tmp_path: Path) -> None:
+def test_a_consensus_eval_scores_the_consensus_and_restores_the_live_model_bit_for_bit(
+    tmp_path: Path,
+) -> None:
     model = Net()
     with torch.no_grad():
         for p in model.parameters():
-            p.fill_(9.0)
+            p.copy_(torch.randn_like(p))  # values whose every bit a sloppy restore loses
     live = {k: v.clone() for k, v in model.state_dict().items()}
-    p = port(model, Kept(model, 1.0, evals=True), tmp_path)
+    p = port(model, Kept(model, 1.0), tmp_path)
     n = sum(t.numel() for t in model.parameters())
-    assert p.evaluate() == float(n)  # every consensus weight is 1
+    assert p.evaluate_consensus() == float(n)  # every consensus weight is 1
     assert all(torch.equal(model.state_dict()[k], v) for k, v in live.items())
+    # The same port, asked for the live model, scores the live model.
+    assert p.evaluate() == weight_sum(model, ArrayDataset(torch.zeros(1, 2), torch.zeros(1)))
+    assert p.evaluate() != float(n)
 
 
-def test_without_consensus_evals_or_source_the_live_model_is_used(tmp_path: Path) -> None:
+def test_a_live_eval_or_no_consensus_yet_scores_the_live_model(tmp_path: Path) -> None:
     model = Net()
     with torch.no_grad():
         for q in model.parameters():
             q.fill_(9.0)
     n = sum(t.numel() for t in model.parameters())
-    assert port(model, Kept(model, 1.0, evals=False), tmp_path).evaluate() == 9.0 * n
+    assert port(model, Kept(model, 1.0), tmp_path).evaluate() == 9.0 * n
     assert port(model, None, tmp_path).evaluate() == 9.0 * n
+    assert port(model, None, tmp_path).evaluate_consensus() == 9.0 * n
     port(model, None, tmp_path).save_consensus()
     assert torch.equal(torch.load(tmp_path / "run.model.pt")["lin.weight"], model.lin.weight)
 
@@ -97,7 +102,7 @@ def test_checkpoint_fn_sees_the_consensus_and_the_live_model_comes_back(tmp_path
         for q in model.parameters():
             q.fill_(9.0)
     seen: list[tuple[int, torch.Tensor]] = []
-    p = port(model, Kept(model, 2.0, evals=False), tmp_path)
+    p = port(model, Kept(model, 2.0), tmp_path)
     p.checkpoint_fn = lambda version, m: seen.append((version, m.lin.weight.detach().clone()))
     p.checkpoint(4)
     assert seen[0][0] == 4 and torch.equal(seen[0][1], torch.full((1, 2), 2.0))
@@ -116,7 +121,7 @@ def test_a_bundle_model_is_the_consensus_written_by_the_role_rank_only(tmp_path:
             model=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
             save_path=str(tmp_path / "run"),
-            consensus=Kept(model, 2.0, evals=False),
+            consensus=Kept(model, 2.0),
             writer_role=lambda: role,
         )
         p.save_bundle(SaveReason.SINGLE_SURVIVOR)
