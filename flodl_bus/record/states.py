@@ -18,8 +18,10 @@ So a core event after the first carries only:
 
 Keys in none of them are unchanged. The first core event, and any whose ``before`` is not the
 previous ``after`` (which the coordinator loop never produces), carries ``before`` and
-``after`` whole, as every line of older records does. ``expand`` turns a record's events
-back into whole states when it is read, so replay compares whole states as before; the
+``after`` whole, as every line of older records does: so a core call that changed the
+state without being recorded still shows, as the replay's divergence on that ``before``.
+``expand`` turns a record's events back into whole states when it is read, so replay
+compares whole states as before; the
 digest chain (``record.chain``) is what makes a delta trustworthy: no line can be
 dropped or reordered without the record failing verification.
 """
