@@ -21,9 +21,9 @@ previous ``after`` (which the coordinator loop never produces), carries ``before
 ``after`` whole, as every line of older records does: so a core call that changed the
 state without being recorded still shows, as the replay's divergence on that ``before``.
 ``expand`` turns a record's events back into whole states when it is read, so replay
-compares whole states as before; the
-digest chain (``record.chain``) is what makes a delta trustworthy: no line can be
-dropped or reordered without the record failing verification.
+compares whole states as before; the digest chain (``record.chain``) is what makes a
+delta trustworthy: no line can be dropped or reordered without the record failing
+verification.
 """
 
 from __future__ import annotations
