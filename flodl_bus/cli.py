@@ -41,6 +41,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "scale": ("flodl_bus.bench.scale:main", "N simulated ranks: epoch time, dispatch, CPU, memory"),
     "latency": ("flodl_bus.bench.latency:main", "ranks behind 0.5-10 ms RTT in namespaces"),
     "cluster": ("flodl_bus.bench.cluster:main", "the bus on a 3+3 Redis Cluster vs one Redis"),
+    "path": ("flodl_bus.bench.path:main", "coordinator cost per message at N ranks vs budget"),
 }
 
 

@@ -63,6 +63,12 @@ class ScaleResult:
     epoch_s: float
     ideal_s: float
     overhead: float
+    #: the median rank's own time in its plans per epoch (sleeps plus its per-step work
+    #: in a shared sim process): the epoch a control plane that never made it wait gives
+    trained_s: float
+    #: CPU share of the busiest sim process (its threads share one GIL: at 1 it is the
+    #: harness, not the control plane, that slows the steps)
+    sim_process_cpu: float
     dispatch_p50_ms: float
     dispatch_p99_ms: float
     dispatches_timed: int
@@ -344,7 +350,9 @@ def _figures(
         # No epoch completed (the coordinator fell behind): the window runs to its end.
         b = coord["cpu"][-1][0] if coord["cpu"] else b
     coord_cpu = _share(coord["cpu"], a, b)
-    harness = sum(_share(sim["cpu"], a, b) for sim in sims)
+    sim_shares = [_share(sim["cpu"], a, b) for sim in sims]
+    harness = sum(sim_shares)
+    trained = [r.get("trained_s", float("nan")) / args.epochs for r in ranks]
     redis_cpu = _share(watch.cpu, a, b)
     busiest = max(_share(nc, a, b) for nc in watch.node_cpu)
     host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
@@ -359,6 +367,7 @@ def _figures(
     shares = {
         "coordinator (one core)": coord_cpu,
         "redis-server (one core)": busiest,
+        "a sim process (one GIL)": max(sim_shares, default=0.0),
     }
     worst = max(shares, key=lambda k: shares[k])
     if shares[worst] >= SATURATED:
@@ -378,6 +387,8 @@ def _figures(
         epoch_s=epoch_s,
         ideal_s=ideal,
         overhead=epoch_s / ideal - 1.0,
+        trained_s=statistics.median(trained) if trained else float("nan"),
+        sim_process_cpu=max(sim_shares, default=float("nan")),
         dispatch_p50_ms=_quantile(latencies, 0.5),
         dispatch_p99_ms=_quantile(latencies, 0.99),
         dispatches_timed=len(latencies),
@@ -422,6 +433,9 @@ def report(r: ScaleResult) -> str:
             ),
             f"  epoch time        {r.epoch_s:8.3f} s   ideal {r.ideal_s:.3f} s   "
             f"overhead {100 * r.overhead:+.1f}%",
+            f"  ranks' own time   {r.trained_s:8.3f} s   per epoch in their plans "
+            f"({100 * (r.trained_s / r.ideal_s - 1):+.1f}%: the harness; the rest of the "
+            f"overhead is waiting on control)",
             f"  dispatch p50      {r.dispatch_p50_ms:8.2f} ms  PING p50 {r.ping_p50_ms:.3f} ms  "
             f"({r.dispatch_p50_ms / r.ping_p50_ms:.1f}x)   p99 {r.dispatch_p99_ms:.2f} ms "
             f"({r.dispatches_timed} deliveries)",
@@ -431,7 +445,8 @@ def report(r: ScaleResult) -> str:
             else f"  redis CPU         {r.redis_cpu:8.2f} cores over {r.redis_masters} masters, "
             f"busiest {r.redis_cpu_busiest:.2f} (saturates at 1)",
             f"  sim ranks CPU     {r.harness_cpu:8.2f} cores of {r.host_cores}   "
-            f"(host busy: {r.host_cpu:.2f} cores, every process)",
+            f"(host busy: {r.host_cpu:.2f} cores, every process; busiest sim process "
+            f"{r.sim_process_cpu:.2f})",
             f"  redis memory      {r.redis_memory_bytes / 1e6:8.2f} MB above empty "
             f"({r.redis_memory_bytes / r.ranks / 1e3:.1f} kB per rank, clients included)",
             f"  stream bytes      {r.stream_bytes_per_rank / 1e3:8.1f} kB per rank  "

@@ -303,6 +303,9 @@ class SimRank:
         )
         self.clean = False
         self.steps = 0
+        #: seconds this rank spent in its plans (sleeps plus its own per-step work): the
+        #: time an epoch takes with a control plane that never keeps a rank waiting
+        self.trained_s = 0.0
         self.thread = threading.Thread(target=self.run, name=f"sim{rank}", daemon=True)
 
     def start(self) -> None:
@@ -352,6 +355,7 @@ class SimRank:
                 if isinstance(msg, Closed) or self._service(msg):
                     return True
         ms = (time.perf_counter() - start) * 1000.0
+        self.trained_s += ms / 1000.0
         self.bus.publish(
             MetricsMsg(
                 rank=self.rank,
@@ -403,6 +407,7 @@ def run_sim(args: argparse.Namespace) -> int:
                 and not r.runtime.coordinator_lost.is_set()
                 and not r.runtime.declared_dead.is_set(),
                 "steps": r.steps,
+                "trained_s": r.trained_s,
                 "arrivals": r.bus.arrivals,
             }
             for r in ranks

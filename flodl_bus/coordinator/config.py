@@ -27,6 +27,8 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "callback_slack": False,
     "stage_advisories": False,
     "scheduler_meta": False,
+    "bridge_idle": False,
+    "solo_without_rounds": False,
     "window_wait": False,
     "dead_zone_keeps_five_percent": False,
 }
@@ -123,6 +125,12 @@ class CoordinatorConfig:
     stage_advisories: bool = False
     #: checkpoint meta carries the controllers' state, so a resume continues them
     scheduler_meta: bool = True
+    #: nccl-cadence: a rank the reduce would hold idle (its window done, a slower rank's
+    #: not) trains a bridge chunk until its SyncNow; a round is then acked by SyncAcks
+    #: only (issue 19). Not a setting: off only to replay records made before it
+    bridge_idle: bool = True
+    #: a world of one closes its windows without a round (no SyncNow, no RequestParams)
+    solo_without_rounds: bool = True
     #: nccl progressive cadence: an open gate waits for a mover still short of a
     #: delivered sample while its chunk is out (reference §4.6.1)
     window_wait: bool = True

@@ -20,8 +20,9 @@ before the first ``StartEpoch``, ``SyncNow`` before the wake-up ``StartEpoch``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from itertools import compress
+from collections.abc import Iterable, Mapping
+from itertools import compress, count, repeat
+from operator import lt
 from typing import Any, assert_never
 
 from flodl_bus.coordinator.checkpoint import Checkpoints, read_meta
@@ -33,7 +34,14 @@ from flodl_bus.coordinator.guard import STABLE, Verdict, make_guard
 from flodl_bus.coordinator.liveness import Liveness
 from flodl_bus.coordinator.meta import MetaController
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
-from flodl_bus.coordinator.reduce import OVERSHOOT_START, CpuReduce, Ledger, NcclReduce, Reduce
+from flodl_bus.coordinator.reduce import (
+    OVERSHOOT_START,
+    CpuReduce,
+    Ledger,
+    NcclReduce,
+    Reduce,
+    SoloReduce,
+)
 from flodl_bus.coordinator.roles import Roles
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
@@ -83,6 +91,8 @@ class Coordinator:
         cfg = config
         self.config = cfg
         self.ws = ws = cfg.world_size
+        #: what a per-rank flag list equals when no rank is flagged (one C comparison)
+        self._no_flags = [False] * ws
         self.policy = cfg.policy
         self.bs = cfg.batch_size
         self.elche = ElChe(
@@ -130,7 +140,13 @@ class Coordinator:
         self.dispatch: Dispatch = (
             PoolDispatch(self) if cfg.is_progressive else PartitionDispatch(self)
         )
-        self.reduce: Reduce = NcclReduce(self) if cfg.backend is Backend.NCCL else CpuReduce(self)
+        self.reduce: Reduce
+        if ws == 1 and cfg.solo_without_rounds:
+            self.reduce = SoloReduce(self, adopts_consensus=cfg.backend is Backend.CPU)
+        elif cfg.backend is Backend.NCCL:
+            self.reduce = NcclReduce(self)
+        else:
+            self.reduce = CpuReduce(self)
 
     @classmethod
     def from_meta(cls, config: CoordinatorConfig, meta: Mapping[str, Any]) -> Coordinator:
@@ -269,25 +285,28 @@ class Coordinator:
             return False, "cpu cycle in flight"
         if self.live.active_count == 0:
             return False, "no active rank"
-        any_mover = False
         sync = self.policy is Policy.SYNC
         counts = self.elche.counts
         steps = self.ledger.steps
-        for r in range(self.ws):
-            if not self.live.alive[r]:
+        alive = self.live.alive
+        ranks: Iterable[int] = range(self.ws)
+        if not self.reduce.any_blocks():
+            # Then only a rank short of its steps can shut the gate: C finds those (this
+            # runs for every recorded message, over every rank), the rules below decide.
+            ranks = compress(count(), map(lt, steps, repeat(1) if sync else counts))
+        for r in ranks:
+            if not alive[r]:
                 continue
             if self.reduce.blocks(r):
                 return False, f"rank {r} has not acked the last SyncNow"
             s = steps[r]
-            if s > 0:
-                any_mover = True
             need = 1 if sync else counts[r]
             if s >= need:
                 continue
             if self.dispatch.quiesced(r):
                 continue
             return False, f"rank {r} at {s}/{need} steps"
-        if not any_mover:
+        if max(compress(steps, alive), default=0) <= 0:
             return False, "no rank moved"
         return True, "open"
 
@@ -295,26 +314,39 @@ class Coordinator:
         return self.gate()[0]
 
     # ----------------------------------------------------------------- summary
-    def state_summary(self) -> dict[str, Any]:
+    def state_summary(self, reuse: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The decision-relevant state (the record's ``before``/``after``). ``reuse``: an
+        earlier summary (never changed since) whose per-rank lists are handed back where
+        they still hold, so an unchanged list is neither copied nor compared again by
+        the recorder (``record.states``): at 1,024 ranks these lists are most of a
+        summary's cost, and one message changes one or two of them."""
         open_, why = self.gate()
         live, reduce = self.live, self.reduce
+        old = reuse if reuse is not None else {}
+
+        def kept(key: str, now: list[Any], fresh: bool = False) -> list[Any]:
+            was = old.get(key)
+            if was is not None and was == now:
+                return was  # type: ignore[no-any-return]
+            return now if fresh else list(now)
+
         summary = {
             "phase": self.phase,
             "version": self.version,
             "global_step": self.global_step,
             "avg_count": self.avg_count,
-            "steps": list(self.ledger.steps),
-            "last_step_count": list(reduce.last_step_count),
-            "acks": reduce.acks(),
+            "steps": kept("steps", self.ledger.steps),
+            "last_step_count": kept("last_step_count", reduce.last_step_count),
+            "acks": kept("acks", reduce.acks(), fresh=True),
             "cpu_pending": reduce.in_flight,
-            "rank_epoch": self.dispatch.rank_epochs(),
-            "in_flight": self.dispatch.in_flight_all(),
-            # compress: C-speed scans, as these run for every rank on every dispatch
-            "dead": list(compress(range(self.ws), live.dead)),
-            "exited": list(compress(range(self.ws), live.exited)),
-            "throttled": list(compress(range(self.ws), reduce.throttled)),
+            "rank_epoch": kept("rank_epoch", self.dispatch.rank_epochs(), fresh=True),
+            "in_flight": kept("in_flight", self.dispatch.in_flight_all(), fresh=True),
+            # C-speed scans, as these run for every rank on every dispatch
+            "dead": self._flagged(live.dead),
+            "exited": self._flagged(live.exited),
+            "throttled": self._flagged(reduce.throttled),
             "anchor": self.elche.anchor,
-            "counts": list(self.elche.counts),
+            "counts": kept("counts", self.elche.counts),
             "last_aggregated": self.last_aggregated,
             "pools": self.dispatch.remaining(),
             "gate": {"open": open_, "why": why},
@@ -325,6 +357,11 @@ class Coordinator:
             # not waiting, as in records made before the wait existed.
             summary["window_wait_since"] = reduce.wait_since
         return summary
+
+    def _flagged(self, flags: list[bool]) -> list[int]:
+        """The ranks whose flag is set, in order; none (the usual answer) at the cost of
+        one list comparison."""
+        return [] if flags == self._no_flags else list(compress(range(self.ws), flags))
 
     # ================================================================= upstream
     def _on_exiting(self, r: int, out: list[Out]) -> None:
@@ -438,7 +475,9 @@ class Coordinator:
         alive = [r for r in range(self.ws) if self.alive(r)]
         if self.phase == TRAINING:
             trailing = any(self.ledger.steps[r] > 0 for r in alive)
-            if len(alive) >= 2 and trailing:
+            # A world of one closes its last window too (no round: its global step).
+            solo = isinstance(self.reduce, SoloReduce)
+            if (len(alive) >= 2 or solo) and trailing:
                 # Final consensus reduce, while idle ranks still service control.
                 if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flodl_bus.coordinator import bridge
 from flodl_bus.coordinator.chunk_pool import (
     ChunkPool,
     Range,
@@ -151,6 +152,8 @@ class PoolDispatch(Dispatch):
         self._advise_due = False
         self._live_sum_key = (-1, -1)
         self._live_sum = 0
+        #: NCCL cadence: a rank held idle by the reduce's wait is given more work
+        self.bridges = bridge.applies(core.config)
 
     def start(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
@@ -371,7 +374,7 @@ class PoolDispatch(Dispatch):
             return None
         budget = self._budget(r)
         if core.ledger.steps[r] >= budget:
-            return None
+            return self._bridge(r, out, via_update)
         num_epochs = core.config.num_epochs
         epoch = self.rank_epoch[r]
         pool = self.pools.get(epoch)
@@ -395,7 +398,14 @@ class PoolDispatch(Dispatch):
                 return None
         batches = self._chunk_batches(r, pool, budget)
         if batches <= 0:
-            return None
+            return self._bridge(r, out, via_update)
+        return self._take(r, pool, batches, out, via_update)
+
+    def _take(
+        self, r: int, pool: ChunkPool, batches: int, out: list[Out], via_update: bool
+    ) -> EpochPlan | None:
+        core = self.core
+        epoch = pool.epoch
         got = pool.take_chunk(batches * core.bs, r)
         if got is None:
             return None
@@ -408,6 +418,18 @@ class PoolDispatch(Dispatch):
         if not via_update:
             out.append(Send(r, StartEpoch(plan)))
         return plan
+
+    def _bridge(self, r: int, out: list[Out], via_update: bool) -> EpochPlan | None:
+        """A chunk of ``r``'s own epoch (never past the barrier, §6 #17) while the
+        reduce waits on a slower rank (``coordinator.bridge``)."""
+        core = self.core
+        if not self.bridges or via_update:
+            return None
+        pool = self.pools.get(self.rank_epoch[r])
+        if pool is None or pool.remaining() < core.bs or not bridge.wanted(core, r):
+            return None
+        size = min(bridge.batches(core, self, r), pool.remaining() // core.bs)
+        return self._take(r, pool, size, out, via_update)
 
     def _chunk_batches(self, r: int, pool: ChunkPool, budget: int) -> int:
         core = self.core
@@ -529,7 +551,7 @@ class PartitionDispatch(Dispatch):
     def advance(self, now: float, out: list[Out], aggregated: bool) -> None:
         core = self.core
         if core.last_aggregated + 1 > self.epoch:
-            if core.config.lockstep and self._window_open():
+            if core.config.lockstep and (core.reduce.in_flight or any(core.ledger.steps)):
                 # The epoch's last window is averaged first: its steps and the next
                 # epoch's never share a round, whoever's report came first.
                 return
@@ -547,11 +569,6 @@ class PartitionDispatch(Dispatch):
             for r in range(core.ws):
                 if core.alive(r):
                     self._send_next(r, out)
-
-    def _window_open(self) -> bool:
-        """Steps not yet averaged, or a round still running."""
-        core = self.core
-        return core.reduce.in_flight or any(core.ledger.steps)
 
     def take_back(self, r: int) -> list[Range]:
         done = self.batches_done[r] * self.core.bs

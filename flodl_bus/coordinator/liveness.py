@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import compress
 
 from flodl_bus.coordinator.config import MaxFailure
 from flodl_bus.protocol.messages import SaveReason
@@ -66,6 +67,11 @@ class Liveness:
 
     def silent(self, now: float, timeout: float) -> list[int]:
         """Live ranks not heard from for longer than ``timeout`` seconds."""
+        # Every tick asks, over every rank: the oldest live heartbeat (found at C speed)
+        # answers "none" for all of them, as ``now - t`` only grows as ``t`` falls.
+        oldest = min(compress(self.last_heartbeat, self.alive), default=None)
+        if oldest is None or not now - oldest > timeout:
+            return []
         return [r for r, a in enumerate(self.alive) if a and now - self.last_heartbeat[r] > timeout]
 
     def unrecoverable(

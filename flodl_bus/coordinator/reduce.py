@@ -1,5 +1,7 @@
 """The reduce cycle (reference §4.3 to §4.8): one interface, two backends, chosen once.
 
+``SoloReduce``: a world of one rank, whatever the backend; the average of one model is
+that model, so a window closes in the coordinator alone, with no message to the rank.
 ``NcclReduce``: ``SyncNow``, the ranks block in the collective and ack with their next
 step; the cycle closes in the call that opened it. ``CpuReduce``: ``RequestParams``, each
 rank's snapshot is reduced in the background and its ``SyncAck`` is the ack; the cycle
@@ -119,6 +121,10 @@ class Reduce:
         """Rank ``r`` holds the gate for this backend's own reason."""
         return False
 
+    def any_blocks(self) -> bool:
+        """False only if ``blocks`` holds for no rank (then the gate needs not ask)."""
+        return False
+
     def settled(self) -> bool:
         """No rank is inside a collective (Shutdown may go out)."""
         return True
@@ -164,6 +170,10 @@ class Reduce:
     def window_ready(self, now: float, window: Ledger) -> bool:
         """The gate is open: whether to reduce now or wait for the window to complete."""
         return True
+
+    def window_waits(self, window: Ledger) -> bool:
+        """An open gate would wait for ``window`` to complete (no side effect)."""
+        return False
 
     # ------------------------------------------------------------- closing a window
     def _movers(self, window: Ledger) -> list[int]:
@@ -286,6 +296,37 @@ class Reduce:
         self.core.dispatch.after_reduce(now, out)
 
 
+class SoloReduce(Reduce):
+    """A world of one: a window closes without a round (no SyncNow, no RequestParams).
+
+    The average over one rank is its own model, so a round would only cost the rank a
+    control message, a parameter pass for its norms and an ack (11% of a one-GPU
+    cifar_resnet run under nccl-sync, issue 19). What a window feeds in the coordinator
+    (ElChe, the guard, the version, the global step, an armed checkpoint) still happens.
+    The rank is sent no ``SetGlobalStep``: its step counter is never reset by a round,
+    so ``global_step + steps_since_avg`` already places its LR, and the global step would
+    count the window twice. A resumed run still starts from the saved global step.
+    """
+
+    def __init__(self, core: Coordinator, *, adopts_consensus: bool) -> None:
+        super().__init__(core)
+        self.adopts_consensus = adopts_consensus
+
+    def acks(self) -> list[bool]:
+        return [True] * self.core.ws
+
+    def schedule_eval(self, epoch: int, out: list[Out]) -> None:
+        # The live model is the consensus: it is scored at the epoch's start, as nccl's.
+        roles = self.core.roles
+        roles.pending_eval_intent = False
+        out.append(Send(roles.eval, ExecuteEvalCallback(epoch, epoch, roles.eval)))
+
+    def trigger(self, now: float, closed: Ledger, armed: ArmedSave | None, out: list[Out]) -> None:
+        self.close_window(closed, 0.0, out)
+        self.core.checkpoints.finish(armed, out)
+        self.after_window(now, out)
+
+
 class NcclReduce(Reduce):
     """The NCCL ack protocol (§4.4, §4.6.1)."""
 
@@ -297,14 +338,25 @@ class NcclReduce(Reduce):
         #: each rank's step when SyncNow went out; a later step is its ack
         self.sync_step = [0] * ws
         self.acked = [True] * ws
+        self._all_acked = [True] * ws
         #: live ranks whose ack is missing (a counter: a per-ack scan is O(ws) per ack)
         self.unacked = 0
         self.armed = False
         self.started_at = 0.0
         self.last_sync_ms = 0.0
+        # With bridges only the SyncAck acks, never a Batch (flodl takes either): a
+        # bridging rank trains until the SyncNow reaches it, so a Batch arriving after
+        # the trigger may have been trained before the collective, with a step above the
+        # coordinator's snapshot. The rank sends its SyncAck right after the collective,
+        # before any later batch.
+        self.acks_on_batch = not core.config.bridge_idle
 
     def blocks(self, r: int) -> bool:
         return not self.acked[r]
+
+    def any_blocks(self) -> bool:
+        # Any missing ack, live rank or not (one C comparison): exact where it says no.
+        return self.acked != self._all_acked
 
     def settled(self) -> bool:
         return self.unacked == 0
@@ -314,7 +366,7 @@ class NcclReduce(Reduce):
 
     def on_batch(self, r: int, step_count: int, now: float) -> None:
         super().on_batch(r, step_count, now)
-        if not self.acked[r] and step_count > self.sync_step[r]:
+        if self.acks_on_batch and not self.acked[r] and step_count > self.sync_step[r]:
             self._ack(r, now)
 
     def on_sync_ack(self, r: int, msg: SyncAck, now: float) -> None:
@@ -361,15 +413,7 @@ class NcclReduce(Reduce):
         coordinator's heartbeat does too. The reference also waits out its ceiling for
         a mover whose chunk has come back; nothing more arrives for this window then."""
         cfg = self.core.config
-        if not (cfg.window_wait and cfg.policy is Policy.CADENCE and cfg.is_progressive):
-            return True
-        dispatch = self.core.dispatch
-        waiting = any(
-            dispatch.has_in_flight(r)
-            for r in self._movers(window)
-            if not self._has_delivered(window, r)
-        )
-        if not waiting:
+        if not self.window_waits(window):
             self.wait_since = None
             return True
         if self.wait_since is None:
@@ -379,6 +423,17 @@ class NcclReduce(Reduce):
             self.wait_since = None
             return True
         return False
+
+    def window_waits(self, window: Ledger) -> bool:
+        cfg = self.core.config
+        if not (cfg.window_wait and cfg.policy is Policy.CADENCE and cfg.is_progressive):
+            return False
+        dispatch = self.core.dispatch
+        return any(
+            dispatch.has_in_flight(r)
+            for r in self._movers(window)
+            if not self._has_delivered(window, r)
+        )
 
     def trigger(self, now: float, closed: Ledger, armed: ArmedSave | None, out: list[Out]) -> None:
         core = self.core

@@ -130,6 +130,8 @@ class CoordinatorLoop:
         self.metrics = metrics
         self.options = options or LoopOptions()
         self.rank_of = rank_of
+        #: ``rank_of`` per stream, asked once (it parses the key)
+        self._stream_ranks: dict[str, int | None] = {}
         self.clock = clock
         self.join = join
         self._next_join_poll = 0.0
@@ -247,8 +249,11 @@ class CoordinatorLoop:
     def _dispatch_all(self, deliveries: Sequence[Delivery]) -> None:
         core = self.core
         rec = self.rec
+        ranks = self._stream_ranks
         for d in deliveries:
-            rank = self.rank_of(d.stream)
+            rank = ranks.get(d.stream, -1)
+            if rank == -1:
+                rank = ranks[d.stream] = self.rank_of(d.stream)
             if rank is None:
                 log.error("upstream_from_unknown_stream", stream=d.stream, entry=d.entry_id)
                 continue
@@ -285,7 +290,7 @@ class CoordinatorLoop:
         return self._state
 
     def _state_after(self) -> dict[str, Any]:
-        self._state = self.core.state_summary()
+        self._state = self.core.state_summary(self._state)
         return self._state
 
     def _tick(self) -> None:
@@ -299,6 +304,10 @@ class CoordinatorLoop:
         after = self._state_after()
         if outs or after != before:
             self.rec.core_call("tick", now=now, before=before, after=after, out=outs)
+        else:
+            # Unrecorded, unchanged: keep the very object the recorder holds as its last
+            # state, so the next call's "before" is recognised without a comparison.
+            self._state = before
         self._apply(outs, now)
 
     def _apply(self, outs: Sequence[Out], now: float) -> None:

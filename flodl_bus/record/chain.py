@@ -42,6 +42,8 @@ DIGEST_BYTES: Final = 8
 _D_OPEN: Final = b',"d":"'
 _SUFFIX_LEN: Final = len(_D_OPEN) + 2 * DIGEST_BYTES + 2
 FLUSH_S: Final = 0.1
+#: most lines the zstd writer takes off its queue for one compress call
+_BATCH_LINES: Final = 512
 FRAME_BYTES: Final = 4 << 20
 ZSTD_LEVEL: Final = 3
 _READ_CHUNK: Final = 1 << 16
@@ -175,13 +177,18 @@ class ZstdSink(Sink):
         return self._closing or self._file.closed
 
     def _run(self) -> None:
-        get = self._q.get
+        get, get_nowait = self._q.get, self._q.get_nowait
+        #: an item taken while batching lines (a flush or the close), handled next
+        held: list[bytes | threading.Event | None] = []
         while True:
-            try:
-                item = get(timeout=FLUSH_S) if self._dirty else get()
-            except queue.Empty:
-                self._flush_block()
-                continue
+            if held:
+                item = held.pop()
+            else:
+                try:
+                    item = get(timeout=FLUSH_S) if self._dirty else get()
+                except queue.Empty:
+                    self._flush_block()
+                    continue
             if item is None:
                 if self._in_frame:
                     self._end_frame()
@@ -190,11 +197,24 @@ class ZstdSink(Sink):
                 self._flush_block()
                 item.set()
                 continue
-            out = self._obj.compress(item)
+            # Every line queued meanwhile goes into one compress call: the writer's
+            # Python work per line is GIL time the recording thread waits for.
+            lines = [item]
+            while len(lines) < _BATCH_LINES:
+                try:
+                    nxt = get_nowait()
+                except queue.Empty:
+                    break
+                if type(nxt) is not bytes:
+                    held.append(nxt)  # a flush or the close: after these lines, in order
+                    break
+                lines.append(nxt)
+            data = item if len(lines) == 1 else b"".join(lines)
+            out = self._obj.compress(data)
             if out:
                 self._file.write(out)
             self._dirty = True
-            self._in_frame += len(item)
+            self._in_frame += len(data)
             if self._in_frame >= FRAME_BYTES:
                 self._end_frame()
             elif time.monotonic() - self._flushed > FLUSH_S:

@@ -29,6 +29,10 @@ Every line also ends in ``"d"``, its link in the record's digest chain (``record
 
 Coordinator only:
 
+Its core events (below, and ``dispatch``) carry ``before``/``after`` whole only in the
+first one; every later one carries ``changed`` (and ``patched``) instead: what differs
+from the previous event's ``after`` (``record.states``, which ``replay`` expands back).
+
 ``{"event": "start", "i", "now", "before", "after", "out"}``
     ``Coordinator.start(now)``.
 ``{"event": "tick", "i", "now", "before", "after", "out"}``
@@ -57,7 +61,8 @@ Rank only (the training loop's side of the state machine, so a replay needs no m
     ``channel_closed``: the reader died while the rank was throttled.
 
 Recording is synchronous and runs on the thread that dispatched: arguments may be
-mutated right after the call returns.
+mutated right after the call returns, except a coordinator's states, of which the last
+``after`` is the base of the next delta (the loop hands in a fresh summary each call).
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ import structlog
 
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import EpochPlan, Update, WireMsg
-from flodl_bus.record import log
+from flodl_bus.record import log, states
 from flodl_bus.record.log import Recorder
 
 _WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
@@ -183,8 +188,14 @@ class DispatchRecorder:
         rank: int | None = None,
         *,
         compress: bool | None = None,
+        deltas: bool | None = None,
     ) -> None:
         self.role = role
+        #: core events carry state deltas (``record.states``): the coordinator's, whose
+        #: state grows with the world; a rank's few fields are written whole
+        self.deltas = role == "coordinator" if deltas is None else deltas
+        #: the last ``after`` recorded: the base of the next delta (never mutated)
+        self._state: Mapping[str, Any] | None = None
         self.rank = rank
         asked = Path(run_dir)
         self.run_dir = fresh_run_dir(asked, role, rank)
@@ -231,11 +242,24 @@ class DispatchRecorder:
             sender=sender,
             msg=msg,
             now=now,
-            before=before,
-            after=after,
+            **self._states(before, after, sender),
             out=out,
             **extra,
         )
+
+    def _states(
+        self, before: Mapping[str, Any], after: Mapping[str, Any], hint: int | None
+    ) -> dict[str, Any]:
+        """``before`` and ``after`` as the line holds them: whole, or (``deltas``) what
+        changed since the last recorded ``after`` when ``before`` is that state, as it
+        always is in the coordinator loop (its cache hands back the same object)."""
+        last = self._state
+        if not self.deltas:
+            return {"before": before, "after": after}
+        self._state = after
+        if last is not None and (before is last or before == last):
+            return states.delta(last, after, hint)
+        return {"before": before, "after": after}
 
     def event(self, name: str, **fields: Any) -> None:
         if name == "end":
@@ -275,12 +299,12 @@ class DispatchRecorder:
         """A coordinator core call other than an upstream dispatch: ``start``, ``tick``,
         ``send_failed`` (with ``rank``, ``msg``), ``declare_dead`` (``rank``),
         ``interrupt``. Replay re-issues each by its event name."""
+        rank = extra.get("rank")
         self._rec.record_core(
             event,
             i=next(self._counter),
             now=now,
-            before=before,
-            after=after,
+            **self._states(before, after, rank if type(rank) is int else None),
             out=out,
             **extra,
         )

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flodl_bus.record import chain
+from flodl_bus.record import chain, states
 from flodl_bus.record.chain import DamagedRecord, IncompleteRecord, UnchainedRecord
 from flodl_bus.record.log import dumps
 
@@ -55,18 +55,13 @@ def _ordered(
     key: str, records: Iterable[Mapping[str, Any]], where: str, *, tolerate_end_gap: bool
 ) -> Iterator[dict[str, Any]]:
     """The records that are events, in replay order: the coordinator's in file order (one
-    thread; core calls it logged without ``i`` keep their place), a rank's by ``i``."""
+    thread; core calls it logged without ``i`` keep their place) with whole states
+    (``record.states.expand``), a rank's by ``i``."""
     if key == "coordinator":
-        last: int | None = None
-        for rec in records:
-            if not _is_event(key, rec):
-                continue
-            i = rec.get("i")
-            if isinstance(i, int):
-                if last is not None and i != last + 1:
-                    raise _missing(key, where, list(range(last + 1, i)))
-                last = i
-            yield dict(rec)
+        try:
+            yield from states.expand(_numbered(key, records, where))
+        except states.BadDelta as exc:
+            raise DamagedRecord(where, 0, f"the record of {key}: {exc}") from None
         return
     heap: list[tuple[int, int, dict[str, Any]]] = []
     order = itertools.count()
@@ -94,6 +89,23 @@ def _ordered(
             raise _missing(key, where, list(range(expected, i)))
         yield rec
         expected = i + 1
+
+
+def _numbered(
+    key: str, records: Iterable[Mapping[str, Any]], where: str
+) -> Iterator[dict[str, Any]]:
+    """The coordinator's events in file order (one thread; core calls it logged without
+    ``i`` keep their place), every ``i`` one above the last."""
+    last: int | None = None
+    for rec in records:
+        if not _is_event(key, rec):
+            continue
+        i = rec.get("i")
+        if isinstance(i, int):
+            if last is not None and i != last + 1:
+                raise _missing(key, where, list(range(last + 1, i)))
+            last = i
+        yield dict(rec)
 
 
 def _missing(key: str, where: str, missing: list[int]) -> DamagedRecord:

@@ -64,6 +64,12 @@ class SimRank:
     evals: list[tuple[int, float]] = field(default_factory=list)
     saves: int = 0
     sessions: list[tuple[int, int]] = field(default_factory=list)
+    #: (tick, speed): from that tick on, a batch takes ``speed`` ticks (a rank slowed
+    #: mid-run, as a co-tenant or a throttled device does)
+    slows_at: tuple[int, int] | None = None
+    #: the tick the last batch ended, and each collective's wait since it (ticks)
+    last_batch_end: int = 0
+    waits: list[int] = field(default_factory=list)
 
     # ------------------------------------------------------------------ control
     def dispatch(self, msg: object) -> None:
@@ -181,6 +187,11 @@ class SimRank:
             self.plan_loss += loss
             self.outbox.append(m.Batch(self.rank, float(self.speed), 0.0, self.local_step, loss))
             self.outbox.append(m.LrUpdate(self.rank, 0.1))
+            self.last_batch_end = t
+        if self.slows_at is not None and t >= self.slows_at[0]:
+            self.speed = self.slows_at[1]
+        if self.busy_until is not None:
+            return  # control is read between batches, as the rank's loop does
         self.drain()
         if self.exited or self.in_collective or self.throttled or self.busy_until is not None:
             return
@@ -246,6 +257,7 @@ class Cluster:
         # NCCL collective: completes once every live rank is inside it.
         if live and all(rk.in_collective for rk in live):
             for rk in live:
+                rk.waits.append(self.t - rk.last_batch_end)
                 rk.in_collective = False
                 rk.throttled = False
                 rk.steps_since_avg = 0

@@ -53,7 +53,9 @@ def test_final_reduce_precedes_shutdown_and_nccl_settle_gate_waits() -> None:
     feed(core, 1, 1)
     assert msgs(core.tick(0.01), m.SyncNow)
     core.handle(0, m.SyncAck(0, 3), 0.02)
-    feed(core, 1, 1)  # step 2 > snapshot 1: acks rank 1
+    feed(core, 1, 1)  # a batch never acks: it may have been trained before the SyncNow
+    assert not core.reduce.settled()
+    core.handle(1, m.SyncAck(1, 3), 0.02)
     core.handle(1, metrics(1, 0, 2), 0.02)
     out = core.tick(0.03)
     assert msgs(out, m.EpochAggregated)
@@ -61,7 +63,7 @@ def test_final_reduce_precedes_shutdown_and_nccl_settle_gate_waits() -> None:
     assert msgs(out, m.SyncNow) and not msgs(out, m.Shutdown)
     assert not msgs(core.tick(0.04), m.Shutdown)  # settle gate: SyncNow unacked
     core.handle(0, m.SyncAck(0, 4), 0.05)
-    core.handle(1, m.SyncAck(1, 3), 0.05)
+    core.handle(1, m.SyncAck(1, 4), 0.05)
     out = core.tick(0.06)
     assert msgs(out, m.Shutdown) and isinstance(out[-1], Finished)
     assert core.global_step == 4

@@ -4,8 +4,12 @@ one chunk in flight, the epoch barrier, a dead rank's work, a failed send
 
 from __future__ import annotations
 
+from typing import Any
+
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.elche import WindowReport
 from flodl_bus.protocol import messages as m
-from tests.coordinator.drive import beat, feed, metrics, msgs, plans, started, types
+from tests.coordinator.drive import beat, feed, make, metrics, msgs, plans, started, types
 
 
 def test_first_dispatch_sends_the_role_before_any_start_epoch() -> None:
@@ -76,3 +80,59 @@ def test_failed_start_epoch_is_rolled_back_and_reoffered_on_the_next_tick() -> N
     assert not core.dispatch.pools[0].has_in_flight(lost.rank)
     again = plans(core.tick(0.01))
     assert again == {lost.rank: lost.msg.plan}  # the cursor was rewound: same chunk
+
+
+def _calibrated(mode: str, **kw: Any) -> tuple[Coordinator, dict[int, m.EpochPlan]]:
+    core = make(mode, total=1000, **kw)
+    core.elche.report_window(WindowReport((10.0, 40.0)))  # rank 1 is 4x slower
+    assert core.elche.counts == [40, 10]
+    return core, plans(core.start(0.0))
+
+
+def test_nccl_cadence_bridges_a_full_window_by_the_slow_ranks_owed_wall_time() -> None:
+    core, first = _calibrated("nccl-cadence")
+    assert (first[0].partition_size, first[1].partition_size) == (40, 10)
+    feed(core, 1, 7, ms=40.0)
+    feed(core, 0, 40)
+    out = core.handle(0, metrics(0, 0, 40), 0.0)
+    # rank 1 owes 3 batches of 40 ms: 120 ms of rank 0's 10 ms batches
+    assert [p.partition_size for p in plans(out).values()] == [12]
+    assert core.gate() == (False, "rank 1 at 7/10 steps")
+    feed(core, 0, 5)  # bridging: its steps run past its count, the gate waits on rank 1
+    feed(core, 1, 3, ms=40.0)
+    assert not plans(core.handle(1, metrics(1, 0, 10), 0.1))  # the gate is open
+    out = core.tick(0.1)
+    assert msgs(out, m.SyncNow)
+    # rank 0 still holds its bridge: the reduce's wake-up sends only rank 1 a window,
+    # and the bridge's rest counts in the next window
+    assert set(plans(out)) == {1}
+    feed(core, 0, 2)
+    assert core.ledger.steps == [2, 0]
+
+
+def test_no_bridge_once_the_gate_is_open_nor_outside_nccl_cadence() -> None:
+    core, _ = _calibrated("nccl-cadence")
+    feed(core, 1, 10, ms=40.0)
+    feed(core, 0, 40)
+    # every window is full: the reduce fires on this tick, nothing to bridge
+    assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
+    assert core.should_average()
+    core, _ = _calibrated("cpu-cadence")
+    feed(core, 1, 7, ms=40.0)
+    feed(core, 0, 40)
+    # a cpu rank training past its snapshot would have that work overwritten
+    assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
+
+
+def test_a_bridge_never_crosses_the_epoch_barrier() -> None:
+    core, _ = _calibrated("nccl-cadence", num_epochs=2)
+    pool = core.dispatch.pools[0]  # type: ignore[attr-defined]
+    feed(core, 1, 5, ms=40.0)
+    feed(core, 0, 40)
+    out = core.handle(0, metrics(0, 0, 40), 0.0)
+    # drain epoch 0 through rank 0's bridges: none ever comes from epoch 1
+    while got := plans(out):
+        assert got[0].epoch == 0
+        feed(core, 0, got[0].partition_size)
+        out = core.handle(0, metrics(0, 0, got[0].partition_size), 0.0)
+    assert pool.remaining() == 0 and 1 not in core.dispatch.pools  # type: ignore[attr-defined]

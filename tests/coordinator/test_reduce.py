@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+from flodl_bus.coordinator.config import MODES
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.elche import WindowReport
 from flodl_bus.coordinator.reduce import Ledger
@@ -80,8 +83,9 @@ def test_cpu_gate_blocks_while_a_cycle_is_in_flight() -> None:
 
 def test_quiesced_zero_step_tail_rank_does_not_block_reduce() -> None:
     # 10 batches, counts 4/4, spans 5/5: the tail split pins rank 1's last slot at 3.
-    core, out = started("nccl-cadence", total=10, anchor=4)
-    first = plans(out)
+    # the gate's rule alone: a bridge would feed rank 1
+    core = make("nccl-cadence", total=10, anchor=4, bridge_idle=False)
+    first = plans(core.start(0.0))
     assert first == {0: m.EpochPlan(0, 0, 4), 1: m.EpochPlan(0, 5, 3)}
     for r, plan in first.items():
         feed(core, r, plan.partition_size)
@@ -103,7 +107,8 @@ def test_quiesced_zero_step_tail_rank_does_not_block_reduce() -> None:
 
 
 def test_slot_zero_final_window_rank_does_not_block_the_gate() -> None:
-    core = make("nccl-cadence", ws=3, total=18, anchor=1)
+    # the gate's rule alone: a bridge would feed rank 2
+    core = make("nccl-cadence", ws=3, total=18, anchor=1, bridge_idle=False)
     core.elche.report_window(WindowReport((10.0, 10.0, 60.0)))
     assert core.elche.counts == [6, 6, 1]
     out = core.start(0.0)
@@ -268,6 +273,47 @@ def test_async_overshoot_auto_tunes_and_a_user_value_pins_it() -> None:
         pinned.handle(r, m.SyncAck(r, 0), 0.02)
     pinned.tick(0.02)
     assert pinned.version == 1 and pinned.max_overshoot == 7
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_world_of_one_closes_its_windows_without_a_round_or_a_global_step(mode: str) -> None:
+    core, _ = started(mode, ws=1, total=100)
+    feed(core, 0, 12)
+    out = core.tick(0.01)
+    # The average of one model is the model: nothing goes to the rank, whose own step
+    # counter (never reset by a round) already places its LR.
+    assert not {"SyncNow", "RequestParams", "Throttle", "SetGlobalStep", "WireUpdate"} & set(
+        types(out)
+    )
+    assert core.version == 1 and core.global_step == 12 and core.ledger.steps == [0]
+    assert core.reduce.settled() and core.should_average() is False
+    fed = 0
+    while not core.should_average():
+        feed(core, 0, 1)
+        fed += 1
+    core.tick(0.02)
+    assert core.version == 2 and core.global_step == 12 + fed
+
+
+def test_only_a_sync_ack_acks_a_round_and_records_before_bridges_keep_the_batch_ack() -> None:
+    for bridge_idle in (True, False):
+        core, _ = started("nccl-sync", bridge_idle=bridge_idle)
+        feed(core, 0, 1)
+        feed(core, 1, 1)
+        assert msgs(core.tick(0.01), m.SyncNow)
+        # A batch above the snapshot may have been trained before the SyncNow arrived.
+        feed(core, 0, 1)
+        feed(core, 1, 1)
+        assert core.reduce.settled() is not bridge_idle
+        core.handle(0, m.SyncAck(0, 3), 0.02)
+        core.handle(1, m.SyncAck(1, 3), 0.02)
+        assert core.reduce.settled()
+
+
+def test_a_world_of_one_in_a_record_made_before_still_averages_alone() -> None:
+    core, _ = started("nccl-sync", ws=1, total=100, solo_without_rounds=False)
+    feed(core, 0, 1)
+    assert types(core.tick(0.01))[:2] == ["SyncNow", "SetGlobalStep"]
 
 
 # ----------------------------------------------------------- the delivered timing feed

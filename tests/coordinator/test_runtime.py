@@ -37,6 +37,7 @@ from flodl_bus.protocol.messages import (
     StartEpoch,
 )
 from flodl_bus.protocol.signing import CoordinatorIdentity, new_secret
+from flodl_bus.record import states
 from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.record.log import read_records
 from flodl_bus.worker.rank import RankOptions, run_rank
@@ -120,7 +121,10 @@ def test_loop_trains_a_rank_to_the_end_recording_every_dispatch_and_the_metrics(
     world.thread.join(30)
     assert code == EXIT_OK and world.result == [0]
 
-    recs = read_records(tmp_path / "coordinator.jsonl")
+    raw = read_records(tmp_path / "coordinator.jsonl")
+    # after the first core event, every line holds what changed, not whole states
+    assert all("changed" in r and "after" not in r for r in raw[2:] if "i" in r)
+    recs = list(states.expand(raw))
     dispatches = [r for r in recs if r["event"] == "dispatch"]
     assert len(dispatches) == loop.dispatches > 0
     assert [r["i"] for r in recs if "i" in r] == list(range(len([r for r in recs if "i" in r])))
@@ -129,6 +133,7 @@ def test_loop_trains_a_rank_to_the_end_recording_every_dispatch_and_the_metrics(
     assert recs[-1]["exited"] == [0]
     # Ticks are recorded only when they emit or change something.
     assert all(r["out"] or r["before"] != r["after"] for r in recs if r["event"] == "tick")
+    assert recs[-2]["after"] == core.state_summary()  # the deltas add up to the end state
 
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[0].startswith("epoch,avg_loss,epoch_ms,samples,version")

@@ -75,3 +75,70 @@ def test_a_rank_dying_mid_run_leaves_every_sample_covered(mode: str) -> None:
     if mode.startswith("nccl"):
         assert cluster.count_sent(m.DeclareDead) == 1
         assert sorted(cluster.ranks[0].sessions) == [(0, 3)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_world_of_one_trains_every_sample_without_a_single_round(mode: str) -> None:
+    cfg = CoordinatorConfig(
+        mode=mode,
+        world_size=1,
+        total_samples=500,
+        batch_size=8,
+        num_epochs=3,
+        eval_every=1,
+        final_eval=True,
+    )
+    cluster = Cluster(cfg, speeds=[2])
+    cluster.run()
+    trained = cluster.trained_by_epoch()
+    for e in range(cfg.num_epochs):
+        assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
+    for kind in (m.SyncNow, m.RequestParams, m.Throttle, m.SetGlobalStep, m.WireUpdate):
+        assert cluster.count_sent(kind) == 0, kind.__name__
+    (rank,) = cluster.ranks
+    steps = sum(len(v) for v in trained.values()) // cfg.batch_size
+    # Windows still closed in the coordinator (the last one too): its global step is
+    # every batch, and the rank's LR position (never reset by a round) is the same.
+    assert cluster.core.version > 0
+    assert cluster.core.global_step == steps == rank.global_step + rank.steps_since_avg
+    assert [e for e, _ in rank.evals] == [1, 2, cfg.num_epochs]
+    assert cluster.finished is not None and cluster.finished.reason is None and rank.exited
+
+
+def _slowed_mid_run(bridges: bool) -> Cluster:
+    cfg = CoordinatorConfig(
+        mode="nccl-cadence",
+        world_size=2,
+        total_samples=8000,
+        batch_size=8,
+        num_epochs=1,
+        bridge_idle=bridges,
+    )
+    cluster = Cluster(cfg, speeds=[2, 4])
+    # Rank 1 turns 2.5x slower mid-run: ElChe's counts lag its real speed for windows.
+    cluster.ranks[1].slows_at = (400, 10)
+    cluster.run()
+    return cluster
+
+
+def test_nccl_cadence_the_fast_rank_waits_at_most_a_batch_per_averaging() -> None:
+    bridged, held = _slowed_mid_run(True), _slowed_mid_run(False)
+    for cluster in (bridged, held):
+        assert sorted(cluster.trained_by_epoch()[0]) == cluster.expected_epoch(0)
+        fast, slow = cluster.ranks
+        assert fast.collectives == slow.collectives == cluster.count_sent(m.SyncNow)
+        assert fast.dropped_plans == slow.dropped_plans == 0
+        assert cluster.core.global_step == len(cluster.trained_by_epoch()[0]) // 8
+    # Held at its window's end, the fast rank waits out the slow one's rest...
+    # for several windows, until ElChe's trust ring has learnt the new speed
+    assert sum(held.ranks[0].waits) > 150
+    # ...bridged, it trains on and enters the collective after the batch it is on: its
+    # wait is that batch (2 ticks) and the SyncNow's trip (a tick each way). The epoch's
+    # last averaging, once the pool is empty, is the one it cannot bridge (§6 #17).
+    fast, slow = bridged.ranks
+    assert max(fast.waits[:-1]) <= 2 + 2, fast.waits
+    assert max(slow.waits[:-1]) <= 2 + 2, slow.waits
+    assert fast.collectives > 10
+    assert sum(len(rk.trained) for rk in bridged.ranks) == 8000
+    assert len(fast.trained) > len(held.ranks[0].trained)
+    assert bridged.t < held.t

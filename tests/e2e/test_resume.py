@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flodl_bus.examples import digits
+from flodl_bus.replay import replay_run
 from tests.e2e.harness import (
     SLOW,
     Cluster,
@@ -199,6 +200,9 @@ def test_a_run_killed_after_a_mid_run_checkpoint_resumes_bit_identical_to_one_ne
             assert "resume_without_rank_state" not in p.output(), p.tail()
     for k in straight:
         assert torch.equal(resumed[k], straight[k]), k
+    # Lockstep's decisions and every rank's state saves replay as recorded.
+    replays = replay_run(cluster.run_dir(rest))
+    assert {k: r.summary() for k, r in replays.items() if not r.identical} == {}
 
 
 def test_each_rank_resumes_its_own_outer_optimizer_and_a_run_without_one_is_refused(

@@ -156,11 +156,13 @@ def test_heartbeats_are_published_every_interval_with_a_rising_counter() -> None
 
 
 def test_a_silent_coordinator_trips_the_escape_hatch() -> None:
+    # Read before the runtime starts its liveness clock: read after, a loaded machine
+    # made the measured wait a few ms short of the timeout the runtime did wait.
+    start = time.monotonic()
     h = make_harness(
         world_size=4, rank=2, config=RuntimeConfig(coord_liveness_timeout=0.3, read_block_ms=20)
     )
     try:
-        start = time.monotonic()
         # Never before the timeout; how long after it depends on the machine's load, so the
         # wait is generous and not asserted (speed belongs to benches).
         assert h.inbox_get(timeout=30.0) == Shutdown()

