@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flodl_bus.bench.bus import measure_ping
 from flodl_bus.bus import entries
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.ids import IdClock, format_id
@@ -93,15 +94,7 @@ def _prefill(url: str, keys: RunKeys, ranks: int, steps: int) -> int:
 
 
 def _ping_us(url: str, n: int = 500) -> float:
-    client = connect(url)
-    client.ping()
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter_ns()
-        client.ping()
-        out.append(time.perf_counter_ns() - t0)
-    client.close()
-    return statistics.median(out) / 1000
+    return statistics.median(measure_ping(url, n)) / 1000
 
 
 def _config(ranks: int, steps: int) -> CoordinatorConfig:
