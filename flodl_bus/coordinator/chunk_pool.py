@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flodl_bus.coordinator.numeric import ordered_sum
+
 Range = tuple[int, int]
 
 
@@ -232,7 +234,7 @@ def ratio_to_sizes(n: int, ratios: Sequence[float]) -> list[int]:
     gets nothing while others are positive.
     """
     clean = [r if r > 0 and r == r and r != float("inf") else 0.0 for r in ratios]
-    total = sum(clean)
+    total = ordered_sum(clean)
     if total <= 0:
         return equal_sizes(n, len(ratios))
     sizes = [int(n * r / total) for r in clean]
@@ -248,7 +250,7 @@ def ratio_to_sizes(n: int, ratios: Sequence[float]) -> list[int]:
 def throughput_sizes(n: int, ms_per_batch: Sequence[float | None]) -> list[int]:
     """Sizes proportional to ``1 / ms`` (floored at 0.001 ms); unknown ranks get the mean."""
     known = [1.0 / max(ms, 0.001) for ms in ms_per_batch if ms is not None]
-    fill = sum(known) / len(known) if known else 1.0
+    fill = ordered_sum(known) / len(known) if known else 1.0
     tps = [1.0 / max(ms, 0.001) if ms is not None else fill for ms in ms_per_batch]
     return ratio_to_sizes(n, tps)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flodl_bus.coordinator.guard import Verdict, VerdictKind
+from flodl_bus.coordinator.numeric import ordered_sum
 
 MAX_SPEED_RATIO = 64.0
 TRUST_WINDOW = 5
@@ -130,7 +131,7 @@ class ElChe:
 
     def smoothed_ms(self, rank: int) -> float | None:
         ring = self._rings[rank]
-        return sum(ring) / len(ring) if ring else None
+        return ordered_sum(ring) / len(ring) if ring else None
 
     def recent_batch_share(self) -> list[float]:
         snaps = list(self._history) or [tuple(self.counts)]

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from flodl_bus.coordinator.guard import Verdict, VerdictKind
+from flodl_bus.coordinator.numeric import ordered_sum
 
 LR_WINDOW = 3
 ANCHOR_WINDOW = 5
@@ -88,7 +89,7 @@ class MetaController:
         """``(anchor - mean) / mean`` over the anchor window, this window's included."""
         if len(self.anchors) < 2:
             return 0.0
-        mean = sum(self.anchors) / len(self.anchors)
+        mean = ordered_sum(self.anchors) / len(self.anchors)
         return (self.anchors[-1] - mean) / mean if mean > 0 else 0.0
 
     def _lr_cliff(self) -> bool:

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from flodl_bus.coordinator.numeric import ordered_sum
 from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg
 
 
@@ -68,7 +69,7 @@ def aggregate(
 ) -> EpochMetrics:
     """Batch-weighted loss and scalars; ``epoch_ms`` defaults to the slowest rank's sum."""
     total_b = sum(a.loss_batches for a in accs)
-    avg_loss = sum(a.loss_x_batches for a in accs) / total_b if total_b else math.nan
+    avg_loss = ordered_sum(a.loss_x_batches for a in accs) / total_b if total_b else math.nan
     per_rank: list[dict[str, float]] = []
     tags: list[str] = []
     for a in accs:
@@ -78,11 +79,11 @@ def aggregate(
     scalars: dict[str, float] = {}
     for t in tags:
         holders = [(pr[t], a.batches) for pr, a in zip(per_rank, accs) if t in pr]
-        weight = sum(b for _, b in holders)
+        weight = ordered_sum(b for _, b in holders)
         if weight > 0:
-            scalars[t] = sum(v * b for v, b in holders) / weight
+            scalars[t] = ordered_sum(v * b for v, b in holders) / weight
         else:
-            scalars[t] = sum(v for v, _ in holders) / len(holders)
+            scalars[t] = ordered_sum(v for v, _ in holders) / len(holders)
     return EpochMetrics(
         epoch=epoch,
         avg_loss=avg_loss,
