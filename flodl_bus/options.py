@@ -10,6 +10,10 @@ from typing import Final, NoReturn
 LOG_LEVELS: Final = ("debug", "info", "warning", "error", "critical")
 
 
+class ConfigError(Exception):
+    """A configuration mistake of a command's flags; the message names the fix."""
+
+
 def log_level(text: str) -> str:
     """argparse ``type=`` for ``--log-level``: case-insensitive, one of LOG_LEVELS."""
     return text.lower()

@@ -44,7 +44,6 @@ from flodl_bus.bus.connection import (
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.coordinator.cli_args import (
     PROG,
-    ConfigError,
     _check,
     _parser,
     _read_resume,
@@ -55,6 +54,7 @@ from flodl_bus.coordinator.cli_args import (
 )
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
+from flodl_bus.options import ConfigError
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 
 Owners = list[tuple[Any, str]]

@@ -17,13 +17,9 @@ from flodl_bus import settings
 from flodl_bus.bus.connection import add_url_argument
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig, MaxFailure, Policy, parse_mode
-from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
+from flodl_bus.options import LOG_LEVELS, ConfigError, OneLineParser, log_level
 
 PROG = "flodl-bus coordinator"
-
-
-class ConfigError(Exception):
-    """A configuration mistake; the message names the fix."""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -43,6 +43,7 @@ from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.exits import CONFIG, by_signal, describe
 from flodl_bus.job import Job, JobError, call_job, check_train_data, dataset_signature
+from flodl_bus.options import ConfigError
 from flodl_bus.params.port import ParamPort
 from flodl_bus.protocol.messages import (
     Assign,
@@ -58,7 +59,6 @@ from flodl_bus.worker.host import rank_env, thread_share
 from flodl_bus.worker.options import (
     DEFAULT_JOB,
     DEFAULT_MODE,
-    ConfigError,
     check,
     parser,
 )

@@ -12,16 +12,12 @@ from collections.abc import Sequence
 
 from flodl_bus.bus.connection import add_url_argument
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
-from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
+from flodl_bus.options import LOG_LEVELS, ConfigError, OneLineParser, log_level
 
 PROG = "flodl-bus worker"
 MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 DEFAULT_MODE = "nccl-cadence"
 DEFAULT_JOB = "flodl_bus.examples.digits:job"
-
-
-class ConfigError(Exception):
-    """A configuration mistake; the message names the fix."""
 
 
 def parser() -> argparse.ArgumentParser:
