@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flodl_bus.bench.bus import measure_ping
+from flodl_bus.bench.scale import rank_counts
 from flodl_bus.bus import entries
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.ids import IdClock, format_id
@@ -262,10 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="passes per stage (best kept)")
     ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
     args = ap.parse_args(argv)
-    try:
-        counts = [int(x) for x in args.ranks.split(",") if x]
-    except ValueError:
-        print(f"--ranks: expected numbers like 64,256, got {args.ranks!r}", file=sys.stderr)
+    counts = rank_counts(args.ranks)
+    if counts is None:
         return 2
     if not counts or min(counts) < 1 or min(args.steps, args.repeats) < 1 or args.step_ms <= 0:
         print("--ranks, --steps, --repeats and --step-ms must be positive", file=sys.stderr)

@@ -97,6 +97,15 @@ class ScaleResult:
     redis_cpu_busiest: float = float("nan")
 
 
+def rank_counts(text: str) -> list[int] | None:
+    """``--ranks 64,256``; None (the one-line error printed) when it is not numbers."""
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        print(f"--ranks: expected numbers like 64,256, got {text!r}", file=sys.stderr)
+        return None
+
+
 def _quantile(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     if not s:
@@ -514,10 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cut-rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--network", default="loopback", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    try:
-        counts = [int(x) for x in args.ranks.split(",") if x]
-    except ValueError:
-        print(f"--ranks: expected numbers like 64,256, got {args.ranks!r}", file=sys.stderr)
+    counts = rank_counts(args.ranks)
+    if counts is None:
         return 2
     if not counts or min(counts) < 1 or args.steps < 1 or args.epochs < 1 or args.step_ms <= 0:
         print("--ranks, --steps, --epochs and --step-ms must be positive", file=sys.stderr)
