@@ -67,6 +67,21 @@ class LocalCluster:
                 )
             )
 
+    def _start_node(self, i: int, n: RedisServer, tries: int = 3) -> None:
+        # Its two ports were free when chosen, not held since: another process (a test's
+        # outgoing connection) may have taken one, and the server then exits at once.
+        for attempt in range(tries):
+            try:
+                n.start()
+                return
+            except RedisServerError:
+                if attempt == tries - 1:
+                    raise
+                n.port = free_port()
+                bus = n.extra_args.index("--cluster-port") + 1
+                self.bus_ports[i] = free_port()
+                n.extra_args[bus] = str(self.bus_ports[i])
+
     @property
     def masters(self) -> list[RedisServer]:
         return self.nodes[: self.n_masters]
@@ -86,8 +101,8 @@ class LocalCluster:
             c.close()
 
     def start(self, timeout: float = 30.0) -> LocalCluster:
-        for n in self.nodes:
-            n.start()
+        for i, n in enumerate(self.nodes):
+            self._start_node(i, n)
         first = self.client(0)
         for n, bus in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
             first.execute_command("CLUSTER MEET", "127.0.0.1", n.port, bus)  # type: ignore[no-untyped-call]
