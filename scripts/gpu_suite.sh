@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The GPU tables of BENCHMARKS.md: run from the repository root on a CUDA host.
 #
-#   scripts/gpu_suite.sh [OUT_DIR]        (default: ./gpu-suite-<date>)
+#   scripts/gpu_suite.sh [OUT_DIR [PART...]]   (default: ./gpu-suite-<date>, every part)
+#
+# Parts (two GPUs): gpu allreduce train-cifar train-cifar-slow train-wide; one GPU:
+# gpu train-cifar-1 train-wide-1. Naming parts lets a lent host with a per-call time limit
+# run the suite in several calls into one OUT_DIR.
 #
 # A host without internet can take the Python dependencies as wheels and a redis-server
 # from .gpu/ (see BENCHMARKS.md, "GPU suite"): .gpu/wheels/*.whl are installed into
@@ -10,6 +14,8 @@
 set -uo pipefail
 
 out="${1:-gpu-suite-$(date -u +%Y%m%dT%H%M%S)}"
+shift || true
+parts=" $* "
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -29,6 +35,9 @@ bench() { python3 -m flodl_bus.cli bench "$@"; }
 step() {  # step NAME CMD...: run, keep its output, go on after a failure
     local name=$1
     shift
+    if [ "$parts" != "  " ] && [[ "$parts" != *" $name "* ]]; then
+        return 0
+    fi
     echo "=== $name: $*" | tee -a "$out/suite.log"
     "$@" 2>&1 | tee "$out/$name.txt" | tail -40
     echo "=== $name exit ${PIPESTATUS[0]}" | tee -a "$out/suite.log"

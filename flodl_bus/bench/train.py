@@ -18,8 +18,9 @@ to the plain loop.
 
 ``--slow-rank R --slow-factor F`` makes rank R of the bus and DDP runs about F times
 slower per step (extra GPU work, or CPU work on a CPU; ``bench.slow``); the slowdown each
-run really had is measured on that rank and printed, with the bus's batch shares and the
-ideal time of a run that shares work by speed (the plain loop's time over 1 + 1/F).
+run really had is measured on that rank and printed, with the share of the batches each
+bus rank trained (beside the share ElChe's counts planned) and the ideal time of a run
+that shares work by speed (the plain loop's time over 1 + 1/F).
 """
 
 from __future__ import annotations
@@ -121,27 +122,43 @@ def _bus(
         "metric": summary["final_metric"],
         "collectives": summary["syncs"],
         "evals": evals,
-        "shares": _shares(run_dir, args.workers),
+        **_share_fields(_shares(run_dir, args.workers)),
     }
 
 
-def _shares(run_dir: Path, workers: int) -> list[float] | None:
-    """Each rank's batch share, the median over the run's epochs (``metrics.csv``)."""
+def _share_fields(got: tuple[list[float], list[float]] | None) -> dict[str, Any]:
+    return {"shares": None, "planned_shares": None} if got is None else {
+        "shares": got[0], "planned_shares": got[1]}  # fmt: skip
+
+
+def _shares(run_dir: Path, workers: int) -> tuple[list[float], list[float]] | None:
+    """Per rank: the share of the run's batches it trained (``samples_r*`` summed over
+    the epochs), and the share ElChe's counts planned (``batch_share_r*``, the median
+    over the epochs). They differ: counts lag a speed change and start equal, and a pool
+    dispatch or a bridge lets the fast rank train beyond its count (``metrics.csv``)."""
     found = sorted(run_dir.rglob("metrics.csv"))
     if not found:
         return None
     with found[0].open() as f:
         rows = list(csv.DictReader(f))
-    out = []
+    trained = [sum(float(row.get(f"samples_r{r}") or 0.0) for row in rows) for r in range(workers)]
+    total = sum(trained)
+    planned = []
     for r in range(workers):
         vals = [float(row[f"batch_share_r{r}"]) for row in rows if row.get(f"batch_share_r{r}")]
-        out.append(statistics.median(vals) if vals else float("nan"))
-    return out
+        planned.append(statistics.median(vals) if vals else float("nan"))
+    return ([t / total if total else float("nan") for t in trained], planned)
 
 
 def _median(values: Sequence[float | None]) -> float | None:
     got = [v for v in values if v is not None]
     return statistics.median(got) if got else None
+
+
+def _median_each(per_run: Sequence[Sequence[float] | None]) -> list[float] | None:
+    """Element-wise median of per-rank lists (runs without one are left out)."""
+    got = [v for v in per_run if v]
+    return [statistics.median(col) for col in zip(*got, strict=True)] if got else None
 
 
 def _fmt(value: float | None, spec: str, width: int) -> str:
@@ -268,7 +285,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": _median([r.get("collectives", 0) for r in rs]),
             "ms_step": None if wall is None else wall / max(per_proc_steps, 1) * 1000.0,
             "slowdown": _median([r.get("slowdown") for r in rs]),
-            "shares": rs[0].get("shares"),
+            "shares": _median_each([r.get("shares") for r in rs]),
+            "planned_shares": _median_each([r.get("planned_shares") for r in rs]),
         }
     ddp = med.get("ddp")
     plain = med.get("plain")
@@ -294,10 +312,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for c, m in med.items():
             if c == "plain":
                 continue
-            shares = m["shares"]
-            share_s = (
-                "" if not shares else " batch shares " + " / ".join(f"{s:.2f}" for s in shares)
+            share_s = "".join(
+                f" {label} " + " / ".join(f"{s:.2f}" for s in m[key])
+                for key, label in (("shares", "work shares"), ("planned_shares", "(ElChe's counts"))
+                if m.get(key)
             )
+            share_s += ")" if m.get("planned_shares") else ""
             print(f"  {names[c]}: measured slowdown of rank {args.slow_rank} "
                   f"{_fmt(m['slowdown'], '.2f', 4)}x{share_s}")  # fmt: skip
         f = next((m["slowdown"] for m in med.values() if m["slowdown"]), args.slow_factor)

@@ -4,6 +4,7 @@ eval cadence, and a slowed rank is slowed on that rank only, by the factor asked
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -60,23 +61,31 @@ def test_a_rank_that_is_not_the_slow_one_runs_the_plain_loss(
     assert fn._extra_s == 0.0
 
 
-def test_the_slow_rank_adds_factor_minus_one_of_its_calibrated_step(
+def test_the_slow_rank_adds_factor_minus_one_of_its_own_step_from_its_first_steps(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("RANK", "1")
     report = tmp_path / "slow.json"
     fn = slow.Slowed(_loss(0.002), rank=1, factor=2.5, report=str(report))
     model = _Tiny()
-    for _ in range(slow.CALIBRATE + slow.WARMUP + 1):
+    for _ in range(slow.WARMUP + 2):
         fn(model, None)
-    base = sorted(fn._before[slow.WARMUP :])[len(fn._before[slow.WARMUP :]) // 2]
-    assert fn._extra_s == pytest.approx(1.5 * base, rel=0.05)
+    # slowed after the warm-up, not after a calibration run at full speed
+    assert fn._extra_s > 0 and not fn._fixed
+    for _ in range(slow.CALIBRATE):
+        fn(model, None)
+    assert fn._fixed
+    # the own step is measured while slowed: the interval less the busy time it held
+    own = statistics.median(fn._own)
+    assert 0.0019 < own < 0.05
+    assert fn._extra_s == pytest.approx(1.5 * own)
     for _ in range(slow.REPORT_EVERY):
         fn(model, None)
     got = json.loads(report.read_text())
     assert got["rank"] == 1 and got["factor_asked"] == 2.5
     # each later step holds the extra busy time on top of the rank's own
     assert got["step_s_after"] >= got["step_s_before"] + fn._extra_s * 0.9
+    assert got["slowdown"] >= 2.5 * 0.9
 
 
 def test_the_slow_job_is_the_named_job_unless_a_slowdown_is_asked(
