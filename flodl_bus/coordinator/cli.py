@@ -230,9 +230,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         client.hset(keys.meta, mapping=run_fields)  # type: ignore[arg-type]
         secret = ensure_run_secret(client, keys)
         identity = coordinator_identity()
+        # Where this run's Hellos start: the top *before* the identity is out. A worker
+        # says Hello as soon as it reads the identity, which on a loaded machine can
+        # come before our next command; a top read after publishing would skip it.
+        join_start = format_id(stream_top(client, keys.join))
         # Before any Hello is read: a worker checks its secret against this first.
         publish_identity(client, keys, identity, secret)
-        join_start = format_id(stream_top(client, keys.join))
     except SecretError as exc:
         raise ConfigError(str(exc)) from None
 

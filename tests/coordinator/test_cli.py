@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
+from flodl_bus.bus import run_secret
+from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
+from flodl_bus.coordinator import join_desk
 from flodl_bus.coordinator.cli import _reset_run, main
 from flodl_bus.coordinator.cli_args import ignored_settings
 from flodl_bus.coordinator.config import CoordinatorConfig
+from flodl_bus.coordinator.runtime import EXIT_INTERRUPTED
+from flodl_bus.protocol.messages import Assign, Hello
+from flodl_bus.protocol.signing import CoordinatorIdentity
 
 BASE = ["--run", "r1", "--job", "flodl_bus.examples.digits:job", "--world-size", "2"]
 DEAD_REDIS = "redis://127.0.0.1:1/0"
@@ -101,6 +108,47 @@ def test_a_run_whose_world_never_formed_still_expires_its_keys_and_secret(
     assert real_redis.hget(keys.meta, "status") == b"not formed"
     for name in (keys.meta, keys.secret, keys.identity):
         assert 0 < real_redis.ttl(name) <= 300, name
+
+
+@pytest.mark.redis
+def test_a_hello_said_the_moment_the_identity_is_published_is_admitted(
+    real_redis: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker polls for the identity and says Hello as soon as it sees it; on a loaded
+    machine that can land before the coordinator's next command. Such a Hello is this
+    run's and must take a rank (it once went unread: the world never formed)."""
+    said: list[str] = []
+    workers: list[JoinStream] = []
+    real_publish = run_secret.publish_identity
+
+    def publish_then_hello(
+        client: redis.Redis, k: RunKeys, identity: CoordinatorIdentity, secret: bytes
+    ) -> None:
+        real_publish(client, k, identity, secret)
+        # The worker's side, before the coordinator runs another line.
+        sig = client.hget(k.meta, "dataset_sig")
+        assert isinstance(sig, bytes)
+        workers.append(JoinStream(client, k, secret, answers=identity.signing.public))
+        said.append(workers[0].post(Hello("quick", "h", sig.decode())))
+
+    formed: list[int | None] = []
+    real_form = join_desk.form_world
+
+    def form_then_stop(desk: join_desk.JoinDesk, **kw: Any) -> None:
+        real_form(desk, **kw)
+        formed.append(desk.admission.world_size)
+        raise join_desk.Interrupted("the test stops here: no rank runs")
+
+    monkeypatch.setattr(run_secret, "publish_identity", publish_then_hello)
+    monkeypatch.setattr(join_desk, "form_world", form_then_stop)
+    argv = [
+        "--run", "quick-hello", "--job", "flodl_bus.examples.digits:job", "--world-size",
+        "1", "--redis-url", redis_url, "--join-timeout", "0.5", "--expire-after", "300",
+    ]  # fmt: skip
+    assert main(argv) == EXIT_INTERRUPTED
+    assert len(said) == 1 and formed == [1]
+    answers = [m for _, m in workers[0].read(said[0], None)[0] if isinstance(m, Assign)]
+    assert [(a.worker_id, a.rank) for a in answers] == [("quick", 0)]
 
 
 def test_async_only_settings_given_to_another_mode_are_named_for_a_warning() -> None:
