@@ -57,7 +57,7 @@ if [ "$gpus" -ge 2 ]; then
         --epochs 8 --modes nccl-cadence --ddp --slow-rank 1 --slow-factor 2 \
         --repeats "$repeats" --json "$out/train-cifar-slow.json"
     step train-wide bench train --job flodl_bus.examples.cifar_wide:job --workers 2 \
-        --modes nccl-cadence --ddp --no-plain --repeats 1 --json "$out/train-wide.json"
+        --modes nccl-cadence,nccl-sync --ddp --no-plain --repeats 1 --json "$out/train-wide.json"
 else
     # One GPU: one rank under the bus against the plain loop (no DDP, no all-reduce).
     step train-cifar-1 bench train --job flodl_bus.examples.cifar_resnet:job --workers 1 \

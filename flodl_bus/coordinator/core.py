@@ -27,13 +27,14 @@ from typing import Any, assert_never
 
 from flodl_bus.coordinator.checkpoint import Checkpoints, read_meta
 from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
-from flodl_bus.coordinator.dispatch import Dispatch, PartitionDispatch, PoolDispatch
+from flodl_bus.coordinator.dispatch import Dispatch, PoolDispatch
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.elche import ElChe
 from flodl_bus.coordinator.guard import STABLE, Verdict, make_guard
 from flodl_bus.coordinator.liveness import Liveness
 from flodl_bus.coordinator.meta import MetaController
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
+from flodl_bus.coordinator.partition import PartitionDispatch
 from flodl_bus.coordinator.reduce import (
     OVERSHOOT_START,
     CpuReduce,
