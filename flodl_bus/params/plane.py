@@ -193,10 +193,12 @@ class TorchParamPort:
                 [torch.empty_like(p) for p in self.params],
                 [torch.empty_like(b) for b in self.buffers],
             )
-        for d, t in zip(self._consensus[0], params):
-            d.copy_(t, non_blocking=True)
-        for d, t in zip(self._consensus[1], buffers):
-            d.copy_(t, non_blocking=True)
+        # One multi-tensor copy per list, not one launch per tensor: this runs after every
+        # SyncNow, on the rank's critical path (torch falls back to per-tensor copies
+        # itself when the lists mix devices).
+        for dst, src in zip(self._consensus, (params, buffers), strict=True):
+            if dst:
+                torch._foreach_copy_(dst, [t.detach() for t in src], non_blocking=True)
 
     def param_norm(self) -> float:
         return math.sqrt(sq_sum(p.detach() for p in self.params))
