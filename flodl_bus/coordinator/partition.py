@@ -79,13 +79,7 @@ class PartitionDispatch(Dispatch):
             return
         # Whatever of the plan (and its extensions) the rank did not train goes back in
         # front of its queue: an ExtendPartition that raced the plan's end is not lost.
-        trained = msg.samples_processed
-        leftover: list[Range] = []
-        for off, size in self.sent[r]:
-            done = min(trained, size)
-            trained -= done
-            if done < size:
-                leftover.append((off + done, size - done))
+        leftover = _untrained(self.sent[r], msg.samples_processed)
         self.sent[r] = []
         self.batches_done[r] = 0
         for rng in reversed(leftover):
@@ -132,13 +126,7 @@ class PartitionDispatch(Dispatch):
                     self._send_next(r, out)
 
     def take_back(self, r: int) -> list[Range]:
-        done = self.batches_done[r] * self.core.bs
-        remainder: list[Range] = []
-        for off, size in self.sent[r]:
-            skip = min(done, size)
-            done -= skip
-            if skip < size:
-                remainder.append((off + skip, size - skip))
+        remainder = _untrained(self.sent[r], self.batches_done[r] * self.core.bs)
         remainder += list(self.queued[r])
         self.sent[r] = []
         self.queued[r].clear()
@@ -225,3 +213,15 @@ class PartitionDispatch(Dispatch):
         self.sent[r] = [(off, size)]
         self.batches_done[r] = 0
         out.append(Send(r, StartEpoch(EpochPlan(self.epoch, off, size))))
+
+
+def _untrained(sent: list[Range], trained: int) -> list[Range]:
+    """What of ``sent`` (in the order sent, trained front to back) is left after
+    ``trained`` samples."""
+    left: list[Range] = []
+    for off, size in sent:
+        done = min(trained, size)
+        trained -= done
+        if done < size:
+            left.append((off + done, size - done))
+    return left
