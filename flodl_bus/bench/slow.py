@@ -17,8 +17,8 @@ then stays fixed.
 
 What it measured is written to ``FLODL_SLOW_REPORT`` (JSON, rewritten each step of the
 first ``REPORT_EVERY`` once the extra is fixed, then every ``REPORT_EVERY``: ranks end
-without the interpreter's teardown): the rank's own step,
-the slowed step, hence the slowdown the run really had.
+without the interpreter's teardown): the rank's own step, the slowed step, hence the
+slowdown the run really had.
 """
 
 from __future__ import annotations

@@ -221,8 +221,8 @@ class Group:
 
     def _wait(self, work: Any, deadline: float) -> None:
         future = work.get_future()
-        # A finished op (NCCL's future completes at enqueue; the stream order is set by
-        # ``work.wait`` below) needs no event and no callback thread hop.
+        # A future already done needs no callback: the op's error and, on NCCL, the
+        # stream order still come from ``work.wait`` below.
         done = threading.Event()
         if future.done():
             done.set()
