@@ -45,7 +45,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--job", default="flodl_bus.examples.cifar_resnet:job")
     p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--eager", action="store_true", help="the eager norms, not params.fused")
     args = p.parse_args()
+    if args.eager:
+        from flodl_bus.params import fused
+
+        fused._failed = True
     job = load_job(args.job)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model = job.build_model().to(device)
@@ -70,7 +75,8 @@ def main() -> None:
     n = sum(t.numel() for t in params)
     print(
         f"{args.job}: {len(params)} params ({n / 1e6:.1f}M), {len(buffers)} buffers, "
-        f"{device}, torch {torch.__version__}; median of {args.rounds} rounds\n"
+        f"{device}, torch {torch.__version__}; median of {args.rounds} rounds"
+        f"{' (eager norms)' if args.eager else ''}\n"
         f"  rank's SyncNow (TorchParamPort.sync_now)   {whole:7.3f} ms\n"
         f"  of which the collective (CollectiveSync)    {alone:7.3f} ms"
     )

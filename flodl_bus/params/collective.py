@@ -8,7 +8,8 @@ second set of flat buffers, ``work``, takes the round. Per call:
    issued at once, so on a GPU the scaling of the next chunk, the norms of the finished
    ones and the communication overlap (one pass over the model before the collective,
    the divergence norms read behind it);
-3. once every chunk succeeded: the divergence triple (one device sync), the outer step,
+3. once every chunk succeeded: the divergence triple (on CUDA one fused read of each
+   chunk, ``fused``; one device sync), the outer step,
    and the model adopts ``work`` by pointing its tensors at it (no copy); the old
    ``live`` is the next round's ``work``.
 
@@ -40,6 +41,9 @@ from flodl_bus.params.averaging import (
     weight,
 )
 from flodl_bus.params.flat import FlatBuffers, FlatLayout
+from flodl_bus.params.fused import MIN_NUMEL as FUSED_MIN_NUMEL
+from flodl_bus.params.fused import available as fused_stats_available
+from flodl_bus.params.fused import stats as fused_stats
 from flodl_bus.params.groups import Group, SessionManager
 from flodl_bus.params.port import SyncResult
 
@@ -217,22 +221,34 @@ class CollectiveSync(Averager):
         work_chunks = _chunks(work_p.flats)
         works: list[Any] = []
         acc = torch.zeros(3, dtype=torch.float64, device=self.device)
-        for dst, src in zip(work_chunks, pre_chunks, strict=True):
+        cuda = self.device.type == "cuda"
+        # On CUDA with Triton a large chunk's triple is one read of pre and post behind
+        # its sum (fused.stats); other chunks take three eager norms, pre's read while it
+        # is summed. Decided once per chunk, so a kernel that fails mid-round still
+        # leaves every chunk's pre norm read exactly once.
+        can_fuse = cuda and fused_stats_available()
+        fuses = [can_fuse and c.numel() >= FUSED_MIN_NUMEL for c in pre_chunks]
+        for dst, src, fused in zip(work_chunks, pre_chunks, fuses, strict=True):
             # Each sum is issued as soon as its chunk is scaled: on NCCL chunk k is summed
-            # on the communication stream while this stream scales chunk k+1 and reads
-            # the norm of the pre-sync chunk.
+            # on the communication stream while this stream scales chunk k+1.
             _scale(dst, src, w)
             works += group.start_all_reduce_sum([dst])
-            acc[2] += torch.linalg.vector_norm(src).double().square()
+            if not fused:
+                acc[2] += torch.linalg.vector_norm(src).double().square()
         for dst, src in zip(work_b.flats, pre[1].flats, strict=True):
             _scale(dst, src, wb)
         works += group.start_all_reduce_sum(work_b.flats)
-        cuda = self.device.type == "cuda"
         if not cuda:
             group.wait_all(works, self.timeout)
-        for k, (post, before) in enumerate(zip(work_chunks, pre_chunks, strict=True)):
+        for k, (post, before, fused) in enumerate(zip(work_chunks, pre_chunks, fuses, strict=True)):
             if cuda:
                 group.order_after(works[k])  # the chunk's norms are read behind its sum
+            triple = fused_stats(before, post) if fused else None
+            if triple is not None:
+                acc += triple
+                continue
+            if fused:  # the kernel failed on this chunk: pre's norm was not read yet
+                acc[2] += torch.linalg.vector_norm(before).double().square()
             acc[0] += torch.linalg.vector_norm(before - post).double().square()
             acc[1] += torch.linalg.vector_norm(post).double().square()
         if cuda:
