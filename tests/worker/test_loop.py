@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -321,6 +323,33 @@ def test_record_scalar_is_aggregated_per_plan_into_the_metrics() -> None:
     first, second = rig.of(MetricsMsg)
     assert first.scalars == {"batch_rows": (4.0 * BS, 4)}
     assert second.scalars == {"batch_rows": (2.0 * BS, 2)}
+
+
+def test_the_metrics_totals_add_left_to_right_on_every_python() -> None:
+    # Python 3.12's sum() of floats is compensated, 3.11's is not; a coordinator replay
+    # reads these totals from the rank's MetricsMsg, so they must have one value. Here the
+    # plain left-to-right sum is 0.999...9 and the compensated one 2.0.
+    values = [1e16, 1.0, -1e16] + [0.1] * 10
+    plain = functools.reduce(operator.add, values, 0)
+    assert plain != math.fsum(values)
+    script = iter(values)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        value = next(script)
+        record_scalar("v", value)
+        # The scripted value in float64 (exact), with the model's graph for backward.
+        return (classification_loss(model, batch) * 0.0).double() + value
+
+    rig = make_rig(dataclasses.replace(digits.job, loss_fn=loss_fn))
+    rig.loop.run_epoch_plan(EpochPlan(0, 0, len(values) * BS))
+    batches = rig.of(Batch)
+    (metrics,) = rig.of(MetricsMsg)
+    assert [b.batch_loss for b in batches] == values
+    assert metrics.avg_loss == plain / len(values)
+    assert metrics.scalars == {"v": (plain, len(values))}
+    ms = [b.batch_ms for b in batches], [b.data_ms for b in batches]
+    assert metrics.compute_only_ms == functools.reduce(operator.add, ms[0], 0)
+    assert metrics.data_starve_ms == functools.reduce(operator.add, ms[1], 0)
 
 
 def test_three_plans_give_three_metrics_for_epochs_0_1_2_then_exiting() -> None:
