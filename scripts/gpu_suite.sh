@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_suite.sh [OUT_DIR [PART...]]   (default: ./gpu-suite-<date>, every part)
 #
-# Parts (two GPUs): gpu allreduce train-cifar train-cifar-slow train-wide; one GPU:
+# Parts (two GPUs): gpu allreduce allreduce-eager train-cifar train-cifar-slow train-wide; one GPU:
 # gpu train-cifar-1 train-wide-1. Naming parts lets a lent host with a per-call time limit
 # run the suite in several calls into one OUT_DIR.
 #
@@ -50,6 +50,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 step gpu bench gpu
 if [ "$gpus" -ge 2 ]; then
     step allreduce bench allreduce --params-m 100 --rounds 10
+    step allreduce-eager bench allreduce --params-m 100 --rounds 10 --eager-norms
     step train-cifar bench train --job flodl_bus.examples.cifar_resnet:job --workers 2 \
         --epochs 8 --modes nccl-cadence,nccl-sync --ddp --repeats "$repeats" \
         --json "$out/train-cifar.json"
