@@ -10,6 +10,10 @@ import pytest
 import redis
 
 from flodl_bus.bus.server import RedisServer
+from flodl_bus.params.hosts import pin_one_host
+
+# Every process group a test forms (and every process it starts) stays on loopback.
+pin_one_host(os.environ)
 
 # The recorded-run fixtures and helpers (flodl_bus.replay.testing) for every test module.
 pytest_plugins = ["flodl_bus.replay.testing"]

@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from flodl_bus.job import Job, load_job
+from flodl_bus.params.hosts import pin_one_host
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
@@ -186,6 +187,7 @@ def _ddp_rank(
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    pin_one_host(os.environ)  # DDP's ranks share this host: gloo/NCCL stay on loopback
     store = dist.FileStore(store_path, world)  # type: ignore[attr-defined]
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world)
     try:

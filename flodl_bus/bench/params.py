@@ -29,6 +29,7 @@ import redis
 import torch
 
 from flodl_bus.bus.server import RedisServer
+from flodl_bus.params.hosts import pin_one_host
 
 #: Tensors the synthetic model is cut into (a model is many tensors, not one).
 TENSORS = 16
@@ -188,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.child:
         return run_rank(args)
+    pin_one_host(os.environ)  # the rank processes inherit it: their groups stay on loopback
 
     sizes = [parse_size(s) for s in args.sizes.split(",") if s]
     worlds = [int(w) for w in args.ranks.split(",") if w]

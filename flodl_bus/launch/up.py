@@ -63,6 +63,7 @@ from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_p
 from flodl_bus.launch.up_args import _default_run_id, _parser, coordinator_argv, worker_argv
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
+from flodl_bus.params.hosts import pin_one_host
 from flodl_bus.protocol.signing import KEY_BYTES, CoordinatorIdentity, new_secret
 from flodl_bus.record.chain import raw_lines
 from flodl_bus.record.dispatch import fresh_run_dir
@@ -206,6 +207,7 @@ class Launcher:
             ENV_URL: url,
             "PYTHONUNBUFFERED": "1",
         }
+        pin_one_host(base_env)  # every rank is on this host: its groups stay on loopback
         threads = threads_per_worker(args.workers)
         # The supervisor pipe: only the coordinator inherits its read end (pipes are
         # not inheritable by default; pass_fds makes this one so for that child alone).

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from flodl_bus.bus.store import RedisStore
+from flodl_bus.params.hosts import ENV_BIND_HOST
 
 log = structlog.get_logger("flodl_bus.params")
 
@@ -67,10 +68,6 @@ def backend_for(device: torch.device) -> str:
     if device.type == "cuda" and getattr(dist, "ProcessGroupNCCL", None) is not None:
         return "nccl"
     return "gloo"
-
-
-#: Where rank 0 hosts the NCCL bootstrap store; other ranks must reach it.
-ENV_BIND_HOST: Final = "FLODL_BIND_HOST"
 
 
 def _tcp_store_via(store: Store, rank: int, world_size: int, timeout: timedelta) -> Store:
