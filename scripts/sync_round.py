@@ -13,6 +13,7 @@ before and after each. Run it with two trees in turn (``PYTHONPATH``) to compare
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.job import load_job
+from flodl_bus.params.hosts import pin_one_host
 from flodl_bus.params.plane import ParamConfig, TorchParamPort
 
 
@@ -50,11 +52,12 @@ def main() -> None:
     if args.eager:
         from flodl_bus.params import fused
 
-        fused._failed = True
+        fused.disable()
     job = load_job(args.job)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     model = job.build_model().to(device)
     params, buffers = list(model.parameters()), list(model.buffers())
+    pin_one_host(os.environ)
     with RedisServer() as server:
         port = TorchParamPort(
             params,

@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.params.collective import CollectiveSync
 from flodl_bus.params.groups import SessionManager, backend_for, store_base
+from flodl_bus.params.hosts import pin_one_host
 
 
 def _sync(device: torch.device) -> None:
@@ -44,7 +45,7 @@ def _rank(
     if eager:
         from flodl_bus.params import fused
 
-        fused._failed = True
+        fused.disable()
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
@@ -98,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("flodl-bus bench allreduce: needs at least 1 rank", file=sys.stderr)
         return 2
     numel = int(args.params_m * 1e6)
+    pin_one_host(os.environ)  # the spawned ranks inherit it: their groups stay on loopback
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     with RedisServer() as server, tempfile.TemporaryDirectory() as out:
         mp.spawn(  # type: ignore[attr-defined,no-untyped-call]

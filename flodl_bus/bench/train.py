@@ -122,23 +122,19 @@ def _bus(
         "metric": summary["final_metric"],
         "collectives": summary["syncs"],
         "evals": evals,
-        **_share_fields(_shares(run_dir, args.workers)),
+        **_shares(run_dir, args.workers),
     }
 
 
-def _share_fields(got: tuple[list[float], list[float]] | None) -> dict[str, Any]:
-    return {"shares": None, "planned_shares": None} if got is None else {
-        "shares": got[0], "planned_shares": got[1]}  # fmt: skip
-
-
-def _shares(run_dir: Path, workers: int) -> tuple[list[float], list[float]] | None:
-    """Per rank: the share of the run's batches it trained (``samples_r*`` summed over
-    the epochs), and the share ElChe's counts planned (``batch_share_r*``, the median
-    over the epochs). They differ: counts lag a speed change and start equal, and a pool
-    dispatch or a bridge lets the fast rank train beyond its count (``metrics.csv``)."""
+def _shares(run_dir: Path, workers: int) -> dict[str, list[float] | None]:
+    """Per rank: ``shares``, the share of the run's batches it trained (``samples_r*``
+    summed over the epochs), and ``planned_shares``, the share ElChe's counts planned
+    (``batch_share_r*``, the median over the epochs). They differ: counts lag a speed
+    change and start equal, and a pool dispatch or a bridge lets the fast rank train
+    beyond its count (``metrics.csv``; both None without one)."""
     found = sorted(run_dir.rglob("metrics.csv"))
     if not found:
-        return None
+        return {"shares": None, "planned_shares": None}
     with found[0].open() as f:
         rows = list(csv.DictReader(f))
     trained = [sum(float(row.get(f"samples_r{r}") or 0.0) for row in rows) for r in range(workers)]
@@ -147,7 +143,8 @@ def _shares(run_dir: Path, workers: int) -> tuple[list[float], list[float]] | No
     for r in range(workers):
         vals = [float(row[f"batch_share_r{r}"]) for row in rows if row.get(f"batch_share_r{r}")]
         planned.append(statistics.median(vals) if vals else float("nan"))
-    return ([t / total if total else float("nan") for t in trained], planned)
+    shares = [t / total if total else float("nan") for t in trained]
+    return {"shares": shares, "planned_shares": planned}
 
 
 def _median(values: Sequence[float | None]) -> float | None:

@@ -58,6 +58,12 @@ def _kernel() -> Any:
 _failed = False
 
 
+def disable() -> None:
+    """Use the eager norms from now on in this process (a bench's comparison run)."""
+    global _failed
+    _failed = True
+
+
 def available() -> bool:
     """Whether ``stats`` can serve (Triton importable, no launch failed yet)."""
     return not _failed and _kernel() is not None

@@ -118,3 +118,21 @@ def test_bench_train_runs_plain_bus_and_ddp_and_prints_medians(
         assert m["wall"] > 0 and 0.5 < m["metric"] <= 1.0, name
     # DDP all-reduces once per step; the bus averages far less often
     assert got["medians"]["ddp"]["rounds"] > got["medians"]["bus nccl-cadence"]["rounds"] > 0
+
+
+def test_work_shares_are_the_batches_each_rank_trained_beside_elches_counts(
+    tmp_path: Path,
+) -> None:
+    from flodl_bus.bench.train import _shares
+
+    # the fast rank trained beyond its planned count (a pool hands it more chunks)
+    (tmp_path / "metrics.csv").write_text(
+        "epoch,samples_r0,batch_share_r0,samples_r1,batch_share_r1\n"
+        "0,600,0.5,400,0.5\n"
+        "1,1400,0.6,600,0.4\n"
+        "2,1000,0.6,0,0.4\n"
+    )
+    got = _shares(tmp_path, 2)
+    assert got["shares"] == pytest.approx([3000 / 4000, 1000 / 4000])
+    assert got["planned_shares"] == pytest.approx([0.6, 0.4])
+    assert _shares(tmp_path / "none", 2) == {"shares": None, "planned_shares": None}
