@@ -4,6 +4,12 @@ One upstream stream per rank, written only by this thread, in ``publish()`` orde
 queue, one thread, each batch one WATCH/MULTI/EXEC transaction above the stream's top, so
 a foreign entry cannot split it). A retry after a lost reply first asks whether the
 batch's first entry, same id and same MAC, landed (rule 3).
+
+Per-step reports linger (``StreamsConfig.publish_linger_s``) so that one transaction
+carries many of them: the thread sleeps through the linger without waking per message,
+and a message the coordinator acts on (``URGENT``: anything but a step's ``Batch`` and
+``LrUpdate`` or a ``Heartbeat``) ends it, so it and everything queued before it go at
+once. Order is never changed: a batch is always a prefix of the queue.
 """
 
 from __future__ import annotations
@@ -29,9 +35,15 @@ from flodl_bus.bus.stream_ops import (
     stream_top,
 )
 from flodl_bus.protocol import wire
+from flodl_bus.protocol.messages import Batch, Heartbeat, LrUpdate
 from flodl_bus.protocol.signing import MacKey
 
 _STOP: Final = object()
+
+#: What may wait for company (see the module's docstring): the coordinator's next
+#: decision never hangs on one of these alone (a plan's end is told by its MetricsMsg,
+#: a round's by its SyncAck, liveness has a timeout of seconds).
+LAZY: Final[frozenset[type]] = frozenset({Batch, LrUpdate, Heartbeat})
 
 
 class _Publisher:
@@ -58,6 +70,8 @@ class _Publisher:
         self.error: BaseException | None = None
         self.written = 0
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        #: set by every message that must not linger (and by flush and close)
+        self._urgent = threading.Event()
         self._closed = False
         self._closing = threading.Event()
         #: the first id and mac of the last batch tried (a lost reply: did it land?)
@@ -74,12 +88,15 @@ class _Publisher:
         if self.error is not None:
             raise BusError(f"upstream publisher of rank {self.rank} failed: {self.error}")
         self._q.put(msg)
+        if type(msg) not in LAZY:
+            self._urgent.set()
 
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
             return self._q.empty() and self.error is None
         done = threading.Event()
         self._q.put(done)
+        self._urgent.set()
         # After a failure the thread still answers flushes but drops messages.
         return done.wait(timeout) and self.error is None
 
@@ -88,6 +105,7 @@ class _Publisher:
             return
         self._closed = True
         self._q.put(_STOP)
+        self._urgent.set()
         self._thread.join(timeout)
         self._closing.set()
         self.link.close()
@@ -119,8 +137,18 @@ class _Publisher:
         get = self._q.get
         get_nowait = self._q.get_nowait
         limit = self.config.publish_batch
+        linger = self.config.publish_linger_s
+        urgent = self._urgent
         while True:
             batch = [get()]
+            if linger > 0 and type(batch[0]) in LAZY:
+                # Asleep, not woken by each put: the training thread's publishes cost it
+                # no GIL hand-over. An urgent put wakes us; one already queued left the
+                # event set, so the wait returns at once.
+                urgent.wait(linger)
+            # Cleared before the drain below: an urgent message put from here on is
+            # either drained now or sets the event again for the next round.
+            urgent.clear()
             while len(batch) < limit:
                 try:
                     batch.append(get_nowait())
