@@ -331,6 +331,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         settings=knobs,
         config_file=args.config,
         job=args.job,
+        # what `up` shows of the job, so the launcher never imports torch beside ranks
+        job_name=job.name,
+        target_metric=job.target_metric,
         dataset_sig=sig,
         resume_meta=resume_meta,
         members=[dataclasses.asdict(m) for m in admission.members],

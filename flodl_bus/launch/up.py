@@ -30,11 +30,10 @@ import secrets
 import shutil
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import redis
@@ -70,9 +69,6 @@ from flodl_bus.record.dispatch import fresh_run_dir
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
 
-if TYPE_CHECKING:
-    from flodl_bus.job import Job
-
 #: how long ranks may take to exit on their own once the coordinator is done
 WORKER_EXIT_GRACE_S = 10.0
 EXIT_INTERRUPTED = by_signal(signal.SIGINT)
@@ -87,7 +83,6 @@ class Launcher:
         self.args = args
         self.run = run
         self.keys = RunKeys(run)
-        self.job: Job | None = None
         self.started = started
         self.started_wall = started_wall
         asked = Path(args.run_dir or os.path.join("runs", run))
@@ -121,10 +116,10 @@ class Launcher:
         #: children's exit lines for refusals before any step, said by ``_finish``
         self._refusals: list[str] = []
         self._csv_mtime = -1
-        self._job_error: str | None = None
+        #: the coordinator's record header, once read (the job's name and target)
+        self._header: dict[str, Any] | None = None
         #: why ``_start`` gave up (one line), for the record's summary
         self.start_error: str | None = None
-        self._job_loader: threading.Thread | None = None
 
     # ------------------------------------------------------------------ run
     def run_all(self) -> int:
@@ -208,7 +203,7 @@ class Launcher:
             "PYTHONUNBUFFERED": "1",
         }
         pin_one_host(base_env)  # every rank is on this host: its groups stay on loopback
-        threads = threads_per_worker(args.workers)
+        threads = threads_per_worker(args.workers, env=os.environ)
         # The supervisor pipe: only the coordinator inherits its read end (pipes are
         # not inheritable by default; pass_fds makes this one so for that child alone).
         read_end, self._supervisor_w = os.pipe()
@@ -256,16 +251,13 @@ class Launcher:
         return None
 
     def _after_first_step(self) -> None:
-        # What only the launcher needs (the job's name and target, the bars' totals) is
-        # loaded once training runs: before, every CPU second went to the children's
-        # start (on two cores, importing torch here delayed the first step by a second).
         header = self._coordinator_header()
         if header is not None and self.progress is not None:
             self.progress.set_total(batches_per_rank(header))
         if header is not None:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self.view.set_epochs(int(header["config"]["num_epochs"]))
-        self._start_job_loader()
+            self._header = header
 
     def _coordinator_header(self) -> dict[str, Any] | None:
         try:
@@ -276,28 +268,18 @@ class Launcher:
             return None
         return header if isinstance(header, dict) and header.get("event") == "run" else None
 
-    def _start_job_loader(self) -> None:
-        # On a thread, because Ctrl-C raises in the main thread only: a KeyboardInterrupt
-        # in the middle of importing torch leaves it half-initialised, and the next
-        # touch of it can crash the interpreter.
-        if self._job_loader is None and self.job is None:
-            self._job_loader = threading.Thread(
-                target=self._load_job, name="flodl-up-job", daemon=True
-            )
-            self._job_loader.start()
-
-    def _load_job(self) -> None:
-        import torch
-
-        from flodl_bus.job import load_job
-
-        torch.set_num_threads(1)  # the workers get the cores
-        try:
-            self.job = load_job(self.args.job)
-        except SystemExit as exc:  # the children report it too; the launcher goes on
-            self._job_error = str(exc)
-        except Exception as exc:
-            self._job_error = f"{type(exc).__name__}: {exc}"
+    def _job_facts(self) -> tuple[str, float | None]:
+        """The job's name and target metric, from the coordinator's record header. The
+        launcher never imports the job itself: importing torch takes seconds of a core,
+        and done beside the ranks' first steps it stalled them (a rank's intra-op
+        threads wait at every barrier for the one the scheduler took away)."""
+        header = self._header or self._coordinator_header() or {}
+        name = header.get("job_name")
+        target = header.get("target_metric")
+        return (
+            name if isinstance(name, str) else self.args.job,
+            float(target) if isinstance(target, int | float) else None,
+        )
 
     def _say(self, line: str) -> None:
         if self.progress is not None:
@@ -503,11 +485,7 @@ class Launcher:
             dataclasses.replace(row, metric=view.evals.get(row.epoch + 1, row.metric))
             for row in self.rows
         ]
-        self._start_job_loader()
-        if self._job_loader is not None:
-            self._job_loader.join(timeout=60)
-        if self._job_error is not None:
-            print(f"flodl-bus up: {self._job_error}", flush=True)
+        job_name, target_metric = self._job_facts()
         if self.rows and not (run_dir / "metrics.csv").exists():
             from flodl_bus.launch.plot import write_rows_csv
 
@@ -529,14 +507,14 @@ class Launcher:
         summary = Summary(
             run=self.run,
             run_dir=str(run_dir),
-            job=args.job if self.job is None else self.job.name,
+            job=job_name,
             mode=args.mode,
             workers=args.workers,
             interrupted=self.interrupted,
             coordinator_rc=None if self.coordinator is None else self.coordinator.returncode,
             worker_rcs=tuple(c.returncode for c in workers),
             final_metric=view.final_metric,
-            target_metric=None if self.job is None else self.job.target_metric,
+            target_metric=target_metric,
             wall_s=wall,
             first_step_s=view.time_to_first_step(),
             syncs=view.syncs,
