@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flodl_bus.worker.host import usable_cores
+from flodl_bus.worker.host import thread_share, usable_cores
 
 
 @dataclass(frozen=True)
@@ -127,10 +127,20 @@ def thread_env(base: Mapping[str, str], threads: int) -> dict[str, str]:
     return env
 
 
-def threads_per_worker(workers: int, cores: int | None = None) -> int:
-    """Split the cores among the workers; oversubscribing them only adds contention."""
+def threads_per_worker(
+    workers: int, cores: int | None = None, env: Mapping[str, str] | None = None
+) -> int:
+    """Split the cores among the workers by the rule every rank follows
+    (``worker.host.thread_share``: a large host keeps a core for the control plane;
+    oversubscribing only adds contention). ``FLODL_NUM_THREADS`` or ``OMP_NUM_THREADS``
+    in ``env`` wins, as it does in a rank."""
     cores = usable_cores() if cores is None else cores
-    return max(1, cores // max(1, workers))
+    env = {} if env is None else env
+    share = thread_share({**env, "LOCAL_WORLD_SIZE": str(max(1, workers))}, cores)
+    if share is None:  # the caller's OMP_NUM_THREADS
+        omp = env.get("OMP_NUM_THREADS", "").strip()
+        return int(omp) if omp.isdigit() and int(omp) > 0 else 1
+    return share
 
 
 def _wait(children: Sequence[Child], seconds: float) -> bool:

@@ -7,14 +7,28 @@ or workers started by hand on one machine).
 
 Each rank takes its share of the host's cores for torch's threads, so ranks on one host do
 not fight over them: ``FLODL_NUM_THREADS`` when set; else nothing is changed when the
-launcher set ``OMP_NUM_THREADS`` (it split the cores already); else the usable cores
-divided by ``LOCAL_WORLD_SIZE``.
+launcher set ``OMP_NUM_THREADS`` (it split the cores already); else the usable cores,
+less ``CONTROL_CORES`` on a host of ``RESERVE_FROM`` cores or more, divided by
+``LOCAL_WORLD_SIZE``.
+
+Why a core is kept: intra-op threads wait for each other at the end of every parallel
+region, spinning. When they fill every core, whatever else must run (the coordinator,
+Redis, a rank's reader and publisher, the launcher) takes a core from one of them, and
+every region then waits for that thread to be scheduled again: on a 16-core host a world
+of one ran its first steps at 44 ms instead of 2 (issue 27). The control plane's work is
+small but it must find a core when it wakes.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, MutableMapping
+from typing import Final
+
+#: Cores left to the control plane (see the module's docstring) ...
+CONTROL_CORES: Final = 1
+#: ... on hosts with at least this many: on fewer, the ranks need every core they have.
+RESERVE_FROM: Final = 4
 
 
 def usable_cores() -> int:
@@ -63,4 +77,5 @@ def thread_share(env: Mapping[str, str], cores: int) -> int | None:
     local_world = env.get("LOCAL_WORLD_SIZE", "1").strip()
     if not local_world.isdigit() or int(local_world) < 1:
         raise ValueError(f"LOCAL_WORLD_SIZE={local_world!r}: use a count of ranks of 1 or more")
-    return max(1, cores // int(local_world))
+    usable = cores - CONTROL_CORES if cores >= RESERVE_FROM else cores
+    return max(1, usable // int(local_world))

@@ -131,6 +131,12 @@ def test_cores_are_split_among_workers_with_at_least_one_thread_each() -> None:
     assert threads_per_worker(1, cores=2) == 2
     assert threads_per_worker(3, cores=8) == 2
     assert threads_per_worker(5, cores=2) == 1
+    # the rule a rank follows: a large host keeps a core for the control plane
+    assert threads_per_worker(1, cores=16) == 15
+    assert threads_per_worker(2, cores=16) == 7
+    # an explicit count wins, as in a rank; a launcher's OMP_NUM_THREADS is kept
+    assert threads_per_worker(2, cores=16, env={"FLODL_NUM_THREADS": "1"}) == 1
+    assert threads_per_worker(2, cores=16, env={"OMP_NUM_THREADS": "4"}) == 4
     env = thread_env({"PATH": "/bin"}, 3)
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3"
     assert env["PATH"] == "/bin"

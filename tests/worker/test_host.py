@@ -41,10 +41,14 @@ def test_set_rank_env_writes_the_four_variables() -> None:
 
 
 def test_each_rank_takes_its_share_of_the_cores() -> None:
-    assert thread_share({"LOCAL_WORLD_SIZE": "4"}, 16) == 4
+    # a core of a large host is kept for the control plane
+    assert thread_share({"LOCAL_WORLD_SIZE": "4"}, 16) == 3
     assert thread_share({"LOCAL_WORLD_SIZE": "3"}, 16) == 5
+    assert thread_share({"LOCAL_WORLD_SIZE": "2"}, 16) == 7
+    assert thread_share({}, 16) == 15
+    # a small host gives its ranks every core
+    assert thread_share({}, 2) == 2
     assert thread_share({"LOCAL_WORLD_SIZE": "8"}, 2) == 1  # never below one
-    assert thread_share({}, 16) == 16
 
 
 def test_an_explicit_count_wins_and_a_launchers_omp_setting_is_left_alone() -> None:
