@@ -29,6 +29,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "scheduler_meta": False,
     "bridge_idle": False,
     "solo_without_rounds": False,
+    "solo_whole_epochs": False,
     "window_wait": False,
     "dead_zone_keeps_five_percent": False,
 }
@@ -131,6 +132,9 @@ class CoordinatorConfig:
     bridge_idle: bool = True
     #: a world of one closes its windows without a round (no SyncNow, no RequestParams)
     solo_without_rounds: bool = True
+    #: that world of one gets what is left of an epoch in one plan, not chunk by chunk
+    #: (issue 27). Not a setting: off only to replay records made before it
+    solo_whole_epochs: bool = True
     #: nccl progressive cadence: an open gate waits for a mover still short of a
     #: delivered sample while its chunk is out (reference §4.6.1)
     window_wait: bool = True

@@ -142,7 +142,9 @@ class Coordinator:
             PoolDispatch(self) if cfg.is_progressive else PartitionDispatch(self)
         )
         self.reduce: Reduce
-        if ws == 1 and cfg.solo_without_rounds:
+        #: a world of one that closes windows without rounds (``SoloReduce``)
+        self.solo = ws == 1 and cfg.solo_without_rounds
+        if self.solo:
             self.reduce = SoloReduce(self, adopts_consensus=cfg.backend is Backend.CPU)
         elif cfg.backend is Backend.NCCL:
             self.reduce = NcclReduce(self)
@@ -477,8 +479,7 @@ class Coordinator:
         if self.phase == TRAINING:
             trailing = any(self.ledger.steps[r] > 0 for r in alive)
             # A world of one closes its last window too (no round: its global step).
-            solo = isinstance(self.reduce, SoloReduce)
-            if (len(alive) >= 2 or solo) and trailing:
+            if (len(alive) >= 2 or self.solo) and trailing:
                 # Final consensus reduce, while idle ranks still service control.
                 if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
                     self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled

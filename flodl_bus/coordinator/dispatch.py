@@ -429,6 +429,12 @@ class PoolDispatch(Dispatch):
         remaining = pool.remaining() // core.bs
         if remaining <= 0:
             return 0
+        if core.solo and core.config.solo_whole_epochs:
+            # A world of one has no round to wait for and no peer to share with: what is
+            # left of the epoch goes in one plan, so the rank never idles between chunks
+            # (each turn-over is a trip through Redis and back, issue 27). Its windows
+            # still close as its Batches arrive.
+            return remaining
         barrier_paced = core.config.barrier_paced
         if barrier_paced:
             fw = self._refresh_final_window(pool, remaining)

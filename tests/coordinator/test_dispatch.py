@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.elche import WindowReport
 from flodl_bus.protocol import messages as m
@@ -136,3 +138,22 @@ def test_a_bridge_never_crosses_the_epoch_barrier() -> None:
         feed(core, 0, got[0].partition_size)
         out = core.handle(0, metrics(0, 0, got[0].partition_size), 0.0)
     assert pool.remaining() == 0 and 1 not in core.dispatch.pools  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async", "nccl-cadence"])
+def test_a_world_of_one_gets_each_epoch_in_one_plan_and_still_closes_its_windows(
+    mode: str,
+) -> None:
+    core, out = started(mode, ws=1, total=200, num_epochs=2)
+    assert [(p.epoch, p.partition_offset, p.partition_size) for p in plans(out).values()] == [
+        (0, 0, 200)
+    ]
+    out = []
+    for _ in range(200):  # the runtime ticks between reads
+        out += feed(core, 0, 1)
+        out += core.tick(0.01)
+    # windows closed while the plan ran (no round: the version counts them)
+    assert core.version >= 200 // max(core.elche.counts[0], 1) - 1 >= 4
+    out += core.handle(0, metrics(0, 0, 200), 0.02)
+    out += core.tick(0.03)
+    assert [(p.epoch, p.partition_size) for p in plans(out).values()] == [(1, 200)]
