@@ -2,7 +2,8 @@
 
 What one coordinator thread pays for each upstream message, stage by stage, at world
 size N, on a real ``redis-server`` (loopback) with every rank's upstream pre-filled with
-``--steps`` training steps (a ``Batch`` and an ``LrUpdate`` each, as a rank sends them):
+``--steps`` training steps (a ``Batch`` each, and an ``LrUpdate`` with the first, as a
+rank sends them at a constant LR):
 
 * ``ingest``: ``RedisCoordinatorBus.read_upstream`` + ack (XREADGROUP, seq, MAC, decode);
 * ``+ core``: the same through ``CoordinatorLoop``'s dispatch (``Coordinator.handle``,
@@ -81,7 +82,8 @@ def _prefill(url: str, keys: RunKeys, ranks: int, steps: int) -> int:
         for r in range(ranks):
             stream = keys.up(r)
             batch = m.Batch(rank=r, batch_ms=50.0, data_ms=0.1, step_count=s, batch_loss=0.5)
-            for msg in (batch, m.LrUpdate(rank=r, lr=0.1)):
+            lr = (m.LrUpdate(rank=r, lr=0.1),) if s == 1 else ()
+            for msg in (batch, *lr):
                 seqs[r] += 1
                 eid = format_id(clock.next(1))
                 fields = entries.build(signing.rank(r), stream, eid, msg, str(r), seqs[r])

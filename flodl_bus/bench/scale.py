@@ -199,13 +199,14 @@ def _host_busy() -> float | None:
 
 
 def _trained_an_epoch(watch: _RedisWatch, keys: RunKeys, args: argparse.Namespace) -> bool:
-    """Whether the rank to cut off has published a whole epoch's steps (Batch + LrUpdate)."""
+    """Whether the rank to cut off has published a whole epoch's steps (a Batch each; its
+    LrUpdate goes once, with the first, as the LR is constant)."""
     key = keys.up(args.cut_rank)
     try:
         info: Any = watch.client_for(key).xinfo_stream(key)
     except redis.exceptions.ResponseError:
         return False
-    return bool(int(info.get("entries-added", 0)) >= 2 * args.steps + 4)
+    return bool(int(info.get("entries-added", 0)) >= args.steps + 4)
 
 
 def _spawn(

@@ -350,7 +350,8 @@ class SimRank:
             self.steps += 1
             batch, lr = ctl.step_done(0.5, self.step_s * 1000.0, 0.0, 0.1)
             self.bus.publish(batch)
-            self.bus.publish(lr)
+            if lr is not None:
+                self.bus.publish(lr)
             while (msg := self.inbox.poll()) is not None:
                 if isinstance(msg, Closed) or self._service(msg):
                     return True

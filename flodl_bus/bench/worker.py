@@ -114,7 +114,8 @@ def bus_steps(job: Job, steps: int, bus: RankBus) -> Sample:
             t1 = time.perf_counter_ns()
             report, lr = control.step_done(loss, (t1 - t0) / 1e6, 0.0, 3e-3)
             publish(report)
-            publish(lr)
+            if lr is not None:
+                publish(lr)
             handle_control()
             t2 = time.perf_counter_ns()
             step_ns.append(t1 - t0)

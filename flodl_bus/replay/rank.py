@@ -80,6 +80,8 @@ class RankReplay(_Replay):
             model=RecordedModel(self.script, h.get("model")),
             seed=int(h.get("seed", SHUFFLE_BASE_SEED)),
             splits=int(h.get("splits", 1)),
+            # records made before the LR was reported only when it changed have no key
+            lr_every_step=h.get("lr_reports") != "changed",
         )
         # The runtime's router, not its threads: heartbeats, dead-rank notices, session
         # requests and the wire Update's next plan are handled exactly as in the run.
@@ -283,12 +285,12 @@ class RankReplay(_Replay):
             float(x) if x is not None else float("nan") for x in ev["args"]
         )
         self.script.load(ev.get("calls"))
-        out = self.control.step_done(loss, batch_ms, data_ms, lr)
+        out = [m for m in self.control.step_done(loss, batch_ms, data_ms, lr) if m is not None]
         _encodable(out)
         actual = {
             "args": norm(ev["args"]),
             "calls": norm(self.script.actual),
-            "out": norm(list(out)),
+            "out": norm(out),
             "after": norm(self.control.state()),
         }
         self._after = actual["after"]

@@ -220,6 +220,7 @@ class WorkerControl:
         stager: Stager | None = None,
         seed: int = SHUFFLE_BASE_SEED,
         splits: int = 1,
+        lr_every_step: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -240,6 +241,10 @@ class WorkerControl:
         self.steps_at_snapshot = 0
         self.global_step = 0
         self.current_version = 0
+        #: report the LR after every step, changed or not (flodl's piggyback; records
+        #: made before the LR was reported only on a change replay with it)
+        self.lr_every_step = lr_every_step
+        self._last_lr: float | None = None
 
         # The plan being trained and its expanded picks (grown by ExtendPartition).
         self.current_epoch = 0
@@ -472,11 +477,16 @@ class WorkerControl:
 
     def step_done(
         self, batch_loss: float, batch_ms: float, data_ms: float, lr: float
-    ) -> tuple[Batch, LrUpdate]:
-        """Account one optimizer step and build its two reports."""
+    ) -> tuple[Batch, LrUpdate | None]:
+        """Account one optimizer step and build its reports: a ``Batch``, and an
+        ``LrUpdate`` when the LR is news (the first step's, or one that changed). The
+        coordinator keeps each rank's last LR; an unchanged one sent after every step
+        was half of a rank's upstream traffic for nothing (issue 27)."""
         self.local_step += 1
         self.steps_since_avg += 1
         norm = self.params.param_norm() if self.steps_since_avg % PARAM_NORM_EVERY == 0 else None
+        news = self.lr_every_step or lr != self._last_lr
+        self._last_lr = lr
         return (
             Batch(
                 rank=self.rank,
@@ -486,7 +496,7 @@ class WorkerControl:
                 batch_loss=batch_loss,
                 param_norm=norm,
             ),
-            LrUpdate(rank=self.rank, lr=lr),
+            LrUpdate(rank=self.rank, lr=lr) if news else None,
         )
 
     def state(self) -> dict[str, Any]:

@@ -66,7 +66,7 @@ class CoreObserver(Protocol):
     def planned(self, plan: EpochPlan) -> None: ...
 
     def stepped(
-        self, args: tuple[float, float, float, float], out: tuple[Batch, LrUpdate]
+        self, args: tuple[float, float, float, float], out: tuple[Batch, LrUpdate | None]
     ) -> None: ...
 
     def closed(self, out: Dispatched) -> None: ...
@@ -288,7 +288,8 @@ class RankLoop:
                 if obs is not None:
                     obs.stepped((loss_value, compute_ms, data_ms, lr), (batch_msg, lr_msg))
                 publish(batch_msg)
-                publish(lr_msg)
+                if lr_msg is not None:
+                    publish(lr_msg)
                 if self.handle_control():
                     return True
         finally:

@@ -303,9 +303,17 @@ class CoreRecorder:
             after=self.control.state(),
         )
 
-    def stepped(self, args: tuple[float, float, float, float], out: tuple[Batch, LrUpdate]) -> None:
+    def stepped(
+        self, args: tuple[float, float, float, float], out: tuple[Batch, LrUpdate | None]
+    ) -> None:
         calls = self._cap.end()
-        self._rec.step(args=args, calls=calls, out=out, after=self.control.state())
+        self._rec.step(
+            args=args,
+            calls=calls,
+            out=[m for m in out if m is not None],
+            after=self.control.state(),
+            now=time.perf_counter() - self._t0,
+        )
 
     def closed(self, out: Dispatched) -> None:
         self._cap.end()
@@ -350,6 +358,9 @@ class RankRecording:
         )
 
     def header(self, **fields: Any) -> None:
+        # WorkerControl's default since the LR went upstream only as news; replay builds
+        # its core from this (a record without it reported the LR after every step)
+        fields.setdefault("lr_reports", "changed")
         self.recorder.header(launched_wall=self.launched_wall, **fields)
 
     def event(self, name: str, **fields: Mapping[str, Any] | Any) -> None:

@@ -444,6 +444,23 @@ def test_step_done_reports_a_batch_and_an_lr_with_a_norm_every_tenth_step() -> N
     assert [b.step_count for b, _ in later if b.param_norm is not None] == [31]
 
 
+def test_the_lr_is_reported_when_it_is_news_and_after_every_step_for_older_records() -> None:
+    r = make()
+    lrs = [0.01, 0.01, 0.01, 0.02, 0.02, 0.01]
+    sent = [r.control.step_done(0.5, 1.0, 0.0, lr)[1] for lr in lrs]
+    assert sent == [
+        LrUpdate(rank=0, lr=0.01),
+        None,
+        None,
+        LrUpdate(rank=0, lr=0.02),
+        None,
+        LrUpdate(rank=0, lr=0.01),
+    ]
+    every = make()
+    every.control.lr_every_step = True
+    assert all(every.control.step_done(0.5, 1.0, 0.0, lr)[1] is not None for lr in lrs)
+
+
 def test_the_lr_is_read_at_global_step_plus_steps_since_avg() -> None:
     r = make()
     r.control.dispatch(SetGlobalStep(100))

@@ -240,12 +240,13 @@ def test_wait_for_epoch_plan_returns_none_on_shutdown_or_closed_channel(ending: 
 # ------------------------------------------------------------------ training
 
 
-def test_run_epoch_plan_reports_a_batch_and_an_lr_update_per_step_and_one_metrics() -> None:
+def test_run_epoch_plan_reports_a_batch_per_step_the_lr_when_news_and_one_metrics() -> None:
     rig = make_rig()
     plan = EpochPlan(0, 0, 10 * BS + 5)  # the sub-batch remainder is dropped
     assert rig.loop.run_epoch_plan(plan) is False
     kinds = [type(m) for m in rig.published]
-    assert kinds == [Batch, LrUpdate] * 10 + [MetricsMsg]
+    # the job's LR is constant: reported after the first step only
+    assert kinds == [Batch, LrUpdate] + [Batch] * 9 + [MetricsMsg]
     batches = rig.of(Batch)
     assert [b.step_count for b in batches] == list(range(1, 11))
     assert [b.param_norm is not None for b in batches] == [False] * 9 + [True]
