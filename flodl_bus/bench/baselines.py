@@ -52,6 +52,30 @@ class BaselineResult:
     collectives: int = 0
     #: (epoch, training seconds at its end, metric) of every eval on the cadence
     evals: tuple[tuple[int, float, float], ...] = field(default=())
+    #: where the time went, timed as a rank times its steps (``bench.breakdown``):
+    #: seconds in ``compute``, ``data``, ``eval`` and the ``rest``, of the ``total``
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    samples: int = 0
+    steps: int = 0
+    total: float = 0.0
+    evals: list[tuple[int, float, float]] = field(default_factory=list)
+    compute: float = 0.0
+    data: float = 0.0
+    eval: float = 0.0
+
+    def parts(self) -> dict[str, float]:
+        rest = self.total - self.compute - self.data - self.eval
+        return {
+            "total": self.total,
+            "compute": self.compute,
+            "data": self.data,
+            "eval": self.eval,
+            "rest": max(0.0, rest),
+        }
 
 
 def _sync(device: torch.device) -> None:
@@ -100,17 +124,17 @@ def _train(
     eval_every: int = 1,
     evaluate: bool = True,
     barrier: bool = False,
-) -> tuple[int, int, float, list[tuple[int, float, float]]]:
-    """The rank's step, epoch after epoch: (samples, steps, training s, evals)."""
+) -> _Run:
+    """The rank's step, epoch after epoch, timed as a rank times it."""
     data = job.train_data()
     rank, world = shard
     bs = job.batch_size
-    samples = steps = 0
+    run = _Run()
     planned = job.planned_steps(epochs, len(data))
     feed = make_feed(data, device, FeedOptions.from_env(), seed=job.seed + rank)
     clip = job.max_grad_norm
-    evals: list[tuple[int, float, float]] = []
     clock = _Clock(device)
+    now = time.perf_counter
     try:
         clock.start()
         for epoch in range(epochs):
@@ -123,9 +147,11 @@ def _train(
 
             feed.begin(picks_of)
             for b in range(n):
+                t0 = now()
                 batch = feed.get(b)
+                t1 = now()
                 for group in opt.param_groups:
-                    group["lr"] = job.lr(steps * world, planned)
+                    group["lr"] = job.lr(run.steps * world, planned)
                 opt.zero_grad(set_to_none=True)
                 loss = job.loss_fn(model, batch)
                 loss.backward()  # type: ignore[no-untyped-call]
@@ -133,21 +159,25 @@ def _train(
                 if clip is not None:
                     nn.utils.clip_grad_norm_(model.parameters(), clip)
                 opt.step()
-                samples += bs
-                steps += 1
+                run.data += t1 - t0
+                run.compute += now() - t1
+                run.samples += bs
+                run.steps += 1
             if (epoch + 1) % eval_every == 0 or epoch + 1 == epochs:
+                t0 = now()
                 # the bare module: a DDP forward on one rank alone would wait for the others
                 metric = _evaluate(job, getattr(model, "module", model)) if evaluate else None
+                run.eval += now() - t0
                 if barrier:
                     dist.barrier()  # the others wait for the eval, as DDP users' loops do
                 at = clock.stop()
                 if metric is not None:
-                    evals.append((epoch, at, metric))
+                    run.evals.append((epoch, at, metric))
                 clock.start()
-        total = clock.stop()
+        run.total = clock.stop()
     finally:
         feed.close()
-    return samples, steps, total, evals
+    return run
 
 
 def plain_loop(
@@ -161,11 +191,17 @@ def plain_loop(
     model = job.build_model().to(dev)
     opt = job.build_optimizer(model)
     job.train_data()  # build (and cache) the data before the clock starts, as ranks do
-    samples, steps, wall, evals = _train(
-        job, model, opt, dev, epochs or job.num_epochs, eval_every=eval_every
+    run = _train(job, model, opt, dev, epochs or job.num_epochs, eval_every=eval_every)
+    metric = run.evals[-1][2] if run.evals else None
+    return BaselineResult(
+        "plain",
+        run.total,
+        run.samples,
+        run.steps,
+        metric,
+        evals=tuple(run.evals),
+        parts=run.parts(),
     )
-    metric = evals[-1][2] if evals else None
-    return BaselineResult("plain", wall, samples, steps, metric, evals=tuple(evals))
 
 
 def _ddp_rank(
@@ -202,7 +238,7 @@ def _ddp_rank(
         opt = job.build_optimizer(ddp)
         job.train_data()
         dist.barrier()
-        samples, steps, wall, evals = _train(
+        run = _train(
             job,
             ddp,
             opt,
@@ -216,11 +252,12 @@ def _ddp_rank(
         if rank == 0:
             torch.save(
                 {
-                    "wall": wall,
-                    "samples": samples * world,
-                    "steps": steps,
-                    "metric": evals[-1][2] if evals else None,
-                    "evals": evals,
+                    "wall": run.total,
+                    "samples": run.samples * world,
+                    "steps": run.steps,
+                    "metric": run.evals[-1][2] if run.evals else None,
+                    "evals": run.evals,
+                    "parts": run.parts(),
                 },
                 out,
             )
@@ -258,4 +295,5 @@ def ddp_loop(
         r["metric"],
         collectives=r["steps"],
         evals=tuple(tuple(e) for e in r["evals"]),  # type: ignore[misc]
+        parts=r["parts"],
     )

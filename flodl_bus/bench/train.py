@@ -38,19 +38,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flodl_bus.bench import breakdown
+from flodl_bus.bench.breakdown import mean_of, run_breakdowns
 from flodl_bus.bench.idle import describe, idle_of_run
 from flodl_bus.job import load_job
 from flodl_bus.record.log import read_records
+from flodl_bus.worker.host import thread_share, usable_cores
 
 _PLAIN = """
 import json, sys, torch
 from flodl_bus.bench.baselines import plain_loop
 from flodl_bus.job import load_job
-torch.set_num_threads(int(sys.argv[4]))
+if int(sys.argv[4]):  # 0: as the environment says (OMP_NUM_THREADS set by the caller)
+    torch.set_num_threads(int(sys.argv[4]))
 job = load_job(sys.argv[1])
 r = plain_loop(job, sys.argv[2], int(sys.argv[3]) or None, eval_every=int(sys.argv[5]))
 print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps,
-                  "metric": r.metric, "evals": r.evals}))
+                  "metric": r.metric, "evals": r.evals, "parts": r.parts}))
 """
 
 _DDP = """
@@ -59,7 +63,8 @@ from flodl_bus.bench.baselines import ddp_loop
 r = ddp_loop(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cuda", int(sys.argv[4]) or None,
              eval_every=int(sys.argv[5]))
 print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps,
-                  "metric": r.metric, "collectives": r.collectives, "evals": r.evals}))
+                  "metric": r.metric, "collectives": r.collectives, "evals": r.evals,
+                  "parts": r.parts}))
 """
 
 
@@ -95,6 +100,8 @@ def _bus(
     ]  # fmt: skip
     if args.epochs:
         cmd += ["--epochs", str(args.epochs)]
+    if args.device == "cpu":  # every contender on the CPU, on a GPU host too
+        cmd += ["--device", "cpu"]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(
@@ -113,7 +120,9 @@ def _bus(
     summary = next(r for r in records if r.get("event") == "summary")
     wall = rows[-1]["at"] - first
     idle = idle_of_run(run_dir, args.workers) if args.workers > 1 else None
+    ranks = run_breakdowns(run_dir, args.workers)
     return {
+        "parts": None if ranks is None else mean_of(ranks),
         "idle": None if idle is None else describe(idle, wall),
         "wall": wall,
         # every rank's batches: the run's samples, whatever its epochs
@@ -147,6 +156,11 @@ def _shares(run_dir: Path, workers: int) -> dict[str, list[float] | None]:
     return {"shares": shares, "planned_shares": planned}
 
 
+def _parts(per_run: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
+    got = [p for p in per_run if p]
+    return breakdown.median_of(got) if got else None
+
+
 def _median(values: Sequence[float | None]) -> float | None:
     got = [v for v in values if v is not None]
     return statistics.median(got) if got else None
@@ -176,7 +190,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=1, help="eval cadence in epochs")
     p.add_argument("--target", type=float, help="target metric (default: the job's)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each contender (medians)")
-    p.add_argument("--device", default="auto", help="device of the plain loop (auto: cuda:0)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (a GPU per rank, and cuda:0 for the plain loop, where CUDA is), "
+        "or cpu: every contender on the CPU",
+    )
     p.add_argument("--ddp", action="store_true", help="also run torch DDP on --workers ranks")
     p.add_argument("--no-plain", action="store_true", help="skip the plain loop")
     p.add_argument("--slow-rank", type=int, help="make this rank slower (bus and DDP runs)")
@@ -202,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda and torch.cuda.device_count() < args.workers:
         p.error(f"{args.workers} workers need {args.workers} GPUs; this host has "
                 f"{torch.cuda.device_count()}")  # fmt: skip
@@ -223,12 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             FLODL_SLOW_RANK=str(args.slow_rank),
             FLODL_SLOW_FACTOR=repr(args.slow_factor),
         )
-    cores = os.cpu_count() or 1
-    threads = max(1, cores // args.workers)  # one rank's share, as `up` gives each rank
+    cores = usable_cores()
+    # One rank's share, by the rule every rank follows (FLODL_NUM_THREADS, else the
+    # launcher's OMP_NUM_THREADS, else the cores over the ranks of the host).
+    threads = thread_share({**env, "LOCAL_WORLD_SIZE": str(args.workers)}, cores) or 0
     where = f"{torch.cuda.device_count()} GPU(s), CUDA {torch.version.cuda}" if cuda else "CPU"
     print(
         f"flodl-bus bench train: {args.job}, {args.workers} worker(s), {epochs} epochs, "
         f"eval every {args.eval_every}, target {target}; {where}, {cores} cores, "
+        f"{threads or os.environ.get('OMP_NUM_THREADS')} torch threads per rank, "
         f"torch {torch.__version__}"
     )
     if args.slow_rank is not None:
@@ -322,6 +344,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             ideal = plain["wall"] / (1.0 + 1.0 / f)
             print(f"  ideal two-rank time with one rank {f:.2f}x slower (shares by speed): "
                   f"{ideal:.2f} s = plain {plain['wall']:.2f} s / (1 + 1/{f:.2f})")  # fmt: skip
+    plain_parts = _parts([r.get("parts") for r in runs.get("plain", ())])
+    print(
+        "\nwhere a rank's time goes (seconds, medians of the runs, mean of the ranks; "
+        "bench.breakdown):"
+    )
+    for c, rs in runs.items():
+        parts = _parts([r.get("parts") for r in rs])
+        if parts is not None and c != "plain":
+            print(breakdown.describe(names[c], parts, plain_parts))
+        elif parts is not None and c == "plain" and len(runs) == 1:
+            print(breakdown.describe(names[c], parts, None))
     for c, rs in runs.items():
         if rs and rs[0].get("idle"):
             print(f"  {names[c]}, run 1: " + "\n".join(rs[0]["idle"]))

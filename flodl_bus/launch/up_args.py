@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
     p.add_argument(
+        "--device",
+        default="auto",
+        help="the workers' device: cpu, cuda, cuda:N or auto (default: cuda:<rank mod GPUs> "
+        "when CUDA is available, else cpu)",
+    )
+    p.add_argument(
         "--tensorboard",
         metavar="DIR",
         help="TensorBoard event files in DIR (the coordinator writes them; needs the "
@@ -111,6 +117,8 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
 def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> list[str]:
     argv = _cli("worker", *_shared_argv(args, run, run_dir))
     argv += ["--rank", str(rank), "--log-level", args.log_level]
+    if args.device != "auto":
+        argv += ["--device", args.device]
     if args.save_path:
         argv += ["--save-path", args.save_path]
     return argv

@@ -55,8 +55,10 @@ Rank only (the training loop's side of the state machine, so a replay needs no m
 ``{"event": "plan", "i", "source", "plan", "now", "partition_len", "after"}``
     ``begin_plan``; ``source`` is ``pending`` (the core's mailbox; ``taken`` in the older
     records above).
-``{"event": "step", "i", "args": [loss, batch_ms, data_ms, lr], "calls", "out", "after"}``
+``{"event": "step", "i", "args": [loss, batch_ms, data_ms, lr], "calls", "out", "after", "now"}``
     one optimizer step (``step_done``): its measured values are inputs of the record.
+    ``now`` is the rank's clock when the step was done (replay does not read it: it
+    dates the step for ``bench.breakdown``; records before it have none).
 ``{"event": "closed", "i", "out"}``
     ``channel_closed``: the reader died while the rank was throttled.
 
@@ -355,6 +357,7 @@ class DispatchRecorder:
         calls: Sequence[object],
         out: Sequence[object],
         after: Mapping[str, Any],
+        now: float | None = None,
     ) -> None:
         self._rec.record_core(
             "step",
@@ -363,6 +366,7 @@ class DispatchRecorder:
             calls=calls,
             out=out,
             after=after,
+            now=now,
         )
 
     def closed(self, *, out: object, after: Mapping[str, Any]) -> None:

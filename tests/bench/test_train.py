@@ -118,6 +118,14 @@ def test_bench_train_runs_plain_bus_and_ddp_and_prints_medians(
         assert m["wall"] > 0 and 0.5 < m["metric"] <= 1.0, name
     # DDP all-reduces once per step; the bus averages far less often
     assert got["medians"]["ddp"]["rounds"] > got["medians"]["bus nccl-cadence"]["rounds"] > 0
+    # every contender says where its time went, and the parts add up to the whole
+    assert "where a rank's time goes" in text
+    for name, runs in got["runs"].items():
+        parts = runs[0]["parts"]
+        assert parts["compute"] > 0, name
+        assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(
+            parts["total"], rel=0.02, abs=0.01
+        ), name
 
 
 def test_work_shares_are_the_batches_each_rank_trained_beside_elches_counts(

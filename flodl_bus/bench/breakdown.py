@@ -1,0 +1,216 @@
+"""Where a rank's time goes, read off its own record (``rank<r>.jsonl``).
+
+A rank's record dates every step (``now`` at its end, with its compute and data time)
+and every plan and dispatch (``now`` at its start) on the rank's one clock. Its training
+time, from its first plan to its last step, splits into:
+
+* ``compute`` and ``data``: the steps themselves (``batch_ms``, ``data_ms``), at the rate
+  the run settled to;
+* ``warmup``: what the first steps took beyond that rate (steps before ``SETTLE`` steps in
+  a row ran at most ``SETTLED`` times the run's median step);
+* ``plan``, ``epoch``: waits between the last step of a plan and the first of the next,
+  within an epoch and across one (an epoch's end includes its aggregation);
+* ``averaging``: time in the dispatch of a round's message (``SyncNow``, ``RequestParams``,
+  ``Update``, ``Throttle``) between two steps, a boundary's included;
+* ``eval``: the evals the rank ran (``EvalResult.elapsed_ms``), a cost every contender has;
+* ``rest``: the other gaps between steps: the bus's per-step cost on the training thread
+  (reports, the record, polling control) and whatever else stalled it.
+
+The parts add up to the training time. Records made before steps were dated have no
+breakdown (None).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Final
+
+from flodl_bus.record.log import read_records
+
+#: A run has settled once this many steps in a row took at most ``SETTLED`` x its median.
+SETTLE: Final = 20
+SETTLED: Final = 1.5
+#: Dispatches that are part of an averaging round on the rank.
+ROUND_TYPES: Final = frozenset({"SyncNow", "RequestParams", "Update", "Throttle"})
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds of one rank's training time, by where they went."""
+
+    total: float
+    compute: float
+    data: float
+    warmup: float
+    plan: float
+    epoch: float
+    averaging: float
+    eval: float
+    rest: float
+    steps: int
+    plans: int
+
+    def parts(self) -> dict[str, float]:
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("total", "steps", "plans")
+        }
+
+
+def _type(msg: Any) -> str | None:
+    return msg.get("type") if isinstance(msg, Mapping) else None
+
+
+def _settled_at(steps: Sequence[float], median: float) -> int:
+    """Index of the first step of the first run of ``SETTLE`` settled steps."""
+    bound = SETTLED * median
+    run = 0
+    for i, s in enumerate(steps):
+        run = run + 1 if s <= bound else 0
+        if run == SETTLE:
+            return i - SETTLE + 1
+    return 0
+
+
+def rank_breakdown(records: Iterable[Mapping[str, Any]]) -> Breakdown | None:
+    """The breakdown of one rank's record (None without dated steps)."""
+    # (now, kind, payload) in record order; kinds: step, plan, round, eval, other
+    events: list[tuple[float, str, Any]] = []
+    for rec in records:
+        ev = rec.get("event")
+        now = rec.get("now")
+        if ev == "step":
+            if now is None:
+                return None
+            args = rec.get("args") or (0.0, 0.0, 0.0, 0.0)
+            events.append((float(now), "step", (float(args[1]), float(args[2]))))
+        elif ev == "plan" and now is not None:
+            plan = rec.get("plan") or {}
+            events.append((float(now), "plan", plan.get("epoch")))
+        elif ev == "dispatch" and now is not None:
+            kind = _type(rec.get("msg"))
+            if kind in ROUND_TYPES:
+                events.append((float(now), "round", None))
+            else:
+                evals = [
+                    float(o.get("elapsed_ms") or 0.0) / 1e3
+                    for o in rec.get("out") or ()
+                    if _type(o) == "EvalResult"
+                ]
+                events.append((float(now), "eval" if evals else "other", sum(evals)))
+    steps = [(t, p) for t, k, p in events if k == "step"]
+    plans = [e for e in events if e[1] == "plan"]
+    if len(steps) < 2 or not plans:
+        return None
+    lengths = [(c + d) / 1e3 for _, (c, d) in steps]
+    median = statistics.median(lengths)
+    settled = _settled_at(lengths, median)
+    compute = data = warmup = 0.0
+    for i, (_, (c, d)) in enumerate(steps):
+        length = (c + d) / 1e3
+        if i < settled and length > median:
+            warmup += length - median
+            c, d = c * median / length, d * median / length
+        compute += c / 1e3
+        data += d / 1e3
+    start = plans[0][0]
+    end = steps[-1][0]
+    plan_s = epoch_s = round_s = eval_s = rest = 0.0
+    # Walk the gaps: from a step's end (or the first plan) to the next step's start.
+    gap_from = start
+    last_epoch = plans[0][2]
+    pending: list[tuple[float, str, Any]] = []
+    for now, kind, payload in events:
+        if kind != "step":
+            if now >= start:
+                pending.append((now, kind, payload))
+            continue
+        c, d = payload
+        gap_to = now - (c + d) / 1e3
+        gap = max(0.0, gap_to - gap_from)
+        in_round = in_eval = 0.0
+        boundary: str | None = None
+        for j, (t, k, p) in enumerate(pending):
+            if k == "round":
+                # until the next dated event after it (its end, near enough)
+                nxt = pending[j + 1][0] if j + 1 < len(pending) else gap_to
+                in_round += max(0.0, min(nxt, gap_to) - t)
+            elif k == "eval":
+                in_eval += p
+            elif k == "plan":
+                boundary = "epoch" if p != last_epoch else "plan"
+                last_epoch = p
+        in_eval = min(in_eval, gap)
+        in_round = min(in_round, gap - in_eval)
+        left = gap - in_eval - in_round
+        eval_s += in_eval
+        round_s += in_round
+        if boundary == "epoch":
+            epoch_s += left
+        elif boundary == "plan":
+            plan_s += left
+        else:
+            rest += left
+        pending = []
+        gap_from = now
+    total = end - start
+    return Breakdown(
+        total=total,
+        compute=compute,
+        data=data,
+        warmup=warmup,
+        plan=plan_s,
+        epoch=epoch_s,
+        averaging=round_s,
+        eval=eval_s,
+        rest=rest,
+        steps=len(steps),
+        plans=len(plans),
+    )
+
+
+def run_breakdowns(run_dir: Path, world: int) -> list[Breakdown] | None:
+    """Every rank's breakdown of a run's records (None if one has none)."""
+    out = []
+    for r in range(world):
+        found = sorted(run_dir.rglob(f"rank{r}.jsonl*"))
+        if not found:
+            return None
+        b = rank_breakdown(read_records(found[0]))
+        if b is None:
+            return None
+        out.append(b)
+    return out
+
+
+def mean_of(breakdowns: Sequence[Breakdown]) -> dict[str, float]:
+    """The ranks' mean of each part, and of the total (seconds)."""
+    keys = ["total", *breakdowns[0].parts()]
+    return {k: statistics.fmean(getattr(b, k) for b in breakdowns) for k in keys}
+
+
+def median_of(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each part's median over runs."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
+def describe(name: str, parts: Mapping[str, float], plain: Mapping[str, float] | None) -> str:
+    """One line: each part in seconds and as a share of the training time."""
+    total = parts["total"]
+    cells = [f"{name:<24}{total:7.2f} s"]
+    for k, v in parts.items():
+        if k == "total":
+            continue
+        share = v / total if total > 0 else 0.0
+        cells.append(f"{k} {v:.2f} ({share:.0%})")
+    line = "  ".join(cells)
+    if plain is not None:
+        line += (
+            f"\n{'':<24}plain loop: compute {plain['compute']:.2f} s, data {plain['data']:.2f} s,"
+            f" eval {plain['eval']:.2f} s, rest {plain['rest']:.2f} s of {plain['total']:.2f} s"
+        )
+    return line
