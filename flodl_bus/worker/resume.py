@@ -95,7 +95,15 @@ def restore_rank_state(
             detail="no optimizer/outer/random state saved for this rank; starting them fresh",
         )
         return False
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        # The safe loader: a rank state is tensors, numbers and containers only, and a
+        # planted file must not run code (a resume stem can come from the run's meta).
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ValueError(
+            f"{path} is not a readable rank state ({_first_line(exc)}); resume from a "
+            "stem this project wrote, or delete the file to start the rank's state fresh"
+        ) from None
     if not isinstance(state, dict) or state.get("schema") != STATE_SCHEMA:
         raise ValueError(f"{path} is not a rank state of schema {STATE_SCHEMA}; cannot resume")
     if optimizer is not None and state["optimizer"] is not None:

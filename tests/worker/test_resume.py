@@ -112,3 +112,48 @@ def test_a_state_that_does_not_fit_is_refused_naming_the_file(tmp_path: Path) ->
     torch.save({"schema": 0}, state_path(stem, 0))
     with pytest.raises(ValueError, match="not a rank state of schema"):
         restore_rank_state(stem, 0, opt, None)
+
+
+class _Planted:
+    """What an attacker plants as a rank state: unpickling it would run code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("where", ["state", "model"])
+def test_a_planted_checkpoint_is_refused_in_one_line_and_runs_no_code(
+    tmp_path: Path, where: str
+) -> None:
+    from flodl_bus.worker.resume import restore_model
+
+    marker = tmp_path / "ran"
+    stem = tmp_path / "ckpt"
+    model = digits.build_model()
+    opt = digits.build_optimizer(model)
+    if where == "state":
+        torch.save({"schema": 1, "optimizer": _Planted(marker)}, state_path(stem, 0))
+        with pytest.raises(ValueError, match=r"not a readable rank state") as err:
+            restore_rank_state(stem, 0, opt, None)
+    else:
+        torch.save({"w": _Planted(marker)}, Path(f"{stem}.model.pt"))
+        with pytest.raises(ValueError, match=r"not a readable model") as err:
+            restore_model(stem, model)
+    assert "\n" not in str(err.value)
+    assert not marker.exists()
+
+
+def test_a_saved_state_with_an_outer_optimizer_loads_with_the_safe_loader(tmp_path: Path) -> None:
+    model = digits.build_model()
+    opt = digits.build_optimizer(model)
+    _step(model, opt, 0)
+    outer = Nesterov()
+    _outer_rounds(outer, model, 2)
+    stem = tmp_path / "ckpt"
+    save_rank_state(stem, 0, opt, Plane(outer))
+    # weights_only=True is what restore uses: everything saved must pass it
+    torch.load(state_path(stem, 0), weights_only=True)
+    assert restore_rank_state(stem, 0, opt, Plane(Nesterov()))
