@@ -49,6 +49,7 @@ from flodl_bus.exits import (
     describe,
     signal_of,
 )
+from flodl_bus.launch import run_lock
 from flodl_bus.launch.display import Progress, Summary, terminal_width
 from flodl_bus.launch.jobref import check_job_ref
 from flodl_bus.launch.outcome import (
@@ -91,7 +92,11 @@ class Launcher:
         # here once and handed to every process (they then have nothing to rotate).
         self.run_dir = fresh_run_dir(asked, "coordinator")
         self.rotated_from = asked if self.run_dir != asked else None
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        #: this launch made the directory: a refusal may remove it whole
+        self.made_run_dir = not self.run_dir.exists()
+        # Held for the whole run: a second launch with this run id refuses before it
+        # writes or removes anything here (run_lock.RunDirBusy, raised to main).
+        self.run_lock = run_lock.take(self.run_dir)
         self.record = Recorder(self.run_dir / "up.jsonl", role="up")
         self.secret = new_secret()
         # The coordinator's keys come from up: its console checks the ranks' entries as
@@ -152,7 +157,10 @@ class Launcher:
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
-        return self._finish(time.monotonic() - self.started)
+        try:
+            return self._finish(time.monotonic() - self.started)
+        finally:
+            self.run_lock.release()
 
     def _start(self) -> int | None:
         args = self.args
@@ -473,9 +481,17 @@ class Launcher:
             # Refused before anything ran: one line, and no run directory left behind
             # (it would hold nothing but that line).
             self.record.close()
-            shutil.rmtree(run_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                run_dir.parent.rmdir()  # runs/, when this run made it and it is empty
+            if self.made_run_dir:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    run_dir.parent.rmdir()  # runs/, when this run made it and it is empty
+            else:
+                # A directory that was there before: only what this launch wrote goes.
+                mine = [run_dir / "up.jsonl", run_dir / run_lock.LOCK_NAME]
+                mine += [c.log_path for c in self.children]
+                for path in mine:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
             print(f"flodl-bus up: {refused}", file=sys.stderr, flush=True)
             return CONFIG
         for line in self._refusals:
@@ -519,7 +535,13 @@ class Launcher:
             first_step_s=view.time_to_first_step(),
             syncs=view.syncs,
             batches=view.total_batches,
-            files=tuple(sorted(p.name for p in run_dir.iterdir() if p.is_file())),
+            files=tuple(
+                sorted(
+                    p.name
+                    for p in run_dir.iterdir()
+                    if p.is_file() and p.name != run_lock.LOCK_NAME
+                )
+            ),
         )
         code = run_exit_code(
             summary.coordinator_rc,
@@ -579,5 +601,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InvalidRunId as exc:
         print(f"flodl-bus up: --run: {exc}", file=sys.stderr)
         return 2
-    launcher = Launcher(args, run, started, started_wall)
+    try:
+        launcher = Launcher(args, run, started, started_wall)
+    except run_lock.RunDirBusy as exc:
+        print(f"flodl-bus up: {exc}", file=sys.stderr)
+        return CONFIG
     return launcher.run_all()

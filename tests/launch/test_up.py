@@ -295,3 +295,54 @@ def test_a_reused_run_id_leaves_the_earlier_run_whole_and_both_replay(
         assert set(results) == {"coordinator", "rank:0", "rank:1"}
         assert all(r.identical and r.replayed > 0 for r in results.values()), results
     assert marked_pids(mark) == []
+
+
+def test_a_second_up_with_a_running_runs_id_refuses_in_one_line_and_touches_nothing(
+    tmp_path: Path, mark: str
+) -> None:
+    from flodl_bus.launch.run_lock import LOCK_NAME
+    from flodl_bus.replay import replay_run
+
+    first = _up(tmp_path, mark, "--run", "twice", "--epochs", "2")
+    run_dir = tmp_path / "runs" / "twice"
+    lock = run_dir / LOCK_NAME
+    deadline = time.monotonic() + 60
+    # the first launch holds the directory once its lock names it
+    while not (lock.exists() and lock.read_text().strip()) and time.monotonic() < deadline:
+        assert first.poll() is None, first.communicate()[0]
+        time.sleep(0.02)
+    assert lock.read_text().strip() == str(first.pid)
+    before = {p.name: p.stat().st_ino for p in run_dir.iterdir()}
+    second = _up(tmp_path, mark, "--run", "twice", "--epochs", "2")
+    out2, _ = second.communicate(timeout=60)
+    assert second.returncode == 2, out2
+    lines = [ln for ln in out2.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "in use by another flodl-bus up" in lines[0], out2
+    assert f"pid {first.pid}" in lines[0]
+    # nothing of the first run was removed or replaced
+    after = {p.name: p.stat().st_ino for p in run_dir.iterdir()}
+    assert {k: v for k, v in after.items() if k in before} == before
+    out1, _ = first.communicate(timeout=150)
+    assert first.returncode == 0, out1
+    results = replay_run(run_dir)
+    assert set(results) == {"coordinator", "rank:0", "rank:1"}
+    assert all(r.identical for r in results.values()), results
+    assert not (tmp_path / "runs" / "twice.2").exists()
+    assert marked_pids(mark) == []
+
+
+def test_a_refused_run_removes_only_what_it_wrote_from_a_directory_it_did_not_make(
+    tmp_path: Path,
+) -> None:
+    from flodl_bus.launch.up import main
+
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("the user's own file")
+    # a resume point that does not exist: the coordinator refuses before any step
+    rc = main(
+        ["--run-dir", str(run_dir), "--workers", "1", "--no-progress", "--no-plot",
+         "--resume", str(tmp_path / "nowhere" / "ckpt")]
+    )  # fmt: skip
+    assert rc == 2
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
