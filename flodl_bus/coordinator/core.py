@@ -211,10 +211,16 @@ class Coordinator:
         elif isinstance(msg, SyncAck):
             self.reduce.on_sync_ack(rank, msg, now)
         elif isinstance(msg, Exiting):
-            if msg.reason is not None and self.phase != SHUTDOWN and self.alive(rank):
-                self._on_leaving(rank, msg.reason, now, out)
-            else:
+            if self.phase == SHUTDOWN or not self.alive(rank):
                 self._on_exiting(rank, out)
+            else:
+                # A clean leave comes only after the run's Shutdown: one before it (a
+                # rank that lost its reader, an entry of a stale process) left work
+                # undone, which must be handed on like a death's, not waited for.
+                why = msg.reason or leaving.reason(
+                    leaving.RANK_FAILED, "left before the run's end without a reason"
+                )
+                self._on_leaving(rank, why, now, out)
         elif isinstance(msg, Intent):
             if msg.kind is IntentKind.EVAL_NOW:
                 self.roles.pending_eval_intent = True

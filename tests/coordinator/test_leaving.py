@@ -1,6 +1,8 @@
 """A rank that leaves mid-run says so (``Exiting`` with a reason): the core handles it as
-a death at once, without waiting for the heartbeat timeout; an Exiting without a reason
-stays flodl's clean completion."""
+a death at once, without waiting for the heartbeat timeout. An Exiting without a reason
+is a clean completion only once the run said Shutdown; before, it left work undone and
+is handled as a failure (issue 28: the work was never handed on, and a coordinator whose
+ranks had all left idled for ever)."""
 
 from __future__ import annotations
 
@@ -23,8 +25,29 @@ def test_exiting_with_a_reason_mid_run_declares_the_rank_dead_and_re_forms_at_on
     assert core.handle(2, m.Exiting(2), 0.6) == []
 
 
-def test_exiting_without_a_reason_is_still_a_clean_completion() -> None:
+def test_exiting_without_a_reason_mid_run_is_a_failure_whose_work_is_handed_on() -> None:
     core, _ = started("cpu-cadence", ws=3, total=3000)
+    out = core.handle(2, m.Exiting(2), 0.5)
+    assert [o.msg.rank for o in msgs(out, m.DeclareDead)] == [2]
+    assert core.live.dead[2] and not core.alive(2)
+    assert any(
+        isinstance(o, Alert) and "rank 2" in o.detail and "without a reason" in o.detail
+        for o in out
+    )
+
+
+def test_every_rank_leaving_mid_run_without_a_reason_stops_the_run_in_order() -> None:
+    core, _ = started("cpu-cadence", ws=2, total=3000)
+    out = core.handle(0, m.Exiting(0), 0.5) + core.handle(1, m.Exiting(1), 0.6)
+    reasons = [o.msg.reason for o in msgs(out, m.ShutdownWithSave)]
+    assert reasons and reasons[0] in (m.SaveReason.SINGLE_SURVIVOR, m.SaveReason.ALL_RANKS_LOST)
+    out += core.tick(0.7)
+    assert core.finished or any(isinstance(o, Finished) for o in out)
+
+
+def test_exiting_without_a_reason_after_the_shutdown_is_a_clean_completion() -> None:
+    core, _ = started("cpu-cadence", ws=3, total=3000)
+    core.interrupt(0.4)
     out = core.handle(2, m.Exiting(2), 0.5)
     assert not msgs(out, m.DeclareDead)
     assert core.live.exited[2] and not core.live.dead[2]
