@@ -29,14 +29,21 @@ class SettingsError(ValueError):
     """A knob's value or the config file is wrong; the message names the fix."""
 
 
-def _int(lo: int) -> Callable[[str], int]:
+#: the largest count a knob takes: counts of batches, ranks and epochs stay far below it,
+#: and every one fits the wire's 64-bit integers with room for arithmetic on it
+MAX_COUNT = 1_000_000_000
+#: seeds are added to an epoch's pass number and must stay an unsigned 64-bit value
+MAX_SEED = 2**63 - 1
+
+
+def _int(lo: int, hi: int = MAX_COUNT) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise SettingsError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise SettingsError(f"must be >= {lo}, got {v}")
+        if not lo <= v <= hi:
+            raise SettingsError(f"must be >= {lo} and <= {hi}, got {v}")
         return v
 
     return parse
@@ -108,7 +115,7 @@ class Knob:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("seed", _int(0), SHUFFLE_BASE_SEED, "shuffle seed of every epoch's order", True),
+    Knob("seed", _int(0, MAX_SEED), SHUFFLE_BASE_SEED, "shuffle seed of every epoch's order", True),
     Knob("epoch_splits", _int(1), 1, "cut each pass over the data into N epochs", True),
     Knob(
         "lr_scale_ratio",
@@ -277,6 +284,23 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         else:
             values[k.key] = k.default
     return values
+
+
+def world_mismatch(values: Mapping[str, Any], world_size: int) -> str | None:
+    """What in the resolved knobs cannot fit a world of ``world_size`` (one line), or
+    None: checked by a launcher that knows the world before anything starts."""
+    rank = values.get("callback_rank")
+    if rank is not None and not 0 <= rank < world_size:
+        return (
+            f"--callback-rank {rank} is not a rank of {world_size} worker(s): use "
+            f"0..{world_size - 1}, or leave it unset"
+        )
+    hints = values.get("speed_hints")
+    if hints is not None and len(hints) != world_size:
+        return (
+            f"--speed-hints gives {len(hints)} speed(s) for {world_size} worker(s): give one each"
+        )
+    return None
 
 
 def argv(args: argparse.Namespace) -> list[str]:

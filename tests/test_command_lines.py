@@ -92,6 +92,23 @@ def test_up_refuses_a_job_attribute_typo_before_any_process_or_run_dir(job_dir: 
     assert "run " not in result.stdout  # the launch line never printed
 
 
+@pytest.mark.parametrize(
+    ("config", "fix"),
+    [
+        ("seed = 18446744073709551616\n", "seed: must be >= 0"),
+        ("anchor = 1e20\n", "anchor: expected an integer"),
+        ("callback_rank = 99\n", "--callback-rank 99 is not a rank of 3 worker(s)"),
+    ],
+)
+def test_up_refuses_out_of_range_settings_before_any_process_or_run_dir(
+    job_dir: Path, config: str, fix: str
+) -> None:
+    (job_dir / "run.toml").write_text(config)
+    result = flodl_bus(job_dir, "up", "--workers", "3", "--config", "run.toml", "--no-progress")
+    assert fix in one_line(result, "flodl-bus up")
+    assert not (job_dir / "runs").exists()
+
+
 def test_up_refuses_a_job_that_is_not_a_job(job_dir: Path) -> None:
     err = one_line(flodl_bus(job_dir, "up", "--job", "myjob:not_a_job"), "flodl-bus up")
     assert "not_a_job is a int, not a flodl_bus Job" in err

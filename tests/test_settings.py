@@ -48,6 +48,10 @@ def test_a_flag_beats_the_file_and_the_file_beats_the_default(tmp_path: Path) ->
         ("overhead_target = 0.9\n", "overhead_target: must be >= 0.01 and <= 0.5"),
         ("epoch_splits = 0\n", "epoch_splits: must be >= 1"),
         ("seed = [1\n", "--config"),
+        # out of range: refused in one line before anything starts (issue 28)
+        ("anchor = 1e20\n", "anchor: expected an integer"),
+        ("anchor = 100000000000000000000\n", "anchor: must be >= 1 and <= 1000000000"),
+        (f"seed = {2**64}\n", f"seed: must be >= 0 and <= {2**63 - 1}"),
     ],
 )
 def test_a_bad_config_file_names_the_key_and_the_fix(tmp_path: Path, toml: str, fix: str) -> None:
@@ -137,6 +141,21 @@ def test_a_bad_hint_or_switch_is_named_with_its_fix(argv: list[str], fix: str) -
     with pytest.raises(settings.SettingsError) as exc:
         settings.resolve(parse(*argv))
     assert fix in str(exc.value)
+
+
+def test_a_callback_rank_or_hints_outside_the_world_are_refused_in_one_line() -> None:
+    v = settings.resolve(parse("--callback-rank", "99"))
+    assert settings.world_mismatch(v, 3) == (
+        "--callback-rank 99 is not a rank of 3 worker(s): use 0..2, or leave it unset"
+    )
+    assert settings.world_mismatch(settings.resolve(parse("--callback-rank", "2")), 3) is None
+    hints = settings.resolve(parse("--speed-hints", "1,2"))
+    assert "2 speed(s) for 3 worker(s)" in (settings.world_mismatch(hints, 3) or "")
+    with pytest.raises(ValueError, match="callback_rank 99 is not a rank of this world of 3"):
+        CoordinatorConfig(
+            mode="cpu-cadence", world_size=3, total_samples=100, batch_size=1, num_epochs=1,
+            **config_knobs(v),
+        )  # fmt: skip
 
 
 def test_speed_hints_for_another_world_size_are_refused() -> None:

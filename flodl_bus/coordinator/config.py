@@ -175,6 +175,13 @@ class CoordinatorConfig:
                 f"{' with progressive dispatch' if self.policy is Policy.SYNC else ''}: "
                 "use --mode nccl-sync or cpu-sync, or drop lockstep"
             )
+        if self.epoch_callback_rank is not None and not (
+            0 <= self.epoch_callback_rank < self.world_size
+        ):
+            raise ValueError(
+                f"callback_rank {self.epoch_callback_rank} is not a rank of this world of "
+                f"{self.world_size}: use 0..{self.world_size - 1}, or leave it unset"
+            )
         if self.speed_hints is not None and (
             len(self.speed_hints) != self.world_size or min(self.speed_hints) <= 0
         ):

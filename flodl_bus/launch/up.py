@@ -587,9 +587,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"flodl-bus up: {why}", file=sys.stderr)
             return 2
     try:
-        settings.resolve(args)  # a bad flag or --config file fails here, before any start
+        knobs = settings.resolve(args)  # a bad flag or --config file fails here, before any start
     except settings.SettingsError as exc:
         print(f"flodl-bus up: {exc}", file=sys.stderr)
+        return 2
+    world_wrong = settings.world_mismatch(knobs, args.workers)
+    if world_wrong is not None:
+        print(f"flodl-bus up: {world_wrong}", file=sys.stderr)
         return 2
     bad_job = check_job_ref(args.job)
     if bad_job is not None:
