@@ -34,6 +34,7 @@ from flodl_bus.bus.connection import (
     redact_url,
 )
 from flodl_bus.bus.entries import F_BODY, F_MAC, F_RANK, F_SEQ, F_TYPE
+from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.stream_ops import stream_top
@@ -75,7 +76,10 @@ def format_entry(
     broadcast_key: VerifyKey | None,
 ) -> str:
     """``time  stream  id  type  rank=… seq=…  {decoded body fields}``."""
-    when = datetime.fromtimestamp(eid[0] / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
+    try:
+        when = datetime.fromtimestamp(eid[0] / 1000, UTC).strftime("%H:%M:%S.%f")[:-3]
+    except (OverflowError, OSError, ValueError):  # an id no clock writes: a foreign one
+        when = "??:??:??.???"
     short = keys.short(stream)
     if stream == keys.dlq:
         reason = fields.get(b"reason", b"").decode(errors="replace")
@@ -133,6 +137,8 @@ def tail(
     keys = RunKeys(run)
     out = sys.stdout if out is None else out
     last: dict[str, EntryId] = {}
+    #: foreign entries beyond the run's ids, shown once each
+    beyond: set[tuple[str, EntryId]] = set()
     first_scan = True
     next_scan = 0.0
     printed = 0
@@ -166,10 +172,21 @@ def tail(
         ):
             break  # the run is over and its last entries are out
         lines = []
+        before = dict(last)
+        limit = writer_limit(time.time_ns() // 1_000_000)
         for name, items in reply or ():
             stream = name.decode()
             for raw_id, fields in items:
                 eid = parse_id(raw_id)
+                if eid[0] > limit:
+                    # Beyond any id of the run (a foreign entry): shown once, and the
+                    # cursor stays, or nothing the run writes after it would show.
+                    if (stream, eid) not in beyond:
+                        beyond.add((stream, eid))
+                        note = "  [FOREIGN: beyond any id of the run]"
+                        line = format_entry(keys, stream, eid, fields, broadcast_key) + note
+                        lines.append((eid, stream, line))
+                    break
                 last[stream] = eid
                 if (
                     stream == keys.ctl_all
@@ -178,6 +195,8 @@ def tail(
                 ):
                     shutdown_seen = time.monotonic()
                 lines.append((eid, stream, format_entry(keys, stream, eid, fields, broadcast_key)))
+        if reply and last == before:
+            time.sleep(block / 1000)  # only a foreign entry the cursor must not pass
         lines.sort()
         if count is not None:
             lines = lines[: count - printed]

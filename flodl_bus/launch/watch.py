@@ -3,7 +3,9 @@
 The coordinator and the ranks read through consumer groups; a watcher must not take an
 entry from them, so it keeps its own cursor per stream and asks for entries strictly
 after it. Every entry is authenticated and decoded with ``entries.parse`` (the same
-checks the runtimes apply); an entry that fails is counted and skipped, not shown.
+checks the runtimes apply); an entry that fails is counted and skipped, not shown, and
+the cursor never passes one whose id is beyond any id the run's writers use (a foreign
+largest id would otherwise hide everything written after it).
 
 The watcher holds the coordinator's identity (``flodl-bus up`` made it): it checks the
 broadcast stream with its public key, and a rank's streams with the rank key it derives,
@@ -12,6 +14,7 @@ as the coordinator does, from the rank's Hello and the Assign on the join stream
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +23,7 @@ import redis
 
 from flodl_bus.bus import entries
 from flodl_bus.bus.connection import MAX_BLOCK_MS
+from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.protocol import wire
@@ -33,6 +37,12 @@ from flodl_bus.protocol.signing import (
 )
 
 READ_COUNT = 1000
+#: rejected entries remembered to count each once (a bound, not a budget)
+REFUSED_KEPT = 10_000
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
 
 
 class _Unchecked:
@@ -65,6 +75,8 @@ class StreamWatcher:
         self.identity = identity
         self._rank_keys: dict[int, MacKey] = {}
         self.rejected = 0
+        #: entries already counted as rejected (one beyond the run's ids is read again)
+        self._refused: set[tuple[str, EntryId]] = set()
         self._last: dict[str, EntryId] = {keys.ctl_all: ZERO}
         self._who: dict[str, tuple[bool, int | None]] = {keys.ctl_all: (False, None)}
         for r in range(world_size):
@@ -84,14 +96,15 @@ class StreamWatcher:
             {s: format_id(i) for s, i in self._last.items()}, count=READ_COUNT, block=block
         )
         out: list[Seen] = []
+        before = dict(self._last)
         for name, items in reply or ():
             stream = name.decode() if isinstance(name, bytes) else str(name)
             upstream, rank = self._who[stream]
             channel = wire.UPSTREAM if upstream else wire.CONTROL
             owner = BROADCAST if rank is None else str(rank)
+            limit = writer_limit(_now_ms())
             for raw_id, fields in items:
                 eid = parse_id(raw_id)
-                self._last[stream] = eid
                 verifier = self._verifier(rank)
                 parsed = (
                     "no key for this rank yet"
@@ -106,9 +119,25 @@ class StreamWatcher:
                     )
                 )
                 if isinstance(parsed, str):
-                    self.rejected += 1
+                    if (stream, eid) not in self._refused:
+                        self.rejected += 1
+                        self._refused.add((stream, eid))
+                    if eid[0] > limit:
+                        # A foreign entry beyond any id of the run: passing it would
+                        # skip every entry the run writes until the coordinator removes
+                        # it (writers wait meanwhile), so the cursor stays and the same
+                        # entry comes back on the next read, counted once.
+                        break
+                    self._last[stream] = eid
                     continue
+                self._last[stream] = eid
                 out.append(Seen(upstream, rank, eid, parsed.msg))
+            if len(self._refused) > REFUSED_KEPT:
+                self._refused.clear()
+        if reply and block is not None and self._last == before:
+            # Only an entry the cursor must not pass came back (it does at once on
+            # every read): wait as a read would, not spin.
+            time.sleep(block / 1000)
         # Ids are millisecond clocks (the coordinator's from one counter), so sorting
         # approximates the order things happened across streams; within a stream the
         # order is exact either way.

@@ -181,3 +181,46 @@ def test_tail_ends_after_shutdown_with_the_ranks_last_words_unless_follow(
     coord.close()
     rank.close()
     admin.close()
+
+
+@pytest.mark.redis
+def test_a_foreign_largest_id_is_shown_once_and_never_hides_what_the_run_writes_after(
+    redis_url: str,
+) -> None:
+    import redis as redis_py
+
+    from flodl_bus.bus import entries
+    from flodl_bus.bus.foreign import repair_stream
+    from flodl_bus.bus.ids import parse_id
+
+    client = redis_py.Redis.from_url(redis_url)
+    keys = RunKeys("tail-far")
+    stream = keys.up(0)
+
+    def genuine(eid: str, step: int) -> None:
+        fields = entries.build(CK.rank(0), stream, eid, _batch(step), "0", step)
+        client.xadd(stream, fields, id=eid)  # type: ignore[arg-type]
+
+    genuine("5-1", 1)
+    client.xadd(stream, {b"type": b"Batch"}, id="18446744073709551615-18446744073709551615")
+    out = io.StringIO()
+    printed: list[int] = []
+    t = threading.Thread(
+        target=lambda: printed.append(
+            tail(client, keys.run, rank=0, from_start=True, count=3, out=out, duration=60)
+        )
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while "FOREIGN" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    now_ms = int(time.time() * 1000)
+    assert repair_stream(client, stream, keys.dlq, floor=parse_id("5-1"), now_ms=now_ms, by="t")
+    genuine(f"{now_ms}-0", 2)
+    t.join(30)
+    assert printed == [3], out.getvalue()
+    lines = out.getvalue().splitlines()
+    assert "step_count" in lines[0] and '"step_count":1' in lines[0]
+    assert "??:??:??.???" in lines[1] and "FOREIGN" in lines[1]
+    assert '"step_count":2' in lines[2]
+    client.close()

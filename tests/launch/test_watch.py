@@ -168,3 +168,33 @@ def test_drain_reads_what_is_left_without_blocking(real_redis: redis.Redis, redi
     watcher.drain(got.append)  # nothing left: returns at once
     assert time.monotonic() - t0 < 0.5
     assert len(got) == 3
+
+
+def test_a_foreign_largest_id_never_moves_the_cursor_past_what_the_run_writes_later(
+    real_redis: redis.Redis, redis_url: str
+) -> None:
+    from flodl_bus.bus.foreign import repair_stream
+    from flodl_bus.bus.ids import parse_id
+
+    keys = RunKeys("w5")
+    ident, ck, _ = _world(real_redis, keys, 1)
+    watcher = StreamWatcher(connect(redis_url), keys, 1, ident)
+    stream = keys.up(0)
+
+    def genuine(eid: str, step: int) -> None:
+        fields = entries.build(ck.rank(0), stream, eid, _batch(0, step), "0", step)
+        real_redis.xadd(stream, fields, id=eid)  # type: ignore[arg-type]
+
+    genuine("5-1", 1)
+    top = "18446744073709551615-18446744073709551615"
+    real_redis.xadd(stream, {b"type": b"Batch", b"rank": b"0"}, id=top)
+    assert [s.msg.step_count for s in _collect(watcher, 1)] == [1]  # type: ignore[attr-defined]
+    for _ in range(3):  # read again and again while it sits there: counted once
+        assert watcher.poll(block_ms=50) == []
+    assert watcher.rejected == 1
+    # The coordinator removes it (what it does for a foreign id beyond the run's) and
+    # the rank writes on: the watcher shows it.
+    now_ms = int(time.time() * 1000)
+    assert repair_stream(real_redis, stream, keys.dlq, floor=parse_id("5-1"), now_ms=now_ms, by="t")
+    genuine(f"{now_ms}-0", 2)
+    assert [s.msg.step_count for s in _collect(watcher, 1)] == [2]  # type: ignore[attr-defined]
