@@ -7,8 +7,10 @@
 # Prints one line per entry: stream, id, type, rank, seq (bodies are msgpack; use
 # `flodl-bus tail` to decode them). Tracks the last id per stream and asks for entries
 # strictly after it (XRANGE with an exclusive "(" start), so a burst is never skipped, as
-# it would be with a `XREAD BLOCK ... $` loop. A small read-only Lua script formats each
-# entry on one line, so binary bodies never break the line-oriented loop.
+# it would be with a `XREAD BLOCK ... $` loop. `redis-cli --csv` prints a read on one
+# line with every byte of a binary body escaped, and awk cuts it into one line per entry:
+# the observer needs no script (its ACL user may not run one: a busy script stops the
+# server for everyone).
 # TAIL_ROUNDS=N stops after N polling rounds (tests).
 set -euo pipefail
 
@@ -19,20 +21,30 @@ rounds="${TAIL_ROUNDS:-0}"
 cli=(redis-cli -u "$url" --no-auth-warning)
 prefix="flodl:{${run}}:"
 
-read -r -d '' script <<'LUA' || true
-local out = {}
-local rows = redis.call('XRANGE', KEYS[1], ARGV[1], '+', 'COUNT', ARGV[2])
-for _, e in ipairs(rows) do
-  local f, t = e[2], {}
-  for i = 1, #f, 2 do
-    if f[i] ~= 'body' and f[i] ~= 'mac' then
-      t[#t + 1] = f[i] .. '=' .. string.gsub(f[i + 1], '[%c ]', '?')
-    end
-  end
-  out[#out + 1] = e[1] .. ' ' .. table.concat(t, ' ')
-end
-return out
-LUA
+# One `--csv` XRANGE reply ("id","field","value",...,"id",...) -> "id field=value ..."
+# per entry (body and mac left out, other values with blanks and escapes replaced by ?).
+# Inside a value every quote is escaped, so `","` only ever separates two items; a new
+# entry starts where a field name is expected and an id is found (names are words).
+read -r -d '' entries <<'AWK' || true
+{
+  line = $0
+  if (line == "" || line == "\"\"") next
+  sub(/^"/, "", line); sub(/"$/, "", line)
+  n = split(line, item, /","/)
+  out = ""; i = 1
+  while (i <= n) {
+    if (item[i] ~ /^[0-9]+-[0-9]+$/) {
+      if (out != "") print out
+      out = item[i]; i++; continue
+    }
+    key = item[i]; value = (i < n) ? item[i + 1] : ""; i += 2
+    if (key == "body" || key == "mac") continue
+    gsub(/\\x[0-9a-f][0-9a-f]|\\.|[[:space:]]/, "?", value)
+    out = out " " key "=" value
+  }
+  if (out != "") print out
+}
+AWK
 
 declare -A last=()
 
@@ -69,7 +81,8 @@ while :; do
   got=0
   for key in "${!last[@]}"; do
     while :; do
-      mapfile -t lines < <("${cli[@]}" EVAL_RO "$script" 1 "$key" "(${last[$key]}" 500)
+      mapfile -t lines < <("${cli[@]}" --csv XRANGE "$key" "(${last[$key]}" + COUNT 500 |
+        awk "$entries")
       [[ ${#lines[@]} -eq 0 || -z "${lines[0]}" ]] && break
       for line in "${lines[@]}"; do
         printf '%s  %s\n' "${key#"$prefix"}" "$line"

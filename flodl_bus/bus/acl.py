@@ -35,8 +35,9 @@ keys, so each selector below pins a command set to a key set):
 
 ``flodl-RUN-observer``
     read only (``%R~flodl:{RUN}:*``): XREAD XRANGE XREVRANGE XLEN XINFO XPENDING, HGETALL
-    HGET HMGET HEXISTS HLEN, EXISTS TYPE SCAN, EVAL_RO (``ops/tail.sh``), PING, SELECT,
-    CLIENT SETNAME/GETNAME/ID. No XREADGROUP (it writes the group), no secret.
+    HGET HMGET HEXISTS HLEN, EXISTS TYPE SCAN, PING, SELECT, CLIENT SETNAME/GETNAME/ID.
+    No XREADGROUP (it writes the group), no secret, no script (a busy one stops the
+    server for every run; ``ops/tail.sh`` formats with ``redis-cli --csv``).
 
 Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
 ``coordinator/``, ``worker/``, ``params/``, ``launch/``, ``record/``,
@@ -69,8 +70,8 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
 - observer: ``bus/tail.py``: EXISTS, SCAN ... TYPE stream, XINFO STREAM, XREAD, GET
   flodl-secret:{RUN} (a refusal is expected and handled); ``launch/watch.py``: XREAD;
   ``launch/status.py``: HGETALL meta, XREVRANGE up:*, XLEN dlq, EXISTS, SCAN;
-  ``ops/tail.sh`` and ``ops/README.md``: SCAN, TYPE, XREVRANGE, EVAL_RO (XRANGE inside),
-  XRANGE, XINFO GROUPS, XPENDING, XLEN, HGETALL meta.
+  ``ops/tail.sh`` and ``ops/README.md``: SCAN, TYPE, XREVRANGE, XRANGE, XINFO GROUPS,
+  XPENDING, XLEN, HGETALL meta.
 - ``flodl-bus up`` and ``replay`` use an embedded server's default user / fakeredis.
 
 What ACL rules cannot express (see RELIABILITY.md, "Threat model"): which rank a worker
@@ -141,7 +142,7 @@ COORDINATOR: Final = (
 OBSERVER: Final = (
     "+xread", "+xrange", "+xrevrange", "+xlen", "+xinfo", "+xpending",
     "+hgetall", "+hget", "+hmget", "+hexists", "+hlen",
-    "+exists", "+type", "+scan", "+eval_ro",
+    "+exists", "+type", "+scan",
 )  # fmt: skip
 
 

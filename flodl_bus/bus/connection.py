@@ -276,7 +276,7 @@ _TRANSIENT_CODES: Final = {
 #: A pipeline's error reads "Command # 2 (XADD ...) of pipeline caused error: OOM ...";
 #: a plain one "BUSY Redis is busy ..." (redis-py strips the codes it knows, so the
 #: class says those; the others keep their code in the message).
-_CODE_IN_MESSAGE: Final = re.compile(r"(?:^|caused error: )([A-Z]+) ")
+_CODE_IN_MESSAGE: Final = re.compile(r"(?:^|caused error: |because of: )([A-Z]+) ")
 
 
 def transient_kind(exc: BaseException) -> str | None:
@@ -296,6 +296,12 @@ def transient_kind(exc: BaseException) -> str | None:
     if type(exc) is redis.exceptions.ResponseError:
         m = _CODE_IN_MESSAGE.search(str(exc))
         if m is not None and m.group(1) in ("BUSY", "MISCONF"):
+            return m.group(1)
+    if isinstance(exc, redis.exceptions.ExecAbortError):
+        # EXEC refused whole ("Transaction discarded because of: OOM ..."): the
+        # condition began after the commands were queued; nothing of it ran.
+        m = _CODE_IN_MESSAGE.search(str(exc))
+        if m is not None and m.group(1) in _TRANSIENT_CODES:
             return m.group(1)
     return None
 
@@ -496,6 +502,14 @@ class Link:
             except RETRYABLE as exc:
                 self._down_error = f"{type(exc).__name__}: {exc}"[:200]
                 self._pause(deadline, f"Redis unreachable ({self._down_error})")
+                continue
+            except redis.exceptions.ResponseError as exc:
+                # Up, but refusing even a PING for now (BUSY: a script runs): weather,
+                # like a refused write, not a reason to stop the process.
+                if transient_kind(exc) is None:
+                    raise
+                self._down_error = f"{type(exc).__name__}: {exc}"[:200]
+                self._pause(deadline, f"Redis refuses commands ({self._down_error})")
                 continue
             down_s = self._clock() - self._down_since
             self.reconnects += 1

@@ -192,6 +192,13 @@ def test_transient_write_refusals_are_classified() -> None:
     assert transient_kind(e.ResponseError("MISCONF Redis is configured to save")) == "MISCONF"
     piped = e.ResponseError("Command # 2 (EVALSHA x) of pipeline caused error: BUSY Redis is")
     assert transient_kind(piped) == "BUSY"
+    # EXEC refused whole: the server filled up after the transaction's commands queued
+    aborted = e.ExecAbortError("Transaction discarded because of: OOM command not allowed")
+    assert transient_kind(aborted) == "OOM"
+    assert (
+        transient_kind(e.ExecAbortError("Transaction discarded because of previous errors."))
+        is None
+    )
     for permanent in (
         e.ResponseError("BUSYGROUP Consumer Group name already exists"),
         e.ResponseError("NOGROUP No such key"),
@@ -271,6 +278,77 @@ def test_a_killed_connection_is_reconnected_and_the_operation_rerun(redis_url: s
         link.call(lambda retry: client.execute_command("NOSUCHCOMMAND"))  # not retried
     client.close()
     admin.close()
+
+
+def test_a_busy_script_refusing_the_reconnect_ping_is_waited_out_not_fatal() -> None:
+    # The observer user could run EVAL_RO: a busy script makes every command, PING
+    # included, answer BUSY; the process must wait, as for any refusal (issue 28).
+    clock = FakeClock()
+    client = fake_client(fakeredis.FakeServer())
+    busy = iter([True] * 4 + [False] * 100)
+
+    class Busy(type(client)):  # type: ignore[misc]
+        def ping(self, **kw: object) -> bool:
+            if next(busy):
+                raise redis.exceptions.ResponseError("BUSY Redis is busy running a script.")
+            return bool(super().ping(**kw))
+
+    link = Link(
+        Busy(connection_pool=client.connection_pool), name="r", sleep=clock.sleep, clock=clock
+    )
+    first = [True]
+
+    def op(retry: bool) -> bool:
+        if first.pop() if first else False:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return retry
+
+    with structlog.testing.capture_logs() as logs:
+        assert link.call(op) is True
+    assert [e["event"] for e in logs] == ["redis_unreachable", "redis_reconnected"]
+    assert "BUSY" in logs[1]["error"]
+
+
+@pytest.mark.redis
+def test_a_transaction_refused_whole_by_a_server_that_filled_up_is_retried(
+    redis_url: str,
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    admin = redis.Redis.from_url(redis_url)
+    key = "conn-execabort"
+    old = admin.config_get("maxmemory")["maxmemory"]
+    link = Link(client, name="w", backoff=Backoff(base_s=0.001, cap_s=0.01))
+    tries: list[bool] = []
+
+    def op(retry: bool) -> object:
+        tries.append(retry)
+        if len(tries) == 3:  # the episode passes (the second try is refused at queuing)
+            admin.config_set("maxmemory", old)
+        conn = client.connection_pool.get_connection()
+        try:
+            conn.send_command("MULTI")
+            conn.read_response()
+            conn.send_command("XADD", key, "*", "a", "1")
+            conn.read_response()
+            if len(tries) == 1:  # full after the command queued: EXEC is refused whole
+                admin.config_set("maxmemory", "1")
+            conn.send_command("EXEC")
+            return conn.read_response()
+        except BaseException:
+            conn.disconnect()  # never hand back a connection left inside MULTI
+            raise
+        finally:
+            client.connection_pool.release(conn)
+
+    try:
+        with structlog.testing.capture_logs() as logs:
+            link.call(op)
+    finally:
+        admin.config_set("maxmemory", old)
+    assert tries[0] is False and len(tries) >= 3 and all(tries[1:])
+    assert admin.xlen(key) == 1
+    assert [e["kind"] for e in logs if e["event"] == "redis_write_blocked"] == ["OOM"]
+    admin.delete(key)
 
 
 def test_a_server_still_loading_its_data_is_waited_for_as_part_of_the_outage() -> None:
