@@ -35,6 +35,11 @@ F_MAC: Final = b"mac"
 FIELDS: Final = frozenset((F_TYPE, F_RANK, F_SEQ, F_BODY, F_MAC))
 
 MAX_BODY_BYTES: Final = wire.MAX_BODY_BYTES
+#: A join message (Hello, Assign, Reject) is a few short strings: a worker id, a host, a
+#: dataset signature, a key. Anything larger is refused before its MAC is computed or
+#: its body decoded: 300 signed 1 MiB Hellos stalled the coordinator's loop for 40 s
+#: (issue 28), and every waiting worker read them all again.
+MAX_JOIN_BODY_BYTES: Final = 4096
 #: type names, rank and seq are short; anything longer is not ours.
 MAX_HEAD_BYTES: Final = 64
 #: the longest mac: a broadcast's MAC vector at its largest world, or an Ed25519 signature
@@ -113,8 +118,9 @@ def parse(
         extra = sorted(k.decode(errors="replace") for k in set(fields) - FIELDS)
         missing = sorted(k.decode() for k in FIELDS - set(fields))
         return f"bad fields: missing {missing}, unexpected {extra}"
-    if len(body) > MAX_BODY_BYTES:
-        return f"oversized: body of {len(body)} bytes > {MAX_BODY_BYTES}"
+    cap = MAX_JOIN_BODY_BYTES if channel == wire.JOIN else MAX_BODY_BYTES
+    if len(body) > cap:
+        return f"oversized: body of {len(body)} bytes > {cap}"
     if (
         len(type_) > MAX_HEAD_BYTES
         or len(rank_b) > MAX_HEAD_BYTES
