@@ -17,14 +17,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Final
+from typing import Any, Final
 
 import redis
 
 from flodl_bus.bus import entries
 from flodl_bus.bus.connection import BusClosed, Link
 from flodl_bus.bus.foreign import writer_limit
-from flodl_bus.bus.ids import EntryId, IdClock, format_id
+from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.stream_ops import (
     BusError,
     StreamsConfig,
@@ -39,6 +39,24 @@ from flodl_bus.protocol.messages import Batch, Heartbeat, LrUpdate
 from flodl_bus.protocol.signing import MacKey
 
 _STOP: Final = object()
+
+
+def _top_of(info: object) -> EntryId:
+    """``last-generated-id`` of a raw XINFO STREAM reply (a flat list, or a map over
+    RESP3)."""
+    if isinstance(info, dict):
+        raw = info.get(b"last-generated-id", info.get("last-generated-id"))
+    else:
+        items = list(info) if isinstance(info, list | tuple) else []
+        raw = None
+        for k, v in zip(items[::2], items[1::2], strict=False):
+            if k in (b"last-generated-id", "last-generated-id"):
+                raw = v
+                break
+    if raw is None:
+        raise redis.exceptions.ResponseError("XINFO STREAM gave no last-generated-id")
+    return parse_id(raw)
+
 
 #: What may wait for company (see the module's docstring): the coordinator's next
 #: decision never hangs on one of these alone (a plan's end is told by its MetricsMsg,
@@ -77,6 +95,8 @@ class _Publisher:
         #: the first id and mac of the last batch tried (a lost reply: did it land?)
         self._tried: tuple[str, bytes] | None = None
         self._blocked_since: float | None = None
+        #: the publisher thread's own connection (redis-py's ``Connection``; untyped there)
+        self._conn: Any = None
         self._thread = threading.Thread(
             target=self._run, name=f"flodl-bus-publisher-{rank}", daemon=True
         )
@@ -110,6 +130,9 @@ class _Publisher:
         self._closing.set()
         self.link.close()
         self._thread.join(1.0)
+        if self._conn is not None and not self._thread.is_alive():
+            self.client.connection_pool.release(self._conn)
+            self._conn = None
 
     def _run(self) -> None:
         try:
@@ -200,41 +223,65 @@ class _Publisher:
         WATCH + MULTI/EXEC makes the batch all-or-nothing: a foreign entry that lands
         between our ids cannot leave half the batch written and the rest renumbered
         behind it (which would break the rank's send order). Ids are chosen after the
-        stream's top is read under WATCH, so the XADDs cannot be refused."""
+        stream's top is read under WATCH, so the XADDs cannot be refused.
+
+        Two round trips on a connection of our own, the commands packed and the replies
+        read raw (WATCH + XINFO, then MULTI, the XADDs, EXEC): redis-py's transaction
+        pipeline did the same in three, with most of the publisher's time on the GIL
+        spent building its objects (``bench worker``). Any error leaves the connection
+        mid-transaction, so it is dropped and ``Link`` retries on a fresh one."""
         if retry and self._tried is not None and landed(self.client, self.stream, *self._tried):
             return  # the lost reply was of a transaction that ran
-        while True:
-            with self.client.pipeline(transaction=True) as pipe:
+        conn = self._connection()
+        stream = self.stream
+        try:
+            while True:
+                conn.send_packed_command(
+                    conn.pack_commands([("WATCH", stream), ("XINFO", "STREAM", stream)])
+                )
+                conn.read_response()
                 try:
-                    pipe.watch(self.stream)  # type: ignore[no-untyped-call]
-                    top = stream_top(pipe, self.stream)
-                    if not self._follow(top):
-                        continue
-                    now = _now_ms()
-                    pipe.multi()
-                    for seq, encoded in batch:
-                        eid = format_id(self.clock.next(now))
-                        fields = entries.sign(
-                            self.key, self.stream, eid, encoded, self.rank_field, seq
-                        )
-                        if seq == batch[0][0]:
-                            self._tried = (eid, fields[entries.F_MAC])
-                        pipe.xadd(
-                            self.stream,
-                            fields,  # type: ignore[arg-type]
-                            id=eid,
-                            maxlen=self.config.maxlen,
-                            approximate=True,
-                        )
-                    pipe.execute()
-                    return
-                except redis.exceptions.WatchError:
-                    # Someone wrote the stream meanwhile (EXEC aborted, nothing of ours
-                    # landed), or, as redis-py reports a connection lost while watching,
-                    # the reply of an EXEC that may have run: ask the stream which.
-                    if self._tried is not None and landed(self.client, self.stream, *self._tried):
-                        return
+                    top = _top_of(conn.read_response())
+                except redis.exceptions.ResponseError as exc:
+                    if "no such key" not in str(exc).lower():
+                        raise
+                    top = ZERO
+                if not self._follow(top):
+                    conn.send_packed_command(conn.pack_command("UNWATCH"))
+                    conn.read_response()
                     continue
+                now = _now_ms()
+                maxlen = str(self.config.maxlen)
+                commands: list[tuple[object, ...]] = [("MULTI",)]
+                for seq, encoded in batch:
+                    eid = format_id(self.clock.next(now))
+                    fields = entries.sign(self.key, stream, eid, encoded, self.rank_field, seq)
+                    if seq == batch[0][0]:
+                        self._tried = (eid, fields[entries.F_MAC])
+                    args: list[object] = ["XADD", stream, "MAXLEN", "~", maxlen, eid]
+                    for k, v in fields.items():
+                        args += (k, v)
+                    commands.append(tuple(args))
+                commands.append(("EXEC",))
+                conn.send_packed_command(conn.pack_commands(commands))
+                # MULTI's OK, then QUEUED per XADD: a command refused while queuing (OOM)
+                # raises here, EXEC refused whole (EXECABORT) raises below: both are
+                # weather to ``Link``, and nothing of the batch ran.
+                for _ in range(len(batch) + 1):
+                    conn.read_response()
+                if conn.read_response() is not None:
+                    return
+                # EXEC answered nil: the stream was written between WATCH and EXEC
+                # (nothing of ours landed). Read the top again and renumber.
+        except BaseException:
+            conn.disconnect()
+            raise
+
+    def _connection(self) -> Any:
+        """The publisher thread's own connection (WATCH state is per connection)."""
+        if self._conn is None:
+            self._conn = self.client.connection_pool.get_connection()
+        return self._conn
 
     def _follow(self, top: EntryId) -> bool:
         """Lift our ids above ``top`` if a writer of the run may follow it; else wait
