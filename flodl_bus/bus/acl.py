@@ -28,7 +28,8 @@ keys, so each selector below pins a command set to a key set):
     ``up:*``: XADD XRANGE XREVRANGE XINFO|STREAM WATCH;
     ``join``: XADD XREAD XRANGE XREVRANGE XINFO|STREAM;
     ``dlq`` (write only): XADD;
-    ``ctl:*``: XREADGROUP XACK XGROUP|CREATE XINFO XRANGE XREVRANGE XREAD (never XADD);
+    ``ctl:*`` (read only): XREAD XRANGE XREVRANGE XINFO STREAM (no consumer group: a
+    group is a queue anyone on the stream may take from, issue 28; never XADD);
     ``meta``, ``identity`` (read only): HGETALL HGET HMGET HEXISTS HLEN EXISTS TYPE;
     ``store:*``: GET MGET SET INCRBY APPEND DEL EXISTS RPUSH BLMOVE SADD SREM SCARD
     SMEMBERS WATCH (the torch rendezvous store, ``bus/store.py``; DEL only here).
@@ -50,8 +51,8 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
 - worker: ``publisher._Publisher``: XINFO STREAM up:<r> (``stream_top``), XADD up:<r> with
   an explicit id and MAXLEN ~, XRANGE up:<r> (``landed``: a retried batch), XREVRANGE
   up:<r> (``last_seq``: the seq to continue above), WATCH/MULTI/EXEC/UNWATCH on up:<r>
-  (the batch transaction); ``reader._GroupReader``: XGROUP CREATE ... MKSTREAM
-  on ctl:<r> and ctl:all, XREADGROUP over both, XACK, XADD dlq (dead letters);
+  (the batch transaction); ``reader._CursorReader``: XREAD over ctl:<r> and ctl:all
+  from its own cursor, XADD dlq (dead letters);
   ``join.JoinStream``: XADD join, XREAD join, XADD dlq; ``worker/cli.py``: HGETALL meta,
   GET flodl-secret:{RUN} only without FLODL_RUN_SECRET (refused here: give the secret);
   ``identity`` is read with HGETALL/HGET (the coordinator's public keys);
@@ -59,8 +60,9 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   SMEMBERS EXISTS BLMOVE, WATCH MULTI EXEC (compare_set), UNWATCH (redis-py's reset).
 - coordinator: XADD ctl:<r>/ctl:all (explicit ids), XRANGE, XREVRANGE, XINFO STREAM
   and GROUPS, XDEL + XSETID + XGROUP SETID (``repair_stream``), XINFO GROUPS + XPENDING
-  + XTRIM MINID on ctl:* and up:* (``bus.trim``: what every reader consumed), XGROUP CREATE
-  on ctl:* (rank groups) and up:* (its own), XREADGROUP/XACK up:*, XADD dlq, XADD/XREAD
+  + XTRIM MINID on ctl:* and up:* (``bus.trim``: what every reader consumed, the ranks
+  as their heartbeats say), XGROUP CREATE on up:* (its own), XREADGROUP/XACK up:*,
+  XADD dlq, XADD/XREAD
   join; ``coordinator/cli.py``: EXISTS meta, HSET meta, SCAN + EXPIRE at the end
   (``--expire-after``), SCAN + UNLINK (``--reset-run``,
   its secret too), SET NX + GET flodl-secret:{RUN}; DEL + HSET identity in MULTI/EXEC
@@ -122,9 +124,7 @@ TRANSACTION: Final = ("+multi", "+exec", "+discard", "+unwatch")
 WORKER_UP: Final = ("+xadd", "+xrange", "+xrevrange", "+xinfo|stream", "+watch")
 WORKER_JOIN: Final = ("+xadd", "+xread", "+xrange", "+xrevrange", "+xinfo|stream")
 WORKER_DLQ: Final = ("+xadd",)
-WORKER_CTL: Final = (
-    "+xreadgroup", "+xack", "+xgroup|create", "+xinfo", "+xrange", "+xrevrange", "+xread",
-)  # fmt: skip
+WORKER_CTL: Final = ("+xread", "+xrange", "+xrevrange", "+xinfo|stream")
 HASH_READ: Final = ("+hgetall", "+hget", "+hmget", "+hexists", "+hlen", "+exists", "+type")
 WORKER_STORE: Final = (
     "+get", "+mget", "+set", "+incrby", "+append", "+del", "+exists",
@@ -201,7 +201,7 @@ def role_rules(
         _selector([f"~{p}up:*"], WORKER_UP),
         _selector([f"~{p}join"], WORKER_JOIN),
         _selector([f"%W~{p}dlq"], WORKER_DLQ),
-        _selector([f"~{p}ctl:*"], WORKER_CTL),
+        _selector([f"%R~{p}ctl:*"], WORKER_CTL),
         _selector([f"%R~{p}meta", f"%R~{p}identity"], HASH_READ),
         _selector([f"~{p}store:*"], WORKER_STORE),
     ]

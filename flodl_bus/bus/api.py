@@ -30,11 +30,11 @@ class RankBus(Protocol):
         """Next control deliveries in the coordinator's send order (may be empty).
 
         Entries that fail to decode or authenticate never appear here: they are
-        dead-lettered by the transport. Deliveries must be ``ack``ed once taken over (the
-        rank runtime acks once an entry is in its local control queue: a rank process
-        that dies loses its training state anyway, so nothing would be re-dispatched to
-        it); a restarted reader first re-delivers what was read but not acked, and never
-        yields an entry it already acked.
+        dead-lettered by the transport. Deliveries are ``ack``ed once taken over (the rank
+        runtime acks once an entry is in its local control queue): on Redis that is what
+        the rank's heartbeats report (``control_read``), so the coordinator trims no
+        further; nothing is ever yielded twice, and no other reader can take an entry
+        from this one (it reads with XREAD from its own cursor, ``bus.reader``).
         """
         ...
 

@@ -63,14 +63,21 @@ Reply = Mapping[str, Sequence[tuple[EntryId, Mapping[bytes, bytes] | None]]]
 
 
 class GroupCursor:
-    def __init__(self, streams: Sequence[str], *, count: int, ordered: bool) -> None:
+    """``grouped=False``: a plain XREAD reader (the rank's control, ``bus.reader``): it
+    always asks for the entries after its last verified ids, and has no pending list to
+    drain (a lost reply is simply read again)."""
+
+    def __init__(
+        self, streams: Sequence[str], *, count: int, ordered: bool, grouped: bool = True
+    ) -> None:
         if count < 1:
             raise ValueError("count must be >= 1")
         self.streams: list[str] = list(streams)
         self.count = count
         self.ordered = ordered
+        self.grouped = grouped
         self._last: dict[str, EntryId] = dict.fromkeys(self.streams, ZERO)
-        self._pending = True
+        self._pending = grouped
         self._heap: list[tuple[EntryId, str, Received]] = []
 
     def add_stream(self, stream: str) -> None:
@@ -78,7 +85,7 @@ class GroupCursor:
             return
         self.streams.append(stream)
         self._last[stream] = ZERO
-        self._pending = True
+        self._pending = self.grouped
 
     @property
     def draining_pending(self) -> bool:
@@ -92,13 +99,24 @@ class GroupCursor:
     def last_id(self, stream: str) -> EntryId:
         return self._last[stream]
 
+    def positions(self) -> dict[str, EntryId]:
+        """Every stream's last id (a copy)."""
+        return dict(self._last)
+
     def request(self) -> dict[str, str]:
-        if self._pending:
+        if self._pending or not self.grouped:
             return {s: format_id(self._last[s]) for s in self.streams}
         return dict.fromkeys(self.streams, ">")
 
     def on_lost(self) -> None:
-        self._pending = True
+        self._pending = self.grouped
+
+    def skip(self, stream: str, eid: EntryId) -> None:
+        """Move past a refused entry (an XREAD reader, which has no group to ack it
+        away: it would read it again for ever). The caller decides which may be passed:
+        never one beyond any id the run writes (see the module's rules)."""
+        if eid > self._last.get(stream, eid):
+            self._last[stream] = eid
 
     def on_reply(self, reply: Reply, check: Check = _accept_all) -> list[Received]:
         """Entries now safe to dispatch, in dispatch order; refused ones first."""

@@ -261,7 +261,7 @@ class _GroupReader:
                     maxlen=self.config.maxlen,
                     approximate=True,
                 )
-                pipe.xack(r.stream, self.group, format_id(r.entry_id))
+                self._ack_dead(pipe, r)
             pipe.execute()
 
         # Bounded and never fatal: the valid entries of the same read are already past
@@ -279,9 +279,124 @@ class _GroupReader:
                 error=f"{type(exc).__name__}: {exc}"[:200],
             )
 
+    def _ack_dead(self, pipe: Any, r: Received) -> None:
+        pipe.xack(r.stream, self.group, format_id(r.entry_id))
+
     def close(self) -> None:
         try:
             self.flush_acks(timeout=1.0)
         except (BusUnavailable, BusClosed, *(redis.exceptions.RedisError,)):
             pass
         self.link.close()
+
+
+class _CursorReader(_GroupReader):
+    """A rank's control reader: plain XREAD from its own cursor, no consumer group.
+
+    A group is a queue anyone with the stream's ACL may take from: a worker credential
+    that read one ``StartEpoch`` out of ``rank1``'s group hung the run for good, and a
+    group made ahead at a future id left the rank deaf (issue 28). XREAD takes nothing
+    from anyone, so no other reader can consume what this one has not seen. What a
+    group also gave, this keeps otherwise:
+
+    * order, authentication and replay protection: the same ordered ``GroupCursor``
+      (``grouped=False``) and ``entries.parse`` checks, seq by seq;
+    * no loss after a lost reply: the read is repeated from the cursor, which only
+      verified entries move;
+    * trimming never removes what the rank has not taken: ``applied`` (the last entry
+      per stream the rank's runtime took over, its ``ack``) rides on every heartbeat,
+      and the coordinator holds each control stream there (``bus.trim``).
+
+    A rank process reads its streams from their start: its keys are made fresh at each
+    start (``protocol.signing``), so no process reads another one's control."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        streams: Sequence[str],
+        *,
+        config: StreamsConfig,
+        name: str,
+        where: str,
+        dlq: str,
+    ) -> None:
+        super().__init__(
+            client,
+            streams,
+            group="",
+            consumer="",
+            ordered=True,
+            config=config,
+            name=name,
+            where=where,
+            dlq=dlq,
+        )
+        self.cursor = GroupCursor(streams, count=config.read_count, ordered=True, grouped=False)
+        self._reads.set_response_callback("XREAD", _raw_reply)
+        #: the newest entry id per stream the runtime took over (``queue_acks``)
+        self.applied: dict[str, EntryId] = {}
+        #: refused entries beyond the run's ids, which the cursor stays below
+        self._far: set[tuple[str, EntryId]] = set()
+
+    def _ensure_groups(self) -> None:
+        return
+
+    def queue_acks(self, deliveries: Sequence[Delivery]) -> None:
+        with self._ack_lock:
+            for d in deliveries:
+                eid = parse_id(d.entry_id)
+                if eid > self.applied.get(d.stream, ZERO):
+                    self.applied[d.stream] = eid
+
+    def applied_ids(self) -> dict[str, str]:
+        with self._ack_lock:
+            return {s: format_id(e) for s, e in self.applied.items()}
+
+    def flush_acks(self, timeout: float = 2.0) -> None:
+        return
+
+    def _ack_dead(self, pipe: Any, r: Received) -> None:
+        return  # nothing to ack: the cursor moved past it (or stays, for a foreign id)
+
+    def read(self, block_ms: int, check: Check | None = None) -> list[Received]:
+        block = min(block_ms, self.config.max_block_ms)
+
+        def op(retry: bool) -> Any:
+            ids: dict[Any, Any] = dict(self.cursor.request())
+            wait = block if block > 0 and self.cursor.can_block else None
+            return self._reads.xread(ids, count=self.config.read_count, block=wait)
+
+        try:
+            raw = self.link.call(op, deadline=time.monotonic() + max(block, 0) / 1000 + 0.05)
+        except BusUnavailable:
+            return []
+        reply: dict[str, list[tuple[EntryId, Any]]] = {}
+        for name, items in raw.items() if isinstance(raw, dict) else raw or ():
+            got = reply[name.decode()] = []
+            for eid, flat in items:
+                it = iter(flat or ())
+                got.append((parse_id(eid), dict(zip(it, it)) if flat else None))
+        before = self.cursor.positions()
+        out = self.cursor.on_reply(reply) if check is None else self.cursor.on_reply(reply, check)
+        limit = writer_limit(_now_ms())
+        kept: list[Received] = []
+        for r in out:
+            if r.rejected is None:
+                pass
+            elif r.entry_id[0] <= limit:
+                # Refused (forged, copied, another run's...): read past it, once.
+                self.cursor.skip(r.stream, r.entry_id)
+            elif (r.stream, r.entry_id) in self._far:
+                continue  # beyond the run's ids, dead-lettered already: it stays
+            else:
+                # Beyond any id the run writes: the cursor stays below it (passing it
+                # would hide every real entry after it); the coordinator removes it.
+                self._far.add((r.stream, r.entry_id))
+                if len(self._far) > 10_000:
+                    self._far.clear()
+            kept.append(r)
+        if reply and block > 0 and self.cursor.positions() == before:
+            # Only an entry the cursor must not pass came back (XREAD returns it at once
+            # every time): wait as a read would, instead of spinning on it.
+            time.sleep(block / 1000)
+        return kept

@@ -183,6 +183,10 @@ class ShardedCoordinatorBus:
         for part in self.parts:
             part.trim_now()
 
+    def overdue(self, budget_s: float) -> list[tuple[int, str, float]]:
+        """Each shard's ranks that leave control unread too long (``streams``)."""
+        return sorted(o for part in self.parts for o in part.overdue(budget_s))
+
     @property
     def trimmed_passes(self) -> int:
         return sum(p.trimmed_passes for p in self.parts)

@@ -13,10 +13,11 @@ beyond the horizon are ``bus.foreign`` (rule 3); trimming is ``bus.trim`` (rule 
 
 from __future__ import annotations
 
+import collections
 import gc
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final, get_args
 
 import redis
@@ -25,10 +26,10 @@ from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import Link
 from flodl_bus.bus.foreign import FOLLOW_LIMIT_MS, StreamBlocked, repair_stream, writer_limit
-from flodl_bus.bus.ids import EntryId, IdClock, format_id, parse_id
+from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.bus.publisher import _Publisher
-from flodl_bus.bus.reader import _GroupReader
+from flodl_bus.bus.reader import _CursorReader, _GroupReader
 from flodl_bus.bus.replication import ReplicaGuard
 from flodl_bus.bus.stream_ops import (
     DEFAULT_MAXLEN,
@@ -44,9 +45,9 @@ from flodl_bus.bus.stream_ops import (
     settle_heap,
     stream_top,
 )
-from flodl_bus.bus.trim import Trimmer, trim_pass
+from flodl_bus.bus.trim import GroupHold, Trimmer, trim_pass
 from flodl_bus.protocol import wire
-from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
+from flodl_bus.protocol.messages import ControlWire, Heartbeat, UpstreamMsg
 from flodl_bus.protocol.signing import CoordinatorKeys, MacKey, RankKeys, Signer, Verifier
 
 # Names other modules imported from here before the split; their homes are above.
@@ -73,6 +74,8 @@ __all__ = [
 COORDINATOR_GROUP: Final = "coordinator"
 
 _CONTROL_TYPES: Final = wire.CONTROL_TYPES
+#: most control entries remembered per stream as owed (``RedisCoordinatorBus.overdue``)
+MAX_OWED: Final = 100_000
 _UPSTREAM_CLASSES: Final[frozenset[type]] = frozenset(get_args(UpstreamMsg))
 
 
@@ -108,12 +111,9 @@ class RedisRankBus:
             self._ctl: keys.rank_key,
             self._all: keys.broadcast_verifier(rank),
         }
-        self._reader = _GroupReader(
+        self._reader = _CursorReader(
             client,
             [self._ctl, self._all],
-            group=rank_group(rank),
-            consumer=rank_group(rank),
-            ordered=True,
             config=self.config,
             name=f"rank{rank}.reader",
             where=where,
@@ -132,11 +132,17 @@ class RedisRankBus:
         return self._reader.read_parsed(block_ms, self._verifiers, wire.CONTROL, self._rank_fields)
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """Queue the acks; they ride on the next read (or ``flush_acks``/``close``)."""
+        """The runtime took these over: the rank's heartbeats say so (``control_read``)."""
         self._reader.queue_acks(deliveries)
 
     def flush_acks(self) -> None:
         self._reader.flush_acks()
+
+    def control_read(self) -> tuple[str | None, str | None]:
+        """The newest entry ids of ``ctl:<r>`` and of the broadcast stream the runtime
+        took over (None: none yet), for the heartbeats that let the coordinator trim."""
+        applied = self._reader.applied_ids()
+        return applied.get(self._ctl), applied.get(self._all)
 
     def publish(self, msg: UpstreamMsg) -> None:
         # Only a type check here: encoding and signing happen on the publisher thread,
@@ -191,6 +197,14 @@ class RedisCoordinatorBus:
         #: the last id written per control stream (the trimmer's margin)
         self._tops: dict[str, EntryId] = {}
         self._ranks: dict[str, str] = {}
+        #: rank -> [ctl:<r>, broadcast] ids it said it read (heartbeats)
+        self._reads: dict[int, list[EntryId]] = {}
+        #: rank -> when its last heartbeat with read positions came (``monotonic``)
+        self._reported_at: dict[int, float] = {}
+        #: the clock of ``overdue`` (sends and reports; a test may replace it)
+        self.monotonic: Callable[[], float] = time.monotonic
+        #: control stream -> entries written and not yet read by every rank it is for
+        self._unread: dict[str, collections.deque[tuple[EntryId, str, float]]] = {}
         self._verifiers: dict[str, Verifier] = {}
         self._link = Link(
             client, name="coordinator.sender", where=where, backoff=self.config.backoff
@@ -240,6 +254,70 @@ class RedisCoordinatorBus:
                     log.warning("bus_trim_failed", error=f"{type(exc).__name__}: {exc}"[:200])
                 failing = True
 
+    def _note_read(self, hb: Heartbeat) -> None:
+        """Where a rank says it has read its control streams (its MAC says it is the
+        rank): the trimmer holds each control stream there."""
+        with self._lock:
+            known = self._reads.setdefault(hb.rank, [ZERO, ZERO])
+            for i, text in enumerate((hb.ctl_read, hb.all_read)):
+                if text is not None:
+                    known[i] = max(known[i], parse_id(text))
+            self._reported_at[hb.rank] = self.monotonic()
+
+    def _owed(self, stream: str, eid: EntryId, msg: object, at: float) -> None:
+        """Note a control entry written (with the lock held): owed until every rank it
+        is for says it read it (``overdue``)."""
+        owed = self._unread.setdefault(stream, collections.deque())
+        owed.append((eid, type(msg).__name__, at))
+        if len(owed) > MAX_OWED:
+            owed.popleft()  # a bound on memory, not on what is checked in practice
+
+    def overdue(self, budget_s: float, now: float | None = None) -> list[tuple[int, str, float]]:
+        """Ranks that, in a heartbeat sent more than ``budget_s`` after an entry went
+        out to them, still said they had not read it: (rank, the entry's type, its age
+        in seconds), the oldest unread one each (DESIGN §3 rule 11: a rank alive but not
+        taking what it is sent is named and handled like a death, not waited on in
+        silence). A rank that stopped heartbeating (a killed process) is left to the
+        heartbeat timeout, as is one that never reported."""
+        now = self.monotonic() if now is None else now
+        out: list[tuple[int, str, float]] = []
+        with self._lock:
+            ranks = [int(f) for f in self._ranks.values()]
+            reported = {r: self._reads[r] for r in ranks if r in self._reads}
+            bcast = self._unread.get(self._bcast, collections.deque())
+            if reported:
+                floor = min(pos[1] for pos in reported.values())
+                while bcast and bcast[0][0] <= floor:
+                    bcast.popleft()
+            for r, (ctl_pos, all_pos) in sorted(reported.items()):
+                mine = self._unread.get(self.keys.ctl(r), collections.deque())
+                while mine and mine[0][0] <= ctl_pos:
+                    mine.popleft()
+                oldest = mine[0] if mine else None
+                for entry in bcast:
+                    if entry[0] > all_pos:
+                        if oldest is None or entry[0] < oldest[0]:
+                            oldest = entry
+                        break
+                said_at = self._reported_at.get(r, 0.0)
+                if oldest is not None and said_at - oldest[2] > budget_s:
+                    out.append((r, oldest[1], now - oldest[2]))
+        return out
+
+    def read_holds(self) -> dict[str, list[GroupHold]]:
+        """Each control stream's holds: every rank of this bus at the entry it last
+        said it read (from its start, before its first heartbeat). A rank that stopped
+        reading holds for ``StreamsConfig.trim_stale_s``, then is passed over."""
+        holds: dict[str, list[GroupHold]] = {}
+        with self._lock:
+            for field in self._ranks.values():
+                rank = int(field)
+                ctl, bcast = self._reads.get(rank, (ZERO, ZERO))
+                name = rank_group(rank)
+                holds.setdefault(self.keys.ctl(rank), []).append(GroupHold(name, ctl))
+                holds.setdefault(self._bcast, []).append(GroupHold(name, bcast))
+        return holds
+
     def trim_tops(self) -> dict[str, EntryId]:
         """Each stream's newest verified id as this coordinator knows it."""
         with self._lock:
@@ -251,7 +329,11 @@ class RedisCoordinatorBus:
     def trim_now(self, now: float | None = None) -> dict[str, EntryId]:
         """One trim pass (``bus.trim``); the trimmer thread calls it every interval."""
         plan = trim_pass(
-            self.client, self._trimmer, self.trim_tops(), time.monotonic() if now is None else now
+            self.client,
+            self._trimmer,
+            self.trim_tops(),
+            time.monotonic() if now is None else now,
+            extra=self.read_holds(),
         )
         self.trimmed_passes += 1
         return plan
@@ -274,8 +356,9 @@ class RedisCoordinatorBus:
         key = self.signing.rank(rank)
 
         def op(retry: bool) -> None:
-            ensure_group(self.client, self.keys.ctl(rank), rank_group(rank))
-            ensure_group(self.client, self._bcast, rank_group(rank))
+            # No group on the rank's control streams: the rank reads them with XREAD
+            # (``bus.reader._CursorReader``), and a group would only be a queue another
+            # reader could take from.
             with self._lock:
                 self._raise_floor(self.keys.ctl(rank))
 
@@ -364,8 +447,10 @@ class RedisCoordinatorBus:
                             continue
 
             self._link.call(op)
-            for (st, _, _), eid in zip(plan, ids, strict=True):
-                self._tops[st] = parse_id(eid)
+            sent_at = self.monotonic()
+            for (stream_key, _, _), eid, (_, msg) in zip(plan, ids, items, strict=True):
+                self._tops[stream_key] = parse_id(eid)
+                self._owed(stream_key, parse_id(eid), msg, sent_at)
             self._confirm(written)
             return list(ids)
 
@@ -438,6 +523,7 @@ class RedisCoordinatorBus:
                             approximate=True,
                         )
                         self._tops[stream] = parse_id(eid)
+                        self._owed(stream, parse_id(eid), msg, self.monotonic())
                         return
                     except redis.exceptions.ResponseError as exc:
                         if not id_refused(exc):
@@ -464,6 +550,9 @@ class RedisCoordinatorBus:
 
     def read_upstream(self, block_ms: int) -> list[Delivery]:
         out = self._reader.read_parsed(block_ms, self._verifiers, wire.UPSTREAM, self._ranks)
+        for d in out:
+            if type(d.msg) is Heartbeat:
+                self._note_read(d.msg)
         if self._reader.foreign:
             # A rank's publisher waits on a stream wedged by a foreign entry; only the
             # coordinator may remove it.

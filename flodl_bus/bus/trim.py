@@ -160,11 +160,19 @@ def read_holds(client: redis.Redis, streams: Sequence[str]) -> dict[str, list[Gr
 
 
 def trim_pass(
-    client: redis.Redis, trimmer: Trimmer, tops: Mapping[str, EntryId], now: float
+    client: redis.Redis,
+    trimmer: Trimmer,
+    tops: Mapping[str, EntryId],
+    now: float,
+    extra: Mapping[str, Sequence[GroupHold]] | None = None,
 ) -> dict[str, EntryId]:
-    """One pass over ``tops``' streams; returns what was trimmed to which MINID."""
+    """One pass over ``tops``' streams; returns what was trimmed to which MINID.
+    ``extra``: holds of readers without a group (the ranks' control, from heartbeats)."""
     streams = sorted(tops)
-    plan = trimmer.plan(now, tops, read_holds(client, streams))
+    holds = read_holds(client, streams)
+    for stream, more in (extra or {}).items():
+        holds.setdefault(stream, []).extend(more)
+    plan = trimmer.plan(now, tops, holds)
     if plan:
         pipe = client.pipeline(transaction=False)
         for s, minid in plan.items():

@@ -140,6 +140,7 @@ class CoordinatorLoop:
         self.hurry = threading.Event()
         #: child exits reported by the launcher (``--supervisor-fd``), if any
         self.supervisor: SupervisorFeed | None = None
+        self._next_unread_check = 0.0
         #: ranks reported gone before ``core.start``: declared dead right after it
         self._gone_early: list[int] = []
         self.finished: Finished | None = None
@@ -185,6 +186,7 @@ class CoordinatorLoop:
             self._poll_supervisor()
             if self.finished is None:
                 self._tick()
+                self._check_unread()
             self._poll_join()
         if self.rec is not None:
             self.rec.event(
@@ -471,6 +473,27 @@ class CoordinatorLoop:
         for ex in self.supervisor.take():
             log.warning("rank_process_exited", rank=ex.rank, rc=ex.rc)
             self._declare_dead(ex.rank)
+
+    def _check_unread(self) -> None:
+        """A rank that heartbeats but has not read what it was sent within the heartbeat
+        timeout is handled like a death, named with the entry it left unread (DESIGN
+        §3 rule 11); checked about once a second."""
+        overdue = getattr(self.bus, "overdue", None)
+        now = time.monotonic()
+        if overdue is None or now < self._next_unread_check:
+            return
+        self._next_unread_check = now + 1.0
+        for rank, what, age in overdue(self.core.config.heartbeat_timeout):
+            if 0 <= rank < self.core.ws and self.core.alive(rank):
+                log.error(
+                    "rank_not_reading",
+                    rank=rank,
+                    unread=what,
+                    age_s=round(age, 1),
+                    detail="alive (heartbeats) but its control is not taken over; "
+                    "declared dead, its work handed on",
+                )
+                self._declare_dead(rank)
 
     def _declare_dead(self, rank: int) -> None:
         """A death reported from outside the core's sweep (the launcher saw the rank's

@@ -264,6 +264,11 @@ class LrUpdate:
 class Heartbeat:
     rank: int
     step_count: int
+    #: the newest entry id of ``ctl:<rank>`` and of its broadcast stream the rank took
+    #: over (None: none yet, or a bus without ids): the coordinator trims each control
+    #: stream no further than every rank has read it (``bus.trim``)
+    ctl_read: str | None = None
+    all_read: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

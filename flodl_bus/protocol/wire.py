@@ -13,6 +13,7 @@ stream with that reason and carry on.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Annotated, Any, Final, Literal
@@ -258,6 +259,18 @@ def _intent(v: Any, path: str) -> m.IntentKind:
 _opt_f64 = _optional(_f64)
 _opt_str = _optional(_str)
 _opt_u64 = _optional(_u64)
+_ENTRY_ID: Final = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")
+
+
+def _entry_id(v: Any, path: str) -> str:
+    """A stream entry id, ``ms-seq`` (what a heartbeat says a rank has read)."""
+    text = _str(v, path)
+    if not _ENTRY_ID.fullmatch(text):
+        raise DecodeError(f"{path}: not a stream entry id: {text[:40]!r}")
+    return text
+
+
+_opt_id = _optional(_entry_id)
 
 _plan = _record(
     m.EpochPlan,
@@ -349,7 +362,10 @@ class _Spec:
 
 _BY_NAME: dict[str, _Spec] = {}
 #: see ``_Spec.omit_none``
-_ADDED_LATER: Final[dict[type, frozenset[str]]] = {m.Exiting: frozenset({"reason"})}
+_ADDED_LATER: Final[dict[type, frozenset[str]]] = {
+    m.Exiting: frozenset({"reason"}),
+    m.Heartbeat: frozenset({"ctl_read", "all_read"}),
+}
 _BY_CLASS: dict[type, _Spec] = {}
 
 
@@ -443,7 +459,7 @@ _spec(
 )
 _spec(m.Exiting, UPSTREAM, rank=_u64, reason=_opt_str)
 _spec(m.LrUpdate, UPSTREAM, rank=_u64, lr=_f64)
-_spec(m.Heartbeat, UPSTREAM, rank=_u64, step_count=_u64)
+_spec(m.Heartbeat, UPSTREAM, rank=_u64, step_count=_u64, ctl_read=_opt_id, all_read=_opt_id)
 _spec(m.Intent, UPSTREAM, rank=_u64, kind=_intent)
 _spec(m.SnapshotReady, UPSTREAM, rank=_u64)
 _spec(m.NewNcclIdGenerated, UPSTREAM, rank=_u64, uid_bytes=_bin)
@@ -501,6 +517,7 @@ _spec(m.Reject, JOIN, worker_id=_str, reason=_str)
 # builds what the full decoder builds.
 
 _FAST_FIELD: Final[dict[Decoder, Any]] = {
+    _opt_id: Annotated[str, msgspec.Meta(pattern=_ENTRY_ID.pattern.join("^$"))] | None,
     _u64: Annotated[int, msgspec.Meta(ge=0)],
     _opt_u64: Annotated[int, msgspec.Meta(ge=0)] | None,
     _f64: float,

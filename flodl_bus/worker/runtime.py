@@ -270,10 +270,18 @@ class RankRuntime:
 
     def _heartbeat(self) -> None:
         interval = self.config.heartbeat_interval
+        # Where this rank has read its control: the coordinator trims no further (a
+        # transport without entry ids has no such thing).
+        read = getattr(self.bus, "control_read", None)
         while not self._stop.is_set():
             self._heartbeats += 1
+            ctl, bcast = read() if callable(read) else (None, None)
             try:
-                self.bus.publish(Heartbeat(rank=self.rank, step_count=self._heartbeats))
+                self.bus.publish(
+                    Heartbeat(
+                        rank=self.rank, step_count=self._heartbeats, ctl_read=ctl, all_read=bcast
+                    )
+                )
             except Exception as exc:
                 _log.warning("heartbeat_failed", rank=self.rank, error=repr(exc))
             if self._stop.wait(interval):

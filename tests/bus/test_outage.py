@@ -219,8 +219,9 @@ def test_both_directions_survive_a_killed_and_restarted_redis_with_aof(outage_s:
 
 def test_a_restart_without_persistence_recreates_the_streams_and_the_run_goes_on() -> None:
     # Decision (RELIABILITY.md): Redis is soft state (DESIGN §3 rule 5), so a restart that
-    # lost everything is survived like one that kept it: readers recreate their groups
-    # from the start of the (now empty) streams and writers continue their ids above
+    # lost everything is survived like one that kept it: the coordinator's reader
+    # recreates its group from the start of the (now empty) streams, a rank's reader
+    # reads on from its cursor, and writers continue their ids above
     # what they wrote before. What was in flight at the restart is lost, which is why
     # ops/redis.conf ships AOF; every message sent after the restart arrives once, in
     # order, and nothing before it arrives twice.
@@ -235,9 +236,10 @@ def test_a_restart_without_persistence_recreates_the_streams_and_the_run_goes_on
             rank_s, coord_s = ex.first_after(back)
             admin = connect(server.url)
             try:
-                # The groups are back (recreated by the readers), on fresh streams.
-                groups = admin.xinfo_groups(ex.rank.keys.ctl(0))
-                assert [g["name"] for g in groups] == [b"rank0"]
+                # The coordinator's group is back (recreated by its reader), on a fresh
+                # stream; the rank reads its control from its own cursor, no group.
+                groups = admin.xinfo_groups(ex.rank.keys.up(0))
+                assert [g["name"] for g in groups] == [b"coordinator"]
             finally:
                 admin.close()
             ex._stop_sending.set()

@@ -17,7 +17,7 @@ from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
-from flodl_bus.bus.stream_ops import BusError, StreamsConfig, rank_group
+from flodl_bus.bus.stream_ops import BusError, StreamsConfig
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys, signed_bytes
@@ -223,8 +223,8 @@ def test_publisher_retry_after_a_lost_pipeline_reply_creates_no_duplicate(
     coord.close()
 
 
-def test_a_lost_xreadgroup_reply_is_recovered_from_the_pending_list(backend: Backend) -> None:
-    faults = Faults("XREADGROUP", times=0)
+def test_a_lost_xread_reply_is_read_again_from_the_cursor(backend: Backend) -> None:
+    faults = Faults("XREAD", times=0)
     lossy = _lossy(backend, faults)
     keys = RunKeys("lostread")
     coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
@@ -232,43 +232,45 @@ def test_a_lost_xreadgroup_reply_is_recovered_from_the_pending_list(backend: Bac
     assert rank.read_control(0) == []
     for i in range(6):
         coord.send(0, m.SetGlobalStep(global_step=i))
-    faults.times = 1  # the next read is delivered by Redis, but its reply never arrives
+    faults.times = 1  # the next read's reply never arrives
     got = collect(rank, 6)
     assert faults.lost == 1
     assert _steps(got) == list(range(6))
+    assert rank.read_control(50) == []
     rank.close()
     coord.close()
 
 
-def test_restarted_reader_drains_its_pending_entries_first_and_never_redelivers_acked(
-    backend: Backend,
-) -> None:
+def test_another_reader_of_a_ranks_streams_takes_nothing_from_it(backend: Backend) -> None:
+    """A rank reads its control with XREAD from its own cursor: a second reader of the
+    same streams, or a consumer group made by anyone who may, consumes nothing of it
+    (issue 28: one StartEpoch taken from the rank's group hung a run for good)."""
     keys = RunKeys("pending")
     config = StreamsConfig(read_count=3, backoff=FAST.backoff)
     coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=config)
-    first = RedisRankBus(backend.make(), keys, 0, RK(0), config=config)
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=config)
+    admin = backend.admin
+    # groups made ahead, one far beyond every id: nothing the rank reads goes through them
+    admin.xgroup_create(keys.ctl(0), "rank0", id="0", mkstream=True)
+    admin.xgroup_create(keys.ctl_all, "rank0", id="99999999999999-0", mkstream=True)
     for i in range(10):
         (coord.broadcast if i % 3 == 0 else lambda msg: coord.send(0, msg))(
             m.SetGlobalStep(global_step=i)
         )
-    seen: list[Delivery] = []
-    while len(seen) < 10:
-        seen += first.read_control(100)
-    first.ack(seen[:5])
-    first.flush_acks()
-    first._publisher.close()  # the process "dies": the other 5 stay unacked, pending
-    for i in range(10, 15):
-        coord.send(0, m.SetGlobalStep(global_step=i))
-
-    second = RedisRankBus(backend.make(), keys, 0, RK(0), config=config)
-    got = collect(second, 10)
-    assert _steps(got) == list(range(5, 15))
-    second.flush_acks()
-    for stream in (keys.ctl(0), keys.ctl_all):
-        assert backend.admin.xpending(stream, rank_group(0))["pending"] == 0
-    assert second.read_control(50) == []
-    second.close()
-    coord.close()
+    # a thief drains the group of every entry, acks it, and reads along with XREAD
+    admin.xreadgroup("rank0", "thief", {keys.ctl(0): ">"}, count=100)
+    thief = RedisRankBus(backend.make(), keys, 0, RK(0), config=config)
+    assert _steps(collect(thief, 10)) == list(range(10))
+    got = collect(rank, 10)
+    assert _steps(got) == list(range(10))
+    rank.ack(got)
+    # what the rank took over is what its heartbeats tell the coordinator
+    ctl, bcast = rank.control_read()
+    assert ctl == next(d.entry_id for d in reversed(got) if d.stream == keys.ctl(0))
+    assert bcast == next(d.entry_id for d in reversed(got) if d.stream == keys.ctl_all)
+    assert rank.read_control(50) == []
+    for bus in (rank, thief, coord):
+        bus.close()
 
 
 # ------------------------------------------------------------------- bad entries
@@ -370,8 +372,8 @@ def test_a_thousand_malformed_entries_go_to_the_dlq_and_valid_traffic_flows(
         assert fields[b"stream"] == keys.ctl(0).encode()
         assert why in fields[b"reason"].decode(), (why, fields[b"reason"])
     assert sum(e["event"] == "bus_dead_letter" and e["log_level"] == "error" for e in logs) == 1000
-    rank.flush_acks()
-    assert backend.admin.xpending(keys.ctl(0), rank_group(0))["pending"] == 0
+    assert rank.read_control(50) == []  # each bad one read past once, never again
+    assert backend.admin.xlen(keys.dlq) == 1000
     rank.close()
     coord.close()
 
@@ -684,3 +686,44 @@ def test_send_batch_refuses_unicasts_and_broadcasts_in_one_batch(backend: Backen
     assert backend.admin.exists(keys.ctl_all) == 0 or backend.admin.xlen(keys.ctl_all) == 0
     assert backend.admin.xlen(keys.ctl(0)) == 0
     coord.close()
+
+
+def test_control_a_rank_leaves_unread_past_the_budget_is_named_with_its_age(
+    backend: Backend,
+) -> None:
+    keys = RunKeys("owed")
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0, 1], config=FAST)
+    clock = [1000.0]
+    coord.monotonic = lambda: clock[0]  # sends and reports dated on a clock of ours
+    ranks = [RedisRankBus(backend.make(), keys, r, RK(r), config=FAST) for r in (0, 1)]
+
+    def beat(step: int, reads: dict[int, int]) -> None:
+        """Each rank reads what ``reads`` says and heartbeats where it stands."""
+        for r, bus in enumerate(ranks):
+            if reads.get(r):
+                bus.ack(collect(bus, reads[r]))
+            ctl, bcast = bus.control_read()
+            bus.publish(m.Heartbeat(rank=r, step_count=step, ctl_read=ctl, all_read=bcast))
+            assert bus.flush(10)
+        assert len([d for d in collect_up(coord, 2) if isinstance(d.msg, m.Heartbeat)]) == 2
+
+    coord.send(0, m.SetGlobalStep(global_step=1))
+    coord.broadcast(m.SetGlobalStep(global_step=2))
+    beat(1, {0: 2, 1: 1})
+    assert coord.overdue(30.0) == []  # everything sent was read
+    coord.send(1, m.SyncNow())
+    coord.broadcast(m.EvalBroadcast(epoch=1, metric=0.5))
+    clock[0] += 10.0
+    beat(2, {})  # alive 10 s later, nothing read: within the budget
+    assert coord.overdue(30.0) == []
+    clock[0] += 21.0
+    assert coord.overdue(30.0) == []  # no heartbeat since: left to the heartbeat timeout
+    beat(3, {})  # alive 31 s after, still nothing read
+    late = coord.overdue(30.0)
+    # each rank's oldest unread entry: rank 0 the broadcast, rank 1 its SyncNow
+    assert [(r, what) for r, what, _ in late] == [(0, "EvalBroadcast"), (1, "SyncNow")]
+    assert all(age == 31.0 for _, _, age in late)
+    beat(4, {0: 1, 1: 2})  # reading and saying so clears it
+    assert coord.overdue(30.0) == []
+    for bus in (*ranks, coord):
+        bus.close()

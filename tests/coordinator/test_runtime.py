@@ -312,3 +312,35 @@ def test_hellos_from_before_the_coordinators_identity_take_no_rank() -> None:
     assert adm.joined == 1
     old_run.post(Hello("live2", "h", "sig"))
     assert desk.poll(None) == [Assign("live", 0, 2), Assign("live2", 1, 2)]
+
+
+class UnreadBus(MemoryCoordinatorBus):
+    """Says rank 0 left a ``StartEpoch`` unread past the budget once it trained a bit."""
+
+    def __init__(self, hub: MemoryHub) -> None:
+        super().__init__(hub)
+        self.asked: list[float] = []
+
+    def overdue(self, budget_s: float) -> list[tuple[int, str, float]]:
+        self.asked.append(budget_s)
+        return [(0, "StartEpoch", budget_s + 1.0)] if len(self.asked) >= 2 else []
+
+
+def test_a_rank_that_leaves_its_control_unread_is_named_and_declared_dead(
+    tmp_path: Path,
+) -> None:
+    import structlog
+
+    core = Coordinator(config("cpu-cadence", epochs=400, heartbeat_timeout=7.0))
+    hub = MemoryHub(1)
+    bus = UnreadBus(hub)
+    world = start_rank(hub)
+    with structlog.testing.capture_logs() as logs:
+        run_loop(core, bus, tmp_path, exit_grace=5.0)
+    world.thread.join(30)
+    assert bus.asked and set(bus.asked) == {7.0}  # the heartbeat timeout is the budget
+    named = [e for e in logs if e["event"] == "rank_not_reading"]
+    assert named and named[0]["rank"] == 0 and named[0]["unread"] == "StartEpoch"
+    assert core.live.dead[0]
+    recs = read_records(tmp_path / "coordinator.jsonl")
+    assert [r["rank"] for r in recs if r["event"] == "declare_dead"] == [0]

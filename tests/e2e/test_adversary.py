@@ -143,6 +143,9 @@ def _refused(client: redis.Redis, k: RunKeys) -> None:
         lambda: client.delete(k.up(0)),
         lambda: client.xtrim(k.ctl(0), maxlen=0),
         lambda: client.xgroup_destroy(k.ctl(0), "rank0"),
+        # a rank's control cannot be taken: no consumer group on ctl:* at all
+        lambda: client.xgroup_create(k.ctl(0), "rank0", id="0"),
+        lambda: client.xreadgroup("rank0", "thief", {k.ctl(0): ">"}),
         lambda: client.get(k.secret),
         lambda: client.hset(k.identity, "sign_pub", "00"),
         lambda: client.config_get("*"),
@@ -183,9 +186,12 @@ def _as_admin(url: str, k: RunKeys, ledger: Ledger) -> None:
     _flood(admin, k.ctl_all, "all", ledger)
     ledger.add(k.ctl(0), admin.xadd(k.ctl(0), {"junk": "ahead"}, id=f"{_now_ms() + 5000}-0"))
     ledger.add(k.ctl_all, admin.xadd(k.ctl_all, {"junk": "largest"}, id=MAX_ID))
-    # what only a coordinator-level credential can do, to entries already handed out
-    admin.xgroup_destroy(k.ctl(1), "rank1")
-    for stream, group in ((k.up(0), "coordinator"), (k.ctl(0), "rank0")):
+    # what only a coordinator-level credential can do: drain a consumer group made on a
+    # rank's control (a rank has none: it reads with XREAD and loses nothing), and trim
+    # entries the coordinator's group was already handed
+    admin.xgroup_create(k.ctl(1), "rank1", id="0")
+    admin.xreadgroup("rank1", "thief", {k.ctl(1): ">"}, count=10_000)
+    for stream, group in ((k.up(0), "coordinator"),):
         delivered = next(
             g["last-delivered-id"]
             for g in admin.xinfo_groups(stream)

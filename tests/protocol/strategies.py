@@ -25,6 +25,9 @@ f64 = st.floats(allow_nan=True, allow_infinity=True)
 opt_f64 = st.none() | f64
 text = st.text(max_size=40)
 opt_text = st.none() | text
+opt_entry_id = st.none() | st.builds(
+    lambda ms, seq: f"{ms}-{seq}", st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)
+)
 uid = st.binary(max_size=256)
 
 
@@ -112,7 +115,9 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
     ),
     "Exiting": _build(m.Exiting, rank=u64, reason=opt_text),
     "LrUpdate": _build(m.LrUpdate, rank=u64, lr=f64),
-    "Heartbeat": _build(m.Heartbeat, rank=u64, step_count=u64),
+    "Heartbeat": _build(
+        m.Heartbeat, rank=u64, step_count=u64, ctl_read=opt_entry_id, all_read=opt_entry_id
+    ),
     "Intent": _build(m.Intent, rank=u64, kind=st.sampled_from(m.IntentKind)),
     "SnapshotReady": _build(m.SnapshotReady, rank=u64),
     "NewNcclIdGenerated": _build(m.NewNcclIdGenerated, rank=u64, uid_bytes=uid),
