@@ -42,6 +42,19 @@ def _raw_reply(response: Any, **_options: Any) -> Any:
     return response
 
 
+def _entries_of(raw: Any) -> dict[str, list[tuple[EntryId, Any]]]:
+    """A raw XREAD/XREADGROUP reply as stream -> [(id, fields)]. RESP2:
+    ``[[stream, [[id, [k, v, ...] or nil], ...]], ...]``; RESP3: ``{stream: [...]}``.
+    Nil fields: a pending entry that was trimmed away (``entries.parse`` rejects it)."""
+    reply: dict[str, list[tuple[EntryId, Any]]] = {}
+    for name, items in raw.items() if isinstance(raw, dict) else raw or ():
+        got = reply[name.decode()] = []
+        for eid, flat in items:
+            it = iter(flat or ())
+            got.append((parse_id(eid), dict(zip(it, it)) if flat else None))
+    return reply
+
+
 class _GroupReader:
     """XREADGROUP over some streams through a ``GroupCursor``, acks piggybacked on reads."""
 
@@ -176,14 +189,7 @@ class _GroupReader:
         except BaseException:
             self._restore_acks(acks)
             raise
-        reply: dict[str, list[tuple[EntryId, Any]]] = {}
-        # RESP2: [[stream, [[id, [k, v, ...] or nil], ...]], ...]; RESP3: {stream: [...]}
-        for name, items in raw.items() if isinstance(raw, dict) else raw or ():
-            got = reply[name.decode()] = []
-            for eid, flat in items:
-                # nil fields: a pending entry that was trimmed away (parse rejects it)
-                it = iter(flat or ())
-                got.append((parse_id(eid), dict(zip(it, it)) if flat else None))
+        reply = _entries_of(raw)
         return self.cursor.on_reply(reply) if check is None else self.cursor.on_reply(reply, check)
 
     def read_parsed(
@@ -370,12 +376,7 @@ class _CursorReader(_GroupReader):
             raw = self.link.call(op, deadline=time.monotonic() + max(block, 0) / 1000 + 0.05)
         except BusUnavailable:
             return []
-        reply: dict[str, list[tuple[EntryId, Any]]] = {}
-        for name, items in raw.items() if isinstance(raw, dict) else raw or ():
-            got = reply[name.decode()] = []
-            for eid, flat in items:
-                it = iter(flat or ())
-                got.append((parse_id(eid), dict(zip(it, it)) if flat else None))
+        reply = _entries_of(raw)
         before = self.cursor.positions()
         out = self.cursor.on_reply(reply) if check is None else self.cursor.on_reply(reply, check)
         limit = writer_limit(_now_ms())

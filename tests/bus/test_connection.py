@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import fakeredis
 import pytest
@@ -280,6 +281,18 @@ def test_a_killed_connection_is_reconnected_and_the_operation_rerun(redis_url: s
     admin.close()
 
 
+def _lost_once() -> Callable[[bool], bool]:
+    """An op whose first call loses its connection; it returns whether it was a retry."""
+    first = [True]
+
+    def op(retry: bool) -> bool:
+        if first.pop() if first else False:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return retry
+
+    return op
+
+
 def test_a_busy_script_refusing_the_reconnect_ping_is_waited_out_not_fatal() -> None:
     # The observer user could run EVAL_RO: a busy script makes every command, PING
     # included, answer BUSY; the process must wait, as for any refusal (issue 28).
@@ -296,13 +309,7 @@ def test_a_busy_script_refusing_the_reconnect_ping_is_waited_out_not_fatal() -> 
     link = Link(
         Busy(connection_pool=client.connection_pool), name="r", sleep=clock.sleep, clock=clock
     )
-    first = [True]
-
-    def op(retry: bool) -> bool:
-        if first.pop() if first else False:
-            raise redis.exceptions.ConnectionError("Connection closed by server.")
-        return retry
-
+    op = _lost_once()
     with structlog.testing.capture_logs() as logs:
         assert link.call(op) is True
     assert [e["event"] for e in logs] == ["redis_unreachable", "redis_reconnected"]
@@ -367,13 +374,7 @@ def test_a_server_still_loading_its_data_is_waited_for_as_part_of_the_outage() -
 
     loader = Loading(connection_pool=client.connection_pool)
     link = Link(loader, name="r", sleep=clock.sleep, clock=clock)
-    first = [True]
-
-    def op(retry: bool) -> bool:
-        if first.pop() if first else False:
-            raise redis.exceptions.ConnectionError("Connection closed by server.")
-        return retry
-
+    op = _lost_once()
     with structlog.testing.capture_logs() as logs:
         assert link.call(op) is True
     assert [e["event"] for e in logs] == ["redis_unreachable", "redis_reconnected"]
