@@ -7,9 +7,9 @@ batch's first entry, same id and same MAC, landed (rule 3).
 
 Per-step reports linger (``StreamsConfig.publish_linger_s``) so that one transaction
 carries many of them: the thread sleeps through the linger without waking per message,
-and a message the coordinator acts on (``URGENT``: anything but a step's ``Batch`` and
-``LrUpdate`` or a ``Heartbeat``) ends it, so it and everything queued before it go at
-once. Order is never changed: a batch is always a prefix of the queue.
+and a message the coordinator acts on (anything not in ``LAZY``: a step's ``Batch`` and
+``LrUpdate``, a ``Heartbeat``) ends it, so it and everything queued before it go at once.
+Order is never changed: a batch is always a prefix of the queue.
 """
 
 from __future__ import annotations
