@@ -271,11 +271,11 @@ def digits_run(tmp: Path, workers: int, epochs: int) -> Path | None:
     return run_dir
 
 
-def replay_peak_rss(run_dir: Path) -> tuple[int, float, str]:
-    """(exit status, peak resident MB, stderr) of ``flodl-bus replay run_dir`` in its own
-    process."""
+def replay_peak_rss(run_dir: Path, *args: str) -> tuple[int, float, str]:
+    """(exit status, peak resident MB, stderr) of ``flodl-bus replay run_dir ARGS`` in its
+    own process."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flodl_bus.cli", "replay", str(run_dir)],
+        [sys.executable, "-m", "flodl_bus.cli", "replay", str(run_dir), *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -367,7 +367,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in (args.memory, 4 * args.memory):
             with tempfile.TemporaryDirectory() as tmp:
                 bench_coordinator(n, Path(tmp))
-                rc, peak, errors = replay_peak_rss(Path(tmp))
+                # the synthetic run is the coordinator's record alone
+                rc, peak, errors = replay_peak_rss(Path(tmp), "--role", "coordinator")
                 print(
                     f"  {n:8d} recorded dispatches: peak {peak:6.0f} MB resident (exit {rc}, "
                     f"{len(errors.splitlines())} line(s) on stderr)"

@@ -324,7 +324,17 @@ def verified_lines(
     With ``parse=False`` only the chain is checked (records come as None)."""
     st = state if state is not None else ChainState()
     where = resolve(path)
-    for raw in raw_lines(where):
+    lines = raw_lines(where)
+    while True:
+        try:
+            raw = next(lines)
+        except StopIteration:
+            return
+        except zstandard.ZstdError as exc:
+            # Bytes that are no zstd frame (appended, overwritten): damage, not a crash.
+            raise DamagedRecord(
+                where, st.lines + 1, f"not a zstd frame after line {st.lines} ({exc})"
+            ) from None
         number = st.lines + 1
         if not raw.endswith(b"\n"):
             st.torn = True
@@ -362,6 +372,14 @@ def verified_lines(
                 raise DamagedRecord(where, number, "not a JSON object")
             if st.chained and rec.get("event") == "end":
                 st.ended = True
+                said = rec.get("records")
+                if isinstance(said, int) and said != number - 1:
+                    raise DamagedRecord(
+                        where,
+                        number,
+                        f"the end record counts {said} lines before it; the file holds "
+                        f"{number - 1}: lines were removed or added and the chain rewritten",
+                    )
         st.lines = number
         yield number, rec
 

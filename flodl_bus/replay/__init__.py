@@ -77,6 +77,6 @@ def replay_run(
     first (``verify_run``): a damaged, unchained or incomplete record raises."""
     recs = load_run(run) if isinstance(run, (str, Path)) else run
     if verify:
-        verify_run(recs if role is None else {role: recs[role]})
+        verify_run(recs if role is None else {role: recs[role]}, whole=role is None)
     keys = [role] if role is not None else list(recs)
     return {k: replay(recs[k], explore=explore, keep_actual=keep_actual) for k in keys}

@@ -13,8 +13,9 @@ Exit status (stdout is the report, one line per process; stderr names what was r
 4    a damaged record: a line edited, removed, moved or not JSON, a header that disagrees
      with its file or the other records, or a record without a digest chain; the
      message names the file and line
-5    an incomplete record: no end record (its process was killed, crashed or hung);
-     ``--allow-incomplete`` replays it up to its last verified line
+5    an incomplete record: no end record (its process was killed, crashed or hung), or
+     an incomplete run: a record its other records name is missing;
+     ``--allow-incomplete`` replays what is there, up to its last verified line
 ===  ===================================================================================
 """
 
@@ -31,7 +32,7 @@ from flodl_bus.record.chain import DamagedRecord, IncompleteRecord, UnchainedRec
 from flodl_bus.replay import CoordinatorReplay, RankReplay, Recording, load_run, replay
 from flodl_bus.replay.coordinator import launch_time
 from flodl_bus.replay.engine import TRANSPORTS
-from flodl_bus.replay.load import verify_run
+from flodl_bus.replay.load import MissingRecords, verify_run
 
 PROG = "flodl-bus replay"
 IDENTICAL = 0
@@ -152,11 +153,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return BAD_INPUT
     keys = [role] if role is not None else list(recs)
     try:
-        verified = verify_run({k: recs[k] for k in keys}, allow_incomplete=args.allow_incomplete)
+        verified = verify_run(
+            {k: recs[k] for k in keys},
+            allow_incomplete=args.allow_incomplete,
+            whole=role is None,
+        )
         if role is not None:
-            verify_run(recs, allow_incomplete=True)  # the headers against each other
+            # the headers against each other
+            verify_run(recs, allow_incomplete=True, whole=False)
     except IncompleteRecord as exc:
         _err(str(exc))
+        return INCOMPLETE
+    except MissingRecords as exc:
+        _err(f"{exc}; --allow-incomplete replays the records that are there")
         return INCOMPLETE
     except (DamagedRecord, UnchainedRecord) as exc:
         _err(str(exc))

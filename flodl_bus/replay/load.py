@@ -294,13 +294,69 @@ class Verified:
     complete: bool
 
 
+class MissingRecords(ValueError):
+    """A run directory without a record its other records name (a deleted coordinator
+    record beside its ranks', a rank of its world): what is there cannot stand for the
+    run, however well it verifies."""
+
+    def __init__(self, run_dir: str | Path, missing: Iterable[str], why: str) -> None:
+        names = ", ".join(missing)
+        super().__init__(f"{run_dir}: no record of {names} ({why}): the run is not whole")
+        self.missing = tuple(missing)
+
+
+def missing_roles(run: Mapping[str, Recording]) -> tuple[list[str], str]:
+    """The processes ``run``'s own records name but that have no record in it, and what
+    named them: the coordinator's world size (or a rank's, without the coordinator's
+    record), and ``up.jsonl``'s worker count beside them."""
+    expected: set[str] = set()
+    why: list[str] = []
+    coord = run.get("coordinator")
+    config = coord.header.get("config") if coord is not None else None
+    ws = config.get("world_size") if isinstance(config, Mapping) else None
+    if isinstance(ws, int):
+        why.append(f"the coordinator's world of {ws}")
+    else:
+        sizes = {r.header.get("world_size") for k, r in run.items() if k != "coordinator"}
+        sizes.discard(None)
+        if len(sizes) == 1 and isinstance(next(iter(sizes)), int):
+            ws = next(iter(sizes))
+            why.append(f"the ranks' world of {ws}")
+    if coord is None and any(
+        r.header.get("coordinated") or "settings" in r.header for r in run.values()
+    ):
+        # a rank started by ``flodl-bus worker`` says a coordinator drove it (records made
+        # before it said so carry the run's settings, which only that command records);
+        # a rank driven by hand (a test's script) does neither
+        expected.add("coordinator")
+        why.append("rank records of a coordinated run beside it")
+    paths = [r.path for r in run.values() if r.path is not None]
+    if paths:
+        up = Path(paths[0]).parent / "up.jsonl"
+        if up.exists():
+            try:
+                first = next((rec for _, rec in chain.verified_lines(up)), None)
+            except DamagedRecord:
+                first = None
+            workers = first.get("workers") if isinstance(first, dict) else None
+            if isinstance(workers, int) and (ws is None or workers > ws):
+                ws = workers
+                why.append(f"up.jsonl's {workers} workers")
+            expected.add("coordinator")
+    if isinstance(ws, int):
+        expected.update(f"rank:{r}" for r in range(ws))
+    order = sorted(expected - set(run), key=lambda k: (k != "coordinator", len(k), k))
+    return order, ", ".join(why)
+
+
 def verify_run(
-    run: Mapping[str, Recording], *, allow_incomplete: bool = False
+    run: Mapping[str, Recording], *, allow_incomplete: bool = False, whole: bool = True
 ) -> dict[str, Verified]:
     """Check every record of ``run`` before it is replayed: ``DamagedRecord`` (a line
     edited, removed, moved, not JSON; headers that disagree with the files or with each
     other), ``UnchainedRecord``, ``IncompleteRecord`` (no end record, unless
-    ``allow_incomplete``)."""
+    ``allow_incomplete``); ``whole``: ``run`` stands for its directory, which must hold
+    every record its records name (``MissingRecords``, unless ``allow_incomplete``)."""
     out: dict[str, Verified] = {}
     for key, rec in run.items():
         if rec.path is None:
@@ -308,6 +364,12 @@ def verify_run(
         st = chain.check(rec.path, allow_incomplete=allow_incomplete)
         out[key] = Verified(key, chain.resolve(rec.path), st.lines, st.ended)
     _check_headers(run)
+    # After the damage checks: a record that lies is named before one that is absent.
+    if whole and not allow_incomplete:
+        missing, why = missing_roles(run)
+        if missing:
+            first = next((r.path for r in run.values() if r.path is not None), "")
+            raise MissingRecords(Path(first).parent if first else "the run", missing, why)
     return out
 
 

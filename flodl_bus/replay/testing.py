@@ -25,6 +25,7 @@ import pytest
 
 from flodl_bus.record.chain import SUFFIXES, DamagedRecord, IncompleteRecord, UnchainedRecord
 from flodl_bus.replay import Recording, ReplayResult, load_run, replay, verify_run
+from flodl_bus.replay.load import MissingRecords
 
 Run = Mapping[str, Recording]
 
@@ -59,8 +60,8 @@ def assert_identical(
     keys = [role] if role is not None else list(run)
     if verify:
         try:
-            verify_run({k: run[k] for k in keys})
-        except (DamagedRecord, IncompleteRecord, UnchainedRecord) as exc:
+            verify_run({k: run[k] for k in keys}, whole=role is None)
+        except (DamagedRecord, IncompleteRecord, UnchainedRecord, MissingRecords) as exc:
             raise AssertionError(f"the record cannot be trusted: {exc}") from None
     results = {k: replay(run[k], keep_actual=False, transport=transport) for k in keys}
     bad = [f"{k}: {r.summary()}" for k, r in results.items() if not r.identical]

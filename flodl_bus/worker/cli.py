@@ -368,6 +368,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         record_dir=None if args.no_record else (args.run_dir or os.path.join("runs", args.run)),
         record_header={
             "run": args.run,
+            # a coordinator drives this rank: a run directory without its record is not
+            # whole (``replay.load.missing_roles``)
+            "coordinated": True,
             "shards": list(keys.shards),
             "mode": mode,
             "job": args.job or meta.get("job"),

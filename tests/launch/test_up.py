@@ -346,3 +346,19 @@ def test_a_refused_run_removes_only_what_it_wrote_from_a_directory_it_did_not_ma
     )  # fmt: skip
     assert rc == 2
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]
+
+
+def test_replay_of_a_run_whose_coordinator_and_a_rank_records_were_deleted_is_not_whole(
+    tmp_path: Path, mark: str
+) -> None:
+    from flodl_bus.replay.cli import INCOMPLETE
+    from flodl_bus.replay.cli import main as replay_main
+
+    up = _up(tmp_path, mark, "--run", "partial", "--epochs", "1", "--workers", "3")
+    out, _ = up.communicate(timeout=150)
+    assert up.returncode == 0, out
+    run_dir = tmp_path / "runs" / "partial"
+    for name in ("coordinator.jsonl.zst", "rank2.jsonl.zst"):
+        (run_dir / name).unlink()
+    assert replay_main([str(run_dir)]) == INCOMPLETE
+    assert replay_main([str(run_dir), "--allow-incomplete"]) == 0
