@@ -212,7 +212,8 @@ KNOBS: tuple[Knob, ...] = (
         "outer",
         _choice(OUTERS),
         "none",
-        "outer optimizer on the consensus (DiLoCo): none, nesterov, slow-momentum",
+        "outer optimizer on the consensus: none, nesterov (DiLoCo: each round also "
+        "resets the ranks' inner optimizer), slow-momentum (SlowMo: keeps it)",
         True,
     ),
     Knob("outer_lr", _float(0.0, lo_open=True), None, "outer optimizer LR", True),

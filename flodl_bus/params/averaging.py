@@ -197,9 +197,14 @@ class SlowMomentum(_MomentumOuter):
 
 
 class Nesterov(_MomentumOuter):
-    """DiLoCo's outer step: ``v ← mu v + g``; ``new = prev - lr · (mu v + g)``."""
+    """DiLoCo's outer step: ``v ← mu v + g``; ``new = prev - lr · (mu v + g)``.
+
+    DiLoCo also starts each inner phase with a fresh inner optimizer: after a realized
+    round the rank's optimizer state is reset (flodl's ``resets_inner``; its
+    ``load_averaged`` calls ``reset_state``). Slow momentum keeps it."""
 
     name = "nesterov"
+    resets_inner = True
 
     def __init__(self, lr: float = 0.7, momentum: float = 0.9) -> None:
         super().__init__(lr, momentum)

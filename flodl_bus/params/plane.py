@@ -19,7 +19,7 @@ up (``sync_now`` raises; the ``cpu`` path injects ``Shutdown``).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ import redis
 import torch
 
 from flodl_bus.params.averaging import OuterOptimizer, easgd_blend_, make_outer, sq_sum
-from flodl_bus.params.collective import CollectiveSync, averaged_buffers
+from flodl_bus.params.collective import UNREALIZED, CollectiveSync, averaged_buffers
 from flodl_bus.params.cpu_avg import CpuAverager, Inject, Publish
 from flodl_bus.params.groups import SessionManager, SessionSpec, backend_for, store_base
 from flodl_bus.params.port import SyncResult
@@ -133,6 +133,9 @@ class TorchParamPort:
                 outer=self.outer,
                 timeout=config.timeout,
             )
+        #: resets the rank's inner optimizer (set by the rank, which owns it): called
+        #: after each adopted consensus when the outer optimizer ``resets_inner``
+        self.reset_inner: Callable[[], None] | None = None
         self._device_cons: list[torch.Tensor] | None = None
         #: flodl's ``last_consensus``: the last realized average (params, averaged
         #: buffers), beside the params; None before the first round
@@ -156,7 +159,14 @@ class TorchParamPort:
         result = self._sync.sync_now(steps_since_avg)
         # The collective left the consensus in the params; the rank trains on from it.
         self._keep_consensus(self.params, self.buffers)
+        if result is not UNREALIZED:
+            self._adopted()
         return result
+
+    def _adopted(self) -> None:
+        """A realized consensus is now the rank's model: DiLoCo's inner reset."""
+        if self.outer is not None and self.outer.resets_inner and self.reset_inner is not None:
+            self.reset_inner()
 
     def snapshot(self, steps_since_avg: int) -> None:
         if self._cpu is None:
@@ -181,6 +191,7 @@ class TorchParamPort:
             easgd_blend_(self.params, self._on_device(avg.params), alpha)
         for b, c in zip(self.buffers, avg.buffers):
             b.copy_(c, non_blocking=True)
+        self._adopted()
 
     def consensus(self) -> tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]] | None:
         """The last realized consensus: (params, averaged buffers) in model order."""

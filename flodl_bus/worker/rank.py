@@ -80,6 +80,12 @@ class RankOptions:
     resume: str | None = None
 
 
+def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Forget every moment and step count, as a fresh optimizer of the same settings
+    (its param groups, LRs included, stay): torch re-creates the state at the next step."""
+    optimizer.state.clear()
+
+
 def _bound_epoch_fn(job: Job, model: nn.Module) -> Callable[[int], None] | None:
     user_fn = job.epoch_fn
     if user_fn is None:
@@ -163,6 +169,10 @@ def run_rank(
         params: ParamPort = LocalParams(model, rank=rank, inject=inbox.put, publish=bus.publish)
     else:
         params = params_factory(model, inbox.put, bus.publish)
+    if hasattr(params, "reset_inner"):
+        # DiLoCo: an outer optimizer that resets the inner one does it after each
+        # adopted consensus; the plane owns the round, the rank owns the optimizer.
+        params.reset_inner = lambda: reset_optimizer_state(optimizer)
     if options.resume is not None:
         try:
             restore_rank_state(options.resume, rank, optimizer, params)

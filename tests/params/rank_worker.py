@@ -76,6 +76,12 @@ def control_thread(r: redis.Redis, run_id: str, rank: int, port: TorchParamPort)
 
 def scenario_sync(port: TorchParamPort, model: Toy, rank: int, args: dict[str, Any]) -> Any:
     out = []
+    resets = [0]
+
+    def reset_inner() -> None:  # what the rank's optimizer reset would be told
+        resets[0] += 1
+
+    port.reset_inner = reset_inner
     for case in args["cases"]:
         mine = case["ranks"][rank]
         set_values(model, mine)
@@ -90,6 +96,7 @@ def scenario_sync(port: TorchParamPort, model: Toy, rank: int, args: dict[str, A
                 "post": observe(model),
                 "consensus": _consensus(port),
                 "triple": list(_triple(res)),
+                "inner_resets": resets[0],
             }
         )
     return out

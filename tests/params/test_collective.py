@@ -132,6 +132,30 @@ def test_outer_nesterov_step_is_replicated_identically_on_every_rank(redis_url: 
     assert r0[1]["post"]["w"] == r1[1]["post"]["w"]
     # the divergence is measured against the consensus, before the outer step
     assert r0[1]["triple"][1] == pytest.approx(math.sqrt(3 * 64))
+    # DiLoCo: the inner optimizer starts afresh after every adopted consensus
+    assert [w["inner_resets"] for w in r0] == [w["inner_resets"] for w in r1] == [1, 2]
+
+
+def test_slow_momentum_keeps_the_inner_optimizer_and_an_unrealized_round_resets_nothing(
+    redis_url: str,
+) -> None:
+    windows = [
+        {"ranks": [{"w": [9, 9, 9], "steps": 1}, {"w": [11, 11, 11], "steps": 1}]},
+        {"ranks": [{"w": [7, 7, 7], "steps": 1}, {"w": [9, 9, 9], "steps": 1}]},
+    ]
+    ranks = start_ranks(redis_url, "sync", 2, {"cases": windows, "outer": "slow-momentum"})
+    try:
+        r0, _ = ranks.results()
+    finally:
+        ranks.kill()
+    assert [w["inner_resets"] for w in r0] == [0, 0]
+    idle = [{"ranks": [{"w": [1, 2, 3], "steps": 0}, {"w": [7, 8, 9], "steps": 0}]}]
+    ranks = start_ranks(redis_url, "sync", 2, {"cases": idle, "outer": "nesterov"})
+    try:
+        r0, _ = ranks.results()
+    finally:
+        ranks.kill()
+    assert [w["inner_resets"] for w in r0] == [0]  # zero mass: nothing adopted
 
 
 # -------------------------------------------------- the model's tensors live in the flats
