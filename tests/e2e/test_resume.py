@@ -208,12 +208,14 @@ def test_a_run_killed_after_a_mid_run_checkpoint_resumes_bit_identical_to_one_ne
 def test_each_rank_resumes_its_own_outer_optimizer_and_a_run_without_one_is_refused(
     cluster: Cluster, tmp_path: Path
 ) -> None:
-    mode, outer = "nccl-cadence", ("--outer", "nesterov")
+    # slow momentum: it keeps the inner optimizer across rounds (nesterov, DiLoCo, resets
+    # it after each: ``tests/params/test_collective.py``), so both states carry on
+    mode, outer = "nccl-cadence", ("--outer", "slow-momentum")
     half = tmp_path / "h" / "m"
     _trained(cluster, new_run_id("outer-a"), half, 1, 2, mode, *outer)
     states = [torch.load(f"{half}.rank{r}.state.pt", weights_only=False) for r in range(2)]
     for s in states:  # rounds happened: the outer optimizer has a velocity to carry on
-        assert s["outer"]["name"] == "nesterov" and s["outer"]["velocity"] is not None
+        assert s["outer"]["name"] == "slow-momentum" and s["outer"]["velocity"] is not None
         assert s["optimizer"]["state"], "the Adam moments were saved"
     # Per-rank state: the ranks trained other samples, so their moments differ.
     m0, m1 = (s["optimizer"]["state"][0]["exp_avg"] for s in states)
