@@ -147,10 +147,10 @@ class RankLoop:
             self.publish(up)
         for up in out.upstream:
             if isinstance(up, EvalResult) and up.error is not None:
-                # The core reports a raising eval_fn (flodl's EvalResult.error); the job's
-                # bug is on every rank, so the run stops rather than training on blind.
+                # flodl's rule: a raising eval_fn is reported (EvalResult.error, which the
+                # coordinator alerts on) and logged; training goes on without that score.
                 what = up.error if up.error.startswith("eval_fn") else f"eval_fn raised {up.error}"
-                raise JobError(what)
+                _log.error("eval_failed", rank=self.rank, epoch=up.epoch, reason=what)
         if self.on_dispatched is not None:
             self.on_dispatched(msg)
         return out

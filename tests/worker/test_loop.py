@@ -531,3 +531,33 @@ def test_a_failure_found_off_the_training_thread_is_said_upstream_at_teardown() 
     assert rig.loop.run_until_shutdown() is True
     assert rig.of(Exiting) == [Exiting(0, reason=why)]
     assert rig.loop.failure == why
+
+
+def test_an_eval_that_fails_is_reported_and_logged_and_training_goes_on() -> None:
+    """flodl's rule (issue 29): a failed eval does not stop the run."""
+    from flodl_bus.protocol.messages import EvalResult, ExecuteEvalCallback, Shutdown
+
+    class Raising:
+        """A model port whose eval_fn raises (the job's bug)."""
+
+        has_eval_fn = has_eval_dataset = True
+        has_checkpoint_fn = has_save_path = False
+
+        def eval_mode(self) -> None: ...
+
+        def train_mode(self) -> None: ...
+
+        def evaluate(self) -> float:
+            raise RuntimeError("the eval set is gone")
+
+    rig = make_rig(after_metrics=[[Shutdown()]])  # the plan done, the run ends
+    rig.control.model = Raising()  # type: ignore[assignment]
+    rig.inbox.put(ExecuteEvalCallback(schedule_id=3, epoch=3, target_rank=0))
+    rig.inbox.put(StartEpoch(EpochPlan(0, 0, 4 * BS)))
+    with capture_logs() as logs:
+        assert rig.loop.run_until_shutdown() is True
+    (result,) = rig.of(EvalResult)
+    assert result.error is not None and "the eval set is gone" in result.error
+    failed = [e for e in logs if e["event"] == "eval_failed"]
+    assert len(failed) == 1 and failed[0]["epoch"] == 3 and failed[0]["log_level"] == "error"
+    assert len(rig.of(Batch)) == 4 and len(rig.of(MetricsMsg)) == 1  # it trained on
