@@ -15,10 +15,13 @@ import contextlib
 import errno
 import fcntl
 import os
+import sys
 from pathlib import Path
 from typing import Final
 
 LOCK_NAME: Final = ".up.lock"
+#: flock errors of a filesystem that has no locks at all (not of a held lock)
+UNLOCKABLE: Final = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS})
 
 
 class RunDirBusy(RuntimeError):
@@ -59,6 +62,14 @@ def take(run_dir: Path) -> RunLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
+        if exc.errno in UNLOCKABLE:
+            # A filesystem without locks (some network mounts): the run goes on, said once.
+            print(
+                f"flodl-bus up: {run_dir} cannot be locked ({os.strerror(exc.errno)}): "
+                "a second up with this run id would not be refused",
+                file=sys.stderr,
+            )
+            return RunLock(fd, path)
         os.close(fd)
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             who = holder_of(run_dir)

@@ -21,3 +21,19 @@ def test_a_held_directory_is_refused_naming_its_holder_and_free_again_once_relea
         run_lock.take(tmp_path / "run")
     held.release()
     run_lock.take(tmp_path / "run").release()
+
+
+def test_a_filesystem_without_locks_lets_the_run_go_on_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    held = run_lock.take(tmp_path / "nfs")
+    held.release()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be locked" in err
