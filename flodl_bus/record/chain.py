@@ -22,10 +22,10 @@ as unchained, never as verified.
 
 from __future__ import annotations
 
+import collections
 import gzip
 import hashlib
 import os
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -42,6 +42,8 @@ DIGEST_BYTES: Final = 8
 _D_OPEN: Final = b',"d":"'
 _SUFFIX_LEN: Final = len(_D_OPEN) + 2 * DIGEST_BYTES + 2
 FLUSH_S: Final = 0.1
+#: how often the zstd writer looks for lines (a flush or the close wakes it at once)
+GATHER_S: Final = 0.02
 #: most lines the zstd writer takes off its queue for one compress call
 _BATCH_LINES: Final = 512
 FRAME_BYTES: Final = 4 << 20
@@ -136,8 +138,10 @@ class Sink:
 
 class ZstdSink(Sink):
     """zstd frames written by a thread of their own: the recording thread only queues the
-    line (compressing it would be most of a record's cost there). The writer emits a
-    block as soon as it has nothing queued for ``FLUSH_S``, so a hung process leaves
+    line (compressing it would be most of a record's cost there). The writer wakes every
+    ``GATHER_S`` (or at once for a flush or the close), never per line: a wake-up per
+    line was a GIL hand-over per training step on the recording thread's path. It emits
+    a block as soon as it has nothing queued for ``FLUSH_S``, so a hung process leaves
     everything it recorded readable; a frame ends every ``FRAME_BYTES`` and at close."""
 
     def __init__(self, path: Path, lock: threading.Lock) -> None:
@@ -147,28 +151,34 @@ class ZstdSink(Sink):
         self._in_frame = 0
         self._dirty = False
         self._flushed = time.monotonic()
-        self._q: queue.SimpleQueue[bytes | threading.Event | None] = queue.SimpleQueue()
+        #: lines, flush events and the close (None), in order; appended by any thread,
+        #: taken by the writer only (deque's append and popleft are atomic)
+        self._q: collections.deque[bytes | threading.Event | None] = collections.deque()
+        #: set by a flush or the close: the writer does not wait out ``GATHER_S``
+        self._wake = threading.Event()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="flodl-record-zstd")
         self._thread.daemon = True
         self._thread.start()
 
     def write(self, line: bytes) -> None:
-        self._q.put(line)
+        self._q.append(line)
 
     def flush(self) -> None:
         """Everything queued so far is on disk as a whole block when this returns."""
         if not self._thread.is_alive():
             return
         done = threading.Event()
-        self._q.put(done)
+        self._q.append(done)
+        self._wake.set()
         done.wait(10.0)
 
     def close(self) -> None:
         if self._closing:
             return
         self._closing = True
-        self._q.put(None)
+        self._q.append(None)
+        self._wake.set()
         self._thread.join(30.0)
         self._file.close()
 
@@ -177,48 +187,43 @@ class ZstdSink(Sink):
         return self._closing or self._file.closed
 
     def _run(self) -> None:
-        get, get_nowait = self._q.get, self._q.get_nowait
-        #: an item taken while batching lines (a flush or the close), handled next
-        held: list[bytes | threading.Event | None] = []
+        q, wake = self._q, self._wake
         while True:
-            if held:
-                item = held.pop()
-            else:
-                try:
-                    item = get(timeout=FLUSH_S) if self._dirty else get()
-                except queue.Empty:
+            if not q:
+                wake.wait(GATHER_S)
+                wake.clear()
+            if not q:
+                if self._dirty and time.monotonic() - self._flushed > FLUSH_S:
                     self._flush_block()
-                    continue
+                continue
+            # Every line queued meanwhile goes into one compress call: the writer's
+            # Python work per line is GIL time the recording thread waits for.
+            lines: list[bytes] = []
+            while q and len(lines) < _BATCH_LINES:
+                item = q[0]
+                if type(item) is not bytes:
+                    break
+                lines.append(q.popleft())  # type: ignore[arg-type]
+            if lines:
+                data = lines[0] if len(lines) == 1 else b"".join(lines)
+                out = self._obj.compress(data)
+                if out:
+                    self._file.write(out)
+                self._dirty = True
+                self._in_frame += len(data)
+                if self._in_frame >= FRAME_BYTES:
+                    self._end_frame()
+                elif time.monotonic() - self._flushed > FLUSH_S:
+                    self._flush_block()  # a steady stream of lines is readable as it goes
+                continue
+            item = q.popleft()
             if item is None:
                 if self._in_frame:
                     self._end_frame()
                 return
-            if isinstance(item, threading.Event):
-                self._flush_block()
-                item.set()
-                continue
-            # Every line queued meanwhile goes into one compress call: the writer's
-            # Python work per line is GIL time the recording thread waits for.
-            lines = [item]
-            while len(lines) < _BATCH_LINES:
-                try:
-                    nxt = get_nowait()
-                except queue.Empty:
-                    break
-                if type(nxt) is not bytes:
-                    held.append(nxt)  # a flush or the close: after these lines, in order
-                    break
-                lines.append(nxt)
-            data = item if len(lines) == 1 else b"".join(lines)
-            out = self._obj.compress(data)
-            if out:
-                self._file.write(out)
-            self._dirty = True
-            self._in_frame += len(data)
-            if self._in_frame >= FRAME_BYTES:
-                self._end_frame()
-            elif time.monotonic() - self._flushed > FLUSH_S:
-                self._flush_block()  # a steady stream of lines is readable as it goes too
+            assert isinstance(item, threading.Event)
+            self._flush_block()
+            item.set()
 
     def _flush_block(self) -> None:
         if self._dirty:

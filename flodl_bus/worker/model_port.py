@@ -19,6 +19,8 @@ from flodl_bus.worker.resume import save_rank_state
 #: The rank that writes the model of a checkpoint bundle before the coordinator named an
 #: epoch-callback role (every rank writes its own state, ``worker.resume``).
 PRIMARY_RANK = 0
+#: the longest a consensus eval waits for its round's ack to leave (then it scores anyway)
+ROUND_SETTLE_S = 5.0
 
 CheckpointFn = Callable[[int, nn.Module], None]
 
@@ -123,8 +125,22 @@ class TorchModelPort:
         cpu-async the live model is the EASGD blend, which is not the consensus)."""
         if self.eval_fn is None or self.eval_data is None:
             raise RuntimeError("no eval_fn or eval dataset")
+        self._round_settled()
         with torch.no_grad(), self._consensus_swapped_in():
             return float(self.eval_fn(self.model, self.eval_data))
+
+    def _round_settled(self) -> None:
+        """Before a consensus eval, let the round that made the consensus send its ack.
+
+        The eval runs as soon as the consensus is adopted, while the averaging thread
+        still takes the divergence pass its ``SyncAck`` carries: the two shared the GIL,
+        and the coordinator sends every rank its next plan only after every ack, so the
+        whole world waited out this rank's eval at each epoch's end. The scored model is
+        the same either way (the consensus, before any further step)."""
+        cpu = getattr(self.params, "cpu", None)
+        wait_idle = getattr(cpu, "wait_idle", None)
+        if callable(wait_idle):
+            wait_idle(ROUND_SETTLE_S)
 
     def save_bundle(self, reason: SaveReason) -> None:
         stem = self._stem()
