@@ -42,6 +42,7 @@ from flodl_bus.bench import breakdown
 from flodl_bus.bench.breakdown import mean_of, run_breakdowns
 from flodl_bus.bench.idle import describe, idle_of_run
 from flodl_bus.job import load_job
+from flodl_bus.record.dispatch import fresh_run_dir
 from flodl_bus.record.log import read_records
 from flodl_bus.worker.host import thread_share, usable_cores
 
@@ -275,7 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                             str(epochs), str(args.eval_every))  # fmt: skip
             else:
                 mode = c.split(" ", 1)[1]
-                r = _bus(args, run_job, mode, root / f"{mode}-{rep}", senv)
+                # A run dir that holds an earlier run (the same --run-dir again) would
+                # send ``up`` to a sibling and this bench to the old records.
+                where = fresh_run_dir(root / f"{mode}-{rep}", "coordinator")
+                r = _bus(args, run_job, mode, where, senv)
             if report.exists():
                 r["slowdown"] = json.loads(report.read_text()).get("slowdown")
             r["to_target"] = _to_target(r.get("evals", ()), target)

@@ -144,3 +144,20 @@ def test_work_shares_are_the_batches_each_rank_trained_beside_elches_counts(
     assert got["shares"] == pytest.approx([3000 / 4000, 1000 / 4000])
     assert got["planned_shares"] == pytest.approx([0.6, 0.4])
     assert _shares(tmp_path / "none", 2) == {"shares": None, "planned_shares": None}
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_a_second_bench_in_the_same_run_dir_reports_its_own_runs_not_the_earlier_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    steps = []
+    for epochs in ("1", "2"):
+        out = tmp_path / f"out-{epochs}.json"
+        argv = ["--job", "flodl_bus.examples.digits:job", "--workers", "1", "--no-plain"]
+        argv += ["--epochs", epochs, "--modes", "cpu-cadence", "--device", "cpu"]
+        argv += ["--repeats", "1", "--run-dir", str(tmp_path / "runs"), "--json", str(out)]
+        assert main(argv) == 0
+        steps.append(json.loads(out.read_text())["runs"]["bus cpu-cadence"][0]["steps"])
+    capsys.readouterr()
+    assert steps[1] == 2 * steps[0] > 0
