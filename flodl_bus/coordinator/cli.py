@@ -401,7 +401,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             super()._tick()
             if time.monotonic() >= self.next_publish:
                 self.next_publish = time.monotonic() + STATE_EVERY_S
-                publish_state(client, keys.meta, self.core.state_summary())
+                live = self.core.live
+                now = self.clock()
+                # Seconds since each rank's last verified entry: status shows these, not
+                # the newest Heartbeat in ``up:<r>``, which anyone who can write the
+                # stream could add (an observer cannot check a MAC).
+                heard = [round(max(0.0, now - t), 1) for t in live.last_heartbeat]
+                publish_state(client, keys.meta, self.core.state_summary(), heard=heard)
 
     loop = PublishingLoop(
         core,
@@ -458,10 +464,15 @@ def expire_run(client: Any, keys: RunKeys, seconds: float, owners: Owners | None
 STATE_EVERY_S = 1.0
 
 
-def publish_state(client: Any, meta_key: str, summary: dict[str, Any]) -> None:
-    """The fields of ``meta`` that ``flodl-bus status`` reads (launch/status.py)."""
+def publish_state(
+    client: Any, meta_key: str, summary: dict[str, Any], *, heard: list[float] | None = None
+) -> None:
+    """The fields of ``meta`` that ``flodl-bus status`` reads (launch/status.py).
+    ``heard``: per rank, seconds since the coordinator last took a verified entry from it."""
     gate = summary.get("gate") or {}
     fields = {
+        "dead": json.dumps(list(summary.get("dead", []))),
+        "exited": json.dumps(list(summary.get("exited", []))),
         "state_at": repr(time.time()),
         "phase": str(summary.get("phase", "")),
         "rank_epoch": json.dumps(list(summary.get("rank_epoch", []))),
@@ -470,6 +481,8 @@ def publish_state(client: Any, meta_key: str, summary: dict[str, Any]) -> None:
         "gate_why": str(gate.get("why", "")),
         "syncs": str(summary.get("version", "")),
     }
+    if heard is not None:
+        fields["heard_s"] = json.dumps(heard)
     try:
         client.hset(meta_key, mapping=fields)
     except RedisError as exc:  # a status line must never stop the run

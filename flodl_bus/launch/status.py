@@ -6,8 +6,12 @@ Everything comes from what the run keeps in Redis, readable by the read-only obs
 the ``meta`` hash (mode, world, status, and the coordinator's state, which it refreshes
 about once a second: each rank's epoch, the anchor, whether the averaging gate is open
 and why not), each rank's ``up:<r>`` stream (its step rate over the last seconds, from
-the entry ids of its ``Batch`` entries, and its last ``Heartbeat``) and the dead-letter
-stream's length. Nothing is taken from a consumer group and nothing is written.
+the entry ids of its ``Batch`` entries) and the dead-letter stream's length. Whether a
+rank is alive comes from the coordinator, which verifies every entry: the seconds since
+it last heard from each rank (``heard_s``) and the ranks it declared dead or saw leave.
+An observer cannot check a MAC, so a ``Heartbeat`` in ``up:<r>`` is used only when the
+coordinator published no such view (a coordinator older than it), and then marked as
+unverified. Nothing is taken from a consumer group and nothing is written.
 """
 
 from __future__ import annotations
@@ -38,7 +42,18 @@ SCAN_ENTRIES = 1000
 RATE_WINDOW_MS = 10_000
 
 #: the meta fields the coordinator refreshes while it runs (coordinator/cli.py)
-STATE_FIELDS = ("state_at", "rank_epoch", "anchor", "gate_open", "gate_why", "syncs", "phase")
+STATE_FIELDS = (
+    "state_at",
+    "rank_epoch",
+    "anchor",
+    "gate_open",
+    "gate_why",
+    "syncs",
+    "phase",
+    "heard_s",
+    "dead",
+    "exited",
+)
 
 
 def _text(v: Any) -> str:
@@ -80,14 +95,24 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
         world = 0
     if world == 0:  # still joining: count the ranks whose streams exist
         world = sum(1 for _ in client.scan_iter(match=keys.up_pattern, count=1000))
-    rank_epoch: list[Any] = json.loads(meta.get("rank_epoch") or "[]")
+    rank_epoch: list[Any] = _json_list(meta.get("rank_epoch"))
+    state_at = _float(meta.get("state_at"))
+    state_age = None if state_at is None else max(0.0, now_ms / 1000 - state_at)
+    heard = _json_list(meta.get("heard_s")) if state_age is not None else []
+    dead, exited = set(_json_list(meta.get("dead"))), set(_json_list(meta.get("exited")))
     ranks = []
     for r in range(world):
         info = rank_status(client, keys.up(r), now_ms)
         info["rank"] = r
         info["epoch"] = rank_epoch[r] if r < len(rank_epoch) else None
+        age = heard[r] if r < len(heard) else None
+        if isinstance(age, int | float) and state_age is not None:
+            info["heartbeat_s"] = float(age) + state_age
+            info["verified"] = True
+        else:
+            info["verified"] = False  # the stream's newest Heartbeat: anyone could add it
+        info["state"] = "dead" if r in dead else "left" if r in exited else "alive"
         ranks.append(info)
-    state_at = float(meta["state_at"]) if meta.get("state_at") else None
     gate_open = meta.get("gate_open")
     return {
         "run": run,
@@ -102,10 +127,25 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
         if gate_open is None
         else {"open": gate_open == "1", "why": meta.get("gate_why")},
         "syncs": int(meta["syncs"]) if meta.get("syncs", "").isdigit() else None,
-        "state_age_s": None if state_at is None else max(0.0, now_ms / 1000 - state_at),
+        "state_age_s": state_age,
         "dead_letters": int(client.xlen(keys.dlq)),
         "ranks": ranks,
     }
+
+
+def _json_list(raw: str | None) -> list[Any]:
+    try:
+        got = json.loads(raw or "[]")
+    except ValueError:
+        return []
+    return got if isinstance(got, list) else []
+
+
+def _float(raw: str | None) -> float | None:
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None
 
 
 def _num(v: float | None, fmt: str, none: str = "-") -> str:
@@ -134,13 +174,13 @@ def render(st: dict[str, Any]) -> str:
         head,
         f"anchor {_num(st['anchor'], 'd')}  averaging rounds {_num(st['syncs'], 'd')}  "
         f"gate {gate_text}  dead letters {st['dead_letters']}",
-        f"{'rank':>4} {'epoch':>5} {'steps/s':>9} {'last step':>10} {'heartbeat':>10}",
+        f"{'rank':>4} {'epoch':>5} {'steps/s':>9} {'last step':>10} {'heard':>10}  state",
     ]
     for r in st["ranks"]:
+        heard = _num(r["heartbeat_s"], ".1f") + ("s" if r.get("verified") else "s?")
         lines.append(
             f"{r['rank']:>4} {_num(r['epoch'], 'd'):>5} {_num(r['steps_per_s'], '.1f'):>9} "
-            f"{_num(r['last_step_s'], '.1f') + 's':>10} "
-            f"{_num(r['heartbeat_s'], '.1f') + 's':>10}"
+            f"{_num(r['last_step_s'], '.1f') + 's':>10} {heard:>10}  {r.get('state', '-')}"
         )
     return "\n".join(lines)
 

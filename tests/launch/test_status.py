@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import redis
 
+from flodl_bus.bus.entries import F_BODY, F_RANK, F_SEQ, F_TYPE
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.launch.status import main, read_status, render
 
@@ -125,3 +126,47 @@ def test_expire_run_sets_a_ttl_on_every_key_of_the_run_and_its_secret_only(
         assert 0 < real_redis.ttl(name) <= 120
     for name in (other.meta, other.ctl(0), other.secret):
         assert real_redis.ttl(name) == -1  # another run is untouched
+
+
+def test_forged_heartbeats_in_a_ranks_stream_do_not_make_a_silent_rank_look_alive(
+    real_redis: redis.Redis,
+) -> None:
+    # The coordinator's view (what it verified): rank 0 heard 0.5 s before its state
+    # was published, rank 1 silent for 40 s, rank 2 declared dead.
+    run = "status-forged"
+    keys = RunKeys(run)
+    now_ms = int(time.time() * 1000)
+    real_redis.hset(
+        keys.meta,
+        mapping={
+            "status": "running",
+            "world_size": "3",
+            "state_at": repr(now_ms / 1000 - 2.0),
+            "heard_s": "[0.5, 40.0, 90.0]",
+            "dead": "[2]",
+            "exited": "[]",
+        },
+    )
+    # Anyone who can write up:1 adds fresh, unsigned heartbeats for the silent rank.
+    for _ in range(4):
+        real_redis.xadd(keys.up(1), {F_TYPE: b"Heartbeat", F_RANK: b"1", F_SEQ: b"1", F_BODY: b""})
+    st = read_status(real_redis, run, now_ms=now_ms)
+    r0, r1, r2 = st["ranks"]
+    assert r0["verified"] and r0["heartbeat_s"] == pytest.approx(2.5, abs=0.01)
+    assert r1["verified"] and r1["heartbeat_s"] == pytest.approx(42.0, abs=0.01)
+    assert (r0["state"], r1["state"], r2["state"]) == ("alive", "alive", "dead")
+    text = render(st)
+    assert "42.0s" in text and text.splitlines()[-1].endswith("dead")
+
+
+def test_without_the_coordinators_view_a_streams_heartbeat_is_shown_as_unverified(
+    real_redis: redis.Redis,
+) -> None:
+    run = "status-old-coordinator"
+    keys = RunKeys(run)
+    real_redis.hset(keys.meta, mapping={"status": "running", "world_size": "1"})
+    real_redis.xadd(keys.up(0), {F_TYPE: b"Heartbeat", F_RANK: b"0", F_SEQ: b"1", F_BODY: b""})
+    st = read_status(real_redis, run)
+    (r0,) = st["ranks"]
+    assert r0["verified"] is False and r0["heartbeat_s"] is not None
+    assert render(st).splitlines()[-1].split()[4].endswith("s?")
