@@ -278,8 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mode = c.split(" ", 1)[1]
                 # A run dir that holds an earlier run (the same --run-dir again) would
                 # send ``up`` to a sibling and this bench to the old records.
-                where = fresh_run_dir(root / f"{mode}-{rep}", "coordinator")
-                r = _bus(args, run_job, mode, where, senv)
+                bus_dir = fresh_run_dir(root / f"{mode}-{rep}", "coordinator")
+                r = _bus(args, run_job, mode, bus_dir, senv)
             if report.exists():
                 r["slowdown"] = json.loads(report.read_text()).get("slowdown")
             r["to_target"] = _to_target(r.get("evals", ()), target)

@@ -7,9 +7,12 @@ chains from ``SEED``). A record is complete when its last line is an ``end`` rec
 
 * an edited line fails its own digest; a removed, moved or inserted line fails the digest
   of the line after it; a cut record has no end. Each is named by file and line.
-* The chain has no key: it proves the lines are the ones the process wrote in that order,
-  not who wrote them (``flodl-bus replay``'s ``save_run`` re-chains a record it changed on
-  purpose, e.g. after surgery).
+* Without a key the chain proves the lines are the ones a writer put there in that
+  order, not who wrote them: anyone can rewrite a record and recompute every digest
+  (``flodl-bus replay``'s ``save_run`` re-chains a record it changed on purpose, e.g.
+  after surgery). With ``FLODL_RECORD_KEY`` set (a secret kept outside the run
+  directory) every digest is a keyed BLAKE2b: a record is written and verified under
+  that key, and a chain rebuilt without it (or with another) fails at its first line.
 
 Compressed records (``*.jsonl.zst``) hold the same lines in zstd frames, compressed on a
 writer thread. It emits a block whenever it has been idle ``FLUSH_S`` seconds (and when
@@ -28,7 +31,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Final
@@ -92,13 +95,27 @@ class UnchainedRecord(ValueError):
 _blake2b = hashlib.blake2b
 
 
-def digest(prev: bytes, body: bytes) -> bytes:
-    return _blake2b(prev + body, digest_size=DIGEST_BYTES).digest()
+#: the environment variable holding the record key (any string; empty means none)
+ENV_RECORD_KEY: Final = "FLODL_RECORD_KEY"
 
 
-def seal(prev: bytes, body: bytes) -> tuple[bytes, bytes]:
-    """(line with its digest and newline, the digest) for ``body`` (one JSON object)."""
-    d = _blake2b(prev + body, digest_size=DIGEST_BYTES).digest()
+def record_key(env: Mapping[str, str] | None = None) -> bytes:
+    """The chain's key from ``FLODL_RECORD_KEY`` (b"": no key, the unkeyed chain)."""
+    raw = (os.environ if env is None else env).get(ENV_RECORD_KEY, "")
+    if not raw:
+        return b""
+    # Any string: BLAKE2b takes keys of at most 64 bytes.
+    return hashlib.blake2b(raw.encode(), digest_size=32, person=b"flodl-rec-key").digest()
+
+
+def digest(prev: bytes, body: bytes, key: bytes = b"") -> bytes:
+    return _blake2b(prev + body, digest_size=DIGEST_BYTES, key=key).digest()
+
+
+def seal(prev: bytes, body: bytes, key: bytes = b"") -> tuple[bytes, bytes]:
+    """(line with its digest and newline, the digest) for ``body`` (one JSON object);
+    ``key``: the record key (``record_key``), b"" for the unkeyed chain."""
+    d = _blake2b(prev + body, digest_size=DIGEST_BYTES, key=key).digest()
     return b'%s,"d":"%s"}\n' % (body[:-1], d.hex().encode()), d
 
 
@@ -319,15 +336,21 @@ class ChainState:
 
 
 def verified_lines(
-    path: str | Path, state: ChainState | None = None, *, parse: bool = True
+    path: str | Path,
+    state: ChainState | None = None,
+    *,
+    parse: bool = True,
+    key: bytes | None = None,
 ) -> Iterator[tuple[int, dict[str, Any] | None]]:
     """(line number, record without ``d``) for every line whose digest follows its
     predecessor's; raises ``DamagedRecord`` at the first that does not (or is not JSON,
     or follows the end record). A torn last line ends the walk with ``state.torn`` set;
     ``state.ended`` says whether the end record was reached. A record whose first line
     has no digest is unchained: its lines come unverified (``state.chained`` False).
-    With ``parse=False`` only the chain is checked (records come as None)."""
+    With ``parse=False`` only the chain is checked (records come as None). ``key``: the
+    record key (default: ``FLODL_RECORD_KEY``'s)."""
     st = state if state is not None else ChainState()
+    key = record_key() if key is None else key
     where = resolve(path)
     lines = raw_lines(where)
     while True:
@@ -356,13 +379,27 @@ def verified_lines(
             if sealed is None:
                 raise DamagedRecord(where, number, "no digest: the line was edited or inserted")
             body, d = sealed
-            if digest(st.last, body) != d:
-                why = (
-                    "the digest does not follow: this line was edited, or a line before "
-                    "it was removed or moved"
-                    if number > 1
-                    else "the digest does not follow: the header line was edited"
-                )
+            if digest(st.last, body, key) != d:
+                if number > 1:
+                    why = (
+                        "the digest does not follow: this line was edited, or a line "
+                        "before it was removed or moved"
+                    )
+                elif key and digest(st.last, body) == d:
+                    why = (
+                        f"the chain has no key, and {ENV_RECORD_KEY} is set: the record "
+                        "was written without the key, or rewritten by someone without it"
+                    )
+                elif key:
+                    why = (
+                        "the digest does not follow: the header line was edited, or the "
+                        f"record was chained under another {ENV_RECORD_KEY}"
+                    )
+                else:
+                    why = (
+                        "the digest does not follow: the header line was edited, or the "
+                        f"record is keyed (set {ENV_RECORD_KEY} to verify it)"
+                    )
                 raise DamagedRecord(where, number, why)
             st.last = d
         else:

@@ -128,6 +128,8 @@ class Recorder:
         self._default = _default_with(encoder)
         self._context = context
         self._last = chain.SEED
+        #: ``FLODL_RECORD_KEY``'s key when the record was opened (b"": unkeyed)
+        self._key = chain.record_key()
         self.lines = 0
         self.ended = False
         self._resume()
@@ -140,7 +142,7 @@ class Recorder:
             return
         st = chain.ChainState()
         try:
-            for _ in chain.verified_lines(self.path, st, parse=False):
+            for _ in chain.verified_lines(self.path, st, parse=False, key=self._key):
                 pass
         except chain.DamagedRecord:
             return
@@ -152,7 +154,7 @@ class Recorder:
         with self._write_lock:
             if self.ended or self._sink.closed:
                 return  # a late line from another thread: the record is closed
-            line, self._last = chain.seal(self._last, body)
+            line, self._last = chain.seal(self._last, body, self._key)
             self._sink.write(line)
             self.lines += 1
 

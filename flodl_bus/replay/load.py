@@ -403,6 +403,8 @@ def save_run(run: Mapping[str, Recording], run_dir: str | Path, *, compress: boo
     a fresh digest chain: the copy verifies, and replay compares what was changed."""
     out = Path(run_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # Re-chained under the record key when one is set: its holder may rewrite on purpose.
+    record_key = chain.record_key()
     for key, rec in run.items():
         name = "coordinator" if key == "coordinator" else f"rank{key.split(':')[1]}"
         path = out / f"{name}.jsonl{'.zst' if compress else ''}"
@@ -412,7 +414,8 @@ def save_run(run: Mapping[str, Recording], run_dir: str | Path, *, compress: boo
         sink = chain.open_sink(path, threading.Lock())
         last = chain.SEED
         for r in rec.records():
-            line, last = chain.seal(last, dumps({k: v for k, v in r.items() if k != "d"}))
+            body = dumps({k: v for k, v in r.items() if k != "d"})
+            line, last = chain.seal(last, body, record_key)
             sink.write(line)
         sink.close()
     return out

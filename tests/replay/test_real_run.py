@@ -60,3 +60,19 @@ def test_a_reused_run_id_with_reset_run_leaves_two_replayable_records(
         walls.append(run["coordinator"].header["launched_wall"])
     assert walls[0] < walls[1]
     assert "record_rotated" in (tmp_path / "run-coordinator.log").read_text()
+
+
+def test_a_run_recorded_under_a_record_key_replays_with_it_and_fails_without_it(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flodl_bus.record.chain import DamagedRecord
+
+    monkeypatch.setenv("FLODL_RECORD_KEY", "a key kept outside the run directory")
+    _, run_dir = record_run(redis_url, tmp_path / "run", world_size=2, epochs=1)
+    run = load_run(run_dir)
+    verify_run(run)
+    for key, rec in run.items():
+        assert replay(rec).identical, key
+    monkeypatch.delenv("FLODL_RECORD_KEY")
+    with pytest.raises(DamagedRecord, match="set FLODL_RECORD_KEY to verify it"):
+        verify_run(load_run(run_dir))

@@ -294,3 +294,49 @@ def test_bytes_appended_to_a_compressed_record_are_damage_not_a_crash(
     rc, msg = _replay(out, capsys)
     assert rc == DAMAGED
     assert "rank0.jsonl.zst" in msg and "not a zstd frame" in msg
+
+
+def test_with_a_record_key_a_chain_rebuilt_without_it_is_damage_at_its_first_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FLODL_RECORD_KEY: the run is recorded under a key kept outside the run directory;
+    someone without it edits a batch loss and rebuilds every digest, which an unkeyed
+    chain would accept (the header and events still agree)."""
+    from flodl_bus.record import chain
+
+    def rechain(body: list[dict[str, object]], key: bytes) -> bytes:
+        last, lines = chain.SEED, []
+        for r in body:
+            line, last = chain.seal(
+                last, orjson.dumps({f: v for f, v in r.items() if f != "d"}), key
+            )
+            lines.append(line)
+        return b"".join(lines)
+
+    monkeypatch.setenv("FLODL_RECORD_KEY", "kept-elsewhere")
+    keyed = tmp_path / "keyed"
+    keyed.mkdir()
+    for f in GOLDEN.iterdir():  # the run as its processes would have written it
+        body = [orjson.loads(ln) for ln in record_bytes(f).splitlines()]
+        (keyed / f.name.removesuffix(".zst")).write_bytes(rechain(body, chain.record_key()))
+    rc, out = _replay(keyed, capsys)
+    assert rc == 0 and out.count("identical (") == 4, out
+
+    path = keyed / "coordinator.jsonl"
+    honest = path.read_bytes()
+    body = [orjson.loads(ln) for ln in honest.splitlines()]
+    k = next(i for i, r in enumerate(body) if (r.get("msg") or {}).get("type") == "Batch")
+    body[k]["msg"]["batch_loss"] = 0.0001  # type: ignore[index]
+    path.write_bytes(rechain(body, b""))  # every digest rebuilt, without the key
+    rc, out = _replay(keyed, capsys)
+    assert rc == DAMAGED
+    assert "coordinator.jsonl:1: the chain has no key, and FLODL_RECORD_KEY is set" in out
+
+    # under another key, or none, the honest record says which
+    path.write_bytes(honest)
+    monkeypatch.setenv("FLODL_RECORD_KEY", "another")
+    rc, out = _replay(keyed, capsys)
+    assert rc == DAMAGED and "chained under another FLODL_RECORD_KEY" in out
+    monkeypatch.delenv("FLODL_RECORD_KEY")
+    rc, out = _replay(keyed, capsys)
+    assert rc == DAMAGED and "set FLODL_RECORD_KEY to verify it" in out
