@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Interleaved A/B of two trees on the host's CPUs (BENCHMARKS.md, issue 27's later session):
+# bus cpu-cadence on digits, 30 epochs, a world of one and two ranks, one run per
+# contender per pair, OLD and this tree alternating (the host drifts between calls more
+# than most changes move).
+#
+#   scripts/cpu_ab.sh OUT_DIR OLD_TREE [PAIRS]      (OLD_TREE: e.g. `git archive REV | tar -x -C DIR`)
+#
+# Dependencies as in cpu_suite.sh (.gpu/wheels on a host without internet).
+set -uo pipefail
+out=$1 old=$2 pairs=${3:-4}
+mkdir -p "$out"
+if [ -d .gpu/wheels ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .gpu/wheels/*.whl || exit 1
+    export PATH="/tmp/site/bin:$PATH"
+fi
+export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
+one() {  # one TAG TREE ARGS...: one bench run, its time and where it went
+    local tag=$1 tree=$2
+    shift 2
+    PYTHONPATH="/tmp/site:$tree" timeout 120 python3 -m flodl_bus.cli bench train --device cpu \
+        --no-plain --repeats 1 "$@" > "$out/last.txt" 2>&1
+    local t line
+    t=$(grep "^  run 1/1" "$out/last.txt" | sed 's/.*train *\([0-9.]*\) s.*/\1/')
+    line=$(grep -A1 "^where a rank" "$out/last.txt" | tail -1)
+    echo "$tag train $t | $line" | tee -a "$out/ab.log"
+}
+for i in $(seq "$pairs"); do
+    one w1-new "$PWD" --workers 1 --modes cpu-cadence --epochs 30 --run-dir "/tmp/ab-w1n-$i"
+    one w1-old "$old" --workers 1 --modes cpu-cadence --epochs 30 --run-dir "/tmp/ab-w1o-$i"
+    one w2-new "$PWD" --workers 2 --modes cpu-cadence --epochs 30 --run-dir "/tmp/ab-w2n-$i"
+    one w2-old "$old" --workers 2 --modes cpu-cadence --epochs 30 --run-dir "/tmp/ab-w2o-$i"
+done
