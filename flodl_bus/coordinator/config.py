@@ -32,6 +32,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "solo_whole_epochs": False,
     "window_wait": False,
     "dead_zone_keeps_five_percent": False,
+    "elche_flodl_election": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -141,6 +142,11 @@ class CoordinatorConfig:
     #: ElChe keeps a count whose change is exactly 5 % (flodl); records made before this
     #: existed moved it
     dead_zone_keeps_five_percent: bool = True
+    #: ElChe elects as flodl does (issue 29): a slow-cohort rank slower than the anchor by
+    #: more than the dominance margin takes it over, an empty timing ring is cleared
+    #: after five empty reports, speed hints pin the slowest rank through warm-up.
+    #: Not a setting: off only to replay records made before it
+    elche_flodl_election: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

@@ -107,6 +107,7 @@ class Coordinator:
             growth=self.policy is not Policy.SYNC,
             speed_hints=cfg.speed_hints,
             dead_zone_keeps_five_percent=cfg.dead_zone_keeps_five_percent,
+            flodl_election=cfg.elche_flodl_election,
         )
         self.guard = make_guard(cfg)
         self.meta = MetaController(cfg.meta_controller)

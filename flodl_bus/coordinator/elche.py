@@ -42,6 +42,23 @@ class WindowReport:
     fill_ms: tuple[float, ...] = ()
 
 
+def _elect(cohort: list[int], ms: Sequence[float | None], cur: int | None) -> int:
+    """flodl's election inside the slow cohort (``cohort`` in rank order): the current
+    anchor stays unless the slowest other member is slower than it by more than
+    ``DOMINANCE_MARGIN`` (two near-equal ranks never swap on noise); with no current
+    anchor in the cohort, its lowest rank."""
+    if len(cohort) == 1:
+        return cohort[0]
+    if cur is None or cur not in cohort:
+        return min(cohort)
+    cur_ms = ms[cur] or 0.0
+    # The last of equally slow challengers, as flodl's ``max_by`` picks.
+    challenger = max((r for r in cohort if r != cur), key=lambda r: (ms[r] or 0.0, r))
+    if (ms[challenger] or 0.0) > cur_ms * (1 + DOMINANCE_MARGIN):
+        return challenger
+    return cur
+
+
 def _round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
 
@@ -59,6 +76,7 @@ class ElChe:
         growth: bool = True,
         speed_hints: Sequence[float] | None = None,
         dead_zone_keeps_five_percent: bool = True,
+        flodl_election: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError("ElChe needs at least one rank")
@@ -76,6 +94,10 @@ class ElChe:
         self.overhead_target = min(max(overhead_target, 0.01), 0.5)
         self.max_batch_diff = max_batch_diff
         self._dead_zone_inclusive = dead_zone_keeps_five_percent
+        #: flodl's election (sticky with a margin inside the slow cohort), ring clearing
+        #: after ``TRUST_WINDOW`` empty reports and the hinted anchor's pin; False: the
+        #: rules of records made before them (lowest index of the cohort)
+        self._flodl_election = flodl_election
         self.window_cap = window_cap
         self.growth = growth
         #: bumped whenever ``counts`` is replaced, so callers can cache sums over it
@@ -102,6 +124,10 @@ class ElChe:
                 max(1, _round_half_up(self.anchor * min(s / slowest, MAX_SPEED_RATIO)))
                 for s in speed_hints
             ]
+            if flodl_election:
+                # The user named the slow rank (flodl's with_speed_ratio): it anchors
+                # until the Stable phase may elect another from measurements.
+                self.anchor_rank = list(speed_hints).index(slowest)
         self._apply_window_cap()
 
     # ------------------------------------------------------------------ queries
@@ -175,14 +201,22 @@ class ElChe:
     def report_window(self, report: WindowReport) -> None:
         """Fold one window's timing in; recompute counts and maybe propose growth."""
         self._active_slack, self._slack = self._slack, None
+        readings = report.ms_per_batch[: self.world_size]
+        valid = [ms is not None and ms > 0 and math.isfinite(ms) for ms in readings]
+        if self._flodl_election and not any(valid):
+            return  # a window with no reading at all is no report (flodl's report_window)
         seen = False
-        for r, ms in enumerate(report.ms_per_batch[: self.world_size]):
-            if ms is not None and ms > 0 and math.isfinite(ms):
-                self._rings[r].append(ms)
+        for r, ms in enumerate(readings):
+            if valid[r]:
+                self._rings[r].append(ms)  # type: ignore[arg-type]
                 self._zero_windows[r] = 0
                 seen = True
             else:
                 self._zero_windows[r] += 1
+                if self._flodl_election and self._zero_windows[r] >= TRUST_WINDOW:
+                    # A rank silent for a whole trust window stops steering the counts
+                    # with what it measured before; it starts afresh when it reports.
+                    self._rings[r].clear()
         if not seen:
             return
         # Election and growth read the phase this report starts in (flodl advances it
@@ -269,12 +303,15 @@ class ElChe:
         if cur is not None and (phase or self.phase) not in ("stable", "mature"):
             return
         slowest = max(m for m, _ in known)
-        if cur is not None:
-            cur_ms = ms[cur]
-            if cur_ms is not None and slowest <= cur_ms * (1 + DOMINANCE_MARGIN):
-                return
         cohort = [r for m, r in known if m >= slowest * (1 - COHORT_BAND)]
-        self.anchor_rank = min(cohort)
+        if not self._flodl_election:
+            if cur is not None:
+                cur_ms = ms[cur]
+                if cur_ms is not None and slowest <= cur_ms * (1 + DOMINANCE_MARGIN):
+                    return
+            self.anchor_rank = min(cohort)
+            return
+        self.anchor_rank = _elect(cohort, ms, cur)
 
     def _recompute(self, first: bool) -> None:
         slow = self._slow_ms()

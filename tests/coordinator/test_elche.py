@@ -364,3 +364,75 @@ def test_growth_counts_the_anchor_ranks_fill_not_a_faster_ranks() -> None:
     # the slowest rank's does: 100 / (10 x 20 + 100) = 1/3, over warm-up's 0.2
     el.report_window(report(10.0, 20.0, fill_ms=(0.0, 100.0)))
     assert el.pending_anchor == 20
+
+
+def _stable(el: ElChe, *ms: float) -> None:
+    """Calibrate into the Stable phase on equal readings."""
+    for _ in range(5):
+        el.report_window(report(*ms))
+    assert el.phase == "stable"
+
+
+def test_a_cohort_rank_slower_than_the_anchor_by_more_than_the_margin_takes_it_over() -> None:
+    # flodl's elect_anchor: r0 anchors at 10 ms; r1 drifts to 11.5 ms (> 10 x 1.10)
+    el = ElChe(2)
+    _stable(el, 10.0, 10.0)
+    assert el.anchor_rank == 0
+    for _ in range(5):
+        el.report_window(report(10.0, 11.5))
+    assert el.anchor_rank == 1
+    assert el.counts[1] == el.anchor and el.counts[0] >= el.anchor
+
+
+def test_records_made_before_flodls_election_keep_the_lowest_rank_of_the_cohort() -> None:
+    el = ElChe(2, flodl_election=False)
+    _stable(el, 10.0, 10.0)
+    for _ in range(5):
+        el.report_window(report(10.0, 11.5))
+    assert el.anchor_rank == 0
+
+
+def test_a_challenger_within_the_dominance_margin_never_takes_the_anchor() -> None:
+    el = ElChe(3)
+    _stable(el, 10.0, 10.0, 5.0)
+    for _ in range(10):
+        el.report_window(report(10.0, 10.9, 5.0))  # 9% slower: noise, not a new anchor
+    assert el.anchor_rank == 0
+
+
+def test_the_slowest_of_several_challengers_is_elected_the_last_of_equals() -> None:
+    el = ElChe(3)
+    _stable(el, 10.0, 10.0, 10.0)
+    for _ in range(5):
+        el.report_window(report(10.0, 12.0, 12.0))
+    assert el.anchor_rank == 2  # flodl's max_by: the last of the equally slow
+
+
+def test_a_rank_silent_for_a_whole_trust_window_has_its_timing_cleared() -> None:
+    el = ElChe(3)
+    el.report_window(report(10.0, 20.0, 10.0))
+    for _ in range(4):
+        el.report_window(report(10.0, 20.0, None))
+    assert el.smoothed_ms(2) == 10.0  # four empty reports: its readings still steer
+    el.report_window(report(10.0, 20.0, None))
+    assert el.smoothed_ms(2) is None  # the fifth: cleared, it starts afresh
+    el.report_window(report(10.0, 20.0, 40.0))
+    assert el.smoothed_ms(2) == 40.0
+
+
+def test_a_window_without_any_reading_is_no_report() -> None:
+    el = ElChe(2)
+    el.report_window(report(10.0, 20.0))
+    for _ in range(6):
+        el.report_window(report(None, None))
+    assert el.calibrations == 1 and el.smoothed_ms(0) == 10.0
+
+
+def test_speed_hints_pin_the_slowest_hinted_rank_through_warm_up() -> None:
+    el = ElChe(2, speed_hints=(2.0, 1.0))
+    assert el.anchor_rank == 1
+    el.report_window(report(20.0, 10.0))  # a cold first window on rank 0
+    assert el.anchor_rank == 1 and el.counts == [5, 10]
+    legacy = ElChe(2, speed_hints=(2.0, 1.0), flodl_election=False)
+    legacy.report_window(report(20.0, 10.0))
+    assert legacy.anchor_rank == 0
