@@ -278,6 +278,10 @@ class SessionManager:
         self.mailbox_cap = mailbox_cap
         self.max_attempts = max_attempts
         self._cond = threading.Condition()
+        #: held while a group is formed (or its session awaited): one formation at a
+        #: time on this rank, whichever thread asks (the averaging thread's ``connect``,
+        #: the control thread's eager ``offer``)
+        self._forming = threading.Lock()
         self._spec = SessionSpec(INITIAL_UID, rank, world_size)
         self._pending: SessionSpec | None = None
         self._group: Group | None = None
@@ -308,15 +312,44 @@ class SessionManager:
         if group is not None:
             group.abort()
 
-    def offer(self, spec: SessionSpec) -> None:
+    def offer(self, spec: SessionSpec, *, form: bool = False) -> None:
         """Deliver ``NewNcclSession``: the next group to form. The current one is aborted,
-        since the coordinator only re-sessions after a death."""
+        since the coordinator only re-sessions after a death.
+
+        ``form``: form it now, on the caller's thread, instead of at this rank's next
+        collective. Every survivor gets the offer at about the same time, but a survivor
+        not in a collective used to form only at its next round: a peer that formed at
+        once waited the group timeout for it, gave the session up as failed and then
+        waited for a newer one the coordinator never sends (a lost survivor, issue 28).
+        """
         with self._cond:
             self._pending = spec
             group = self._group
             self._cond.notify_all()
         if group is not None and group.spec.uid != spec.uid:
             group.abort()
+        if form:
+            self._form_offered()
+
+    def _form_offered(self) -> None:
+        with self._forming:
+            with self._cond:
+                if self._closed:
+                    return
+                pending, group = self._pending, self._group
+                if pending is None or pending.uid in self._failed:
+                    return  # taken by a connect meanwhile, or already given up
+                if group is not None and group.spec.uid == pending.uid and not group.broken:
+                    return
+                if group is not None:
+                    self._failed.add(group.spec.uid)
+                self._pending = None
+            try:
+                self._form(pending)
+            except CollectiveFailed as exc:
+                with self._cond:
+                    self._failed.add(pending.uid)
+                log.warning("param_session_not_formed", uid=pending.uid.hex(), error=str(exc)[:300])
 
     def close(self) -> None:
         """Destroy every group this rank formed. Idempotent.
@@ -338,6 +371,10 @@ class SessionManager:
 
     def connect(self) -> Group:
         """The usable group, formed now if needed (waits for a new session if broken)."""
+        with self._forming:
+            return self._connect()
+
+    def _connect(self) -> Group:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the param plane is closed")

@@ -218,7 +218,10 @@ class TorchParamPort:
         self.sessions.abort()
 
     def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
-        self.sessions.offer(SessionSpec(uid, new_rank, new_world_size))
+        # The cpu backend forms the survivors' group as soon as it is offered (on the
+        # control thread; the averaging thread waits for it). NCCL's stays with the
+        # training thread, which owns the device, at its next collective.
+        self.sessions.offer(SessionSpec(uid, new_rank, new_world_size), form=self._cpu is not None)
 
     # -- lifecycle and checkpoints --------------------------------------------------------
 

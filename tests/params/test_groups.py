@@ -192,3 +192,77 @@ def test_an_offered_session_replaces_the_group_under_its_uid_prefix(redis_url: s
         manager.close()
     with pytest.raises(RuntimeError):
         manager.connect()
+
+
+def _pair(redis_url: str, *, timeout: float, cap: float) -> list[Any]:
+    from flodl_bus.params.groups import SessionManager, store_base
+
+    base = store_base(f"pair-{os.urandom(16).hex()[:8]}")
+    return [SessionManager(redis_url, base, r, 2, timeout=timeout, mailbox_cap=cap) for r in (0, 1)]
+
+
+def _both(*calls: Any, wait: float = 60.0) -> list[Any]:
+    """Run each call on a thread of its own (a rank each); their results or errors."""
+    import threading
+
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except Exception as exc:  # the failing case is a result here
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(wait)
+    return out
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_survivor_not_in_a_collective_forms_the_new_session_when_offered(
+    redis_url: str, eager: bool
+) -> None:
+    """The interleaving behind a survivor lost to another rank's death: survivor A's
+    collective broke and it forms the offered session at once; survivor B was between
+    rounds and reaches its next collective only after the group timeout. B must form the
+    session when it is offered (the cpu plane's ``offer(form=True)``), or A gives the
+    session up after the timeout and waits for one the coordinator never sends."""
+    import time as _time
+
+    import torch
+
+    from flodl_bus.params.groups import SessionSpec, SessionTimeout
+
+    formation = 2.0
+    a, b = _pair(redis_url, timeout=formation, cap=2.0)
+    try:
+
+        def reduce(m: Any) -> Any:
+            return m.run(lambda g: g.all_reduce_sum_([t := torch.ones(2)], 10.0) or t.tolist())
+
+        assert _both(lambda: reduce(a), lambda: reduce(b)) == [[2.0, 2.0]] * 2
+        uid = os.urandom(16)
+
+        def survivor_a() -> Any:  # its collective broke: it needs the group now
+            a.offer(SessionSpec(uid, 0, 2), form=eager)
+            return a.run(lambda g: g.world_size)
+
+        def survivor_b() -> Any:  # between rounds: nothing asks for its group yet
+            b.offer(SessionSpec(uid, 1, 2), form=eager)  # the control thread's delivery
+            _time.sleep(formation + 1.0)
+            return "trained on"
+
+        got_a, got_b = _both(survivor_a, survivor_b)
+        if eager:
+            assert (got_a, got_b) == (2, "trained on")
+            assert a.spec.uid == b.spec.uid == uid
+            # and the new group averages: B's next round finds it formed
+            assert _both(lambda: reduce(a), lambda: reduce(b)) == [[2.0, 2.0]] * 2
+        else:  # what lost a survivor before: A gave the session up, then timed out
+            assert isinstance(got_a, SessionTimeout), got_a
+    finally:
+        a.close()
+        b.close()
