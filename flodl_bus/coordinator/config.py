@@ -33,6 +33,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "window_wait": False,
     "dead_zone_keeps_five_percent": False,
     "elche_flodl_election": False,
+    "meta_then_guard": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -147,6 +148,11 @@ class CoordinatorConfig:
     #: after five empty reports, speed hints pin the slowest rank through warm-up.
     #: Not a setting: off only to replay records made before it
     elche_flodl_election: bool = True
+    #: after a reduce the meta-controller's nudge applies first, then the guard's own
+    #: verdict (flodl's order, issue 29): a Stable still counts toward re-arming growth,
+    #: grows async overshoot and relaxes the anchor up; two nudges apply one after the
+    #: other. Off: the two merged into one verdict (records made before this)
+    meta_then_guard: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

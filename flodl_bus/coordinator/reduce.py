@@ -240,10 +240,20 @@ class Reduce:
         core.version += 1
         core.avg_count += 1
         # Relax-up lengthens windows only where ranks overshoot them anyway (async).
+        relax_up = core.policy is Policy.ASYNC and core.config.relax_up
         anchor = core.elche.anchor
-        core.elche.apply_verdict(
-            verdict, relax_up=core.policy is Policy.ASYNC and core.config.relax_up
-        )
+        if core.config.meta_then_guard:
+            # flodl's order: the meta-controller's nudge (which drops this window's
+            # growth proposal), then the guard's verdict as if alone: a Stable still
+            # counts toward re-arming growth and relaxes async windows, a guard nudge
+            # shrinks the anchor again.
+            if nudge is not None and nudge.kind is VerdictKind.NUDGE_DOWN:
+                core.elche.apply_verdict(nudge)
+            core.elche.apply_verdict(guard, relax_up=relax_up)
+            overshoot_by = guard
+        else:
+            core.elche.apply_verdict(verdict, relax_up=relax_up)
+            overshoot_by = verdict
         if verdict.kind is VerdictKind.NUDGE_DOWN:
             # flodl's drift alert: the replicas drifted (or the LR dropped) enough to
             # shorten the windows.
@@ -251,9 +261,11 @@ class Reduce:
             detail = f"anchor {anchor} -> {core.elche.anchor} ({', '.join(why)})"
             out.append(Alert("warn", "drift", detail))
         if core.overshoot_auto:
-            if verdict.kind is VerdictKind.STABLE:
+            # The guard's verdict moves the overshoot budget (a meta nudge never resets
+            # it, in flodl's order).
+            if overshoot_by.kind is VerdictKind.STABLE:
                 core.max_overshoot = min(core.max_overshoot + 1, OVERSHOOT_CEILING)
-            elif verdict.kind is VerdictKind.NUDGE_DOWN:
+            elif overshoot_by.kind is VerdictKind.NUDGE_DOWN:
                 core.max_overshoot = OVERSHOOT_START
         core.global_step += sum(closed.steps)
 

@@ -209,3 +209,41 @@ def test_callback_slack_shortens_the_checkpoint_ranks_window_when_one_is_due() -
     window(core, 0.1, ms=(10.0, 20.0))
     window(core, 0.1, ms=(10.0, 20.0))
     assert core.elche.counts == [20, 2]  # ceil(150 / 20) = 8 off the anchor's 10
+
+
+def test_an_lr_nudge_then_the_guards_stable_relaxes_async_and_grows_its_overshoot() -> None:
+    """flodl's order (issue 29): the meta-controller's nudge applies, then the guard's
+    Stable as if alone: the overshoot budget grows (the nudge never resets it), relax-up
+    adds one batch after the nudge, and the Stable counts toward re-arming growth. The
+    records made before replay the merged verdict: one nudge, overshoot back to its
+    start, no relax-up, no Stable counted."""
+    from flodl_bus.coordinator.reduce import OVERSHOOT_START
+
+    runs = {}
+    for order in (True, False):
+        core = make("cpu-async", anchor=20, relax_up=True, meta_then_guard=order)
+        for _ in range(3):
+            window(core, 0.1)
+        before = core.max_overshoot
+        window(core, 0.01)  # a 90 % LR drop: the meta-controller nudges the anchor down
+        assert core.meta.fired == ("lr_drop",)
+        runs[order] = (core.elche.anchor, core.max_overshoot, core.elche._stable_streak, before)
+    (flodl_anchor, flodl_over, flodl_streak, before), (old_anchor, old_over, old_streak, _) = (
+        runs[True],
+        runs[False],
+    )
+    assert flodl_anchor == old_anchor + 1 < 20
+    assert flodl_over == before + 1 and old_over == OVERSHOOT_START
+    assert (flodl_streak, old_streak) == (1, 0)
+
+
+def test_two_nudges_in_one_window_apply_one_after_the_other_each_clamped() -> None:
+    from flodl_bus.coordinator.elche import ElChe
+    from flodl_bus.coordinator.guard import Verdict, merge
+
+    meta, guard = Verdict(VerdictKind.NUDGE_DOWN, 0.1), Verdict(VerdictKind.NUDGE_DOWN, 0.1)
+    flodl, merged = ElChe(2, anchor=100), ElChe(2, anchor=100)
+    flodl.apply_verdict(meta)
+    flodl.apply_verdict(guard)
+    merged.apply_verdict(merge(guard, meta))
+    assert (flodl.anchor, merged.anchor) == (1, 10)  # 100 -> 10 -> 1; one factor >= 0.1
