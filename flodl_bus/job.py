@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
 import torch
@@ -175,8 +175,9 @@ class Job:
     eval_fn: Callable[[nn.Module, ArrayDataset], float] | None = accuracy
     batch_size: int = 32
     num_epochs: int = 10
-    #: learning rate as a pure function of the global step (every rank builds the same)
-    lr_at: Callable[[int], float] = field(default=constant_lr(1e-3))
+    #: learning rate as a pure function of the global step (every rank builds the same);
+    #: None: the optimizer's own (each param group's LR as ``build_optimizer`` set it)
+    lr_at: Callable[[int], float] | None = None
     #: learning rate as a pure function of (global step, the run's planned global steps);
     #: when set it replaces ``lr_at``, so a decaying schedule stretches with ``--epochs``
     #: instead of ending early (a longer run) or never decaying (a shorter one)
@@ -219,11 +220,20 @@ class Job:
         world size plans the same count, so the schedule is read at the same places."""
         return max(1, epochs * (train_size // self.batch_size))
 
-    def lr(self, step: int, planned_steps: int) -> float:
-        """The job's LR at global ``step`` of a run planned for ``planned_steps``."""
+    @property
+    def schedules_lr(self) -> bool:
+        """Whether the job sets the LR itself (``lr_schedule`` or ``lr_at``); False: the
+        optimizer's own LR is the base."""
+        return self.lr_schedule is not None or self.lr_at is not None
+
+    def lr(self, step: int, planned_steps: int) -> float | None:
+        """The job's LR at global ``step`` of a run planned for ``planned_steps``; None
+        when the job gives no schedule (the optimizer's own LR is the base)."""
         if self.lr_schedule is not None:
             return self.lr_schedule(step, planned_steps)
-        return self.lr_at(step)
+        if self.lr_at is not None:
+            return self.lr_at(step)
+        return None
 
 
 #: Where ``request_eval``/``request_checkpoint`` send their Intent: set by the rank on

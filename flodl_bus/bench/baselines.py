@@ -150,8 +150,10 @@ def _train(
                 t0 = now()
                 batch = feed.get(b)
                 t1 = now()
-                for group in opt.param_groups:
-                    group["lr"] = job.lr(run.steps * world, planned)
+                lr = job.lr(run.steps * world, planned)
+                if lr is not None:  # None: the optimizer's own LR, as a rank trains
+                    for group in opt.param_groups:
+                        group["lr"] = lr
                 opt.zero_grad(set_to_none=True)
                 loss = job.loss_fn(model, batch)
                 loss.backward()  # type: ignore[no-untyped-call]

@@ -379,6 +379,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         device=device,
         # flodl's LR scaling (reference §3.13): every rank the same factor of the world
         lr_scale=1.0 + (world - 1) * lr_scale_ratio,
+        announce=_say,
         epochs=epochs,
         resume=resume,
     )

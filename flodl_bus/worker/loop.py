@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import structlog
@@ -87,6 +87,7 @@ class RankLoop:
         train_data: TrainData,
         feed: Feed | None = None,
         lr_scale: float = 1.0,
+        base_lrs: Sequence[float] | None = None,
         planned_epochs: int | None = None,
         epoch_fn: Callable[[int], None] | None = None,
         final_snapshot: Callable[[], None] | None = None,
@@ -108,9 +109,20 @@ class RankLoop:
             else make_feed(train_data, _device_of(model), FeedOptions(), seed=job.seed)
         )
         self.lr_scale = lr_scale
+        #: the optimizer's own LR per param group, as built (before any resume loaded a
+        #: scaled one): the base of a job without a schedule
+        self.base_lrs = (
+            [float(g["lr"]) for g in optimizer.param_groups] if base_lrs is None else list(base_lrs)
+        )
         #: the run's global steps, where ``job.lr_schedule`` ends (the job's epochs when
         #: the run's are not known)
         self.planned_steps = job.planned_steps(planned_epochs or job.num_epochs, len(train_data))
+        #: the LR of a job without a schedule: each group's own, scaled once, never reset
+        self.own_lr: float | None = None
+        if not job.schedules_lr:
+            for group, base in zip(optimizer.param_groups, self.base_lrs, strict=False):
+                group["lr"] = base * lr_scale
+            self.own_lr = self.base_lrs[0] * lr_scale if self.base_lrs else 0.0
         self.epoch_fn = epoch_fn
         self.final_snapshot = final_snapshot
         self.observer = observer
@@ -258,8 +270,12 @@ class RankLoop:
                 t0 = time.perf_counter()
                 batch = feed.get(done)
                 t1 = time.perf_counter()
-                lr = job.lr(control.lr_position, self.planned_steps) * self.lr_scale
-                self._set_lr(lr)
+                scheduled = job.lr(control.lr_position, self.planned_steps)
+                if scheduled is None:
+                    lr = self.own_lr if self.own_lr is not None else 0.0
+                else:
+                    lr = scheduled * self.lr_scale
+                    self._set_lr(lr)
                 optimizer.zero_grad(set_to_none=True)
                 loss = call_job("loss_fn", job.loss_fn, model, batch)
                 call_job("loss_fn's backward", loss.backward)

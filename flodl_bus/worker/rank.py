@@ -6,7 +6,7 @@ import gc
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,8 @@ class RankOptions:
     record_header: Mapping[str, Any] = field(default_factory=dict)
     #: where the model and batches live: "cpu", "cuda" or "cuda:N"
     device: str = "cpu"
+    #: says a line to the rank's console (its learning rate at the start); None: silent
+    announce: Callable[[str], None] | None = None
     #: how batches are made (prefetch, data on the device, loader workers); None: from
     #: the environment (``FeedOptions.from_env``)
     feed: FeedOptions | None = None
@@ -146,6 +148,8 @@ def run_rank(
     try:
         model = call_job("build_model", job.build_model).to(device)
         optimizer = call_job("build_optimizer", job.build_optimizer, model)
+        # As built: a resume below loads the saved (already scaled) LR into the groups.
+        base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         train_data = check_train_data(call_job("train_data", job.train_data))
         eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
     except JobError as exc:
@@ -207,6 +211,7 @@ def run_rank(
             seed=options.shuffle_seed,
             splits=options.epoch_splits,
             model=recorded_model.capabilities(),
+            lr=_lr_said(job, base_lrs, options, len(train_data)),
         )
         params = recording.params(params)
         clock = recording.clock(clock)
@@ -233,6 +238,7 @@ def run_rank(
         train_data=train_data,
         feed=feed,
         lr_scale=options.lr_scale,
+        base_lrs=base_lrs,
         planned_epochs=options.epochs,
         epoch_fn=_bound_epoch_fn(job, model),
         observer=observer,
@@ -243,6 +249,8 @@ def run_rank(
     runtime = RankRuntime(
         bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
     )
+    if options.announce is not None:
+        options.announce(_lr_line(rank, _lr_said(job, base_lrs, options, len(train_data))))
     runtime.start()
     runtimes.append(runtime)
     if stop is not None and stop.signum is not None:
@@ -344,3 +352,30 @@ def _failed_before_start(bus: RankBus, rank: int, exc: JobError) -> int:
     finally:
         bus.close()
     return FAILED
+
+
+def _lr_said(
+    job: Job, base_lrs: Sequence[float], options: RankOptions, train_size: int
+) -> dict[str, Any]:
+    """Where the rank's first learning rate comes from and what it is after scaling."""
+    planned = job.planned_steps(options.epochs or job.num_epochs, train_size)
+    scheduled = job.lr(0, planned)
+    base = scheduled if scheduled is not None else (base_lrs[0] if base_lrs else 0.0)
+    return {
+        "source": "job" if scheduled is not None else "optimizer",
+        "base": base,
+        "scale": options.lr_scale,
+        "first": base * options.lr_scale,
+        "world_size": options.world_size,
+    }
+
+
+def _lr_line(rank: int, lr: Mapping[str, Any]) -> str:
+    source = "the job's lr_at/lr_schedule" if lr["source"] == "job" else "the optimizer's own LR"
+    line = f"rank {rank}: learning rate {lr['first']:.6g} ({source} {lr['base']:.6g}"
+    if lr["scale"] != 1.0:
+        line += (
+            f" x {lr['scale']:.6g}, flodl's linear scaling over {lr['world_size']} ranks;"
+            " --lr-scale-ratio 0 trains at the job's LR"
+        )
+    return line + ")"

@@ -299,6 +299,61 @@ def test_lr_is_read_at_global_step_plus_steps_since_avg() -> None:
     assert rig.loop.optimizer.param_groups[0]["lr"] == pytest.approx(expected[-1])
 
 
+def _two_groups(model: nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    return torch.optim.SGD([{"params": params[:1], "lr": 0.05}, {"params": params[1:], "lr": 0.2}])
+
+
+def test_a_job_without_a_schedule_trains_at_its_optimizers_own_lr_scaled() -> None:
+    """Issue 29: a job that gives no ``lr_at`` trains at what its optimizer says (each
+    param group its own), times the run's linear scaling; nothing replaces it with 1e-3."""
+    job = dataclasses.replace(digits.job, lr_at=None, build_optimizer=_two_groups)
+    rig = make_rig(job, lr_scale=2.0)
+    rig.loop.run_epoch_plan(EpochPlan(0, 0, 3 * BS))
+    assert [g["lr"] for g in rig.loop.optimizer.param_groups] == pytest.approx([0.1, 0.4])
+    assert [u.lr for u in rig.of(LrUpdate)] == pytest.approx([0.1])  # news once
+
+
+def test_a_resumed_optimizer_is_not_scaled_twice() -> None:
+    # The saved state carries the scaled LR; the base is the optimizer as built.
+    job = dataclasses.replace(digits.job, lr_at=None, build_optimizer=_two_groups)
+    rig = make_rig(job, lr_scale=2.0, base_lrs=[0.05, 0.2])
+    for g, loaded in zip(rig.loop.optimizer.param_groups, (0.1, 0.4), strict=True):
+        g["lr"] = loaded
+    again = RankLoop(
+        job=job,
+        control=rig.control,
+        inbox=rig.inbox,
+        publish=rig.published.append,
+        model=rig.model,
+        optimizer=rig.loop.optimizer,
+        train_data=TRAIN,
+        lr_scale=2.0,
+        base_lrs=[0.05, 0.2],
+    )
+    assert [g["lr"] for g in again.optimizer.param_groups] == pytest.approx([0.1, 0.4])
+
+
+def test_the_lr_line_names_its_source_and_the_scaling() -> None:
+    from flodl_bus.worker.rank import RankOptions, _lr_line, _lr_said
+
+    own = dataclasses.replace(digits.job, lr_at=None)
+    said = _lr_said(own, [0.003], RankOptions(world_size=2, lr_scale=2.0), len(TRAIN))
+    assert said == {
+        "source": "optimizer",
+        "base": 0.003,
+        "scale": 2.0,
+        "first": 0.006,
+        "world_size": 2,
+    }
+    assert _lr_line(1, said) == (
+        "rank 1: learning rate 0.006 (the optimizer's own LR 0.003 x 2, flodl's linear "
+        "scaling over 2 ranks; --lr-scale-ratio 0 trains at the job's LR)"
+    )
+    solo = _lr_said(digits.job, [0.5], RankOptions(), len(TRAIN))
+    assert _lr_line(0, solo) == "rank 0: learning rate 0.003 (the job's lr_at/lr_schedule 0.003)"
+
+
 def test_lr_schedule_is_sized_by_the_runs_epochs_not_the_jobs() -> None:
     seen: list[int] = []
 
