@@ -241,6 +241,12 @@ class Launcher:
             )
         where = f"embedded at {redact_url(url)}" if self.server else redact_url(url)
         epochs = args.epochs or "the job's"
+        if args.mode.startswith("nccl") and not _gpu_likely(args.device):
+            print(
+                f"flodl-bus up: {args.mode} without a GPU: the ranks average over gloo on "
+                "the CPU (each rank's log says what it found)",
+                flush=True,
+            )
         print(
             f"flodl-bus up: run {self.run}: {args.job}, {args.workers} workers x "
             f"{threads} thread(s), {args.mode}, {epochs} epochs, Redis {where}\n"
@@ -611,3 +617,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flodl-bus up: {exc}", file=sys.stderr)
         return CONFIG
     return launcher.run_all()
+
+
+def _gpu_likely(device: str) -> bool:
+    """Whether the ranks will see a GPU, told without importing torch (``up`` never
+    does): ``--device``, ``CUDA_VISIBLE_DEVICES`` hiding every device, or no NVIDIA
+    driver node. The ranks' own logs say what they found."""
+    if device == "cpu":
+        return False
+    if device.startswith("cuda"):
+        return True
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl")

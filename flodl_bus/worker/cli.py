@@ -346,6 +346,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     configure_console(args.log_level)
     how = "assigned" if args.rank is None else "given"
     _say(f"rank {rank} of {world} ({how}) in run {args.run!r}: {mode}, {job.name}, {device}")
+    if mode.startswith("nccl") and not device.startswith("cuda"):
+        # The mode still runs (its in-place averaging over gloo), but never silently.
+        _say(f"rank {rank}: {mode} on {device}: no CUDA here, so it averages over gloo")
     bus_client = client
     if keys.shards:
         bus_client = connect(args.redis_url, client_name=f"flodl-rank{rank}", key=keys.ctl(rank))

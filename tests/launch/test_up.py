@@ -362,3 +362,25 @@ def test_replay_of_a_run_whose_coordinator_and_a_rank_records_were_deleted_is_no
         (run_dir / name).unlink()
     assert replay_main([str(run_dir)]) == INCOMPLETE
     assert replay_main([str(run_dir), "--allow-incomplete"]) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for hosts without CUDA")
+def test_an_nccl_mode_without_a_gpu_says_it_averages_over_gloo(tmp_path: Path, mark: str) -> None:
+    proc = _up(tmp_path, mark, "--mode", "nccl-sync", "--workers", "1", "--epochs", "1")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out
+    assert "flodl-bus up: nccl-sync without a GPU: the ranks average over gloo" in out
+    (log,) = (tmp_path / "runs").glob("*/rank0.log")
+    assert "rank 0: nccl-sync on cpu: no CUDA here, so it averages over gloo" in log.read_text()
+
+
+def test_gpu_likely_reads_the_device_flag_and_the_visible_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flodl_bus.launch.up import _gpu_likely
+
+    assert not _gpu_likely("cpu") and _gpu_likely("cuda:1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not _gpu_likely("auto")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert not _gpu_likely("auto")
