@@ -42,6 +42,7 @@ from flodl_bus import settings
 from flodl_bus.bus.connection import ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
+from flodl_bus.bus.server import free_port
 from flodl_bus.coordinator.supervisor import notice as supervisor_notice
 from flodl_bus.exits import (
     CONFIG,
@@ -211,6 +212,11 @@ class Launcher:
             "PYTHONUNBUFFERED": "1",
         }
         pin_one_host(base_env)  # every rank is on this host: its groups stay on loopback
+        # torchrun's rendezvous, for the job's own torch.distributed (a default process
+        # group from init_process_group, a metric's all_reduce...); the bus's own groups
+        # never use it. Set by the caller, the caller's wins.
+        base_env.setdefault("MASTER_ADDR", "127.0.0.1")
+        base_env.setdefault("MASTER_PORT", str(free_port()))
         threads = threads_per_worker(args.workers, env=os.environ)
         # The supervisor pipe: only the coordinator inherits its read end (pipes are
         # not inheritable by default; pass_fds makes this one so for that child alone).

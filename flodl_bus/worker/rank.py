@@ -280,6 +280,7 @@ def run_rank(
         close_params = getattr(params, "close", None)
         if callable(close_params):
             close_params()
+        _close_users_process_group(rank)
         runtime.close()
         if stop is not None and runtime.left is not None:
             assert stop.signum is not None
@@ -379,3 +380,19 @@ def _lr_line(rank: int, lr: Mapping[str, Any]) -> str:
             " --lr-scale-ratio 0 trains at the job's LR"
         )
     return line + ")"
+
+
+def _close_users_process_group(rank: int) -> None:
+    """The job's own ``torch.distributed`` default group (``init_process_group`` on the
+    launcher's MASTER_ADDR/MASTER_PORT), destroyed before the process ends: a gloo group
+    alive at interpreter teardown ends the process in ``std::terminate``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # its peers may be gone: the run's result stands
+        structlog.get_logger("flodl_bus.worker").warning(
+            "user_process_group_not_closed", rank=rank, error=repr(exc)[:200]
+        )

@@ -152,3 +152,23 @@ def _neg_loss(model: nn.Module, data: ArrayDataset) -> float:
 
 #: scored by its negated summed held-out loss
 neg_loss_job = dataclasses.replace(slow_job, name="digits-neg-loss", eval_fn=_neg_loss)
+
+
+def _model_beside_a_default_group() -> nn.Module:
+    # What a torchrun user's code does: the default group from the launcher's
+    # MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE, then a collective of its own.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    seen = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(seen)
+    world = dist.get_world_size()
+    if float(seen) != world * (world + 1) / 2:
+        raise RuntimeError(f"the job's all_reduce gave {float(seen)} on {world} ranks")
+    return digits.build_model()
+
+
+#: builds its model beside a torch.distributed default group of its own
+default_group_job = dataclasses.replace(
+    digits.job, name="digits-default-group", build_model=_model_beside_a_default_group
+)
