@@ -143,10 +143,11 @@ class CoordinatorConfig:
     #: ElChe keeps a count whose change is exactly 5 % (flodl); records made before this
     #: existed moved it
     dead_zone_keeps_five_percent: bool = True
-    #: ElChe elects as flodl does (issue 29): a slow-cohort rank slower than the anchor by
-    #: more than the dominance margin takes it over, an empty timing ring is cleared
-    #: after five empty reports, speed hints pin the slowest rank through warm-up.
-    #: Not a setting: off only to replay records made before it
+    #: ElChe as flodl (issue 29): a slow-cohort rank slower than the anchor by more than
+    #: the dominance margin takes it over, an empty timing ring is cleared after five
+    #: empty reports, speed hints pin the slowest rank through warm-up, the window cap's
+    #: remainder goes to the last largest count. Not a setting: off only to replay
+    #: records made before it
     elche_flodl_election: bool = True
     #: after a reduce the meta-controller's nudge applies first, then the guard's own
     #: verdict (flodl's order, issue 29): a Stable still counts toward re-arming growth,

@@ -354,9 +354,15 @@ class ElChe:
             return
         self.window_cap_binding = True
         scaled = [max(1, c * cap // total) for c in self.counts]
-        fastest = min(range(self.world_size), key=lambda r: (-self.counts[r], r))
+        if self._flodl_election:
+            # flodl: the remainder goes to the last of the largest counts
+            fastest = max(range(self.world_size), key=lambda r: (self.counts[r], r))
+        else:
+            fastest = min(range(self.world_size), key=lambda r: (-self.counts[r], r))
         while sum(scaled) < cap:
             scaled[fastest] += 1
+        # Ones lifted from zero can put the sum above the cap (flodl lets it): a window
+        # never outgrows the epoch here.
         while sum(scaled) > cap and max(scaled) > 1:
             scaled[scaled.index(max(scaled))] -= 1
         self.counts = scaled

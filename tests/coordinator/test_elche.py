@@ -436,3 +436,10 @@ def test_speed_hints_pin_the_slowest_hinted_rank_through_warm_up() -> None:
     legacy = ElChe(2, speed_hints=(2.0, 1.0), flodl_election=False)
     legacy.report_window(report(20.0, 10.0))
     assert legacy.anchor_rank == 0
+
+
+def test_the_window_caps_remainder_goes_to_the_last_of_the_largest_counts() -> None:
+    # counts 20, 10, 20 under a cap of 47: floors 18, 9, 18, two batches left over
+    assert ElChe(3, speed_hints=(2.0, 1.0, 2.0), window_cap=47).counts == [18, 9, 20]
+    legacy = ElChe(3, speed_hints=(2.0, 1.0, 2.0), window_cap=47, flodl_election=False)
+    assert legacy.counts == [20, 9, 18]
