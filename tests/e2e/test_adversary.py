@@ -5,6 +5,9 @@ Two attackers write while the run trains:
   oversized, unknown-type and forged entries into ``up:*`` and ``join``, through
   redis-py and through raw RESP on a socket; a future id and the largest id; valid
   entries copied under new ids; and every command its ACL must refuse;
+- the run's observer user: every script and write refused (a busy script stalled the
+  coordinator before), reads allowed; and a flood of Hellos over the join size cap,
+  MACed with the run secret;
 - one holding more (the server's default user, standing for a leaked admin or coordinator
   credential, but not the coordinator's keys): the same into ``ctl:*`` and ``ctl:all``,
   plus a rank's group destroyed, delivered entries trimmed and deleted, meta deleted.
@@ -177,6 +180,39 @@ def _as_worker(url: str, creds: acl.RunCredentials, k: RunKeys, ledger: Ledger) 
     admin.close()
 
 
+def _giant_hellos(url: str, creds: acl.RunCredentials, k: RunKeys, ledger: Ledger) -> None:
+    """Hellos over the join size cap, MACed with the run secret (what a worker holds):
+    each refused by its size before its MAC or body is read; the loop never stalls."""
+    from flodl_bus.bus.join import JoinStream
+    from flodl_bus.protocol.messages import Hello
+
+    client = connect(url, env=creds.env("worker"), client_name="attacker-hellos")
+    flooder = JoinStream(client, k, bytes.fromhex(creds.run_secret))
+    big = "x" * (64 * 1024)
+    for i in range(20):
+        ledger.add(k.join, flooder.post(Hello(f"flood{i}", big, "sig")))
+    client.close()
+
+
+def _as_observer(url: str, creds: acl.RunCredentials, k: RunKeys) -> None:
+    """The read-only observer cannot run a script (a busy one made the coordinator's
+    ping fail with BUSY) nor write anything."""
+    client = connect(url, env=creds.env("observer"), client_name="attacker-observer")
+    attempts = [
+        lambda: client.eval_ro("while true do end", 0),
+        lambda: client.eval("return 1", 0),
+        lambda: client.script_load("return 1"),
+        lambda: client.fcall_ro("f", 0),
+        lambda: client.xadd(k.up(0), {"x": "1"}),
+        lambda: client.hset(k.meta, "status", "finished"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    assert client.hget(k.meta, "status") is not None  # what it may do: read
+    client.close()
+
+
 def _as_admin(url: str, k: RunKeys, ledger: Ledger) -> None:
     admin = connect(url)
     for r in range(WORLD):
@@ -232,7 +268,9 @@ def test_a_run_attacked_through_every_stream_trains_every_sample_exactly_once(
         run_dir = cluster.run_dir(run)
         wait_for(lambda: len(metrics_rows(run_dir)) >= 1, 120, "the first epoch", cluster)
         ledger = Ledger()
+        _as_observer(server.url, creds, k)
         _as_worker(server.url, creds, k, ledger)
+        _giant_hellos(server.url, creds, k, ledger)
         _as_admin(server.url, k, ledger)
         codes = cluster.wait([coord, *workers], timeout=240)
         assert codes == [0] * (WORLD + 1), cluster.tails()
