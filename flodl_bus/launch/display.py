@@ -117,7 +117,9 @@ class Summary:
 
     @property
     def reached_target(self) -> bool | None:
-        if self.target_metric is None or self.final_metric is None:
+        """Whether the final eval reached the job's target; None when there is no target,
+        no final metric, or the run was interrupted (its last eval is not a final one)."""
+        if self.target_metric is None or self.final_metric is None or self.interrupted:
             return None
         return self.final_metric >= self.target_metric
 
@@ -131,12 +133,21 @@ class Summary:
         elif not self.interrupted and self.coordinator_rc not in (0, None):
             status = f"failed (coordinator exit {self.coordinator_rc})"
         metric = _num(self.final_metric, ".4f", 0).strip()
-        if self.reached_target is not None:
+        if self.interrupted:
+            metric = (
+                f"{metric} (the last eval before the interrupt: no final eval, no target check)"
+                if self.final_metric is not None
+                else "- (interrupted before any eval)"
+            )
+        elif self.reached_target is not None:
             mark = ">=" if self.reached_target else "<"
             metric += f" ({mark} target {self.target_metric:g})"
         first = "-" if self.first_step_s is None else f"{self.first_step_s:.2f}s"
         codes = [f"coordinator={self.coordinator_rc}"]
         codes += [f"r{r}={rc}" for r, rc in enumerate(self.worker_rcs)]
+        if self.interrupted:
+            # 0 here is a rank that stopped in order when the coordinator said Shutdown
+            codes.append("(stopped in order by the interrupt)")
         head = wrap_items(
             f"run {self.run} {status}: ",
             [self.job, f"{self.workers} workers", self.mode],

@@ -288,3 +288,16 @@ def test_bars_keep_a_total_for_a_fast_rank_and_leave_nothing_half_drawn(
     progress.close()
     # the last thing on the terminal clears the bar line: a stop mid-draw leaves none
     assert term.getvalue().endswith("\r\x1b[K")
+
+
+def test_an_interrupted_runs_summary_claims_no_final_metric_and_no_target() -> None:
+    """Issue 30: a Ctrl-C'd run said `final metric 0.9941 (>= target 0.9)` and `exit 0`
+    for ranks that were stopped; its last eval is not a final one."""
+    s = Summary(**{**_summary(2).__dict__, "interrupted": True, "coordinator_rc": 130})
+    text = "\n".join(s.lines())
+    assert s.reached_target is None
+    assert "0.9600 (the last eval before the interrupt: no final eval, no target check)" in text
+    assert "target 0.9)" not in text
+    assert "(stopped in order by the interrupt)" in text
+    none = Summary(**{**s.__dict__, "final_metric": None})
+    assert "- (interrupted before any eval)" in "\n".join(none.lines())
