@@ -433,6 +433,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     if code == EXIT_INTERRUPTED:
         code = stopped_code()
     try:
+        # The last state first (status reads its round count and epochs from it; the
+        # once-a-second refresh may be a round or an epoch behind the end).
+        publish_state(client, keys.meta, loop.core.state_summary())
         client.hset(keys.meta, "status", status)
         if args.expire_after > 0:
             expired = expire_run(client, keys, args.expire_after, owners)

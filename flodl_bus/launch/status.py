@@ -41,6 +41,9 @@ SCAN_ENTRIES = 1000
 #: the step rate is over the newest Batch entries within this window
 RATE_WINDOW_MS = 10_000
 
+#: the statuses of a run still training or forming (its gate and rates mean something)
+LIVE_STATUSES = ("running", "joining", "unknown")
+
 #: the meta fields the coordinator refreshes while it runs (coordinator/cli.py)
 STATE_FIELDS = (
     "state_at",
@@ -96,6 +99,8 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
     if world == 0:  # still joining: count the ranks whose streams exist
         world = sum(1 for _ in client.scan_iter(match=keys.up_pattern, count=1000))
     rank_epoch: list[Any] = _json_list(meta.get("rank_epoch"))
+    status = meta.get("status", "unknown")
+    live = status in LIVE_STATUSES
     state_at = _float(meta.get("state_at"))
     state_age = None if state_at is None else max(0.0, now_ms / 1000 - state_at)
     heard = _json_list(meta.get("heard_s")) if state_age is not None else []
@@ -112,19 +117,27 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
         else:
             info["verified"] = False  # the stream's newest Heartbeat: anyone could add it
         info["state"] = "dead" if r in dead else "left" if r in exited else "alive"
+        if not live:
+            # A finished run: no step rate, no liveness (the last entries are history).
+            info["steps_per_s"] = None
+            info["state"] = info["state"] if info["state"] != "alive" else "done"
         ranks.append(info)
     gate_open = meta.get("gate_open")
+    epochs = int(meta["epochs"]) if meta.get("epochs", "").isdigit() else None
+    epoch = min((e for e in rank_epoch if e is not None), default=None)
+    if status == "finished" and epochs is not None:
+        epoch = epochs  # every epoch trained (the ranks' last index is epochs - 1)
     return {
         "run": run,
-        "status": meta.get("status", "unknown"),
+        "status": status,
         "mode": meta.get("mode"),
         "job": meta.get("job"),
         "world_size": world,
-        "epochs": int(meta["epochs"]) if meta.get("epochs", "").isdigit() else None,
-        "epoch": min((e for e in rank_epoch if e is not None), default=None),
+        "epochs": epochs,
+        "epoch": epoch,
         "anchor": int(meta["anchor"]) if meta.get("anchor", "").isdigit() else None,
         "gate": None
-        if gate_open is None
+        if gate_open is None or not live
         else {"open": gate_open == "1", "why": meta.get("gate_why")},
         "syncs": int(meta["syncs"]) if meta.get("syncs", "").isdigit() else None,
         "state_age_s": state_age,

@@ -170,3 +170,36 @@ def test_without_the_coordinators_view_a_streams_heartbeat_is_shown_as_unverifie
     (r0,) = st["ranks"]
     assert r0["verified"] is False and r0["heartbeat_s"] is not None
     assert render(st).splitlines()[-1].split()[4].endswith("s?")
+
+
+def test_a_finished_run_shows_every_epoch_done_and_no_live_gate_or_rate(
+    real_redis: redis.Redis,
+) -> None:
+    """Issue 30: a finished run showed `epoch 7/8`, `gate shut: rank 0 at 14/31` and a
+    step rate from minutes before."""
+    run = "status-finished"
+    keys = RunKeys(run)
+    now_ms = int(time.time() * 1000)
+    real_redis.hset(
+        keys.meta,
+        mapping={
+            "status": "finished",
+            "world_size": "1",
+            "epochs": "8",
+            "rank_epoch": "[7]",
+            "gate_open": "0",
+            "gate_why": "rank 0 at 14/31 steps",
+            "state_at": repr(now_ms / 1000 - 500),
+            "heard_s": "[0.2]",
+            "dead": "[]",
+            "exited": "[0]",
+        },
+    )
+    for i in range(3):
+        real_redis.xadd(keys.up(0), {F_TYPE: b"Batch"}, id=f"{now_ms - 500_000 + i}-0")
+    st = read_status(real_redis, run, now_ms=now_ms)
+    assert st["epoch"] == 8 and st["gate"] is None
+    (r0,) = st["ranks"]
+    assert r0["steps_per_s"] is None and r0["state"] == "left"
+    text = render(st)
+    assert "epoch 8/8" in text and "gate -" in text and "14/31" not in text
