@@ -176,6 +176,39 @@ def test_nothing_below_bench_imports_bench_or_cli() -> None:
     assert not bad, _show(bad)
 
 
+def _coordinator_arrows() -> list[Arrow]:
+    """Imports between the coordinator's own modules (TYPE_CHECKING ones too), each
+    module its own unit: the core and its parts."""
+    root = PACKAGE / "coordinator"
+    out = []
+    for path in sorted(root.glob("*.py")):
+        module = f"flodl_bus.coordinator.{path.stem}"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            for target in _targets(PACKAGE, module, path.name == "__init__.py", node):
+                if target.startswith("flodl_bus.coordinator.") and target != module:
+                    dst = target.split(".")[2]
+                    out.append(Arrow(path.stem, dst, module, target, getattr(node, "lineno", 0)))
+    return out
+
+
+#: what the core is made of: each takes a narrow view of the core's state (a Protocol of
+#: its own module) and never imports the core back (issue 27)
+CORE_PARTS = ("bridge", "checkpoint", "dispatch", "partition", "reduce")
+
+
+def test_the_cores_parts_take_narrow_views_and_never_import_the_core() -> None:
+    found = _coordinator_arrows()
+    back = [a for a in found if a.src in CORE_PARTS and a.dst == "core"]
+    assert not back, "parts importing the core (give them a view instead):\n" + _show(back)
+    # the core holds its parts (the bridge through the dispatch)
+    assert {a.dst for a in found if a.src == "core"} >= set(CORE_PARTS) - {"bridge"}
+
+
+def test_the_coordinator_modules_form_a_tree_without_cycles() -> None:
+    assert cycles(_coordinator_arrows()) == []
+
+
 # ----------------------------------------------------------------------------- the checker
 
 

@@ -16,13 +16,38 @@ Sans-IO like the core; ``PoolDispatch`` asks and takes the chunk.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
+from flodl_bus.coordinator.elche import ElChe
+from flodl_bus.coordinator.ledger import Ledger
 
-if TYPE_CHECKING:
-    from flodl_bus.coordinator.core import Coordinator
-    from flodl_bus.coordinator.dispatch import PoolDispatch
+
+class WindowWaits(Protocol):
+    """What a bridge asks of the reduce."""
+
+    def window_waits(self, window: Ledger) -> bool: ...
+
+
+class Quiesced(Protocol):
+    """What a bridge asks of the dispatch."""
+
+    def quiesced(self, r: int) -> bool: ...
+
+
+class BridgeCore(Protocol):
+    """The core as a bridge sees it: read only (the part imports no core back)."""
+
+    @property
+    def ws(self) -> int: ...
+    @property
+    def elche(self) -> ElChe: ...
+    @property
+    def ledger(self) -> Ledger: ...
+    @property
+    def reduce(self) -> WindowWaits: ...
+    def alive(self, r: int) -> bool: ...
+    def gate(self) -> tuple[bool, str]: ...
 
 
 def applies(cfg: CoordinatorConfig) -> bool:
@@ -36,7 +61,7 @@ def applies(cfg: CoordinatorConfig) -> bool:
     )
 
 
-def wanted(core: Coordinator, r: int) -> bool:
+def wanted(core: BridgeCore, r: int) -> bool:
     """Whether idle rank ``r`` would wait on the reduce (not on its own window)."""
     if core.gate()[0] and not core.reduce.window_waits(core.ledger):
         return False  # the reduce fires on this tick; its wake-up hands r its window
@@ -45,7 +70,7 @@ def wanted(core: Coordinator, r: int) -> bool:
     return core.ledger.delivered_batches[r] > 0
 
 
-def batches(core: Coordinator, dispatch: PoolDispatch, r: int) -> int:
+def batches(core: BridgeCore, dispatch: Quiesced, r: int) -> int:
     """The bridge's size in batches (before the pool's remainder caps it)."""
     counts, steps = core.elche.counts, core.ledger.steps
     owed_ms = 0.0
@@ -61,7 +86,7 @@ def batches(core: Coordinator, dispatch: PoolDispatch, r: int) -> int:
     return max(1, min(math.ceil(owed_ms / mine), counts[r]))
 
 
-def ms_per_batch(core: Coordinator, r: int) -> float | None:
+def ms_per_batch(core: BridgeCore, r: int) -> float | None:
     """ElChe's smoothed speed, or this window's before the first calibration."""
     ms = core.elche.smoothed_ms(r)
     ledger = core.ledger

@@ -8,16 +8,56 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from flodl_bus.coordinator.chunk_pool import Range, coalesce
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.effects import Broadcast, Out, WriteMeta
-from flodl_bus.coordinator.guard import MsfGuard
+from flodl_bus.coordinator.elche import ElChe
+from flodl_bus.coordinator.guard import Guard, MsfGuard
+from flodl_bus.coordinator.meta import MetaController
+from flodl_bus.coordinator.roles import Roles
 from flodl_bus.protocol.messages import SaveConsensusModel, SaveReason
 
-if TYPE_CHECKING:
-    from flodl_bus.coordinator.core import Coordinator
+
+class _Coverage(Protocol):
+    """What a save asks of the dispatch: what is trained, and where a resume starts."""
+
+    def coverage(self) -> tuple[int, list[tuple[int, list[Range]]]]: ...
+    def current_epoch(self) -> int: ...
+    def resume_at(self, epoch: int) -> None: ...
+
+
+class CheckpointCore(Protocol):
+    """The core as checkpoints see it. The counters are written back on resume; the
+    rest is read (the part imports no core back; the core and its parts form a tree)."""
+
+    avg_count: int
+    global_step: int
+    hooked_epoch: int
+    last_aggregated: int
+    max_overshoot: int
+    start_epoch: int
+    version: int
+
+    @property
+    def ws(self) -> int: ...
+    @property
+    def config(self) -> CoordinatorConfig: ...
+    @property
+    def dispatch(self) -> _Coverage: ...
+    @property
+    def elche(self) -> ElChe: ...
+    @property
+    def guard(self) -> Guard: ...
+    @property
+    def meta(self) -> MetaController: ...
+    @property
+    def roles(self) -> Roles: ...
+    @property
+    def overshoot_auto(self) -> bool: ...
+    def alive(self, r: int) -> bool: ...
+
 
 SCHEMA = 5
 
@@ -103,7 +143,7 @@ class ArmedSave:
 class Checkpoints:
     """When the consensus is saved, and the meta written beside it."""
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: CheckpointCore) -> None:
         self.core = core
         #: a save waits for the next reduce (a checkpoint epoch, the final reduce)
         self.due = False

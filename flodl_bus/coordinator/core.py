@@ -31,6 +31,7 @@ from flodl_bus.coordinator.dispatch import Dispatch, PoolDispatch
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.elche import ElChe
 from flodl_bus.coordinator.guard import STABLE, Verdict, make_guard
+from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.coordinator.liveness import Liveness
 from flodl_bus.coordinator.meta import MetaController
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
@@ -38,7 +39,6 @@ from flodl_bus.coordinator.partition import PartitionDispatch
 from flodl_bus.coordinator.reduce import (
     OVERSHOOT_START,
     CpuReduce,
-    Ledger,
     NcclReduce,
     Reduce,
     SoloReduce,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from flodl_bus.coordinator import bridge
 from flodl_bus.coordinator.chunk_pool import (
@@ -21,8 +21,9 @@ from flodl_bus.coordinator.chunk_pool import (
     Range,
     final_window_alloc,
 )
-from flodl_bus.coordinator.config import Policy
+from flodl_bus.coordinator.config import CoordinatorConfig, Policy
 from flodl_bus.coordinator.effects import Out, Send
+from flodl_bus.coordinator.liveness import Liveness
 from flodl_bus.protocol.messages import (
     EpochPlan,
     MetricsMsg,
@@ -30,10 +31,36 @@ from flodl_bus.protocol.messages import (
     StartEpoch,
 )
 
-if TYPE_CHECKING:
-    from flodl_bus.coordinator.core import Coordinator
-
 MIN_CHUNK = 4
+
+
+class DispatchCore(bridge.BridgeCore, Protocol):
+    """The core as a dispatch strategy sees it: what it reads, and the two epoch hooks it
+    calls (the part imports no core back; the core and its parts form a tree)."""
+
+    @property
+    def bs(self) -> int: ...
+    @property
+    def config(self) -> CoordinatorConfig: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def live(self) -> Liveness: ...
+    @property
+    def solo(self) -> bool: ...
+    @property
+    def start_epoch(self) -> int: ...
+    @property
+    def last_aggregated(self) -> int: ...
+    @property
+    def max_overshoot(self) -> int: ...
+    @property
+    def training(self) -> bool: ...
+    @property
+    def resume_holes(self) -> dict[int, list[tuple[int, int]]]: ...
+    def alive_mask(self) -> list[bool]: ...
+    def epoch_hooks(self, epoch: int, out: list[Out]) -> None: ...
+    def publish_epoch(self, epoch: int, epoch_ms: float | None, out: list[Out]) -> None: ...
 
 
 class Dispatch:
@@ -42,7 +69,7 @@ class Dispatch:
     #: the cpu reduce throttles every rank before RequestParams (a hard barrier)
     barrier_on_reduce = False
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: DispatchCore) -> None:
         self.core = core
 
     def start(self, now: float, out: list[Out]) -> None:
@@ -134,7 +161,7 @@ class FinalWindow:
 class PoolDispatch(Dispatch):
     """Progressive dispatch: one chunk in flight per rank, drawn from per-epoch pools."""
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: DispatchCore) -> None:
         super().__init__(core)
         self.pools: dict[int, ChunkPool] = {}
         self.final_windows: dict[int, FinalWindow] = {}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from flodl_bus.coordinator.chunk_pool import (
     Range,
@@ -18,8 +18,9 @@ from flodl_bus.coordinator.chunk_pool import (
     throughput_sizes,
 )
 from flodl_bus.coordinator.config import Policy
-from flodl_bus.coordinator.dispatch import Dispatch
+from flodl_bus.coordinator.dispatch import Dispatch, DispatchCore
 from flodl_bus.coordinator.effects import Out, Send
+from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.protocol.messages import (
     EpochPlan,
     ExtendPartition,
@@ -27,16 +28,30 @@ from flodl_bus.protocol.messages import (
     StartEpoch,
 )
 
-if TYPE_CHECKING:
-    from flodl_bus.coordinator.core import Coordinator
+
+class _Reduce(Protocol):
+    """What a fixed partition asks of the reduce (lockstep holds plans while a round is
+    open)."""
+
+    @property
+    def in_flight(self) -> bool: ...
+    def window_waits(self, window: Ledger) -> bool: ...
+
+
+class PartitionCore(DispatchCore, Protocol):
+    """The core as a fixed partition sees it: a dispatch's view, and the open round."""
+
+    @property
+    def reduce(self) -> _Reduce: ...
 
 
 class PartitionDispatch(Dispatch):
     """Fixed partition: each epoch cut once into per-rank shares, one plan in flight."""
 
     barrier_on_reduce = True
+    core: PartitionCore
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: PartitionCore) -> None:
         super().__init__(core)
         ws = core.ws
         #: the epoch being trained (-1 before the first)

@@ -13,14 +13,17 @@ Sans-IO like the core: effects are appended to ``out``, time comes in as ``now``
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from flodl_bus.coordinator.checkpoint import ArmedSave
-from flodl_bus.coordinator.config import Policy
+from flodl_bus.coordinator.config import CoordinatorConfig, Policy
 from flodl_bus.coordinator.effects import Alert, Broadcast, Out, Send
-from flodl_bus.coordinator.elche import WindowReport
-from flodl_bus.coordinator.guard import VerdictKind, merge
+from flodl_bus.coordinator.elche import ElChe, WindowReport
+from flodl_bus.coordinator.guard import Guard, Verdict, VerdictKind, merge
+from flodl_bus.coordinator.ledger import Ledger
+from flodl_bus.coordinator.liveness import Liveness
+from flodl_bus.coordinator.meta import MetaController
+from flodl_bus.coordinator.roles import Roles
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
     DeclareDead,
@@ -35,8 +38,69 @@ from flodl_bus.protocol.messages import (
     WireUpdate,
 )
 
-if TYPE_CHECKING:
-    from flodl_bus.coordinator.core import Coordinator
+
+class _Dispatch(Protocol):
+    """What a round asks of the dispatch."""
+
+    @property
+    def barrier_on_reduce(self) -> bool: ...
+    def current_epoch(self) -> int: ...
+    def epoch_remaining(self) -> int | None: ...
+    def oldest_open_epoch(self) -> int | None: ...
+    def has_in_flight(self, r: int) -> bool: ...
+    def plans_for_update(self, now: float, out: list[Out]) -> dict[int, EpochPlan]: ...
+    def after_reduce(self, now: float, out: list[Out]) -> None: ...
+
+
+class _Checkpoints(Protocol):
+    """What a round asks of the checkpoints: the save it armed, once it closed."""
+
+    def finish(self, armed: ArmedSave | None, out: list[Out]) -> None: ...
+
+
+class ReduceCore(Protocol):
+    """The core as a round sees it. The run's counters, the verdict and the overshoot
+    budget are written here; the rest is read (the part imports no core back; the core
+    and its parts form a tree)."""
+
+    avg_count: int
+    global_step: int
+    version: int
+    max_overshoot: int
+    last_verdict: Verdict
+
+    @property
+    def ws(self) -> int: ...
+    @property
+    def config(self) -> CoordinatorConfig: ...
+    @property
+    def policy(self) -> Policy: ...
+    @property
+    def elche(self) -> ElChe: ...
+    @property
+    def guard(self) -> Guard: ...
+    @property
+    def meta(self) -> MetaController: ...
+    @property
+    def roles(self) -> Roles: ...
+    @property
+    def live(self) -> Liveness: ...
+    @property
+    def ledger(self) -> Ledger: ...
+    @property
+    def last_lr(self) -> list[float | None]: ...
+    @property
+    def overshoot_auto(self) -> bool: ...
+    @property
+    def training(self) -> bool: ...
+    @property
+    def dispatch(self) -> _Dispatch: ...
+    @property
+    def checkpoints(self) -> _Checkpoints: ...
+    def alive(self, r: int) -> bool: ...
+    def alive_mask(self) -> list[bool]: ...
+    def shutdown_with_save(self, reason: SaveReason, out: list[Out]) -> None: ...
+
 
 OVERSHOOT_START = 3
 OVERSHOOT_CEILING = 15
@@ -49,48 +113,6 @@ def _every(every: int | None, epoch: int) -> bool:
     return bool(every) and epoch % (every or 1) == 0
 
 
-class Ledger:
-    """What each rank did since the last reduce (reference §4.3)."""
-
-    __slots__ = (
-        "delivered_batches",
-        "delivered_ms",
-        "first_batch_ms",
-        "loss_count",
-        "loss_sum",
-        "steps",
-        "wall_ms",
-    )
-
-    def __init__(self, world_size: int) -> None:
-        self.steps = [0] * world_size
-        self.wall_ms = [0.0] * world_size
-        self.delivered_ms = [0.0] * world_size
-        self.delivered_batches = [0] * world_size
-        self.first_batch_ms: list[float | None] = [None] * world_size
-        self.loss_sum = [0.0] * world_size
-        self.loss_count = [0] * world_size
-
-    def record_batch(self, r: int, batch_ms: float, data_ms: float, loss: float) -> None:
-        self.steps[r] += 1
-        self.wall_ms[r] += batch_ms
-        # The first batch of a window carries the pipeline fill; only later batches are a
-        # marginal (delivered) sample of the rank's speed.
-        if self.first_batch_ms[r] is None:
-            self.first_batch_ms[r] = batch_ms + data_ms
-        else:
-            self.delivered_ms[r] += batch_ms + data_ms
-            self.delivered_batches[r] += 1
-        if math.isfinite(loss):
-            self.loss_sum[r] += loss
-            self.loss_count[r] += 1
-
-    def exclude(self, r: int, ms: float) -> None:
-        """Callback time is not slowness: take it out of the window's wall time."""
-        self.wall_ms[r] = max(self.wall_ms[r] - ms, 0.0)
-        self.delivered_ms[r] = max(self.delivered_ms[r] - ms, 0.0)
-
-
 class Reduce:
     """What both backends share: the per-rank reports of a round and closing a window."""
 
@@ -99,7 +121,7 @@ class Reduce:
     #: the final eval scores the consensus (cpu) rather than the live model (nccl)
     adopts_consensus = False
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: ReduceCore) -> None:
         self.core = core
         ws = core.ws
         self.last_step_count = [0] * ws
@@ -320,7 +342,7 @@ class SoloReduce(Reduce):
     count the window twice. A resumed run still starts from the saved global step.
     """
 
-    def __init__(self, core: Coordinator, *, adopts_consensus: bool) -> None:
+    def __init__(self, core: ReduceCore, *, adopts_consensus: bool) -> None:
         super().__init__(core)
         self.adopts_consensus = adopts_consensus
 
@@ -344,7 +366,7 @@ class NcclReduce(Reduce):
 
     min_survivors = 2
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: ReduceCore) -> None:
         super().__init__(core)
         ws = core.ws
         #: each rank's step when SyncNow went out; a later step is its ack
@@ -476,7 +498,7 @@ class CpuReduce(Reduce):
 
     adopts_consensus = True
 
-    def __init__(self, core: Coordinator) -> None:
+    def __init__(self, core: ReduceCore) -> None:
         super().__init__(core)
         self.started_at: float | None = None
         self.acked = [False] * core.ws

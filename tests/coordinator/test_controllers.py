@@ -10,7 +10,7 @@ from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Alert, Out
 from flodl_bus.coordinator.guard import MsfGuard, NoGuard, TrendGuard, VerdictKind
-from flodl_bus.coordinator.reduce import Ledger
+from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.protocol import messages as m
 
 

@@ -11,7 +11,7 @@ import pytest
 from flodl_bus.coordinator.config import MODES
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.elche import WindowReport
-from flodl_bus.coordinator.reduce import Ledger
+from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.protocol import messages as m
 from tests.coordinator.drive import beat, feed, make, metrics, msgs, plans, started, types
 
