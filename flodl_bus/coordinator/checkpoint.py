@@ -13,10 +13,8 @@ from typing import Any, Protocol
 from flodl_bus.coordinator.chunk_pool import Range, coalesce
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.effects import Broadcast, Out, WriteMeta
-from flodl_bus.coordinator.elche import ElChe
-from flodl_bus.coordinator.guard import Guard, MsfGuard
-from flodl_bus.coordinator.meta import MetaController
-from flodl_bus.coordinator.roles import Roles
+from flodl_bus.coordinator.guard import MsfGuard
+from flodl_bus.coordinator.views import Controllers
 from flodl_bus.protocol.messages import SaveConsensusModel, SaveReason
 
 
@@ -28,35 +26,17 @@ class _Coverage(Protocol):
     def resume_at(self, epoch: int) -> None: ...
 
 
-class CheckpointCore(Protocol):
-    """The core as checkpoints see it. The counters are written back on resume; the
-    rest is read (the part imports no core back; the core and its parts form a tree)."""
+class CheckpointCore(Controllers, Protocol):
+    """The core as checkpoints see it: the run's counters and controllers, the epoch
+    counters a resume writes back, and what the dispatch covered (the part imports no
+    core back; the core and its parts form a tree)."""
 
-    avg_count: int
-    global_step: int
     hooked_epoch: int
     last_aggregated: int
-    max_overshoot: int
     start_epoch: int
-    version: int
 
     @property
-    def ws(self) -> int: ...
-    @property
-    def config(self) -> CoordinatorConfig: ...
-    @property
     def dispatch(self) -> _Coverage: ...
-    @property
-    def elche(self) -> ElChe: ...
-    @property
-    def guard(self) -> Guard: ...
-    @property
-    def meta(self) -> MetaController: ...
-    @property
-    def roles(self) -> Roles: ...
-    @property
-    def overshoot_auto(self) -> bool: ...
-    def alive(self, r: int) -> bool: ...
 
 
 SCHEMA = 5

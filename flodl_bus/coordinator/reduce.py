@@ -16,14 +16,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from flodl_bus.coordinator.checkpoint import ArmedSave
-from flodl_bus.coordinator.config import CoordinatorConfig, Policy
+from flodl_bus.coordinator.config import Policy
 from flodl_bus.coordinator.effects import Alert, Broadcast, Out, Send
-from flodl_bus.coordinator.elche import ElChe, WindowReport
-from flodl_bus.coordinator.guard import Guard, Verdict, VerdictKind, merge
+from flodl_bus.coordinator.elche import WindowReport
+from flodl_bus.coordinator.guard import Verdict, VerdictKind, merge
 from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.coordinator.liveness import Liveness
-from flodl_bus.coordinator.meta import MetaController
-from flodl_bus.coordinator.roles import Roles
+from flodl_bus.coordinator.views import Controllers
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
     DeclareDead,
@@ -58,31 +57,15 @@ class _Checkpoints(Protocol):
     def finish(self, armed: ArmedSave | None, out: list[Out]) -> None: ...
 
 
-class ReduceCore(Protocol):
-    """The core as a round sees it. The run's counters, the verdict and the overshoot
-    budget are written here; the rest is read (the part imports no core back; the core
-    and its parts form a tree)."""
+class ReduceCore(Controllers, Protocol):
+    """The core as a round sees it: the run's counters and controllers, the verdict it
+    leaves, and the window, the liveness and the two sibling parts it calls (the part
+    imports no core back; the core and its parts form a tree)."""
 
-    avg_count: int
-    global_step: int
-    version: int
-    max_overshoot: int
     last_verdict: Verdict
 
     @property
-    def ws(self) -> int: ...
-    @property
-    def config(self) -> CoordinatorConfig: ...
-    @property
     def policy(self) -> Policy: ...
-    @property
-    def elche(self) -> ElChe: ...
-    @property
-    def guard(self) -> Guard: ...
-    @property
-    def meta(self) -> MetaController: ...
-    @property
-    def roles(self) -> Roles: ...
     @property
     def live(self) -> Liveness: ...
     @property
@@ -90,14 +73,11 @@ class ReduceCore(Protocol):
     @property
     def last_lr(self) -> list[float | None]: ...
     @property
-    def overshoot_auto(self) -> bool: ...
-    @property
     def training(self) -> bool: ...
     @property
     def dispatch(self) -> _Dispatch: ...
     @property
     def checkpoints(self) -> _Checkpoints: ...
-    def alive(self, r: int) -> bool: ...
     def alive_mask(self) -> list[bool]: ...
     def shutdown_with_save(self, reason: SaveReason, out: list[Out]) -> None: ...
 
