@@ -13,7 +13,7 @@ import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeAlias, TypeVar
 
@@ -107,16 +107,28 @@ def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     return nn.functional.cross_entropy(model(x), y)
 
 
-def accuracy(model: nn.Module, data: ArrayDataset, chunk: int = 1024) -> float:
-    """Top-1 accuracy, evaluated on the model's own device in chunks."""
+def accuracy(model: nn.Module, data: TrainData, chunk: int = 1024) -> float:
+    """Top-1 accuracy, evaluated on the model's own device in chunks: an
+    ``ArrayDataset`` sliced, any other map-style dataset of ``(x, y)`` samples loaded by
+    a ``DataLoader`` (no workers, in order)."""
     device = next(model.parameters()).device
     correct = 0
     with torch.no_grad():
-        for start in range(0, len(data), chunk):
-            x = data.x[start : start + chunk].to(device, non_blocking=True)
-            y = data.y[start : start + chunk].to(device, non_blocking=True)
+        for x, y in _eval_batches(data, chunk):
+            x = x.to(device, non_blocking=True)
+            y = y.to(device, non_blocking=True)
             correct += int((model(x).argmax(dim=1) == y).sum().item())
     return correct / max(len(data), 1)
+
+
+def _eval_batches(data: TrainData, chunk: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(data, ArrayDataset):
+        for start in range(0, len(data), chunk):
+            yield data.x[start : start + chunk], data.y[start : start + chunk]
+        return
+    from torch.utils.data import DataLoader
+
+    yield from DataLoader(data, batch_size=chunk, shuffle=False)  # type: ignore[arg-type]
 
 
 def constant_lr(lr: float) -> Callable[[int], float]:
@@ -166,13 +178,14 @@ class Job:
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
     #: an ``ArrayDataset`` or any map-style ``torch.utils.data.Dataset`` (``TrainData``)
     train_data: Callable[[], TrainData]
-    eval_data: Callable[[], ArrayDataset] | None = None
+    #: held-out data for ``eval_fn``: an ``ArrayDataset`` or any map-style dataset
+    eval_data: Callable[[], TrainData] | None = None
     #: loss of one batch; backward/step are done by the runtime
     loss_fn: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor] = (
         classification_loss
     )
     #: model, held-out data -> metric (higher is better)
-    eval_fn: Callable[[nn.Module, ArrayDataset], float] | None = accuracy
+    eval_fn: Callable[[nn.Module, Any], float] | None = accuracy
     batch_size: int = 32
     num_epochs: int = 10
     #: learning rate as a pure function of the global step (every rank builds the same);

@@ -150,3 +150,23 @@ def test_the_cifar_schedule_decays_over_the_run_it_is_given_not_a_fixed_epoch_co
     assert job.lr(four, eight) == pytest.approx(job.lr(four // 2, four))
     assert job.lr(four, eight) == pytest.approx(peak / 2, rel=0.01)
     assert job.lr(eight, eight) == pytest.approx(0.05 * peak)
+
+
+def test_the_default_eval_scores_any_map_style_dataset_as_an_array_dataset() -> None:
+    """Issue 30: `train_data` took any Dataset, the default eval only an ArrayDataset."""
+    from torch.utils.data import Dataset
+
+    from flodl_bus.job import accuracy
+
+    arrays = digits.eval_data()
+
+    class Rows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+        def __len__(self) -> int:
+            return len(arrays)
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return arrays.x[i], arrays.y[i]
+
+    torch.manual_seed(0)
+    model = digits.build_model()
+    assert accuracy(model, Rows(), chunk=100) == accuracy(model, arrays, chunk=100)

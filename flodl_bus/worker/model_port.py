@@ -7,12 +7,12 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from flodl_bus.job import ArrayDataset
+from flodl_bus.job import TrainData
 from flodl_bus.protocol.messages import SaveReason
 from flodl_bus.worker.resume import save_rank_state
 
@@ -58,8 +58,8 @@ class TorchModelPort:
         rank: int,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
-        eval_fn: Callable[[nn.Module, ArrayDataset], float] | None = None,
-        eval_data: ArrayDataset | None = None,
+        eval_fn: Callable[[nn.Module, Any], float] | None = None,
+        eval_data: TrainData | None = None,
         checkpoint_fn: CheckpointFn | None = None,
         save_path: str | None = None,
         consensus: ConsensusSource | None = None,
