@@ -245,22 +245,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def read_file(path: str | Path) -> dict[str, Any]:
-    """A TOML file of knob keys; an unknown key or a bad value names itself."""
+#: keys of a run file that are ``up``'s own (what it launches), not the run's knobs:
+#: the coordinator and the ranks skip them, ``up`` reads them with ``read_launch``
+LAUNCH_KEYS: dict[str, type] = {
+    "job": str,
+    "mode": str,
+    "workers": int,
+    "epochs": int,
+    "eval_every": int,
+    "device": str,
+}
+
+
+def _load(path: str | Path) -> tuple[Path, dict[str, Any]]:
     p = Path(path)
     try:
-        raw = tomllib.loads(p.read_text())
+        return p, tomllib.loads(p.read_text())
     except FileNotFoundError:
         raise SettingsError(f"--config: no file at {p}") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"--config {p}: {exc}") from None
+
+
+def read_launch(path: str | Path) -> dict[str, Any]:
+    """The launch keys of a run file (``up``'s: job, mode, workers, epochs, eval_every,
+    device), each checked for its type; a wrong one names itself."""
+    p, raw = _load(path)
     out: dict[str, Any] = {}
     for key, value in raw.items():
+        name = key.replace("-", "_")
+        kind = LAUNCH_KEYS.get(name)
+        if kind is None:
+            continue
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SettingsError(f"--config {p}: {key}: use a whole number of 1 or more")
+        if kind is str and not isinstance(value, str):
+            raise SettingsError(f"--config {p}: {key}: use a string")
+        out[name] = value
+    return out
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A TOML file of knob keys (and ``up``'s launch keys, skipped here); an unknown key
+    or a bad value names itself."""
+    p, raw = _load(path)
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key.replace("-", "_") in LAUNCH_KEYS:
+            continue
         knob = BY_KEY.get(key.replace("-", "_"))
         if knob is None:
-            raise SettingsError(
-                f"--config {p}: unknown key {key!r}; known keys: {', '.join(BY_KEY)}"
-            )
+            known = ", ".join([*BY_KEY, *LAUNCH_KEYS])
+            raise SettingsError(f"--config {p}: unknown key {key!r}; known keys: {known}")
         text = str(value).lower() if isinstance(value, bool) else str(value)
         try:
             out[knob.key] = knob.parse(text)

@@ -196,3 +196,39 @@ def test_the_anchors_floor_and_ceiling_are_reachable_by_flag_and_file(tmp_path: 
         **config_knobs(v),
     )  # fmt: skip
     assert cfg.min_anchor == 20 and cfg.max_anchor == 200
+
+
+def test_a_run_file_holds_the_launch_keys_too_and_the_knobs_skip_them(tmp_path: Path) -> None:
+    """Issue 30: `--config` refused mode, workers, epochs and job, so a run could not
+    live in one file."""
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'job = "flodl_bus.examples.charrnn:job"\nmode = "cpu-sync"\nworkers = 3\n'
+        "epochs = 4\neval-every = 2\nseed = 9\n"
+    )
+    assert settings.read_launch(path) == {
+        "job": "flodl_bus.examples.charrnn:job",
+        "mode": "cpu-sync",
+        "workers": 3,
+        "epochs": 4,
+        "eval_every": 2,
+    }
+    assert settings.resolve(parse("--config", str(path)))["seed"] == 9  # knobs unaffected
+    path.write_text("workers = 0\n")
+    with pytest.raises(settings.SettingsError, match="workers: use a whole number of 1 or more"):
+        settings.read_launch(path)
+
+
+def test_up_takes_the_launch_keys_of_its_run_file_and_a_flag_beats_them(tmp_path: Path) -> None:
+    from flodl_bus.launch.up import _launch_keys_from_file
+    from flodl_bus.launch.up_args import _parser
+
+    path = tmp_path / "run.toml"
+    path.write_text('mode = "cpu-sync"\nworkers = 3\nepochs = 4\n')
+    given = ["--config", str(path), "--workers", "1"]
+    args = _parser().parse_args(given)
+    _launch_keys_from_file(args, given)
+    assert (args.mode, args.workers, args.epochs) == ("cpu-sync", 1, 4)
+    path.write_text('mode = "gpu-magic"\n')
+    with pytest.raises(ValueError, match="mode 'gpu-magic'; use one of nccl-sync"):
+        _launch_keys_from_file(_parser().parse_args(["--config", str(path)]), [])

@@ -61,7 +61,13 @@ from flodl_bus.launch.outcome import (
     run_exit_code,
 )
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
-from flodl_bus.launch.up_args import _default_run_id, _parser, coordinator_argv, worker_argv
+from flodl_bus.launch.up_args import (
+    MODES,
+    _default_run_id,
+    _parser,
+    coordinator_argv,
+    worker_argv,
+)
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
 from flodl_bus.params.hosts import pin_one_host
@@ -583,8 +589,15 @@ class Launcher:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    given = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(given)
     started, started_wall = time.monotonic(), time.time()
+    if args.config:
+        try:
+            _launch_keys_from_file(args, given)
+        except (settings.SettingsError, ValueError) as exc:
+            print(f"flodl-bus up: {exc}", file=sys.stderr)
+            return 2
     if args.workers < 1:
         print("flodl-bus up: --workers must be at least 1", file=sys.stderr)
         return 2
@@ -637,3 +650,16 @@ def _gpu_likely(device: str) -> bool:
     if visible is not None and visible.strip() in ("", "-1"):
         return False
     return os.path.exists("/dev/nvidiactl")
+
+
+def _launch_keys_from_file(args: Any, given: Sequence[str]) -> None:
+    """``--config``'s launch keys (job, mode, workers, epochs, eval_every, device) for the
+    flags not given: a run can live in one file, and a flag still beats it."""
+    flags = {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
+    for key, value in settings.read_launch(args.config).items():
+        if f"--{key.replace('_', '-')}" in flags:
+            continue
+        if key == "mode" and value not in MODES:
+            choices = ", ".join(MODES)
+            raise ValueError(f"--config {args.config}: mode {value!r}; use one of {choices}")
+        setattr(args, key, value)
