@@ -47,7 +47,18 @@ def recorded_run(request: pytest.FixtureRequest) -> dict[str, Recording]:
                 "recorded_run needs @pytest.mark.recorded_run(PATH) or indirect parametrization"
             )
         path = marker.args[0]
-    return load_run(Path(path))
+    return load_run(_resolved(Path(path), request.config.rootpath))
+
+
+def _resolved(path: Path, rootdir: Path) -> Path:
+    """A relative run directory is the project's (pytest's rootdir), wherever pytest runs
+    from; one that only exists relative to the working directory is still found."""
+    if path.is_absolute():
+        return path
+    under_root = rootdir / path
+    if under_root.exists() or not path.exists():
+        return under_root
+    return path
 
 
 def assert_identical(
