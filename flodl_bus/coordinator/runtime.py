@@ -40,6 +40,7 @@ from flodl_bus.coordinator.join_desk import (
     form_world,
 )
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
+from flodl_bus.coordinator.stall import StallWatch
 from flodl_bus.coordinator.supervisor import SupervisorFeed
 from flodl_bus.exits import CONFIG, OK, STOPPED
 from flodl_bus.protocol.messages import (
@@ -149,6 +150,8 @@ class CoordinatorLoop:
         self.sends_failed = 0
         self.evals: list[tuple[int, float]] = []
         self._save_path = core.config.save_path
+        #: flodl's stall dump: a run that stops moving logs why at 15 s and 120 s
+        self.stall = StallWatch()
 
     # ------------------------------------------------------------------ public
 
@@ -298,6 +301,7 @@ class CoordinatorLoop:
     def _tick(self) -> None:
         core = self.core
         now = self.clock()
+        self._watch_stall(now)
         if self.rec is None:
             self._apply(core.tick(now), now)
             return
@@ -311,6 +315,34 @@ class CoordinatorLoop:
             # state, so the next call's "before" is recognised without a comparison.
             self._state = before
         self._apply(outs, now)
+
+    def _watch_stall(self, now: float) -> None:
+        core = self.core
+        if not core.training:
+            return
+        progress = (core.version, core.global_step, core.last_aggregated, tuple(core.ledger.steps))
+        waited = self.stall.check(progress, now)
+        if waited is None:
+            return
+        # Everything a shut gate or an empty dispatch waits on, in one line (the state the
+        # record keeps, read between two core calls).
+        state = core.state_summary()
+        log.warning(
+            "stall_dump",
+            stalled_s=round(waited, 1),
+            gate=state["gate"],
+            rank_epoch=state["rank_epoch"],
+            steps=state["steps"],
+            counts=state["counts"],
+            in_flight=state["in_flight"],
+            pools=state["pools"],
+            acks=state["acks"],
+            cpu_pending=state["cpu_pending"],
+            throttled=state["throttled"],
+            dead=state["dead"],
+            exited=state["exited"],
+            heard_s=[round(max(0.0, now - t), 1) for t in core.live.last_heartbeat],
+        )
 
     def _apply(self, outs: Sequence[Out], now: float) -> None:
         pending = list(outs)
