@@ -150,8 +150,15 @@ class RunView:
             rv.batches += 1
             rv.loss = msg.batch_loss
             rv.losses.append((now - self.started_at, msg.batch_loss))
-        elif isinstance(msg, EvalResult) and msg.error is None:
-            self._eval(msg.epoch, msg.metric)
+        elif isinstance(msg, EvalResult):
+            if msg.error is None:
+                self._eval(msg.epoch, msg.metric)
+            else:
+                # Said on the console: a run whose final eval failed ends with metric "-",
+                # and its cause was only in the rank's log.
+                self.notes.append(
+                    f"rank {rank}: the eval scheduled at epoch {msg.epoch} failed: {msg.error}"
+                )
         elif isinstance(msg, Exiting):
             if msg.reason is not None and not rv.exited:
                 if leaving.kind_of(msg.reason) == leaving.JOB_FAILED:

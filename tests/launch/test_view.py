@@ -138,3 +138,16 @@ def test_messages_of_ranks_outside_the_world_are_ignored() -> None:
     assert view.total_batches == 0
     assert view.syncs == 0
     assert view.ranks[0].exited
+
+
+def test_a_failed_eval_is_a_console_note_naming_its_cause() -> None:
+    """Issue 30: a failing final eval showed `final metric -` with the cause only in a
+    rank's log."""
+    view = RunView(2, started_at=0.0)
+    view.on_upstream(
+        1, EvalResult(1, 9, 3, math.nan, 2.0, error="eval_fn raised KeyError('x')"), 1.0
+    )
+    assert view.final_metric is None
+    assert view.take_notes() == [
+        "rank 1: the eval scheduled at epoch 3 failed: eval_fn raised KeyError('x')"
+    ]
