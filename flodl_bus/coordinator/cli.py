@@ -401,12 +401,10 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             super()._tick()
             if time.monotonic() >= self.next_publish:
                 self.next_publish = time.monotonic() + STATE_EVERY_S
-                live = self.core.live
-                now = self.clock()
                 # Seconds since each rank's last verified entry: status shows these, not
                 # the newest Heartbeat in ``up:<r>``, which anyone who can write the
                 # stream could add (an observer cannot check a MAC).
-                heard = [round(max(0.0, now - t), 1) for t in live.last_heartbeat]
+                heard = self.core.live.heard_ago(self.clock())
                 publish_state(client, keys.meta, self.core.state_summary(), heard=heard)
 
     loop = PublishingLoop(

@@ -48,6 +48,11 @@ class Liveness:
         # Any frame is proof of life (§2.3).
         self.last_heartbeat[r] = now
 
+    def heard_ago(self, now: float) -> list[float]:
+        """Seconds since each rank was last heard (a verified entry), to 0.1 s: what
+        ``status`` shows and a stall dump names."""
+        return [round(max(0.0, now - t), 1) for t in self.last_heartbeat]
+
     def mark_exited(self, r: int) -> bool:
         """``r`` left cleanly; False if it already had."""
         if self.exited[r]:

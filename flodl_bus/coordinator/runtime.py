@@ -40,7 +40,7 @@ from flodl_bus.coordinator.join_desk import (
     form_world,
 )
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
-from flodl_bus.coordinator.stall import StallWatch
+from flodl_bus.coordinator.stall import STALL_CHECK_S, StallWatch
 from flodl_bus.coordinator.supervisor import SupervisorFeed
 from flodl_bus.exits import CONFIG, OK, STOPPED
 from flodl_bus.protocol.messages import (
@@ -152,6 +152,7 @@ class CoordinatorLoop:
         self._save_path = core.config.save_path
         #: flodl's stall dump: a run that stops moving logs why at 15 s and 120 s
         self.stall = StallWatch()
+        self._next_stall_check = 0.0
 
     # ------------------------------------------------------------------ public
 
@@ -317,6 +318,10 @@ class CoordinatorLoop:
         self._apply(outs, now)
 
     def _watch_stall(self, now: float) -> None:
+        # Once a second, not every tick: the progress key reads every rank's steps.
+        if now < self._next_stall_check:
+            return
+        self._next_stall_check = now + STALL_CHECK_S
         core = self.core
         if not core.training:
             return
@@ -341,7 +346,7 @@ class CoordinatorLoop:
             throttled=state["throttled"],
             dead=state["dead"],
             exited=state["exited"],
-            heard_s=[round(max(0.0, now - t), 1) for t in core.live.last_heartbeat],
+            heard_s=core.live.heard_ago(now),
         )
 
     def _apply(self, outs: Sequence[Out], now: float) -> None:

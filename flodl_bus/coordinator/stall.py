@@ -13,6 +13,8 @@ from typing import Final
 
 FIRST_S: Final = 15.0
 SECOND_S: Final = 120.0
+#: how often the loop looks (the dumps are due within this of their time)
+STALL_CHECK_S: Final = 1.0
 
 
 class StallWatch:

@@ -152,6 +152,7 @@ def run_rank(
         base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
         train_data = check_train_data(call_job("train_data", job.train_data))
         eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
+        lr_said = _lr_said(job, base_lrs, options, len(train_data))
     except JobError as exc:
         return _failed_before_start(bus, rank, exc)
     if options.resume is not None:
@@ -211,7 +212,7 @@ def run_rank(
             seed=options.shuffle_seed,
             splits=options.epoch_splits,
             model=recorded_model.capabilities(),
-            lr=_lr_said(job, base_lrs, options, len(train_data)),
+            lr=lr_said,
         )
         params = recording.params(params)
         clock = recording.clock(clock)
@@ -250,7 +251,7 @@ def run_rank(
         bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
     )
     if options.announce is not None:
-        options.announce(_lr_line(rank, _lr_said(job, base_lrs, options, len(train_data))))
+        options.announce(_lr_line(rank, lr_said))
     runtime.start()
     runtimes.append(runtime)
     if stop is not None and stop.signum is not None:
