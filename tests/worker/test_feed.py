@@ -136,17 +136,31 @@ def test_the_loader_draws_nothing_from_the_global_rng() -> None:
 
 def test_make_feed_picks_the_path_by_the_data() -> None:
     data = digits.train_data()
-    assert isinstance(make_feed(data, CPU, FeedOptions()), ArrayFeed)
+    feed = make_feed(data, CPU, FeedOptions())
+    assert isinstance(feed, ArrayFeed)
     loader = make_feed(Rows(data), CPU, FeedOptions(workers=0))
     assert isinstance(loader, LoaderFeed)
 
 
+def test_an_array_dataset_is_gathered_on_the_training_thread_on_the_cpu_unless_asked() -> None:
+    # A thread per step costs a CPU rank more than the gather it hands over (issue 27).
+    data = digits.train_data()
+    auto = make_feed(data, CPU, FeedOptions())
+    forced = make_feed(data, CPU, FeedOptions(prefetch="1"))
+    assert isinstance(auto, ArrayFeed) and isinstance(forced, ArrayFeed)
+    assert auto._pool is None and forced._pool is not None
+    assert FeedOptions().prefetches(torch.device("cuda", 0))
+    assert not FeedOptions(prefetch="0").prefetches(torch.device("cuda", 0))
+    auto.close()
+    forced.close()
+
+
 def test_feed_options_come_from_the_environment_and_bad_values_name_the_fix() -> None:
-    assert FeedOptions.from_env({}) == FeedOptions(True, "auto", 2)
+    assert FeedOptions.from_env({}) == FeedOptions("auto", "auto", 2)
     env = {"FLODL_PREFETCH": "0", "FLODL_DATA_ON_DEVICE": "1", "FLODL_DATA_WORKERS": "4"}
-    assert FeedOptions.from_env(env) == FeedOptions(False, "1", 4)
+    assert FeedOptions.from_env(env) == FeedOptions("0", "1", 4)
     for key, bad, hint in (
-        ("FLODL_PREFETCH", "yes", "use 1 (on) or 0 (off)"),
+        ("FLODL_PREFETCH", "yes", "use auto (on for a GPU), 1 (on) or 0 (off)"),
         ("FLODL_DATA_ON_DEVICE", "gpu", "use auto, 1 or 0"),
         ("FLODL_DATA_WORKERS", "-1", "0 or more"),
     ):

@@ -367,7 +367,7 @@ def test_bad_config_exits_with_one_line_naming_the_fix(
 @pytest.mark.parametrize(
     ("name", "value", "fix"),
     [
-        ("FLODL_PREFETCH", "maybe", "use 1 (on) or 0 (off)"),
+        ("FLODL_PREFETCH", "maybe", "use auto (on for a GPU), 1 (on) or 0 (off)"),
         ("FLODL_DATA_WORKERS", "two", "0 or more"),
         ("FLODL_NUM_THREADS", "0", "1 or more"),
         ("LOCAL_RANK", "5", "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"),
