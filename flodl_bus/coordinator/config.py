@@ -34,6 +34,8 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "dead_zone_keeps_five_percent": False,
     "elche_flodl_election": False,
     "meta_then_guard": False,
+    "plans_with_request": False,
+    "epoch_overlap": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -154,6 +156,17 @@ class CoordinatorConfig:
     #: grows async overshoot and relaxes the anchor up; two nudges apply one after the
     #: other. Off: the two merged into one verdict (records made before this)
     meta_then_guard: bool = True
+    #: cpu-cadence: each rank's next chunk goes out right behind the round's
+    #: RequestParams (the rank holds it until it has adopted the round's Update), not
+    #: on the round's Update after every SyncAck, and the epoch a round closes is
+    #: aggregated first, so the next epoch's chunks go out with it (issue 27). Not a
+    #: setting: off only to replay records made before it
+    plans_with_request: bool = True
+    #: a rank with nothing left for it in its epoch starts the next one while its peers
+    #: finish (an epoch's end stops nobody), on the CPU plane and in a world of one; an
+    #: NCCL group keeps flodl's epoch barrier (a collective cannot mix epochs, §6 #17).
+    #: Not a setting: off only to replay records made before it (issue 27)
+    epoch_overlap: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

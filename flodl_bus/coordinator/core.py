@@ -151,6 +151,13 @@ class Coordinator:
             self.reduce = NcclReduce(self)
         else:
             self.reduce = CpuReduce(self)
+        #: cpu-cadence draws each rank's next chunk at the round's trigger (``_trigger``)
+        self.plans_with_request = (
+            cfg.plans_with_request
+            and isinstance(self.reduce, CpuReduce)
+            and cfg.policy is Policy.CADENCE
+            and isinstance(self.dispatch, PoolDispatch)
+        )
 
     @classmethod
     def from_meta(cls, config: CoordinatorConfig, meta: Mapping[str, Any]) -> Coordinator:
@@ -263,11 +270,14 @@ class Coordinator:
         self.reduce.poll(now, out)
         if self.finished:
             return out
+        # With plans drawn at the trigger, the epoch a round closes is aggregated
+        # before it: the round's plans may then come from the next epoch.
+        aggregated = self.plans_with_request and self.dispatch.aggregate_ready(now, out)
         if not self.should_average():
             self.reduce.wait_since = None
         elif self.reduce.window_ready(now, self.ledger):
             self._trigger(now, out)
-        aggregated = self.dispatch.aggregate_ready(now, out)
+        aggregated = self.dispatch.aggregate_ready(now, out) or aggregated
         self._advance(now, out, aggregated)
         return out
 
@@ -442,6 +452,12 @@ class Coordinator:
         closed = self.ledger
         self.ledger = Ledger(self.ws)
         self.reduce.trigger(now, closed, self.checkpoints.arm(), out)
+        if self.plans_with_request:
+            # Each rank's next chunk rides behind the RequestParams, drawn from the
+            # counts the round is closing with: the rank holds it until the round's
+            # Update (adoption overwrites, so no step may come between), then trains at
+            # once instead of waiting out SyncAck -> coordinator -> Update (issue 27).
+            self.dispatch.prefetch(now, out)
 
     # ----------------------------------------------------------------- epoch hooks
     def epoch_hooks(self, epoch: int, out: list[Out]) -> None:

@@ -82,6 +82,7 @@ class RankReplay(_Replay):
             splits=int(h.get("splits", 1)),
             # records made before the LR was reported only when it changed have no key
             lr_every_step=h.get("lr_reports") != "changed",
+            plans_wait_for_update=bool(h.get("plans_wait_for_update", False)),
         )
         # The runtime's router, not its threads: heartbeats, dead-rank notices, session
         # requests and the wire Update's next plan are handled exactly as in the run.

@@ -385,6 +385,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         announce=_say,
         epochs=epochs,
         resume=resume,
+        # the coordinator sends cpu-cadence plans behind RequestParams (issue 27)
+        plans_wait_for_update=mode == "cpu-cadence",
     )
     code: int | None = None
     try:

@@ -221,6 +221,7 @@ class WorkerControl:
         seed: int = SHUFFLE_BASE_SEED,
         splits: int = 1,
         lr_every_step: bool = False,
+        plans_wait_for_update: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -244,6 +245,12 @@ class WorkerControl:
         #: report the LR after every step, changed or not (flodl's piggyback; records
         #: made before the LR was reported only on a change replay with it)
         self.lr_every_step = lr_every_step
+        #: cpu-cadence: a plan is not taken between the round's snapshot and its Update
+        #: (the coordinator sends the next plan right behind RequestParams, and adoption
+        #: overwrites the parameters: a step taken before it would be lost). Records
+        #: made before it have no such plans and replay with it off
+        self.plans_wait_for_update = plans_wait_for_update
+        self.awaiting_update = False
         self._last_lr: float | None = None
 
         # The plan being trained and its expanded picks (grown by ExtendPartition).
@@ -307,6 +314,7 @@ class WorkerControl:
             # taken during the round trip keep their mass for the next round.
             self.steps_at_snapshot = self.steps_since_avg
             self.params.snapshot(self.steps_since_avg)
+            self.awaiting_update = self.plans_wait_for_update
             return _NOTHING
 
         if isinstance(msg, Update):
@@ -421,6 +429,7 @@ class WorkerControl:
 
     def _adopt(self, msg: Update) -> Dispatched:
         self.params.load_averaged(msg.avg)
+        self.awaiting_update = False
         # Subtract, never zero: cpu-async overshoot steps survive the blend. The marker
         # reset makes a duplicate Update subtract 0.
         self.steps_since_avg = max(0, self.steps_since_avg - self.steps_at_snapshot)
@@ -445,6 +454,8 @@ class WorkerControl:
 
     def take_pending_plan(self) -> EpochPlan | None:
         """The plan to train next, emptying the mailbox (None: keep waiting)."""
+        if self.awaiting_update:
+            return None  # held until the round's Update (``plans_wait_for_update``)
         plan, self.pending_plan = self.pending_plan, None
         return plan
 

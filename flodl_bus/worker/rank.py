@@ -80,6 +80,8 @@ class RankOptions:
     #: ``<stem>.model.pt`` and its optimizer, outer optimizer and random state from
     #: ``<stem>.rank<r>.state.pt``; one that does not fit exits ``CONFIG``
     resume: str | None = None
+    #: a plan waits for the running round's Update (``WorkerControl``; cpu-cadence)
+    plans_wait_for_update: bool = False
 
 
 def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -213,6 +215,7 @@ def run_rank(
             splits=options.epoch_splits,
             model=recorded_model.capabilities(),
             lr=lr_said,
+            plans_wait_for_update=options.plans_wait_for_update,
         )
         params = recording.params(params)
         clock = recording.clock(clock)
@@ -225,6 +228,7 @@ def run_rank(
         model=model_port,
         seed=options.shuffle_seed,
         splits=options.epoch_splits,
+        plans_wait_for_update=options.plans_wait_for_update,
     )
     observer = None if recording is None else recording.observer(control, inbox)
     feed = make_feed(train_data, device, feed_options, seed=job.seed + rank)

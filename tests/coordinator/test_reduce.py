@@ -201,8 +201,8 @@ def test_cpu_subtracts_the_trigger_snapshot_so_overshoot_steps_survive() -> None
     assert core.ledger.steps == [2, 0]
 
 
-def test_cpu_cadence_update_carries_the_next_chunk() -> None:
-    core, out = started("cpu-cadence", total=1000)
+def test_cpu_cadence_update_carries_the_next_chunk_in_records_made_before_issue_27() -> None:
+    core, out = started("cpu-cadence", total=1000, plans_with_request=False)
     for r, plan in plans(out).items():
         feed(core, r, plan.partition_size)
         core.handle(r, metrics(r, 0, plan.partition_size), 0.0)
@@ -212,6 +212,46 @@ def test_cpu_cadence_update_carries_the_next_chunk() -> None:
     updates = msgs(core.tick(0.02), m.WireUpdate)
     assert all(u.msg.next_plan is not None for u in updates)
     assert {u.rank for u in updates} == {0, 1}
+
+
+def test_cpu_cadence_sends_the_next_chunk_right_behind_request_params() -> None:
+    core, out = started("cpu-cadence", total=1000)
+    for r, plan in plans(out).items():
+        feed(core, r, plan.partition_size)
+        core.handle(r, metrics(r, 0, plan.partition_size), 0.0)
+    out = core.tick(0.01)
+    kinds = types(out)
+    assert kinds.index("RequestParams") < kinds.index("StartEpoch")
+    early = plans(out)
+    assert set(early) == {0, 1} and all(p.epoch == 0 for p in early.values())
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 0.02)
+    # the round's end carries no second plan: one chunk in flight per rank
+    updates = msgs(core.tick(0.02), m.WireUpdate)
+    assert {u.rank for u in updates} == {0, 1}
+    assert all(u.msg.next_plan is None for u in updates)
+
+
+def test_the_last_round_of_an_epoch_sends_the_next_epochs_chunks_after_its_aggregate() -> None:
+    core, out = started("cpu-cadence", total=40, num_epochs=2)
+    for r, plan in plans(out).items():
+        feed(core, r, plan.partition_size)
+        core.handle(r, metrics(r, 0, plan.partition_size), 0.0)
+    while True:  # train epoch 0 out, round by round
+        out = core.tick(0.01)
+        if msgs(out, m.EpochAggregated):
+            break
+        assert msgs(out, m.RequestParams)
+        for r in (0, 1):
+            core.handle(r, m.SyncAck(r, 0), 0.02)
+        for r, plan in plans(out).items():
+            feed(core, r, plan.partition_size)
+            core.handle(r, metrics(r, plan.epoch, plan.partition_size), 0.03)
+    kinds = types(out)
+    # the epoch is aggregated first, then the round, then epoch 1's chunks behind it
+    assert kinds.index("EpochAggregated") < kinds.index("RequestParams")
+    assert kinds.index("RequestParams") < kinds.index("StartEpoch")
+    assert {p.epoch for p in plans(out).values()} == {1}
 
 
 def throttled_after(mode: str, steps: tuple[int, int], d: int | None) -> list[int]:

@@ -169,7 +169,9 @@ class Rank:
             self.control.step_done(1.0, 1.0, 0.0, 0.1)
 
 
-def make(rank: int = 0, batch_size: int = 32, **model: Any) -> Rank:
+def make(
+    rank: int = 0, batch_size: int = 32, plans_wait_for_update: bool = False, **model: Any
+) -> Rank:
     params, port = ListParams(), ListModel(**model)
     control = WorkerControl(
         rank=rank,
@@ -178,6 +180,7 @@ def make(rank: int = 0, batch_size: int = 32, **model: Any) -> Rank:
         pick_space=PICK_SPACE,
         clock=StepClock(),
         model=port,
+        plans_wait_for_update=plans_wait_for_update,
     )
     return Rank(control, params, port)
 
@@ -631,3 +634,21 @@ def test_the_same_messages_into_a_fresh_core_give_the_same_effects() -> None:
         return outs, r.control.state()
 
     assert run() == run()
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_plan_sent_behind_request_params_waits_for_the_rounds_update(waits: bool) -> None:
+    # cpu-cadence (issue 27): the next plan follows RequestParams at once, but adoption
+    # overwrites the parameters, so a step before the Update would be lost.
+    r = make(plans_wait_for_update=waits)
+    r.control.dispatch(StartEpoch(EpochPlan(0, 0, 64)))
+    r.control.begin_plan(r.control.take_pending_plan() or EpochPlan(0, 0, 0))
+    r.steps(2)
+    r.control.dispatch(RequestParams())
+    nxt = EpochPlan(0, 64, 64)
+    r.control.dispatch(StartEpoch(nxt))
+    if waits:
+        assert r.control.take_pending_plan() is None
+        assert r.control.pending_plan == nxt  # held, not dropped
+        r.control.dispatch(update(1))
+    assert r.control.take_pending_plan() == nxt
