@@ -21,7 +21,7 @@ from flodl_bus.coordinator.chunk_pool import (
     Range,
     final_window_alloc,
 )
-from flodl_bus.coordinator.config import CoordinatorConfig, Policy
+from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
 from flodl_bus.coordinator.effects import Out, Send
 from flodl_bus.coordinator.liveness import Liveness
 from flodl_bus.protocol.messages import (
@@ -145,6 +145,9 @@ class Dispatch:
     def after_reduce(self, now: float, out: list[Out]) -> None:
         pass
 
+    def prefetch(self, now: float, out: list[Out]) -> None:
+        """A round was triggered: hand each idle rank its next plan now (cpu-cadence)."""
+
     def coverage(self) -> tuple[int, list[tuple[int, list[Range]]]]:
         """(first epoch never started, [(epoch, samples not trained)])."""
         raise NotImplementedError
@@ -174,6 +177,16 @@ class PoolDispatch(Dispatch):
         self._live_sum = 0
         #: NCCL cadence: a rank held idle by the reduce's wait is given more work
         self.bridges = bridge.applies(core.config)
+        #: no epoch barrier: no collective here that could mix two epochs (§6 #17); the
+        #: core's ``solo`` is not set yet, so a world of one is read off the config
+        cfg = core.config
+        #: a world of one trains what is left of an epoch in one plan
+        self._solo_epochs = (
+            cfg.world_size == 1 and cfg.solo_without_rounds and cfg.solo_whole_epochs
+        )
+        self.overlaps = cfg.epoch_overlap and (
+            cfg.backend is Backend.CPU or (cfg.world_size == 1 and cfg.solo_without_rounds)
+        )
 
     def start(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
@@ -291,6 +304,10 @@ class PoolDispatch(Dispatch):
                 plans[r] = plan
         return plans
 
+    def prefetch(self, now: float, out: list[Out]) -> None:
+        if self.core.training:
+            self._fill_idle(now, out)
+
     def after_reduce(self, now: float, out: list[Out]) -> None:
         if self.core.training:
             # A rank parked in wait_for_epoch_plan sends nothing, so nothing else would
@@ -393,21 +410,24 @@ class PoolDispatch(Dispatch):
         if self.has_in_flight(r):
             return None
         budget = self._budget(r)
-        if core.ledger.steps[r] >= budget:
+        # A world of one's windows close without a round: its budget never holds a plan.
+        if core.ledger.steps[r] >= budget and not self._solo_epochs:
             return self._bridge(r, out, via_update)
         num_epochs = core.config.num_epochs
         epoch = self.rank_epoch[r]
+        if self.overlaps:
+            epoch = self.rank_epoch[r] = self._oldest_with_work(r, epoch)
         pool = self.pools.get(epoch)
         if pool is None and core.last_aggregated < epoch < num_epochs:
             pool = self._get_pool(epoch, now, out)
-        if pool is None or pool.remaining() == 0:
+        if pool is None or pool.remaining() == 0 or self._left_out(r, pool):
             nxt = max(epoch + 1, core.last_aggregated + 1)
             if nxt >= num_epochs:
                 return None
             live_older = any(e < nxt for e in self.pools)
             # Epoch barrier: a barrier-paced rank never streams into the next epoch while
-            # an older one is still in flight (§6 #17).
-            if core.config.barrier_paced and live_older:
+            # an older one is still in flight (§6 #17), unless nothing can mix the two.
+            if core.config.barrier_paced and live_older and not self.overlaps:
                 return None
             if nxt > core.last_aggregated + 2:
                 return None
@@ -420,6 +440,26 @@ class PoolDispatch(Dispatch):
         if batches <= 0:
             return self._bridge(r, out, via_update)
         return self._take(r, pool, batches, out, via_update)
+
+    def _oldest_with_work(self, r: int, epoch: int) -> int:
+        """Without the barrier a rank may have moved on while an older epoch still holds
+        work for it (its last window re-pinned as counts or liveness changed): that work
+        comes first, or nobody might ever take it."""
+        for e in sorted(self.pools):
+            if e >= epoch:
+                break
+            pool = self.pools[e]
+            if pool.remaining() >= self.core.bs and not self._left_out(r, pool):
+                return e
+        return epoch
+
+    def _left_out(self, r: int, pool: ChunkPool) -> bool:
+        """The epoch's last window is pinned and has no slot for ``r``: with the epoch
+        barrier lifted it moves on to the next epoch instead of idling to its end."""
+        if not self.overlaps or not self.core.config.barrier_paced:
+            return False
+        fw = self._refresh_final_window(pool, pool.remaining() // self.core.bs)
+        return fw is not None and fw.slots[r] == 0
 
     def _take(
         self, r: int, pool: ChunkPool, batches: int, out: list[Out], via_update: bool
@@ -456,7 +496,7 @@ class PoolDispatch(Dispatch):
         remaining = pool.remaining() // core.bs
         if remaining <= 0:
             return 0
-        if core.solo and core.config.solo_whole_epochs:
+        if self._solo_epochs:
             # A world of one has no round to wait for and no peer to share with: what is
             # left of the epoch goes in one plan, so the rank never idles between chunks
             # (each turn-over is a trip through Redis and back, issue 27). Its windows

@@ -38,6 +38,60 @@ def test_epoch_barrier_holds_a_fast_rank_until_the_epoch_aggregates() -> None:
     assert all(p.epoch == 0 for p in plans(out0).values())
 
 
+def _cadence_run(overlap: bool, total: int = 50, epochs: int = 3) -> tuple[Coordinator, int, int]:
+    """Two equal cpu-cadence ranks train ``epochs`` out, round by round: (core, plans
+    handed out ahead of the epoch being aggregated, rounds)."""
+    core, out = started(
+        "cpu-cadence", total=total, num_epochs=epochs, anchor=16, epoch_overlap=overlap
+    )
+    holding, now, early, rounds = dict(plans(out)), 0.0, 0, 0
+    while holding:
+        now += 0.01
+        outs: list[Any] = []
+        for r in sorted(holding):
+            plan = holding.pop(r)
+            feed(core, r, plan.partition_size, now=now)
+            outs += core.handle(r, metrics(r, plan.epoch, plan.partition_size), now)
+        outs += (tick := core.tick(now))
+        if msgs(tick, m.RequestParams):
+            rounds += 1
+            for r in (0, 1):
+                core.handle(r, m.SyncAck(r, 0), now)
+            outs += core.tick(now)
+        got = plans(outs) | {
+            u.rank: u.msg.next_plan for u in msgs(outs, m.WireUpdate) if u.msg.next_plan
+        }
+        early += sum(p.epoch > core.last_aggregated + 1 for p in got.values())
+        holding.update(got)
+    return core, early, rounds
+
+
+def test_a_cpu_rank_whose_epoch_has_nothing_left_starts_the_next_while_its_peer_finishes() -> None:
+    # issue 27: no collective on the CPU plane can mix two epochs, so a rank with steps
+    # left in its window and none left in its epoch goes on into the next one instead of
+    # idling to the epoch's end; flodl's barrier stays where one can (nccl, above)
+    core, early, rounds = _cadence_run(overlap=True)
+    old, early_old, rounds_old = _cadence_run(overlap=False)  # records made before it
+    for c in (core, old):
+        assert c.last_aggregated == 2  # every epoch trained out and aggregated
+        assert c.dispatch.coverage() == (3, [])  # no sample left untrained
+    assert early > 0 and early_old == 0
+    assert rounds < rounds_old  # the epoch's end no longer forces a round of its own
+    assert started("cpu-async", total=40)[0].dispatch.overlaps  # type: ignore[attr-defined]
+    assert not started("nccl-cadence", total=40)[0].dispatch.overlaps  # type: ignore[attr-defined]
+
+
+def test_a_world_of_one_gets_the_next_epoch_and_its_eval_with_the_last_report() -> None:
+    core, out = started("cpu-cadence", ws=1, total=40, num_epochs=2, eval_every=1)
+    plan = plans(out)[0]
+    feed(core, 0, plan.partition_size)
+    out = core.handle(0, metrics(0, 0, plan.partition_size), 0.0)
+    # one transaction: the eval of epoch 0's model, queued before epoch 1's plan
+    assert types(out) == ["ExecuteEvalCallback", "StartEpoch"]
+    assert plans(out)[0].epoch == 1
+    assert msgs(core.tick(0.0), m.EpochAggregated)
+
+
 def test_dead_rank_remainder_redistributed_via_extend_partition() -> None:
     core, out = started("cpu-sync", ws=3, total=30)
     assert [p.partition_size for p in plans(out).values()] == [10, 10, 10]
@@ -56,8 +110,9 @@ def test_dead_rank_partial_progress_is_not_redistributed() -> None:
     assert min(o.msg.partition_offset for o in ext) == 24
 
 
-def test_progressive_death_forfeits_chunks_to_survivors() -> None:
-    core, out = started("cpu-cadence", ws=3, total=300)
+@pytest.mark.parametrize("with_request", [True, False])
+def test_progressive_death_forfeits_chunks_to_survivors(with_request: bool) -> None:
+    core, out = started("cpu-cadence", ws=3, total=300, plans_with_request=with_request)
     first = plans(out)
     for r in (0, 1):
         feed(core, r, first[r].partition_size)
@@ -67,12 +122,17 @@ def test_progressive_death_forfeits_chunks_to_survivors() -> None:
     assert core.live.dead == [False, False, True]
     assert not core.dispatch.pools[0].has_in_flight(2)
     assert msgs(out, m.RequestParams)  # the dead rank no longer holds the gate
+    behind_request = plans(out)
     for r in (0, 1):
         core.handle(r, m.SyncAck(r, 0), 31.1)
     updates = {o.rank: o.msg.next_plan for o in msgs(core.tick(31.2), m.WireUpdate)}
-    # reclaimed ranges are served first: rank 0's next chunk is rank 2's lost one
-    assert updates[0] == first[2]
-    assert 2 not in updates
+    # reclaimed ranges are served first: rank 0's next chunk is rank 2's lost one, behind
+    # the round's RequestParams (issue 27) or, in records made before, on its Update
+    nxt = behind_request if with_request else updates
+    assert nxt[0] == first[2]
+    assert 2 not in nxt
+    if with_request:
+        assert set(updates.values()) == {None}
 
 
 def test_failed_start_epoch_is_rolled_back_and_reoffered_on_the_next_tick() -> None:
