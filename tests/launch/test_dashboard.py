@@ -434,3 +434,37 @@ def test_the_page_in_headless_chromium_shows_a_live_run_and_ends_matching_its_re
             dash.wait(timeout=30)
         up.wait(timeout=60)
     assert dash.returncode == 0  # Ctrl-C is how a dashboard ends
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_up_with_dashboard_prints_a_loopback_url_that_serves_the_run_until_up_ends(
+    tmp_path: Path, redis_url: str, mark: str
+) -> None:
+    run = "dash-up"
+    up = _start(
+        tmp_path, mark, "up", "--no-progress", "--no-plot", "--redis-url", redis_url,
+        "--run", run, "--workers", "2", "--epochs", "4", "--job", "tests.e2e.jobs:slow_job",
+        "--dashboard",
+    )  # fmt: skip
+    try:
+        assert up.stdout is not None
+        said = [up.stdout.readline() for _ in range(3)]
+        assert said[2].startswith("  dashboard: http://127.0.0.1:"), said
+        url = said[2].split(": ", 1)[1].strip()
+        deadline = time.monotonic() + 180
+        while True:  # until the page's state shows both ranks stepping
+            state = json.loads(_get(url + "state")[2])
+            if state["status"] == "running" and all(r["step"] for r in state["ranks"]):
+                break
+            assert up.poll() is None and time.monotonic() < deadline, state
+            time.sleep(0.1)
+        assert (state["run"], state["world_size"], state["epochs"]) == (run, 2, 4)
+        out, _ = up.communicate(timeout=240)
+        assert up.returncode == 0, out
+    finally:
+        if up.poll() is None:
+            up.send_signal(signal.SIGINT)
+            up.wait(timeout=60)
+    with pytest.raises(urllib.error.URLError):  # the page ends with the run
+        _get(url + "state")
