@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "a live run: world, epoch, each rank's steps/s and heartbeat, gate, dead letters",
     ),
     "tail": ("flodl_bus.bus.tail:main", "print a run's control and upstream entries live"),
+    "dashboard": (
+        "flodl_bus.launch.dashboard:main",
+        "a live web page of a run (loopback): ranks, gate, rounds, deaths, evals",
+    ),
     "replay": ("flodl_bus.replay.cli:main", "replay a recorded run against fresh cores"),
     "acl": ("flodl_bus.bus.acl:main", "per-run Redis ACL users: create, drop, print rules"),
 }
@@ -48,7 +52,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 #: the help's sections, in order; every command is in exactly one (a test checks)
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("train", ("up", "coordinator", "worker")),
-    ("watch and inspect", ("status", "tail", "replay")),
+    ("watch and inspect", ("status", "tail", "dashboard", "replay")),
     ("operate", ("acl",)),
 )
 

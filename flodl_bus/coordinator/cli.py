@@ -478,6 +478,8 @@ def publish_state(
         "phase": str(summary.get("phase", "")),
         "rank_epoch": json.dumps(list(summary.get("rank_epoch", []))),
         "anchor": str(summary.get("anchor", "")),
+        # ElChe's window per rank (batches before the next averaging), for the dashboard
+        "counts": json.dumps(list(summary.get("counts", []))),
         "gate_open": "1" if gate.get("open") else "0",
         "gate_why": str(gate.get("why", "")),
         "syncs": str(summary.get("version", "")),

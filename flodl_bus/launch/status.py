@@ -53,6 +53,7 @@ STATE_FIELDS = (
     "gate_why",
     "syncs",
     "phase",
+    "counts",
     "heard_s",
     "dead",
     "exited",

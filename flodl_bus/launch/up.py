@@ -117,6 +117,9 @@ class Launcher:
         self.watcher: StreamWatcher | None = None
         self.server: Any = None
         self.client: Any = None
+        #: ``--dashboard``: the page's server and its own Redis client
+        self.dashboard: Any = None
+        self._dashboard_client: Any = None
         self.interrupted = False
         #: the stop signal the launcher got, if any
         self.stop_signum: int | None = None
@@ -203,6 +206,22 @@ class Launcher:
             )
             print(f"flodl-bus up: {self.start_error}", file=sys.stderr)
             return 2
+        dashboard_line = ""
+        if args.dashboard:
+            from flodl_bus.launch.dashboard import Dashboard
+
+            self._dashboard_client = connect(url, client_name="flodl-dashboard")
+            self.dashboard = Dashboard(self._dashboard_client, self.run, port=args.dashboard_port)
+            try:
+                dashboard_line = f"\n  dashboard: {self.dashboard.start()}"
+            except OSError as exc:
+                self.dashboard = None
+                self.start_error = (
+                    f"--dashboard: cannot bind 127.0.0.1:{args.dashboard_port} "
+                    f"({exc.strerror or exc}); another --dashboard-port, or 0 for any free one"
+                )
+                print(f"flodl-bus up: {self.start_error}", file=sys.stderr)
+                return 2
         self.watcher = StreamWatcher(
             self.client,
             self.keys,
@@ -263,7 +282,7 @@ class Launcher:
             f"flodl-bus up: run {self.run}: {args.job}, {args.workers} workers x "
             f"{threads} thread(s), {args.mode}, {epochs} epochs, Redis {where}\n"
             f"  record: {self.run_dir}/   watch: flodl-bus tail --run {self.run} "
-            f"--redis-url {redact_url(url)}"
+            f"--redis-url {redact_url(url)}{dashboard_line}"
             + (
                 f"\n  {self.rotated_from}/ holds an earlier run of this id: it is left as it "
                 f"is, this run goes to {self.run_dir}/"
@@ -472,6 +491,11 @@ class Launcher:
             self.progress.update(self.view)
             self.progress.close()
             self._show_rows(final=True)
+        if self.dashboard is not None:
+            self.dashboard.close()
+        if self._dashboard_client is not None:
+            with contextlib.suppress(Exception):
+                self._dashboard_client.close()
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.close()

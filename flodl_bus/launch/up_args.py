@@ -55,6 +55,18 @@ def _parser() -> argparse.ArgumentParser:
         help="TensorBoard event files in DIR (the coordinator writes them; needs the "
         "tensorboard extra)",
     )
+    p.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve a live web page of the run on 127.0.0.1 (its URL is printed; "
+        "what flodl-bus dashboard serves, for as long as up runs)",
+    )
+    p.add_argument(
+        "--dashboard-port",
+        type=int,
+        default=0,
+        help="with --dashboard: the port (default 0: any free one)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no bars (the table still shows)")
     p.add_argument("--no-plot", action="store_true", help="skip plot.png")
     p.add_argument(
