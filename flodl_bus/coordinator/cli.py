@@ -141,12 +141,16 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         raise ConfigError(str(exc)) from None
     except JobError as exc:
         raise ConfigError(f"--job {args.job!r}: {exc}") from None
-    if args.checkpoint_every and not (args.save_path or args.resume) and not job.checkpoint_fn:
-        # The job's own checkpoint_fn decides where its checkpoints go.
-        raise ConfigError(
-            "--checkpoint-every needs --save-path STEM (where checkpoints go) or a job "
-            "with a checkpoint_fn"
-        )
+    for flag, asked in (
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--checkpoint-at-epoch", knobs["checkpoint_at_epoch"]),
+    ):
+        if asked and not (args.save_path or args.resume) and not job.checkpoint_fn:
+            # The job's own checkpoint_fn decides where its checkpoints go.
+            raise ConfigError(
+                f"{flag} needs --save-path STEM (where checkpoints go) or a job "
+                "with a checkpoint_fn"
+            )
     epochs = job.num_epochs if args.epochs is None else args.epochs
     # Without --save-path the consensus still lands in the run directory at the end:
     # <run-dir>/consensus.model.pt beside consensus.meta.json (a --resume stem too).

@@ -462,8 +462,10 @@ class Coordinator:
         cfg = self.config
         if epoch == 0:
             return
-        if (cfg.checkpoint_every and epoch % cfg.checkpoint_every == 0) or (
-            roles.pending_checkpoint_intent
+        if (
+            (cfg.checkpoint_every and epoch % cfg.checkpoint_every == 0)
+            or epoch in cfg.checkpoint_at_epoch
+            or roles.pending_checkpoint_intent
         ):
             roles.pending_checkpoint_intent = False
             out.append(Send(roles.checkpoint, Checkpoint(epoch, roles.checkpoint)))
