@@ -238,6 +238,15 @@ KNOBS: tuple[Knob, ...] = (
     Knob("outer_lr", _float(0.0, lo_open=True), None, "outer optimizer LR", True),
     Knob("outer_momentum", _float(0.0, 1.0), None, "outer optimizer momentum", True),
     Knob(
+        "bf16_wire",
+        _bool,
+        False,
+        "cpu modes: ship each rank's params change in bf16 (half the bytes of the "
+        "averaging round; the params stay f32) (true|false)",
+        True,
+        metavar="BOOL",
+    ),
+    Knob(
         "easgd_alpha",
         _float(0.0, 1.0, lo_open=True),
         None,

@@ -254,3 +254,15 @@ def test_checkpoint_at_epoch_is_reachable_by_flag_file_and_up_and_off_by_default
     coord = coordinator_argv(args, "r", tmp_path)
     assert coord[coord.index("--checkpoint-at-epoch") + 1] == "1,3"
     assert "--checkpoint-at-epoch" not in worker_argv(args, "r", 0, tmp_path)
+
+
+def test_bf16_wire_is_off_by_default_and_reaches_the_ranks_through_meta(tmp_path: Path) -> None:
+    assert settings.resolve(parse())["bf16_wire"] is False  # flodl's default
+    v = settings.resolve(parse("--bf16-wire", "true"))
+    meta = settings.to_meta(v)
+    assert meta["bf16_wire"] == "True"
+    assert settings.from_meta(meta)["bf16_wire"] is True
+    assert settings.from_meta({})["bf16_wire"] is False  # a run published before it
+    args = up_parser().parse_args(["--workers", "2", "--bf16-wire", "true"])
+    coord = coordinator_argv(args, "r", tmp_path)
+    assert coord[coord.index("--bf16-wire") + 1] == "true"
