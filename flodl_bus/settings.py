@@ -99,6 +99,16 @@ def _speeds(text: str) -> tuple[float, ...]:
     return tuple(_float(0.0, lo_open=True)(t) for t in parts)
 
 
+def _epochs(text: str) -> tuple[int, ...]:
+    """Epochs, ``1,3`` (a TOML array or one number reads the same), each at least 1:
+    a checkpoint at an epoch is taken as the run enters it, and nothing is trained
+    before epoch 0."""
+    parts = [t.strip() for t in text.strip().strip("[]()").split(",") if t.strip()]
+    if not parts:
+        raise SettingsError("expected one or more epochs, e.g. 2 or 2,5")
+    return tuple(sorted({_int(1)(t) for t in parts}))
+
+
 @dataclass(frozen=True, slots=True)
 class Knob:
     key: str
@@ -131,6 +141,15 @@ KNOBS: tuple[Knob, ...] = (
         None,
         "stop (with a save) once more than N ranks, or P%% of the world, died",
         metavar="N|P%",
+    ),
+    Knob(
+        "checkpoint_at_epoch",
+        _epochs,
+        None,
+        "checkpoint as the run enters each of these epochs (E: after epochs 0..E-1 are "
+        "trained), beside any --checkpoint-every; needs --save-path or a job "
+        "checkpoint_fn",
+        metavar="E[,E...]",
     ),
     Knob("anchor", _int(1), None, "initial batches per window of the slowest rank"),
     Knob(
@@ -218,6 +237,15 @@ KNOBS: tuple[Knob, ...] = (
     ),
     Knob("outer_lr", _float(0.0, lo_open=True), None, "outer optimizer LR", True),
     Knob("outer_momentum", _float(0.0, 1.0), None, "outer optimizer momentum", True),
+    Knob(
+        "bf16_wire",
+        _bool,
+        False,
+        "cpu modes: ship each rank's params change in bf16 (half the bytes of the "
+        "averaging round; the params stay f32) (true|false)",
+        True,
+        metavar="BOOL",
+    ),
     Knob(
         "easgd_alpha",
         _float(0.0, 1.0, lo_open=True),

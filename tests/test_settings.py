@@ -232,3 +232,37 @@ def test_up_takes_the_launch_keys_of_its_run_file_and_a_flag_beats_them(tmp_path
     path.write_text('mode = "gpu-magic"\n')
     with pytest.raises(ValueError, match="mode 'gpu-magic'; use one of nccl-sync"):
         _launch_keys_from_file(_parser().parse_args(["--config", str(path)]), [])
+
+
+def test_checkpoint_at_epoch_is_reachable_by_flag_file_and_up_and_off_by_default(
+    tmp_path: Path,
+) -> None:
+    assert settings.resolve(parse())["checkpoint_at_epoch"] is None  # flodl's: none
+    toml = tmp_path / "run.toml"
+    toml.write_text("checkpoint_at_epoch = [5, 2]\n")
+    v = settings.resolve(parse("--config", str(toml)))
+    assert v["checkpoint_at_epoch"] == (2, 5)
+    cfg = CoordinatorConfig(
+        mode="cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=6,
+        **config_knobs(v),
+    )  # fmt: skip
+    assert cfg.checkpoint_at_epoch == (2, 5)
+    assert settings.resolve(parse("--checkpoint-at-epoch", "3"))["checkpoint_at_epoch"] == (3,)
+    with pytest.raises(settings.SettingsError, match="must be >= 1"):
+        settings.resolve(parse("--checkpoint-at-epoch", "0,2"))
+    args = up_parser().parse_args(["--workers", "2", "--checkpoint-at-epoch", "1,3"])
+    coord = coordinator_argv(args, "r", tmp_path)
+    assert coord[coord.index("--checkpoint-at-epoch") + 1] == "1,3"
+    assert "--checkpoint-at-epoch" not in worker_argv(args, "r", 0, tmp_path)
+
+
+def test_bf16_wire_is_off_by_default_and_reaches_the_ranks_through_meta(tmp_path: Path) -> None:
+    assert settings.resolve(parse())["bf16_wire"] is False  # flodl's default
+    v = settings.resolve(parse("--bf16-wire", "true"))
+    meta = settings.to_meta(v)
+    assert meta["bf16_wire"] == "True"
+    assert settings.from_meta(meta)["bf16_wire"] is True
+    assert settings.from_meta({})["bf16_wire"] is False  # a run published before it
+    args = up_parser().parse_args(["--workers", "2", "--bf16-wire", "true"])
+    coord = coordinator_argv(args, "r", tmp_path)
+    assert coord[coord.index("--bf16-wire") + 1] == "true"

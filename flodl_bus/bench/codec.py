@@ -44,6 +44,12 @@ def sample_messages() -> dict[str, object]:
         device_indices=(0, 1, 2, 3),
         per_rank_loss=(0.41, 0.42, None, 0.43),
         per_rank_samples=(4096, 4000, 3968, 3200),
+        per_rank_resources=(
+            m.ResourceSample(rss_bytes=1_843_200_000),
+            None,
+            m.ResourceSample(rss_bytes=1_900_000_000, device_index=2, gpu_util_percent=55.5),
+            m.ResourceSample(),
+        ),
     )
     msgs: list[object] = [
         m.RequestParams(),
@@ -102,6 +108,14 @@ def sample_messages() -> dict[str, object]:
             compute_only_ms=4850.0,
             data_starve_ms=15.5,
             scalars={"accuracy": (115.2, 128), "grad_norm": (217.6, 128)},
+            resources=m.ResourceSample(
+                rss_bytes=1_843_200_000,
+                device_index=0,
+                gpu_util_percent=87.0,
+                vram_allocated_bytes=3_221_225_472,
+                vram_reserved_peak_bytes=4_294_967_296,
+                vram_total_bytes=25_769_803_776,
+            ),
         ),
         m.Hello(
             worker_id="host-a:4121",

@@ -55,6 +55,8 @@ from flodl_bus.coordinator.cli_args import (
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.exits import CONFIG, STOPPED, by_signal
 from flodl_bus.options import ConfigError
+from flodl_bus.protocol.messages import ResourceSample
+from flodl_bus.protocol.wire import resources_to_map
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 
 Owners = list[tuple[Any, str]]
@@ -139,12 +141,16 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         raise ConfigError(str(exc)) from None
     except JobError as exc:
         raise ConfigError(f"--job {args.job!r}: {exc}") from None
-    if args.checkpoint_every and not (args.save_path or args.resume) and not job.checkpoint_fn:
-        # The job's own checkpoint_fn decides where its checkpoints go.
-        raise ConfigError(
-            "--checkpoint-every needs --save-path STEM (where checkpoints go) or a job "
-            "with a checkpoint_fn"
-        )
+    for flag, asked in (
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--checkpoint-at-epoch", knobs["checkpoint_at_epoch"]),
+    ):
+        if asked and not (args.save_path or args.resume) and not job.checkpoint_fn:
+            # The job's own checkpoint_fn decides where its checkpoints go.
+            raise ConfigError(
+                f"{flag} needs --save-path STEM (where checkpoints go) or a job "
+                "with a checkpoint_fn"
+            )
     epochs = job.num_epochs if args.epochs is None else args.epochs
     # Without --save-path the consensus still lands in the run directory at the end:
     # <run-dir>/consensus.model.pt beside consensus.meta.json (a --resume stem too).
@@ -405,7 +411,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
                 # the newest Heartbeat in ``up:<r>``, which anyone who can write the
                 # stream could add (an observer cannot check a MAC).
                 heard = self.core.live.heard_ago(self.clock())
-                publish_state(client, keys.meta, self.core.state_summary(), heard=heard)
+                publish_state(
+                    client,
+                    keys.meta,
+                    self.core.state_summary(),
+                    heard=heard,
+                    resources=self.core.resources,
+                )
 
     loop = PublishingLoop(
         core,
@@ -433,7 +445,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     try:
         # The last state first (status reads its round count and epochs from it; the
         # once-a-second refresh may be a round or an epoch behind the end).
-        publish_state(client, keys.meta, loop.core.state_summary())
+        publish_state(client, keys.meta, loop.core.state_summary(), resources=loop.core.resources)
         client.hset(keys.meta, "status", status)
         if args.expire_after > 0:
             expired = expire_run(client, keys, args.expire_after, owners)
@@ -466,10 +478,16 @@ STATE_EVERY_S = 1.0
 
 
 def publish_state(
-    client: Any, meta_key: str, summary: dict[str, Any], *, heard: list[float] | None = None
+    client: Any,
+    meta_key: str,
+    summary: dict[str, Any],
+    *,
+    heard: list[float] | None = None,
+    resources: Sequence[ResourceSample | None] | None = None,
 ) -> None:
     """The fields of ``meta`` that ``flodl-bus status`` reads (launch/status.py).
-    ``heard``: per rank, seconds since the coordinator last took a verified entry from it."""
+    ``heard``: per rank, seconds since the coordinator last took a verified entry from it;
+    ``resources``: per rank, its newest resource sample (None: none yet)."""
     gate = summary.get("gate") or {}
     fields = {
         "dead": json.dumps(list(summary.get("dead", []))),
@@ -486,6 +504,8 @@ def publish_state(
     }
     if heard is not None:
         fields["heard_s"] = json.dumps(heard)
+    if resources is not None:
+        fields["resources"] = json.dumps([resources_to_map(r) for r in resources])
     try:
         client.hset(meta_key, mapping=fields)
     except RedisError as exc:  # a status line must never stop the run

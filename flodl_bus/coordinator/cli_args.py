@@ -191,6 +191,7 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "max_overshoot": knobs["max_overshoot"],
         "relax_up": knobs["relax_up"],
         "epoch_callback_rank": knobs["callback_rank"],
+        "checkpoint_at_epoch": knobs["checkpoint_at_epoch"] or (),
         "max_failure": max_failure,
         "guard": knobs["guard"],
         "meta_controller": knobs["meta_controller"],

@@ -108,6 +108,9 @@ class CoordinatorConfig:
     #: dispatch the final canonical eval before Shutdown (the job has an eval_fn)
     final_eval: bool = False
     checkpoint_every: int | None = None
+    #: epochs at whose start a checkpoint is taken, once each (flodl's
+    #: ``checkpoint_at_epoch``, one epoch there): beside ``checkpoint_every``
+    checkpoint_at_epoch: tuple[int, ...] = ()
     save_path: str | None = None
     max_failure: MaxFailure | None = None
     #: None = "fastest" (0 until calibrated, then the fastest live rank); an int pins it
@@ -207,6 +210,13 @@ class CoordinatorConfig:
             raise ValueError(
                 f"callback_rank {self.epoch_callback_rank} is not a rank of this world of "
                 f"{self.world_size}: use 0..{self.world_size - 1}, or leave it unset"
+            )
+        late = [e for e in self.checkpoint_at_epoch if not 1 <= e < self.num_epochs]
+        if late:
+            raise ValueError(
+                f"checkpoint_at_epoch {late[0]} is not an epoch this run of "
+                f"{self.num_epochs} enters: use 1..{self.num_epochs - 1} (the end of the "
+                "run is saved anyway)"
             )
         if self.speed_hints is not None and (
             len(self.speed_hints) != self.world_size or min(self.speed_hints) <= 0

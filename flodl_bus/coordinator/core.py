@@ -66,6 +66,7 @@ from flodl_bus.protocol.messages import (
     NewNcclIdGenerated,
     NewNcclSession,
     RequestNewNcclId,
+    ResourceSample,
     SaveReason,
     SetEpochCallbackRole,
     SetGlobalStep,
@@ -113,6 +114,9 @@ class Coordinator:
         self.meta = MetaController(cfg.meta_controller)
         self.roles = Roles(ws, cfg.epoch_callback_rank)
         self.metrics = EpochBuffer(ws)
+        #: each rank's newest resource sample, for ``flodl-bus status``; kept out of the
+        #: state summary, which records made before resources existed replay against
+        self.resources: list[ResourceSample | None] = [None] * ws
         self.version = 0
         self.avg_count = 0
         self.global_step = 0
@@ -214,6 +218,8 @@ class Coordinator:
         elif isinstance(msg, LrUpdate):
             self.last_lr[rank] = msg.lr
         elif isinstance(msg, MetricsMsg):
+            if msg.resources is not None:
+                self.resources[rank] = msg.resources
             self.metrics.record(rank, msg)
             self.dispatch.on_metrics(rank, msg, now, out)
         elif isinstance(msg, SyncAck):
@@ -472,8 +478,10 @@ class Coordinator:
         cfg = self.config
         if epoch == 0:
             return
-        if (cfg.checkpoint_every and epoch % cfg.checkpoint_every == 0) or (
-            roles.pending_checkpoint_intent
+        if (
+            (cfg.checkpoint_every and epoch % cfg.checkpoint_every == 0)
+            or epoch in cfg.checkpoint_at_epoch
+            or roles.pending_checkpoint_intent
         ):
             roles.pending_checkpoint_intent = False
             out.append(Send(roles.checkpoint, Checkpoint(epoch, roles.checkpoint)))

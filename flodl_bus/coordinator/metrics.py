@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flodl_bus.coordinator.numeric import ordered_sum
-from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg
+from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg, ResourceSample
 
 
 @dataclass(slots=True)
@@ -23,6 +23,9 @@ class RankAcc:
     loss_x_batches: float = 0.0
     loss_batches: int = 0
     scalars: dict[str, list[float]] = field(default_factory=dict)
+    #: the newest sample the rank sent for this epoch (a plan's end, not a mean: RSS and
+    #: peak memory are levels, and the newest is the one to act on)
+    resources: ResourceSample | None = None
 
     def add(self, m: MetricsMsg) -> None:
         self.batches += m.batches_processed
@@ -35,6 +38,8 @@ class RankAcc:
         if m.batches_processed > 0 and math.isfinite(m.avg_loss):
             self.loss_x_batches += m.avg_loss * m.batches_processed
             self.loss_batches += m.batches_processed
+        if m.resources is not None:
+            self.resources = m.resources
         for tag, (total, count) in m.scalars.items():
             acc = self.scalars.setdefault(tag, [0.0, 0.0])
             acc[0] += total
@@ -103,6 +108,11 @@ def aggregate(
             a.loss_x_batches / a.loss_batches if a.loss_batches else None for a in accs
         ),
         per_rank_samples=tuple(a.samples for a in accs),
+        # Empty when no rank sent a sample (older ranks, older records): the aggregate
+        # is then the one made before resources existed.
+        per_rank_resources=tuple(a.resources for a in accs)
+        if any(a.resources is not None for a in accs)
+        else (),
     )
 
 

@@ -31,6 +31,10 @@ def _num(x: float | None) -> str:
     return f"{x:.6g}"
 
 
+def _mib(n: int | None) -> str:
+    return "" if n is None else f"{n / 2**20:.1f}"
+
+
 class MetricsTable:
     """``metrics.csv``: one row per aggregated epoch, the eval metric merged in.
 
@@ -55,6 +59,9 @@ class MetricsTable:
         cols += ["global_step", "anchor"]
         for r in range(self.ws):
             cols += [f"samples_r{r}", f"samples_per_s_r{r}", f"batch_share_r{r}", f"loss_r{r}"]
+        # Each rank's newest resource sample of the epoch, in MiB (GPU: empty on CPU).
+        for r in range(self.ws):
+            cols += [f"rss_mib_r{r}", f"vram_mib_r{r}", f"vram_peak_mib_r{r}", f"gpu_util_r{r}"]
         return [*cols, "eval_metric"]
 
     def on_epoch(
@@ -81,6 +88,11 @@ class MetricsTable:
             row[f"samples_per_s_r{r}"] = _num(None if per_ms is None else per_ms * 1000.0)
             row[f"batch_share_r{r}"] = _num(at(em.per_rank_batch_share, r))
             row[f"loss_r{r}"] = _num(at(em.per_rank_loss, r))
+            res = at(em.per_rank_resources, r)
+            row[f"rss_mib_r{r}"] = _mib(None if res is None else res.rss_bytes)
+            row[f"vram_mib_r{r}"] = _mib(None if res is None else res.vram_allocated_bytes)
+            row[f"vram_peak_mib_r{r}"] = _mib(None if res is None else res.vram_reserved_peak_bytes)
+            row[f"gpu_util_r{r}"] = _num(None if res is None else res.gpu_util_percent)
         row["eval_metric"] = _num(self.evals.get(em.epoch))
         self.rows[em.epoch] = row
         self._syncs_before = syncs

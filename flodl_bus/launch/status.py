@@ -57,6 +57,7 @@ STATE_FIELDS = (
     "heard_s",
     "dead",
     "exited",
+    "resources",
 )
 
 
@@ -106,6 +107,7 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
     state_age = None if state_at is None else max(0.0, now_ms / 1000 - state_at)
     heard = _json_list(meta.get("heard_s")) if state_age is not None else []
     dead, exited = set(_json_list(meta.get("dead"))), set(_json_list(meta.get("exited")))
+    resources = _json_list(meta.get("resources"))
     ranks = []
     for r in range(world):
         info = rank_status(client, keys.up(r), now_ms)
@@ -118,6 +120,9 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
         else:
             info["verified"] = False  # the stream's newest Heartbeat: anyone could add it
         info["state"] = "dead" if r in dead else "left" if r in exited else "alive"
+        # The rank's newest sample, sent with its last plan's metrics (None: none yet).
+        res = resources[r] if r < len(resources) else None
+        info["resources"] = res if isinstance(res, dict) else None
         if not live:
             # A finished run: no step rate, no liveness (the last entries are history).
             info["steps_per_s"] = None
@@ -188,15 +193,35 @@ def render(st: dict[str, Any]) -> str:
         head,
         f"anchor {_num(st['anchor'], 'd')}  averaging rounds {_num(st['syncs'], 'd')}  "
         f"gate {gate_text}  dead letters {st['dead_letters']}",
-        f"{'rank':>4} {'epoch':>5} {'steps/s':>9} {'last step':>10} {'heard':>10}  state",
+        f"{'rank':>4} {'epoch':>5} {'steps/s':>9} {'last step':>10} {'heard':>10} "
+        f"{'rss MiB':>8} {'gpu':>20}  state",
     ]
     for r in st["ranks"]:
         heard = _num(r["heartbeat_s"], ".1f") + ("s" if r.get("verified") else "s?")
+        res = r.get("resources") or {}
         lines.append(
             f"{r['rank']:>4} {_num(r['epoch'], 'd'):>5} {_num(r['steps_per_s'], '.1f'):>9} "
-            f"{_num(r['last_step_s'], '.1f') + 's':>10} {heard:>10}  {r.get('state', '-')}"
+            f"{_num(r['last_step_s'], '.1f') + 's':>10} {heard:>10} "
+            f"{_mib(res.get('rss_bytes')):>8} {_gpu(res):>20}  {r.get('state', '-')}"
         )
     return "\n".join(lines)
+
+
+def _mib(n: Any) -> str:
+    return f"{n / 2**20:.0f}" if isinstance(n, int | float) else "-"
+
+
+def _gpu(res: dict[str, Any]) -> str:
+    """``cuda:0 62% 1843/4096M``: utilisation, then allocated of the peak reserved (MiB);
+    ``-`` for a rank on the CPU."""
+    if res.get("device_index") is None:
+        return "-"
+    util = res.get("gpu_util_percent")
+    text = f"cuda:{res['device_index']}"
+    if isinstance(util, int | float):
+        text += f" {util:.0f}%"
+    held, peak = res.get("vram_allocated_bytes"), res.get("vram_reserved_peak_bytes")
+    return f"{text} {_mib(held)}/{_mib(peak)}M"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

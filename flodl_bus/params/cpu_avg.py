@@ -15,6 +15,14 @@ Round (reference §5.3), per ``RequestParams``:
    ``Update`` follows all acks, so the tensors are always ahead of it in the rank's
    queue).
 
+``bf16_wire`` (flodl's option, off by default) halves the bytes of the params round: each
+rank ships its weighted *change since the last consensus* in bf16, and adds the summed
+change back onto that consensus in f32. Every rank adopted the same consensus bits, so
+they all add onto the same base; only the change is rounded, so an update far below the
+bf16 spacing of a parameter still lands (rounding the parameters themselves would drop
+it, round after round). The first round of a run, or any round where some rank has no
+consensus yet, travels in f32. Buffers and the masses always travel in their own dtype.
+
 The staging buffers are allocated once and reused every round. The ``Update`` carries
 views of ``cons``; they stay valid until the next round writes ``cons``, which cannot
 happen before the rank dispatched that ``Update``: the next round needs the next
@@ -43,9 +51,11 @@ from flodl_bus.params.averaging import (
     OuterOptimizer,
     divergence_triple,
     gamma_mass,
+    is_realized,
     mover_mass,
+    weight,
 )
-from flodl_bus.params.collective import Averager
+from flodl_bus.params.collective import Averager, scale_into_
 from flodl_bus.params.flat import FlatBuffers
 from flodl_bus.params.groups import Group, SessionManager
 from flodl_bus.protocol import leaving
@@ -76,6 +86,8 @@ class RoundStats:
     ack_s: float
     #: count + params all-reduces, across any re-session.
     reduce_s: float
+    #: bytes of params and buffers this rank put into the round's sums (0: unrealized)
+    wire_bytes: int = 0
 
 
 class CpuAverager(Averager):
@@ -91,9 +103,11 @@ class CpuAverager(Averager):
         gamma: float = 1.0,
         outer: OuterOptimizer | None = None,
         timeout: float = 30.0,
+        bf16_wire: bool = False,
     ) -> None:
         super().__init__(params, buffers, sessions, gamma=gamma, outer=outer, timeout=timeout)
         self.rank = rank
+        self.bf16_wire = bf16_wire
         self.inject = inject
         self.publish = publish
         cuda = self.device.type == "cuda"
@@ -104,6 +118,11 @@ class CpuAverager(Averager):
         self.cons = FlatBuffers(self._p_layout, host, pin=cuda)
         self.cons_b = FlatBuffers(self._b_layout, host, pin=cuda)
         self._copy_stream: Any = torch.cuda.Stream(self.device) if cuda else None  # type: ignore[no-untyped-call]
+        #: bf16_wire: the last adopted consensus (what every rank's change is taken
+        #: against) and the bf16 staging of the changes, one per f32 group
+        self.base: FlatBuffers | None = None
+        self._wire: list[torch.Tensor | None] = self._wire_buffers() if bf16_wire else []
+        self._wire_bytes = 0
         self.version = 0
         self.last: RoundStats | None = None
         #: why a round failed for good (an ``Exiting`` reason), once one did
@@ -178,6 +197,7 @@ class CpuAverager(Averager):
                 update_s,
                 time.monotonic() - job.started,
                 reduce_s,
+                self._wire_bytes if update.avg.realized else 0,
             )
             # Idle before the ack leaves: the next RequestParams may follow it at once.
             self._idle.set()
@@ -200,6 +220,11 @@ class CpuAverager(Averager):
                 # An abandoned gloo op of the failed attempt may still write ``cons``.
                 self.cons = FlatBuffers(self._p_layout, self.cons.device, pin=self.cons.pinned)
                 self.cons_b = FlatBuffers(self._b_layout, self.cons.device, pin=self.cons.pinned)
+                if self.bf16_wire:
+                    self._wire = self._wire_buffers()
+            if self.bf16_wire:
+                return self._bf16_all_reduce(group, n_eff, mover)
+            self._wire_bytes = _nbytes([*self.cons.flats, *self.cons_b.flats])
             return self._weighted_all_reduce(
                 group, (n_eff, mover), (self.snap, self.snap_b), (self.cons, self.cons_b)
             )
@@ -215,8 +240,65 @@ class CpuAverager(Averager):
             return Update(avg), reduce_s
         if self.outer is not None:
             self.outer.step_(self.cons.flats)
+        if self.bf16_wire:
+            # After the outer step: the base is what every rank adopts, bit for bit.
+            if self.base is None:
+                self.base = FlatBuffers(self._p_layout, self.cons.device)
+            for b, c in zip(self.base.flats, self.cons.flats, strict=True):
+                b.copy_(c)
         avg = AveragedParams(tuple(self.cons.views), tuple(self.cons_b.views), self.version)
         return Update(avg), reduce_s
+
+    def _wire_buffers(self) -> list[torch.Tensor | None]:
+        return [
+            torch.empty(n, dtype=torch.bfloat16) if dtype == torch.float32 else None
+            for dtype, n in self._p_layout.groups()
+        ]
+
+    @torch.no_grad()
+    def _bf16_all_reduce(self, group: Group, n_eff: float, mover: float) -> bool:
+        """The round of ``_weighted_all_reduce`` with the params' change in bf16. The
+        third count says how many ranks hold a consensus to take a change against."""
+        based = 0.0 if self.base is None else 1.0
+        counts = torch.tensor([n_eff, mover, based], dtype=torch.float64)
+        group.all_reduce_sum_([counts], self.timeout)
+        total, movers, bases = (float(x) for x in counts.tolist())
+        if not is_realized(total):
+            return False
+        if self.base is None or bases < group.world_size:
+            scale_into_(self.cons, self.snap, weight(n_eff, total))
+            scale_into_(self.cons_b, self.snap_b, weight(mover, movers))
+            sent = [*self.cons.flats, *self.cons_b.flats]
+            self._wire_bytes = _nbytes(sent)
+            group.all_reduce_sum_(sent, self.timeout)
+            return True
+        w = weight(n_eff, total)
+        sent = []
+        for wire, snap, base, cons in zip(
+            self._wire, self.snap.flats, self.base.flats, self.cons.flats, strict=True
+        ):
+            if wire is None:  # not f32: its own dtype, as without bf16_wire
+                if w == 0.0:
+                    cons.zero_()
+                else:
+                    torch.mul(snap, w, out=cons)
+                sent.append(cons)
+            elif w == 0.0:
+                wire.zero_()  # an idle rank's NaN must not reach the sum
+                sent.append(wire)
+            else:
+                torch.sub(snap, base, out=cons)  # cons is scratch until the sum is back
+                cons.mul_(w)
+                wire.copy_(cons)
+                sent.append(wire)
+        scale_into_(self.cons_b, self.snap_b, weight(mover, movers))
+        sent += self.cons_b.flats
+        self._wire_bytes = _nbytes(sent)
+        group.all_reduce_sum_(sent, self.timeout)
+        for wire, base, cons in zip(self._wire, self.base.flats, self.cons.flats, strict=True):
+            if wire is not None:
+                torch.add(base, wire, out=cons)  # summed in bf16, folded back in f32
+        return True
 
     @torch.no_grad()
     def _ack(self, realized: bool) -> SyncAck:
@@ -230,3 +312,7 @@ class CpuAverager(Averager):
             post_norm=triple.post_norm,
             pre_norm=triple.pre_norm,
         )
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

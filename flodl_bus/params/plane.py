@@ -46,6 +46,8 @@ class ParamConfig:
     outer: str | None = None
     outer_lr: float | None = None
     outer_momentum: float | None = None
+    #: cpu backend: the params round ships each rank's change in bf16 (``cpu_avg``)
+    bf16_wire: bool = False
     #: Bound on store waits, group formation and each collective, in seconds.
     timeout: float = 30.0
     #: How long a rank whose group broke waits for ``NewNcclSession``.
@@ -132,6 +134,7 @@ class TorchParamPort:
                 gamma=config.gamma,
                 outer=self.outer,
                 timeout=config.timeout,
+                bf16_wire=config.bf16_wire,
             )
         #: resets the rank's inner optimizer (set by the rank, which owns it): called
         #: after each adopted consensus when the outer optimizer ``resets_inner``

@@ -65,6 +65,27 @@ class EpochPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class ResourceSample:
+    """What a rank's process holds when it reports a plan's metrics (flodl's
+    ``ResourceSampleWire``): every field is None where it cannot be read, and the GPU
+    ones are None on a CPU rank."""
+
+    #: resident set size of the rank's own process (not the host's used RAM: a host
+    #: runs several ranks, and one rank's growth is what a leak looks like)
+    rss_bytes: int | None = None
+    #: the CUDA device the rank trains on
+    device_index: int | None = None
+    #: the device's compute utilisation over the driver's last sample period (needs NVML)
+    gpu_util_percent: float | None = None
+    #: tensors live on the device now (``torch.cuda.memory_allocated``)
+    vram_allocated_bytes: int | None = None
+    #: the most the caching allocator has held since the rank started
+    #: (``torch.cuda.max_memory_reserved``): what the rank needs of the device
+    vram_reserved_peak_bytes: int | None = None
+    vram_total_bytes: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class EpochMetrics:
     """The coordinator's cross-rank aggregate of one epoch (reference §2.4, §4.11)."""
 
@@ -81,6 +102,9 @@ class EpochMetrics:
     device_indices: tuple[int, ...] = ()
     per_rank_loss: tuple[float | None, ...] = ()
     per_rank_samples: tuple[int, ...] = ()
+    #: each rank's newest resource sample of the epoch (None: it sent none); empty when
+    #: no rank sent one, which keeps the message as it was before resources existed
+    per_rank_resources: tuple[ResourceSample | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,6 +355,8 @@ class MetricsMsg:
     data_starve_ms: float
     #: user ``record_scalar`` accumulators: tag -> (sum, count)
     scalars: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    #: the rank's process when the plan ended; None in records made before it existed
+    resources: ResourceSample | None = None
 
 
 # ------------------------------------------------------------------------ membership

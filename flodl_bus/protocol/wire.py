@@ -277,6 +277,18 @@ _plan = _record(
     {"epoch": _u64, "partition_offset": _u64, "partition_size": _u64},
 )
 _float_map = _map_of(_f64)
+_resources = _record(
+    m.ResourceSample,
+    {
+        "rss_bytes": _opt_u64,
+        "device_index": _opt_u64,
+        "gpu_util_percent": _opt_f64,
+        "vram_allocated_bytes": _opt_u64,
+        "vram_reserved_peak_bytes": _opt_u64,
+        "vram_total_bytes": _opt_u64,
+    },
+)
+_opt_resources = _optional(_resources)
 _epoch_metrics = _record(
     m.EpochMetrics,
     {
@@ -293,6 +305,7 @@ _epoch_metrics = _record(
         "device_indices": _u64s,
         "per_rank_loss": _tuple_of(_opt_f64),
         "per_rank_samples": _u64s,
+        "per_rank_resources": _tuple_of(_opt_resources),
     },
 )
 _segments = _tuple_of(_pair(_u64, _tuple_of(_u64_pair)))
@@ -315,8 +328,16 @@ def _enc_plan(p: m.EpochPlan | None) -> dict[str, int] | None:
     return None if p is None else plan_to_map(p)
 
 
+def resources_to_map(r: m.ResourceSample | None) -> dict[str, Any] | None:
+    """A ``ResourceSample``'s map (the one spelling: ``status`` reads it from meta too).
+    Fields not read (every GPU one on a CPU rank) are left out, not sent as nil."""
+    if r is None:
+        return None
+    return {f.name: v for f in fields(r) if (v := getattr(r, f.name)) is not None}
+
+
 def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:
-    return {
+    out = {
         "epoch": e.epoch,
         "avg_loss": e.avg_loss,
         "epoch_ms": e.epoch_ms,
@@ -332,6 +353,11 @@ def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:
         "per_rank_loss": e.per_rank_loss,
         "per_rank_samples": e.per_rank_samples,
     }
+    if e.per_rank_resources:
+        # Left out when no rank sent a sample: the message then reads as it did before
+        # resources existed, to an older rank and against an older record.
+        out["per_rank_resources"] = tuple(resources_to_map(r) for r in e.per_rank_resources)
+    return out
 
 
 def _enc_target(rank: int) -> int:
@@ -365,6 +391,7 @@ _BY_NAME: dict[str, _Spec] = {}
 _ADDED_LATER: Final[dict[type, frozenset[str]]] = {
     m.Exiting: frozenset({"reason"}),
     m.Heartbeat: frozenset({"ctl_read", "all_read"}),
+    m.MetricsMsg: frozenset({"resources"}),
 }
 _BY_CLASS: dict[type, _Spec] = {}
 
@@ -377,6 +404,7 @@ def _spec(cls: type, channel: str, name: str | None = None, **decoders: Decoder)
         "reason": int,
         "kind": lambda k: k.value,
         "scalars": dict,
+        "resources": resources_to_map,
     }
     for f in ("target_rank",):
         encoders[f] = _enc_target
@@ -489,6 +517,7 @@ _spec(
     compute_only_ms=_f64,
     data_starve_ms=_f64,
     scalars=_scalar_sums,
+    resources=_opt_resources,
 )
 
 # membership

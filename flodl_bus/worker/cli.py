@@ -83,6 +83,8 @@ def _params_factory(
     }
     if knobs["outer"] != "none":
         overrides["outer"] = knobs["outer"]
+    if knobs["bf16_wire"]:
+        overrides["bf16_wire"] = True
     config = ParamConfig.for_mode(mode, **overrides)
 
     def build(

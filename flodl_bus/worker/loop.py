@@ -28,11 +28,13 @@ from flodl_bus.protocol.messages import (
     Exiting,
     LrUpdate,
     MetricsMsg,
+    ResourceSample,
     UpstreamMsg,
 )
 from flodl_bus.worker.control import Dispatched, WorkerControl, acts_at_teardown
 from flodl_bus.worker.feed import Feed, FeedOptions, make_feed
 from flodl_bus.worker.inbox import Closed, Inbox
+from flodl_bus.worker.resources import sample as sample_resources
 
 _log = structlog.get_logger("flodl_bus.worker")
 
@@ -247,7 +249,14 @@ class RankLoop:
             obs.planned(plan)
         if control.num_batches == 0:
             # The coordinator still has to see this plan complete.
-            self.publish(_zero_metrics(self.rank, plan.epoch, self._drain_scalars()))
+            self.publish(
+                _zero_metrics(
+                    self.rank,
+                    plan.epoch,
+                    self._drain_scalars(),
+                    sample_resources(_device_of(self.model)),
+                )
+            )
             return False
 
         job = self.job
@@ -324,6 +333,7 @@ class RankLoop:
                 compute_only_ms=compute_ms_total,
                 data_starve_ms=data_ms_total,
                 scalars=self._drain_scalars(),
+                resources=sample_resources(_device_of(model)),
             )
         )
         return False
@@ -423,7 +433,12 @@ def _device_of(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
-def _zero_metrics(rank: int, epoch: int, scalars: dict[str, tuple[float, int]]) -> MetricsMsg:
+def _zero_metrics(
+    rank: int,
+    epoch: int,
+    scalars: dict[str, tuple[float, int]],
+    resources: ResourceSample | None = None,
+) -> MetricsMsg:
     return MetricsMsg(
         rank=rank,
         epoch=epoch,
@@ -435,4 +450,5 @@ def _zero_metrics(rank: int, epoch: int, scalars: dict[str, tuple[float, int]]) 
         compute_only_ms=0.0,
         data_starve_ms=0.0,
         scalars=scalars,
+        resources=resources,
     )

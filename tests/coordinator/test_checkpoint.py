@@ -61,6 +61,29 @@ def test_resume_trains_only_the_uncovered_samples(mode: str) -> None:
     assert resumed.count_sent(m.Shutdown) == 1
 
 
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence", "nccl-sync"])
+def test_checkpoint_at_epoch_checkpoints_as_the_run_enters_each_named_epoch_only(
+    mode: str,
+) -> None:
+    cfg = config(mode, num_epochs=5, checkpoint_every=None, checkpoint_at_epoch=(1, 3))
+    cluster = Cluster(cfg, [1, 2, 3])
+    cluster.run()
+    asked = [msg.version for _, msg in cluster.sent if isinstance(msg, m.Checkpoint)]
+    assert asked == [1, 3]
+    saves = [meta for meta in cluster.metas if meta["reason"] == "checkpoint"]
+    assert len(saves) == 2
+    # each save covers what was trained by then: all of epoch 0 (then 0..2), no more
+    for save, entered in zip(saves, (1, 3), strict=True):
+        assert save["coverage"]["next_epoch"] >= entered
+        assert all(e["epoch"] >= entered - 1 for e in save["coverage"]["epochs"])
+
+
+def test_checkpoint_at_an_epoch_the_run_never_enters_is_refused_naming_the_range() -> None:
+    for bad in ((0,), (4,), (2, 9)):
+        with pytest.raises(ValueError, match=r"use 1\.\.3"):
+            config("cpu-cadence", checkpoint_at_epoch=bad)
+
+
 def test_meta_written_on_shutdown_with_save_covers_in_flight_work() -> None:
     cfg = config("cpu-cadence", world_size=2, total_samples=100, batch_size=1, num_epochs=2)
     core = Coordinator(cfg)

@@ -35,6 +35,9 @@ HOOKS = ["--run", "r1", "--job", "tests.e2e.jobs:hooks_job", "--world-size", "2"
         (["--run", "bad run!", *BASE[2:]], "--run"),
         ([*BASE, "--min-workers", "3"], "exceeds --world-size"),
         ([*BASE, "--checkpoint-every", "1"], "needs --save-path"),
+        ([*BASE, "--checkpoint-at-epoch", "2"], "--checkpoint-at-epoch needs --save-path"),
+        ([*BASE, "--save-path", "s", "--checkpoint-at-epoch", "0"], "must be >= 1"),
+        ([*BASE, "--epochs", "3", "--save-path", "s", "--checkpoint-at-epoch", "3"], "use 1..2"),
         # A job with its own checkpoint_fn needs no --save-path: past that check
         ([*HOOKS, "--checkpoint-every", "1", "--redis-url", DEAD_REDIS], "fix --redis-url"),
         ([*BASE, "--heartbeat-timeout", "0"], "--heartbeat-timeout must be positive"),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 
 import pytest
 
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
-from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg
+from flodl_bus.coordinator.outputs import MetricsTable
+from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg, ResourceSample
 
 
 def msg(rank: int, loss: float, batches: int, **kw: object) -> MetricsMsg:
@@ -55,6 +57,39 @@ def test_scalars_are_batch_weighted_means_of_rank_means() -> None:
     em = aggregate(0, buf.pop(0), [0.5, 0.5])
     assert em.per_rank == ({"acc": 1.0}, {"acc": 3.0})
     assert em.scalars["acc"] == (1.0 * 30 + 3.0 * 10) / 40
+
+
+def test_each_ranks_newest_resource_sample_of_the_epoch_is_kept_none_for_a_silent_rank() -> None:
+    buf = EpochBuffer(3)
+    buf.record(0, msg(0, 1.0, 10, resources=ResourceSample(rss_bytes=100)))
+    buf.record(0, msg(0, 1.0, 10, resources=ResourceSample(rss_bytes=300)))
+    buf.record(0, msg(0, 1.0, 10))  # a chunk without a sample keeps the newest one
+    buf.record(1, msg(1, 1.0, 10))
+    buf.record(2, msg(2, 1.0, 10, resources=ResourceSample(rss_bytes=7, device_index=1)))
+    em = aggregate(0, buf.pop(0), [0.3, 0.3, 0.4])
+    assert em.per_rank_resources == (
+        ResourceSample(rss_bytes=300),
+        None,
+        ResourceSample(rss_bytes=7, device_index=1),
+    )
+
+
+def test_an_epoch_without_any_sample_aggregates_as_before_resources_existed() -> None:
+    buf = EpochBuffer(2)
+    buf.record(0, msg(0, 1.0, 10))
+    buf.record(1, msg(1, 1.0, 10))
+    assert aggregate(0, buf.pop(0), [0.5, 0.5]).per_rank_resources == ()
+
+
+def test_metrics_csv_has_each_ranks_memory_in_mib_and_gpu_blank_on_cpu(tmp_path: Path) -> None:
+    table = MetricsTable(tmp_path / "metrics.csv", 2)
+    res = (ResourceSample(rss_bytes=300 * 2**20), None)
+    table.on_epoch(
+        EpochMetrics(0, 0.5, 10.0, per_rank_resources=res), version=1, syncs=1, step=1, anchor=1
+    )
+    (row,) = csv.DictReader((tmp_path / "metrics.csv").open())
+    assert row["rss_mib_r0"] == "300.0" and row["vram_mib_r0"] == ""
+    assert row["rss_mib_r1"] == "" and row["gpu_util_r1"] == ""
 
 
 def test_non_finite_loss_never_poisons_the_mean_and_silent_rank_is_none() -> None:

@@ -74,6 +74,15 @@ def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
     assert f"run {run}  running  cpu-cadence  world 2  epoch {live['epoch']}/6" in text
     assert len(text.splitlines()) == 3 + 2
 
+    # metrics.csv has each rank's memory of every epoch, and no GPU figures on CPU
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "runs" / run / "metrics.csv").open()))
+    assert len(rows) == 6
+    for row in rows:
+        assert float(row["rss_mib_r0"]) > 50 and float(row["rss_mib_r1"]) > 50
+        assert row["vram_mib_r0"] == row["gpu_util_r1"] == ""
+
     # the worker console said its rank, its progress and how it ended
     for r in (0, 1):
         log = (tmp_path / "runs" / run / f"rank{r}.log").read_text()
@@ -88,9 +97,17 @@ def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
         assert [step for step, _ in scalars["loss"]] == list(range(6))
         assert {"anchor", "syncs/epoch", "samples_per_s/rank1", "eval/metric"} <= set(scalars)
 
-    # after the run: the command shows it finished; its keys and secret expire
+    # after the run: the command shows it finished, with each rank's memory as its last
+    # metrics said (its own process; no GPU on CPU); its keys and secret expire
+    done = read_status(real_redis, run)
+    for r in done["ranks"]:
+        assert r["resources"]["rss_bytes"] > 50 * 2**20
+        assert "device_index" not in r["resources"]
     assert main(["--run", run, "--redis-url", redis_url]) == 0
-    assert f"run {run}  finished" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert f"run {run}  finished" in shown and "rss MiB" in shown
+    rss = done["ranks"][0]["resources"]["rss_bytes"]
+    assert f" {rss / 2**20:.0f} " in shown.splitlines()[3]
     keys = RunKeys(run)
     names = list(real_redis.scan_iter(match=f"{keys.prefix}*"))
     assert len(names) > 5
@@ -203,3 +220,21 @@ def test_a_finished_run_shows_every_epoch_done_and_no_live_gate_or_rate(
     assert r0["steps_per_s"] is None and r0["state"] == "left"
     text = render(st)
     assert "epoch 8/8" in text and "gate -" in text and "14/31" not in text
+
+
+def test_status_renders_a_gpu_ranks_utilisation_and_memory() -> None:
+    rank = {
+        "rank": 0, "epoch": 2, "steps_per_s": 10.0, "last_step_s": 0.1, "heartbeat_s": 0.5,
+        "verified": True, "state": "alive",
+        "resources": {
+            "rss_bytes": 2048 * 2**20, "device_index": 1, "gpu_util_percent": 62.0,
+            "vram_allocated_bytes": 1843 * 2**20, "vram_reserved_peak_bytes": 4096 * 2**20,
+        },
+    }  # fmt: skip
+    st = {
+        "run": "r", "status": "running", "mode": "nccl-cadence", "world_size": 1,
+        "epochs": 4, "epoch": 2, "anchor": 3, "gate": None, "syncs": 1,
+        "state_age_s": 0.2, "dead_letters": 0, "ranks": [rank],
+    }  # fmt: skip
+    line = render(st).splitlines()[-1]
+    assert " 2048 " in line and "cuda:1 62% 1843/4096M" in line

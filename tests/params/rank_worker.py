@@ -218,6 +218,27 @@ def scenario_rounds(
     return {"durations": durations, "worlds": worlds, "final": observe(model), "error": error}
 
 
+def scenario_wire(
+    port: TorchParamPort, model: Toy, rank: int, args: dict[str, Any], control: queue.Queue[Any]
+) -> Any:
+    """CPU rounds of given values (``args["rounds"][i][rank]``: w, b, running, steps), each
+    adopted; per round the model after it (as exact floats) and the bytes the rank sent."""
+    cpu = port.cpu
+    assert cpu is not None
+    out = []
+    for rnd in args["rounds"]:
+        mine = rnd[rank]
+        set_values(model, mine)
+        port.snapshot(mine["steps"])
+        msg = control.get(timeout=30)
+        assert isinstance(msg, Update), msg
+        port.load_averaged(msg.avg)
+        assert cpu.wait_idle(30)
+        assert cpu.last is not None
+        out.append({"post": observe(model), "wire_bytes": cpu.last.wire_bytes})
+    return out
+
+
 def main() -> None:
     scenario, url, run_id, rank_s, world_s, args_json = sys.argv[1:7]
     rank, world = int(rank_s), int(world_s)
@@ -247,6 +268,7 @@ def main() -> None:
         outer=args.get("outer"),
         timeout=args.get("timeout", 10.0),
         mailbox_cap=args.get("mailbox_cap", 20.0),
+        bf16_wire=args.get("bf16_wire", False),
     )
     port = TorchParamPort(
         list(model.parameters()),
@@ -265,6 +287,8 @@ def main() -> None:
         result = scenario_sync(port, model, rank, args)
     elif scenario == "cpu":
         result = scenario_cpu(port, model, rank, args, control, events)
+    elif scenario == "wire":
+        result = scenario_wire(port, model, rank, args, control)
     elif scenario == "rounds":
         result = scenario_rounds(port, model, rank, args, r, run_id, control)
     else:

@@ -46,6 +46,16 @@ def _build(cls: type, **fields: st.SearchStrategy[Any]) -> st.SearchStrategy[Any
 
 
 plan = _build(m.EpochPlan, epoch=u64, partition_offset=u64, partition_size=u64)
+opt_u64 = st.none() | u64
+resources = _build(
+    m.ResourceSample,
+    rss_bytes=opt_u64,
+    device_index=opt_u64,
+    gpu_util_percent=opt_f64,
+    vram_allocated_bytes=opt_u64,
+    vram_reserved_peak_bytes=opt_u64,
+    vram_total_bytes=opt_u64,
+)
 epoch_metrics = _build(
     m.EpochMetrics,
     epoch=u64,
@@ -61,6 +71,7 @@ epoch_metrics = _build(
     device_indices=tuples(u64),
     per_rank_loss=tuples(opt_f64),
     per_rank_samples=tuples(u64),
+    per_rank_resources=tuples(st.none() | resources, max_size=4),
 )
 segments = tuples(st.tuples(u64, tuples(st.tuples(u64, u64), max_size=4)), max_size=4)
 
@@ -146,6 +157,7 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
         compute_only_ms=f64,
         data_starve_ms=f64,
         scalars=st.dictionaries(st.text(max_size=12), st.tuples(f64, u64), max_size=4),
+        resources=st.none() | resources,
     ),
     # membership
     "Hello": _build(

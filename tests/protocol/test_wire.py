@@ -164,6 +164,38 @@ def test_optional_fields_may_be_omitted_and_take_their_default() -> None:
     assert back.param_norm is None and back.sync_divergence is None
 
 
+def test_a_ranks_resource_sample_round_trips_through_its_metrics() -> None:
+    sent = SAMPLES["Metrics"]
+    assert isinstance(sent, m.MetricsMsg) and sent.resources is not None
+    back = decode_upstream(encode(sent))
+    assert isinstance(back, m.MetricsMsg)
+    assert back.resources == sent.resources
+    cpu = dataclasses.replace(sent, resources=m.ResourceSample(rss_bytes=123 * 2**20))
+    # a CPU rank's sample carries its RSS alone: the GPU fields are left off the wire
+    assert msgpack.unpackb(encode(cpu))["resources"] == {"rss_bytes": 123 * 2**20}
+    assert decode_upstream(encode(cpu)) == cpu
+
+
+def test_metrics_recorded_before_resources_decode_without_them_and_encode_the_same() -> None:
+    old = sample_map("Metrics")
+    del old["resources"]
+    body = msgpack.packb(old, use_bin_type=True)
+    back = decode_upstream(body)
+    assert isinstance(back, m.MetricsMsg) and back.resources is None
+    # re-encoded, it is the record's body byte for byte (a replay compares these)
+    assert encode(back) == body
+
+
+def test_an_aggregate_without_any_rank_resources_reads_as_before_they_existed() -> None:
+    metrics = SAMPLES["EpochAggregated"].metrics
+    bare = dataclasses.replace(metrics, per_rank_resources=())
+    raw = msgpack.unpackb(encode(m.EpochAggregated(bare)))
+    assert "per_rank_resources" not in raw["metrics"]
+    with_them = msgpack.unpackb(encode(m.EpochAggregated(metrics)))["metrics"]
+    assert with_them["per_rank_resources"][1] is None  # a rank that sent no sample
+    assert decode_control(encode(m.EpochAggregated(metrics))) == m.EpochAggregated(metrics)
+
+
 @pytest.mark.parametrize("name", TARGETED)
 def test_reserved_target_rank_is_a_decode_error_naming_reserved(name: str) -> None:
     reason = rejected(with_value(name, ("target_rank",), RESERVED), CONTROL)
@@ -328,6 +360,8 @@ WRONG: dict[str, list[Any]] = {
     "tuple[Mapping[str, float], ...]": [{}, ({"a": "x"},), (1.0,), ({b"k": 1.0},)],
     "tuple[float, ...]": [1.0, "x", ("x",), (True,), (None,), ((1.0,),)],
     "tuple[float | None, ...]": [1.0, ("x",), (True,), ((None,),)],
+    "ResourceSample | None": [1, (), "rss", {"rss_bytes": -1}, {"gpu_util_percent": "x"}],
+    "tuple[ResourceSample | None, ...]": [{}, (1,), ({"rss_bytes": 1.5},), ({"x": 1},)],
 }
 
 

@@ -616,3 +616,18 @@ def test_an_eval_that_fails_is_reported_and_logged_and_training_goes_on() -> Non
     failed = [e for e in logs if e["event"] == "eval_failed"]
     assert len(failed) == 1 and failed[0]["epoch"] == 3 and failed[0]["log_level"] == "error"
     assert len(rig.of(Batch)) == 4 and len(rig.of(MetricsMsg)) == 1  # it trained on
+
+
+def test_every_plans_metrics_carry_the_ranks_own_rss_and_no_gpu_on_cpu() -> None:
+    from tests.worker.test_resources import vm_rss
+
+    rig = make_rig()
+    rig.loop.run_epoch_plan(EpochPlan(0, 0, 3 * BS))
+    rig.loop.run_epoch_plan(EpochPlan(1, 0, BS - 1))  # the zero-batch report too
+    mine = vm_rss("self")
+    for metrics in rig.of(MetricsMsg):
+        res = metrics.resources
+        assert res is not None and res.rss_bytes is not None
+        # this process's RSS (the rig trains in it), give or take what moved since
+        assert abs(res.rss_bytes - mine) < 64 * 2**20, (res.rss_bytes, mine)
+        assert res.device_index is None and res.vram_allocated_bytes is None
