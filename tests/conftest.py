@@ -11,9 +11,16 @@ import redis
 
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.params.hosts import pin_one_host
+from flodl_bus.record.log import configure_console
 
 # Every process group a test forms (and every process it starts) stays on loopback.
 pin_one_host(os.environ)
+
+# An in-process CLI configures the console log once per process, with loggers cached on
+# their first use; one first used outside a test's ``capture_logs`` escaped the capture
+# from then on (a miss that depended on which earlier test logged first). The same
+# console, uncached, for the whole session.
+configure_console(cache=False)
 
 # The recorded-run fixtures and helpers (flodl_bus.replay.testing) for every test module.
 pytest_plugins = ["flodl_bus.replay.testing"]

@@ -54,8 +54,10 @@ class _Stderr:
         sys.stderr.flush()
 
 
-def configure_console(level: str = "info") -> None:
-    """Human-readable structured logs on stderr. Idempotent; cheap when filtered out."""
+def configure_console(level: str = "info", *, cache: bool = True) -> None:
+    """Human-readable structured logs on stderr. Idempotent; cheap when filtered out.
+    ``cache=False`` is for a test session: a logger cached on its first use escapes a
+    later ``structlog.testing.capture_logs``."""
     global _configured
     with _lock:
         if _configured:
@@ -70,7 +72,7 @@ def configure_console(level: str = "info") -> None:
             ],
             wrapper_class=structlog.make_filtering_bound_logger(level),
             logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
-            cache_logger_on_first_use=True,
+            cache_logger_on_first_use=cache,
         )
         _configured = True
 
