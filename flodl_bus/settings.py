@@ -247,6 +247,16 @@ KNOBS: tuple[Knob, ...] = (
         metavar="BOOL",
     ),
     Knob(
+        "overlap_rounds",
+        _bool,
+        True,
+        "cpu-cadence: a rank trains through an averaging round and keeps the steps it "
+        "took meanwhile on top of the consensus; false: it waits for the round (flodl) "
+        "(true|false)",
+        True,
+        metavar="BOOL",
+    ),
+    Knob(
         "easgd_alpha",
         _float(0.0, 1.0, lo_open=True),
         None,

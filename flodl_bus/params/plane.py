@@ -48,6 +48,10 @@ class ParamConfig:
     outer_momentum: float | None = None
     #: cpu backend: the params round ships each rank's change in bf16 (``cpu_avg``)
     bf16_wire: bool = False
+    #: cpu backend, overwrite adoption: the steps a rank took between its snapshot and
+    #: the round's Update stay on top of the consensus (``p <- cons + (p - snap)``), so
+    #: the rank trains through a round instead of waiting for it (cpu-cadence, issue 27)
+    keep_round_steps: bool = False
     #: Bound on store waits, group formation and each collective, in seconds.
     timeout: float = 30.0
     #: How long a rank whose group broke waits for ``NewNcclSession``.
@@ -187,7 +191,13 @@ class TorchParamPort:
             return
         self._keep_consensus(avg.params, avg.buffers)
         alpha = self.easgd_alpha
-        if alpha is None:
+        if alpha is None and self.config.keep_round_steps and self._cpu is not None:
+            # p - snap is exactly 0 for a rank that took no step since its snapshot, so
+            # it adopts the consensus bit for bit, like every other rank that idled.
+            for p, c, snap in zip(self.params, avg.params, self._cpu.snap.views, strict=True):
+                p.sub_(snap.to(p.device, non_blocking=True))
+                p.add_(c.to(p.device, non_blocking=True))
+        elif alpha is None:
             for p, c in zip(self.params, avg.params):
                 p.copy_(c, non_blocking=True)
         else:

@@ -66,6 +66,12 @@ from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
 
 
+def _overlaps_rounds(mode: str, knobs: Mapping[str, Any]) -> bool:
+    """cpu-cadence keeps the steps taken during a round (``ParamConfig.keep_round_steps``);
+    a meta without the knob (a coordinator before it) means the default, on."""
+    return mode == "cpu-cadence" and bool(knobs.get("overlap_rounds", True))
+
+
 def _params_factory(
     url: str, run: str, rank: int, world: int, mode: str, knobs: Mapping[str, Any]
 ) -> ParamsFactory | None:
@@ -85,6 +91,8 @@ def _params_factory(
         overrides["outer"] = knobs["outer"]
     if knobs["bf16_wire"]:
         overrides["bf16_wire"] = True
+    if _overlaps_rounds(mode, knobs):
+        overrides["keep_round_steps"] = True
     config = ParamConfig.for_mode(mode, **overrides)
 
     def build(
@@ -387,8 +395,10 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         announce=_say,
         epochs=epochs,
         resume=resume,
-        # the coordinator sends cpu-cadence plans behind RequestParams (issue 27)
-        plans_wait_for_update=mode == "cpu-cadence",
+        # the coordinator sends cpu-cadence plans behind RequestParams (issue 27): the
+        # rank trains through the round, or waits for its Update where steps taken
+        # meanwhile would be overwritten
+        plans_wait_for_update=mode == "cpu-cadence" and not _overlaps_rounds(mode, knobs),
     )
     code: int | None = None
     try:

@@ -9,6 +9,7 @@ would.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -129,6 +130,9 @@ def scenario_cpu(
         mine = case["ranks"][rank]
         set_values(model, mine)
         port.easgd_alpha = case.get("easgd_alpha")
+        port.config = dataclasses.replace(
+            port.config, keep_round_steps=case.get("keep_round_steps", False)
+        )
         time.sleep(mine.get("delay", 0.0))
         pre = observe(model)
         t0 = time.monotonic()

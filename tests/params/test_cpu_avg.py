@@ -35,6 +35,12 @@ CASES: dict[str, dict[str, Any]] = {
         "easgd_alpha": 0.5,
         "ranks": [{"w": [0, 0, 0], "steps": 1, "train_to": 10.0}, {"w": [4, 4, 4], "steps": 1}],
     },
+    # consensus 2; rank 0 trained on to 10 during the round and keeps those steps on
+    # top of it: 2 + (10 - 0) = 12; rank 1 took none and adopts 2 exactly
+    "keep_round_steps": {
+        "keep_round_steps": True,
+        "ranks": [{"w": [0, 0, 0], "steps": 1, "train_to": 10.0}, {"w": [4, 4, 4], "steps": 1}],
+    },
 }
 
 
@@ -91,6 +97,16 @@ def test_cpu_async_easgd_blends_the_current_local_params_toward_the_consensus(
     assert r0["before_load"]["w"] == [10.0] * 3
     assert r0["post"]["w"] == [6.0] * 3
     assert r1["post"]["w"] == [3.0] * 3  # 4 + 0.5 (2 - 4)
+
+
+def test_steps_taken_during_the_round_stay_on_top_of_the_consensus(rounds: Any) -> None:
+    # cpu-cadence trains through its rounds (issue 27): p <- consensus + (p - snapshot)
+    r0, r1 = case(rounds, "keep_round_steps")
+    assert r0["before_load"]["w"] == [10.0] * 3
+    assert r0["post"]["w"] == [12.0] * 3
+    assert r1["post"]["w"] == [2.0] * 3  # no step since its snapshot: the consensus
+    for r in (r0, r1):
+        assert r["consensus"]["w"] == [2.0] * 3  # what an eval or a save scores
 
 
 def test_the_plane_keeps_the_realized_consensus_not_the_blend(rounds: Any) -> None:
