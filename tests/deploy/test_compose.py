@@ -2,7 +2,8 @@
 
 There is no Docker engine here, so the services start exactly as compose would start
 them (the same command, the same environment, interpolated the same way) against a
-redis-server that loads ops/users.acl, so each service talks as its own ACL user. Only
+redis-server that loads the ACL file compose gives Redis (ops/compose.acl), so each
+service talks as its own ACL user: the run's own, made by the credentials service. Only
 the Redis address differs: ``redis:6379`` is the compose network's name for it.
 """
 

@@ -50,6 +50,12 @@ def test_every_flodl_service_mounts_the_jobs_directory_read_only_on_its_pythonpa
     for name in FLODL:
         assert mounts(chosen[name], ROOT, Path("/v"))["/app/jobs"] == Path("/srv/my-jobs")
         assert service_env(chosen[name])["FLODL_JOB"] == "mypkg.train:job"
+    # a derived image with the job installed: one tag for every service, no file edited
+    tagged = load({"FLODL_IMAGE_TAG": "mine"}, gpu=True)["services"]
+    assert {tagged[n]["image"] for n in ("init", "credentials", "coordinator", "worker")} == {
+        "flodl-bus:mine"
+    }
+    assert tagged["worker-gpu"]["image"] == "flodl-bus:mine-gpu"
     # a fresh clone has the directory, so Docker makes nothing root-owned for it
     assert (ROOT / "jobs" / "requirements.txt").is_file()
 
