@@ -16,13 +16,33 @@
 #                        `flodl-bus coordinator --help`), e.g. runs/run.toml; the ranks
 #                        read them from the run's meta
 #   FLODL_COORDINATOR_ARGS   extra flags, appended as is
+#   FLODL_CREDENTIALS    a file of this run's own credentials, KEY=VALUE lines (compose:
+#                        the credentials service writes it): FLODL_RUN,
+#                        FLODL_REDIS_USERNAME, FLODL_REDIS_PASSWORD, FLODL_RUN_SECRET;
+#                        what it sets wins over the environment
 set -eu
+
+if [ -n "${FLODL_CREDENTIALS:-}" ]; then
+  if [ ! -r "$FLODL_CREDENTIALS" ]; then
+    echo "coordinator: no credentials at $FLODL_CREDENTIALS (compose's credentials service writes them)" >&2
+    exit 2
+  fi
+  set -a
+  . "$FLODL_CREDENTIALS"
+  set +a
+fi
+
+# Records, metrics and checkpoints go under runs/: say so now if this uid cannot write
+# there (a bind-mounted ./runs that Docker made for root), not at the first record.
+if ! mkdir -p runs 2>/dev/null || [ ! -w runs ]; then
+  echo "coordinator: $(pwd)/runs is not writable by uid $(id -u) (owner $(stat -c %u:%g runs 2>/dev/null)): compose's init service hands it over; by hand, chown it to this uid" >&2
+  exit 2
+fi
 
 if [ -z "${FLODL_RUN:-}" ]; then
   # A fresh id per `up`: a reused one would put two runs under one run id (the records
   # would rotate to runs/<run>.2, but metrics and checkpoints would not).
   FLODL_RUN="compose-$(date -u +%Y%m%d-%H%M%S)-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')"
-  mkdir -p runs
   printf '%s\n' "$FLODL_RUN" > runs/.compose-run
 fi
 export FLODL_RUN

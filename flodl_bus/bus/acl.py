@@ -67,13 +67,18 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   (``--expire-after``), SCAN + UNLINK (``--reset-run``,
   its secret too), SET NX + GET flodl-secret:{RUN}; DEL + HSET identity in MULTI/EXEC
   (``publish_identity``); INFO memory (``connection.describe_transient``, optional);
-  health check: HGET meta, EXISTS flodl-secret:{RUN}. Workers also try INFO memory on an
+  health check: HGET meta, EXISTS identity. Workers also try INFO memory on an
   OOM episode; refused, the line says "maxmemory reached" without figures.
 - observer: ``bus/tail.py``: EXISTS, SCAN ... TYPE stream, XINFO STREAM, XREAD, GET
   flodl-secret:{RUN} (a refusal is expected and handled); ``launch/watch.py``: XREAD;
   ``launch/status.py``: HGETALL meta, XREVRANGE up:*, XLEN dlq, EXISTS, SCAN;
   ``ops/tail.sh`` and ``ops/README.md``: SCAN, TYPE, XREVRANGE, XRANGE, XINFO GROUPS,
   XPENDING, XLEN, HGETALL meta.
+- admin (``flodl-bus acl create|drop``, compose's ``credentials`` service): PING, CLIENT
+  SETNAME, INFO server (the version), ACL GETUSER, ACL SETUSER, ACL DELUSER, ACL SAVE
+  (``--save``); ``admin_rules()`` is that set and nothing else, the user of
+  ``ops/compose.acl``. Whoever may ACL SETUSER may make himself any user: hand it to
+  one process and no other.
 - ``flodl-bus up`` and ``replay`` use an embedded server's default user / fakeredis.
 
 What ACL rules cannot express (see RELIABILITY.md, "Threat model"): which rank a worker
@@ -145,6 +150,11 @@ OBSERVER: Final = (
     "+exists", "+type", "+scan",
 )  # fmt: skip
 
+#: What ``flodl-bus acl create|drop`` issues as the admin (no key, no data command).
+ADMIN: Final = ("+info", "+acl|getuser", "+acl|setuser", "+acl|deluser", "+acl|save")
+#: The admin user of compose's Redis (``ops/compose.acl``).
+ADMIN_USER: Final = "flodl-admin"
+
 
 class AclError(RuntimeError):
     """What ``flodl-bus acl`` prints as its one line before exiting non-zero."""
@@ -208,6 +218,13 @@ def role_rules(
     if worker_reads_secret:
         rules.append(_selector([f"%R~{secret}"], ("+get",)))
     return rules
+
+
+def admin_rules(*, client_setinfo: bool = False) -> list[str]:
+    """The rules of a user that may make and drop the per-run users and do nothing else:
+    no key, no channel, no data command."""
+    connection = [*CONNECTION, *(("+client|setinfo",) if client_setinfo else ())]
+    return ["resetkeys", "resetchannels", "-@all", *ADMIN, *connection]
 
 
 def password_hash(password: str) -> str:

@@ -75,3 +75,32 @@ def host_argv(argv: list[str]) -> list[str]:
     """The service command with the image's checkout path mapped onto this checkout."""
     return [str(ROOT / a[len(IMAGE_ROOT) + 1 :]) if a.startswith(IMAGE_ROOT + "/") else a
             for a in argv]  # fmt: skip
+
+
+def mounts(service: Mapping[str, Any], project: Path, volumes: Path) -> dict[str, Path]:
+    """Where each container path of ``service`` lives on this machine: a bind mount's
+    source relative to ``project`` (what ``./`` means beside compose.yaml), a named
+    volume under ``volumes``."""
+    out: dict[str, Path] = {}
+    for spec in service.get("volumes") or []:
+        source, target = spec.split(":")[:2]
+        if source.startswith((".", "/")):
+            out[target] = (project / source).resolve()
+        else:
+            out[target] = volumes / source
+    return out
+
+
+def in_container(value: str, where: Mapping[str, Path]) -> str:
+    """``value`` with a container path (``PYTHONPATH: /app/jobs``, a credentials file)
+    put where its mount is here; a path no mount holds is left as it is."""
+    for target in sorted(where, key=len, reverse=True):
+        if value == target or value.startswith(target + "/"):
+            return str(where[target]) + value[len(target) :]
+    return value
+
+
+def read_only(service: Mapping[str, Any]) -> set[str]:
+    """The container paths ``service`` mounts read-only."""
+    return {spec.split(":")[1] for spec in service.get("volumes") or []
+            if spec.split(":")[2:] == ["ro"]}  # fmt: skip

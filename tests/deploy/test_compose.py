@@ -2,7 +2,8 @@
 
 There is no Docker engine here, so the services start exactly as compose would start
 them (the same command, the same environment, interpolated the same way) against a
-redis-server that loads ops/users.acl, so each service talks as its own ACL user. Only
+redis-server that loads the ACL file compose gives Redis (ops/compose.acl), so each
+service talks as its own ACL user: the run's own, made by the credentials service. Only
 the Redis address differs: ``redis:6379`` is the compose network's name for it.
 """
 
@@ -17,7 +18,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -25,9 +25,19 @@ import redis
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer, free_port
 from flodl_bus.record.log import read_records
-from tests.deploy.compose import COMPOSE, ROOT, host_argv, interpolate, load, service_env
+from tests.deploy.compose import (
+    COMPOSE,
+    ROOT,
+    host_argv,
+    in_container,
+    interpolate,
+    load,
+    mounts,
+    service_env,
+)
 
 ACL = ROOT / "ops" / "users.acl"
+COMPOSE_ACL = ROOT / "ops" / "compose.acl"
 CONF = ROOT / "ops" / "redis.conf"
 
 
@@ -61,7 +71,8 @@ def test_redis_runs_the_ops_config_with_the_acl_file_where_the_config_expects_it
     assert Path(mounts[conf_path]).name == "redis.conf"
     aclfile = next(line.split()[1] for line in CONF.read_text().splitlines()
                    if line.startswith("aclfile "))  # fmt: skip
-    assert Path(mounts[aclfile]).name == "users.acl"
+    # compose's own: the static observer and the admin, no static coordinator or worker
+    assert Path(mounts[aclfile]) == Path("./ops/compose.acl")
 
 
 def test_the_gpu_profile_reserves_gpus_and_enlarges_shared_memory() -> None:
@@ -110,7 +121,7 @@ def test_the_image_and_the_services_run_as_a_non_root_user() -> None:
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
     for name, svc in load({})["services"].items():
-        if name != "redis":
+        if name not in ("redis", "init"):  # init: the one root step (test_compose_ops.py)
             uid = svc["user"].split(":")[0]
             assert uid.isdigit() and int(uid) != 0, (name, svc["user"])
     assert load({"FLODL_UID": "1234"})["services"]["worker"]["user"].startswith("1234:")
@@ -224,12 +235,10 @@ def acl_redis() -> Iterator[RedisServer]:
         server.cleanup()
 
 
-def _start(
-    service: dict[str, Any], env: dict[str, str], cwd: Path, log: Path
-) -> subprocess.Popen[bytes]:
+def _start(argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(
-            host_argv(service["command"]),
+            argv,
             env=env,
             cwd=cwd,
             stdout=out,
@@ -238,16 +247,8 @@ def _start(
         )
 
 
-def _env_of(service: dict[str, Any], redis_url: str) -> dict[str, str]:
-    env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "VIRTUAL_ENV") if k in os.environ}
-    env.update(service_env(service))
-    env["FLODL_REDIS_URL"] = redis_url  # compose's redis:6379 is this server
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
-def _healthy(env: dict[str, str], service: dict[str, Any], timeout: float) -> bool:
-    argv = host_argv([a for a in service["healthcheck"]["test"] if a != "CMD"])
+def _healthy(env: dict[str, str], test: list[str], timeout: float) -> bool:
+    argv = host_argv([a for a in test if a != "CMD"])
     argv = [sys.executable if a == "python" else a for a in argv]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -257,48 +258,99 @@ def _healthy(env: dict[str, str], service: dict[str, Any], timeout: float) -> bo
     return False
 
 
+@pytest.fixture(scope="module")
+def compose_redis() -> Iterator[RedisServer]:
+    """Redis as compose starts it: ops/compose.acl, no static coordinator or worker."""
+    server = RedisServer(extra_args=["--aclfile", str(COMPOSE_ACL)]).start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+MOUNTED_JOB = """\
+import dataclasses
+
+from flodl_bus.examples.digits import job as digits
+
+job = dataclasses.replace(digits, name="mounted-job")
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.redis
-def test_three_ranked_less_workers_join_train_and_stop_as_compose_starts_them(
-    acl_redis: RedisServer, tmp_path: Path
+def test_a_job_of_the_jobs_directory_trains_with_per_run_users_as_compose_starts_it(
+    compose_redis: RedisServer, tmp_path: Path
 ) -> None:
-    host_env = {"FLODL_RUN": "compose-test", "FLODL_WORLD_SIZE": "3", "FLODL_EPOCHS": "2"}
+    """Every compose step in order, each with its own command, environment and mounts
+    (tmp_path stands for the project directory and the image's /app): init, credentials,
+    the coordinator, two ranked-less workers, training a job that lives in a jobs
+    directory the image does not have, each service talking as its run's own user."""
+    jobs = tmp_path / "my-jobs"
+    jobs.mkdir()
+    (jobs / "mountedjob.py").write_text(MOUNTED_JOB)
+    host_env = {
+        "FLODL_WORLD_SIZE": "2", "FLODL_EPOCHS": "2", "FLODL_JOBS": str(jobs),
+        "FLODL_JOB": "mountedjob:job",
+        # the services' user is whoever runs this test (init's chown is then a no-op)
+        "FLODL_UID": str(os.geteuid()), "FLODL_GID": str(os.getegid()),
+    }  # fmt: skip
     services = load(host_env)["services"]
-    url = f"redis://127.0.0.1:{acl_redis.port}/0"
+    url = f"redis://127.0.0.1:{compose_redis.port}/0"
+    volumes = tmp_path / "volumes"
+
+    def env_of(name: str) -> tuple[dict[str, str], list[str]]:
+        svc = services[name]
+        where = mounts(svc, tmp_path, volumes)
+        env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "VIRTUAL_ENV") if k in os.environ}
+        env.update({k: in_container(v, where) for k, v in service_env(svc).items()})
+        env["FLODL_REDIS_URL"] = url  # compose's redis:6379 is this server
+        env["PYTHONPATH"] = f"{env.get('PYTHONPATH', '')}:{ROOT}"
+        env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+        return env, host_argv([in_container(a, where) for a in svc["command"]])
+
+    # `flodl-bus` as the image has it, running this checkout
+    (tmp_path / "bin").mkdir()
+    bus = tmp_path / "bin" / "flodl-bus"
+    bus.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m flodl_bus.cli "$@"\n')
+    bus.chmod(0o755)
 
     # The redis service's own health check, run against this server.
     probe = [a for a in services["redis"]["healthcheck"]["test"] if a != "CMD"]
-    pong = subprocess.run([*probe[:1], "-p", str(acl_redis.port), *probe[1:]],
+    pong = subprocess.run([*probe[:1], "-p", str(compose_redis.port), *probe[1:]],
                           capture_output=True, text=True, timeout=10)  # fmt: skip
     assert pong.stdout.strip() == "PONG", pong
     # The default user is off: a client without credentials gets nothing.
-    anonymous = redis.Redis(port=acl_redis.port, socket_timeout=5)
+    anonymous = redis.Redis(port=compose_redis.port, socket_timeout=5)
     with pytest.raises(redis.exceptions.AuthenticationError):
         anonymous.ping()
     anonymous.close()
 
+    for one_shot in ("init", "credentials"):
+        env, argv = env_of(one_shot)
+        done = subprocess.run(["sh", *argv], env=env, cwd=tmp_path, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 0, (one_shot, done.stdout, done.stderr)
+    assert (tmp_path / "runs").is_dir()
+
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        coord_env = _env_of(services["coordinator"], url)
-        procs.append(
-            _start(services["coordinator"], coord_env, tmp_path, tmp_path / "coordinator.log")
-        )
-        assert _healthy(coord_env, services["coordinator"], 60), (
-            tmp_path / "coordinator.log"
-        ).read_text()
-        worker_env = _env_of(services["worker"], url)
-        for i in range(3):
-            procs.append(
-                _start(services["worker"], worker_env, tmp_path, tmp_path / f"worker{i}.log")
-            )
-        assert _healthy(worker_env, services["worker"], 30)
-        deadline = time.monotonic() + 120
+        coord_env, coord_argv = env_of("coordinator")
+        procs.append(_start(coord_argv, coord_env, tmp_path, tmp_path / "coordinator.log"))
+        health = services["coordinator"]["healthcheck"]["test"]
+        assert _healthy(coord_env, health, 60), (tmp_path / "coordinator.log").read_text()
+        worker_env, worker_argv = env_of("worker")
+        for i in range(2):
+            procs.append(_start(worker_argv, worker_env, tmp_path, tmp_path / f"worker{i}.log"))
+        assert _healthy(worker_env, services["worker"]["healthcheck"]["test"], 30)
+        deadline = time.monotonic() + 180
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             time.sleep(0.2)
         logs = "\n".join(
             f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("*.log"))
         )
-        assert [p.returncode for p in procs] == [0, 0, 0, 0], logs
+        assert [p.returncode for p in procs] == [0, 0, 0], logs
+        assert "NOPERM" not in logs and "no permissions" not in logs, logs
     finally:
         for p in procs:
             if p.poll() is None:
@@ -306,13 +358,28 @@ def test_three_ranked_less_workers_join_train_and_stop_as_compose_starts_them(
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
 
-    run_dir = tmp_path / "runs" / "compose-test"
+    coord_file = volumes / "coordinator-credentials" / "coordinator.env"
+    run = next(line.split("=", 1)[1] for line in coord_file.read_text().splitlines()
+               if line.startswith("FLODL_RUN="))  # fmt: skip
+    assert run.startswith("compose-")  # FLODL_RUN unset: a fresh one for this up
+    run_dir = tmp_path / "runs" / run
     header = read_records(run_dir / "coordinator.jsonl")[0]
     members = header["members"]
-    assert sorted(m["rank"] for m in members) == [0, 1, 2]
+    assert sorted(m["rank"] for m in members) == [0, 1]
     assert not any(m["requested"] for m in members)  # ranks were assigned, not asked for
     rows = (run_dir / "metrics.csv").read_text().splitlines()
     assert len(rows) == 1 + 2  # header + one row per epoch
+    # the ranks trained the mounted job, not the image's default
+    ranks = [read_records(run_dir / f"rank{r}.jsonl")[0] for r in (0, 1)]
+    assert [h["job"] for h in ranks] == ["mountedjob:job"] * 2
+    # each process logged in as its run's own user: there is no static one to log in as
+    admin = redis.Redis(port=compose_redis.port, username="flodl-admin",
+                        password="flodl-admin-dev", socket_timeout=5)  # fmt: skip
+    for role in ("coordinator", "worker", "observer"):
+        assert admin.execute_command("ACL", "GETUSER", f"flodl-{run}-{role}") is not None
+    for static in ("coordinator", "worker"):
+        assert admin.execute_command("ACL", "GETUSER", static) is None
+    admin.close()
 
 
 @pytest.mark.redis

@@ -1,7 +1,9 @@
-"""compose gets a fresh run id per ``up`` unless FLODL_RUN is set: the coordinator's
-entrypoint picks it and leaves it in runs/.compose-run, where the workers' entrypoint and
-the health check find it. The entrypoints run as they are; ``flodl-bus`` on their PATH is
-a script that prints the command line it was given."""
+"""Without the credentials service (the image run by hand, FLODL_CREDENTIALS unset) the
+coordinator's entrypoint picks a fresh run id unless FLODL_RUN is set and leaves it in
+runs/.compose-run, where the workers' entrypoint and the health check find it. Under
+compose the credentials service picks it and hands it over with each role's credentials
+(tests/deploy/test_compose_ops.py). The entrypoints run as they are; ``flodl-bus`` on
+their PATH is a script that prints the command line it was given."""
 
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ def _argv_of(script: str, cwd: Path, env: dict[str, str]) -> list[str]:
     return done.stdout.splitlines()
 
 
+def _by_hand(service: str, host: dict[str, str]) -> dict[str, str]:
+    """compose's environment of ``service``, without the credentials file."""
+    env = service_env(load(host)["services"][service])
+    del env["FLODL_CREDENTIALS"]
+    return env
+
+
 def _run_of(argv: list[str]) -> str:
     return argv[argv.index("--run") + 1]
 
@@ -37,12 +46,12 @@ def _run_of(argv: list[str]) -> str:
 def test_each_up_without_flodl_run_gets_a_fresh_run_id_the_workers_follow(
     tmp_path: Path,
 ) -> None:
-    env = service_env(load({})["services"]["coordinator"])
+    env = _by_hand("coordinator", {})
     assert env["FLODL_RUN"] == ""  # compose.yaml leaves it to the entrypoint
     first = _run_of(_argv_of("entrypoint-coordinator.sh", tmp_path, env))
     assert first.startswith("compose-")
     assert (tmp_path / "runs" / ".compose-run").read_text().strip() == first
-    worker_env = service_env(load({})["services"]["worker"])
+    worker_env = _by_hand("worker", {})
     assert _run_of(_argv_of("entrypoint-worker.sh", tmp_path, worker_env)) == first
     second = _run_of(_argv_of("entrypoint-coordinator.sh", tmp_path, env))
     assert second != first
@@ -50,7 +59,7 @@ def test_each_up_without_flodl_run_gets_a_fresh_run_id_the_workers_follow(
 
 
 def test_a_set_flodl_run_is_kept(tmp_path: Path) -> None:
-    env = service_env(load({"FLODL_RUN": "run7"})["services"]["coordinator"])
+    env = _by_hand("coordinator", {"FLODL_RUN": "run7"})
     assert _run_of(_argv_of("entrypoint-coordinator.sh", tmp_path, env)) == "run7"
     assert not (tmp_path / "runs" / ".compose-run").exists()
 
