@@ -33,10 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     required.add_argument("--run", required=True, help="run id shared with the workers")
     required.add_argument(
         "--job",
-        required=True,
         help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job); the "
         "current directory is importable",
     )
+    p.add_argument(
+        "--script",
+        metavar="PATH",
+        help="instead of --job: a training script with its own loop (flodl_bus.Rank); the "
+        "coordinator runs it up to its Rank(...) to learn the run's sizes. Its arguments "
+        "follow a --",
+    )
+    p.add_argument("script_args", nargs="*", help=argparse.SUPPRESS)
     add_url_argument(p)
     # Not argparse choices: parse_mode's refusal names the fix (nccl-async -> cpu-async).
     p.add_argument(
@@ -120,11 +127,15 @@ def _check(args: argparse.Namespace) -> None:
         RunKeys(args.run)
     except InvalidRunId as exc:
         raise ConfigError(f"--run: {exc}") from None
-    if not args.job:
+    if args.job and args.script:
+        raise ConfigError("--job and --script exclude each other: train a Job or a script")
+    if not (args.job or args.script):
         raise ConfigError(
             "--job is required: name the Job to train as MODULE:NAME, "
-            "e.g. --job flodl_bus.examples.digits:job"
+            "e.g. --job flodl_bus.examples.digits:job (or --script PATH)"
         )
+    if args.script_args and not args.script:
+        raise ConfigError(f"unexpected arguments {args.script_args}: only --script takes them")
     try:
         parse_mode(args.mode)
     except ValueError as exc:

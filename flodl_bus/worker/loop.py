@@ -55,6 +55,11 @@ def record_scalar(tag: str, value: float) -> None:
         loop.record_scalar(tag, value)
 
 
+def set_active(loop: RankLoop | None) -> None:
+    """Make ``loop`` the one ``record_scalar`` adds to on this thread (None: no loop)."""
+    _active.loop = loop
+
+
 class CoreObserver(Protocol):
     """Watches every call the loop makes into the core, in order (the rank's recorder,
     ``worker.recording``). ``before`` is called right before each core call, on the
