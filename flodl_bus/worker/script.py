@@ -22,8 +22,12 @@ same ``RankLoop`` pieces as a job's loop, so a script's run records and replays 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -64,6 +68,21 @@ def _worker_args(env: dict[str, str]) -> list[str]:
     if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
         raise ConfigError(f"{ENV_WORKER_ARGV} must be a JSON list of flodl-bus worker flags")
     return argv
+
+
+def _leave_now(code: int) -> None:
+    """At the script's end, after its own code (and its atexit handlers registered
+    since), end the process with the rank's exit code without the interpreter's teardown
+    of torch's and gloo's C++ state, as ``flodl-bus worker`` does (``flodl_bus.cli``):
+    that teardown can hit a joinable thread and end a finished run in ``std::terminate``.
+    An error the script left uncaught keeps the interpreter's own exit."""
+    if getattr(sys, "last_value", None) is not None:
+        return
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
 
 
 class Rank:
@@ -194,6 +213,7 @@ class Rank:
             cli.finish(self._joined, code)
             self._close_signals()
             self.exit_code = code
+            atexit.register(_leave_now, code)
         if exc is None and code != OK:
             raise SystemExit(code)
 

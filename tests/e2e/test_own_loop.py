@@ -81,3 +81,56 @@ def test_up_trains_each_sample_once_and_the_record_replays(
     assert {k: r.summary() for k, r in replays.items() if not r.identical} == {}
     replayed = _flodl_bus(tmp_path, "replay", str(run_dir), timeout=120)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+
+
+FAILING = """
+from torch import nn
+
+import flodl_bus
+from flodl_bus.examples.digits import build_model, build_optimizer, train_data
+
+model = build_model()
+optimizer = build_optimizer(model)
+with flodl_bus.Rank(model, optimizer, train_data(), batch_size=32, epochs=2) as rank:
+    for i, (x, y) in enumerate(rank.batches()):
+        if rank.rank == 1 and i == 3:
+            raise ValueError("bad batch")
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        rank.step(loss)
+"""
+
+
+def test_a_script_raising_in_its_loop_stops_the_run_as_a_job_failure_and_replays(
+    tmp_path: Path, redis_url: str
+) -> None:
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    run = new_run_id("own-loop-fails")
+    run_dir = tmp_path / "runs" / run
+    up = _flodl_bus(
+        tmp_path,
+        "up",
+        "--no-progress",
+        "--no-plot",
+        "--redis-url",
+        redis_url,
+        "--run",
+        run,
+        "--workers",
+        str(RANKS),
+        "--script",
+        str(script),
+        timeout=240,
+    )
+    assert up.returncode != 0, up.stdout + up.stderr
+    assert "rank 1: the script raised ValueError: bad batch" in up.stdout + up.stderr
+    recs = records(run_dir)
+    reasons = {m["rank"]: m.get("reason") for m in received(recs, "Exiting")}
+    assert reasons[1] == "job_failed: the script raised ValueError: bad batch"
+    # The other rank was stopped by the coordinator in order, and left cleanly.
+    assert reasons.get(0) is None and 0 in reasons
+    replayed = _flodl_bus(tmp_path, "replay", str(run_dir), timeout=120)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
