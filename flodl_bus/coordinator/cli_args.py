@@ -31,12 +31,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     required = p.add_argument_group("required")
     required.add_argument("--run", required=True, help="run id shared with the workers")
-    required.add_argument(
+    # One of the two, said by argparse in one line (and both listed as required).
+    training = required.add_mutually_exclusive_group(required=True)
+    training.add_argument(
         "--job",
         help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job); the "
         "current directory is importable",
     )
-    p.add_argument(
+    training.add_argument(
         "--script",
         metavar="PATH",
         help="instead of --job: a training script with its own loop (flodl_bus.Rank); the "
@@ -127,13 +129,6 @@ def _check(args: argparse.Namespace) -> None:
         RunKeys(args.run)
     except InvalidRunId as exc:
         raise ConfigError(f"--run: {exc}") from None
-    if args.job and args.script:
-        raise ConfigError("--job and --script exclude each other: train a Job or a script")
-    if not (args.job or args.script):
-        raise ConfigError(
-            "--job is required: name the Job to train as MODULE:NAME, "
-            "e.g. --job flodl_bus.examples.digits:job (or --script PATH)"
-        )
     if args.script_args and not args.script:
         raise ConfigError(f"unexpected arguments {args.script_args}: only --script takes them")
     try:
