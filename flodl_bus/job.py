@@ -336,3 +336,60 @@ def load_job(ref: str) -> Job:
             "point --job at a Job or a zero-argument function returning one"
         )
     return obj
+
+
+class _Described(BaseException):
+    """Carries the job a script's ``Rank(...)`` describes out of the script's run (a
+    BaseException, so the script's own ``except Exception`` does not swallow it)."""
+
+    def __init__(self, job: Job) -> None:
+        super().__init__(job.name)
+        self.job = job
+
+
+#: Whether ``describe_script`` is reading a script on this thread.
+_describing = threading.local()
+
+
+def offer_script_job(job: Job) -> None:
+    """What a script's ``Rank(...)`` calls with the job its arguments make: while the
+    coordinator reads the script (``describe_script``) the script's run ends here with
+    that job; in a rank this returns and the rank goes on to join the run."""
+    if getattr(_describing, "on", False):
+        raise _Described(job)
+
+
+def describe_script(path: str, argv: Sequence[str]) -> Job:
+    """The job of a training script that keeps its own loop: the script is run as
+    ``python PATH ARGV...`` would run it, up to its ``flodl_bus.Rank(...)``, whose
+    arguments (model, optimizer, data, batch size, epochs...) make the job. The
+    coordinator needs only its sizes, so nothing of the script after ``Rank(...)`` runs
+    here. One-line errors: a script that is missing, raises, or never makes a Rank."""
+    import runpy
+
+    if not os.path.isfile(path):
+        raise SystemExit(f"--script {path!r}: no such file")
+    where = os.path.dirname(os.path.abspath(path))
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    # As `python PATH` runs it: its own folder importable first, its arguments in argv.
+    sys.argv = [path, *argv]
+    sys.path.insert(0, where)
+    _describing.on = True
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except _Described as described:
+        return described.job
+    except SystemExit as exc:
+        raise SystemExit(
+            f"--script {path!r}: it exited ({exc.code}) before making its flodl_bus.Rank"
+        ) from None
+    except Exception as exc:
+        raise JobError(f"the script raised {describe_error(exc)}") from exc
+    finally:
+        _describing.on = False
+        sys.argv = saved_argv
+        sys.path[:] = saved_path
+    raise SystemExit(
+        f"--script {path!r}: it ended without making a flodl_bus.Rank; "
+        "wrap its training loop in `with flodl_bus.Rank(model, optimizer, data, ...) as rank:`"
+    )

@@ -121,6 +121,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         call_job,
         check_train_data,
         dataset_signature,
+        describe_script,
         load_job,
     )
     from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
@@ -132,15 +133,18 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         knobs = settings.resolve(args)
     except settings.SettingsError as exc:
         raise ConfigError(str(exc)) from None
+    # What the meta, the log and the record name the job by.
+    job_ref = args.job or f"script:{args.script}"
     try:
-        job = load_job(args.job)
+        job = describe_script(args.script, args.script_args) if args.script else load_job(args.job)
         # The coordinator only needs the sizes, but a builder that raises is the job's
         # bug: one line naming it, not its traceback.
         train = check_train_data(call_job("train_data", job.train_data))
-    except SystemExit as exc:  # load_job's one-line errors
+    except SystemExit as exc:  # load_job's and describe_script's one-line errors
         raise ConfigError(str(exc)) from None
     except JobError as exc:
-        raise ConfigError(f"--job {args.job!r}: {exc}") from None
+        flag = f"--job {args.job!r}" if args.job else f"--script {args.script!r}"
+        raise ConfigError(f"{flag}: {exc}") from None
     for flag, asked in (
         ("--checkpoint-every", args.checkpoint_every),
         ("--checkpoint-at-epoch", knobs["checkpoint_at_epoch"]),
@@ -210,7 +214,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     sig = dataset_signature(train)
     run_fields: dict[str, str] = {
         "mode": args.mode,
-        "job": args.job,
+        "job": job_ref,
         "batch_size": str(job.batch_size),
         "epochs": str(epochs),
         **settings.to_meta(knobs),
@@ -291,7 +295,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         "coordinator_up",
         run=args.run,
         mode=args.mode,
-        job=args.job,
+        job=job_ref,
         world_size=args.world_size,
         min_workers=args.min_workers,
         epochs=epochs,
@@ -336,7 +340,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         config=dataclasses.asdict(config),
         settings=knobs,
         config_file=args.config,
-        job=args.job,
+        job=job_ref,
         # what `up` shows of the job, so the launcher never imports torch beside ranks
         job_name=job.name,
         target_metric=job.target_metric,

@@ -31,12 +31,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     required = p.add_argument_group("required")
     required.add_argument("--run", required=True, help="run id shared with the workers")
-    required.add_argument(
+    # One of the two, said by argparse in one line (and both listed as required).
+    training = required.add_mutually_exclusive_group(required=True)
+    training.add_argument(
         "--job",
-        required=True,
         help="MODULE:NAME of the flodl_bus Job (e.g. flodl_bus.examples.digits:job); the "
         "current directory is importable",
     )
+    training.add_argument(
+        "--script",
+        metavar="PATH",
+        help="instead of --job: a training script with its own loop (flodl_bus.Rank); the "
+        "coordinator runs it up to its Rank(...) to learn the run's sizes. Its arguments "
+        "follow a --",
+    )
+    p.add_argument("script_args", nargs="*", help=argparse.SUPPRESS)
     add_url_argument(p)
     # Not argparse choices: parse_mode's refusal names the fix (nccl-async -> cpu-async).
     p.add_argument(
@@ -120,11 +129,8 @@ def _check(args: argparse.Namespace) -> None:
         RunKeys(args.run)
     except InvalidRunId as exc:
         raise ConfigError(f"--run: {exc}") from None
-    if not args.job:
-        raise ConfigError(
-            "--job is required: name the Job to train as MODULE:NAME, "
-            "e.g. --job flodl_bus.examples.digits:job"
-        )
+    if args.script_args and not args.script:
+        raise ConfigError(f"unexpected arguments {args.script_args}: only --script takes them")
     try:
         parse_mode(args.mode)
     except ValueError as exc:

@@ -2,6 +2,7 @@
 
     flodl-bus up [--job MODULE:NAME] [--workers N] [--mode MODE] [--redis-url URL]
                  [--epochs N] [--run RUN] [--run-dir DIR] [--save-path STEM] [--resume STEM]
+                 [--script PATH [ARGS...]]   (instead of --job: a script with its own loop)
 
 The launcher is an observer: it reads the run's streams with plain XREAD (it never
 takes an entry from the coordinator or a rank) and draws progress, the epoch table and
@@ -65,8 +66,13 @@ from flodl_bus.launch.up_args import (
     MODES,
     _default_run_id,
     _parser,
+    check_script,
     coordinator_argv,
+    job_label,
+    script_tail,
+    split_script,
     worker_argv,
+    worker_env,
 )
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.launch.watch import Seen, StreamWatcher
@@ -188,7 +194,7 @@ class Launcher:
         self.record.record(
             "up",
             run=self.run,
-            job=args.job,
+            job=job_label(args),
             mode=args.mode,
             workers=args.workers,
             epochs=args.epochs,
@@ -253,6 +259,7 @@ class Launcher:
                     *coordinator_argv(args, self.run, self.run_dir),
                     "--supervisor-fd",
                     str(read_end),
+                    *script_tail(args),
                 ],
                 {**thread_env(base_env, 1), ENV_COORD_SEED: self.coordinator_seed.hex()},
                 self.run_dir / "coordinator.log",
@@ -266,7 +273,10 @@ class Launcher:
                 spawn(
                     f"rank{r}",
                     worker_argv(args, self.run, r, self.run_dir),
-                    thread_env(base_env, threads),
+                    {
+                        **thread_env(base_env, threads),
+                        **worker_env(args, self.run, r, self.run_dir),
+                    },
                     self.run_dir / f"rank{r}.log",
                 )
             )
@@ -279,7 +289,7 @@ class Launcher:
                 flush=True,
             )
         print(
-            f"flodl-bus up: run {self.run}: {args.job}, {args.workers} workers x "
+            f"flodl-bus up: run {self.run}: {job_label(args)}, {args.workers} workers x "
             f"{threads} thread(s), {args.mode}, {epochs} epochs, Redis {where}\n"
             f"  record: {self.run_dir}/   watch: flodl-bus tail --run {self.run} "
             f"--redis-url {redact_url(url)}{dashboard_line}"
@@ -322,7 +332,7 @@ class Launcher:
         name = header.get("job_name")
         target = header.get("target_metric")
         return (
-            name if isinstance(name, str) else self.args.job,
+            name if isinstance(name, str) else job_label(self.args),
             float(target) if isinstance(target, int | float) else None,
         )
 
@@ -551,7 +561,7 @@ class Launcher:
         if not args.no_plot and (self.rows or view.total_batches):
             from flodl_bus.launch.plot import write_plot
 
-            title = f"{self.run}: {args.job} ({args.mode})"
+            title = f"{self.run}: {job_label(args)} ({args.mode})"
             try:
                 write_plot(run_dir / "plot.png", view, self.rows, title)
             except ModuleNotFoundError as exc:
@@ -613,8 +623,9 @@ class Launcher:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    given = list(sys.argv[1:] if argv is None else argv)
+    given, script_args = split_script(list(sys.argv[1:] if argv is None else argv))
     args = _parser().parse_args(given)
+    args.script_args = script_args
     started, started_wall = time.monotonic(), time.time()
     if args.config:
         try:
@@ -644,7 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if world_wrong is not None:
         print(f"flodl-bus up: {world_wrong}", file=sys.stderr)
         return 2
-    bad_job = check_job_ref(args.job)
+    bad_job = check_script(args) or (None if args.script else check_job_ref(args.job))
     if bad_job is not None:
         print(f"flodl-bus up: {bad_job}", file=sys.stderr)
         return 2
@@ -681,7 +692,7 @@ def _launch_keys_from_file(args: Any, given: Sequence[str]) -> None:
     flags not given: a run can live in one file, and a flag still beats it."""
     flags = {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
     for key, value in settings.read_launch(args.config).items():
-        if f"--{key.replace('_', '-')}" in flags:
+        if f"--{key.replace('_', '-')}" in flags or (key == "job" and "--script" in flags):
             continue
         if key == "mode" and value not in MODES:
             choices = ", ".join(MODES)

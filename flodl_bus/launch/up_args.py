@@ -8,14 +8,17 @@ surface each stay readable on their own.
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import sys
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
 from flodl_bus import settings
 from flodl_bus.launch.jobref import DEFAULT_JOB
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
+from flodl_bus.worker.options import ENV_WORKER_ARGV
 
 MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -26,7 +29,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Start Redis (embedded unless --redis-url), a coordinator and N workers "
         "on this machine, and watch the run.",
     )
-    p.add_argument("--job", default=DEFAULT_JOB, help=f"MODULE:NAME (default {DEFAULT_JOB})")
+    p.add_argument("--job", help=f"MODULE:NAME (default {DEFAULT_JOB})")
+    p.add_argument(
+        "--script",
+        metavar="PATH",
+        help="instead of --job: start PATH as each rank, torchrun-like (a training script "
+        "that keeps its own loop in a flodl_bus.Rank); what follows PATH is its own arguments",
+    )
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--mode", choices=MODES, default="cpu-cadence", help="default cpu-cadence")
     p.add_argument("--redis-url", help="use this Redis instead of starting one")
@@ -85,6 +94,38 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def split_script(given: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``up``'s own flags, and the script's arguments: everything after ``--script
+    PATH`` belongs to the script, as everything after the script does for torchrun."""
+    for i, tok in enumerate(given):
+        if tok == "--script":
+            return list(given[: i + 2]), list(given[i + 2 :])
+        if tok.startswith("--script="):
+            return list(given[: i + 1]), list(given[i + 1 :])
+    return list(given), []
+
+
+def check_script(args: argparse.Namespace) -> str | None:
+    """Why ``--script`` (with ``--job``) cannot run, in one line; None when it can. The
+    job's default is filled in here, once it is known that no script replaces it."""
+    if args.script is None:
+        if args.job is None:
+            args.job = DEFAULT_JOB
+        return None
+    if args.job is not None:
+        return "--job and --script exclude each other: train a Job or a script"
+    if not Path(args.script).is_file():
+        return f"--script {args.script!r}: no such file"
+    # Absolute: the coordinator and the ranks find it whatever their working directory.
+    args.script = str(Path(args.script).resolve())
+    return None
+
+
+def job_label(args: argparse.Namespace) -> str:
+    """What the console and the launcher's record call the run's training."""
+    return str(args.job) if args.script is None else f"script {args.script}"
+
+
 def _default_run_id() -> str:
     return f"up-{datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
@@ -99,7 +140,6 @@ def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]
     epochs as a flag because they may read meta before the coordinator writes it."""
     argv = [
         "--run", run,
-        "--job", args.job,
         "--mode", args.mode,
         "--world-size", str(args.workers),
         "--run-dir", str(run_dir),
@@ -110,7 +150,10 @@ def _shared_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]
 
 
 def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[str]:
+    """The coordinator's command line; a script's arguments go last, after
+    ``script_tail``'s ``--``, so the caller appends its own flags before that."""
     argv = _cli("coordinator", *_shared_argv(args, run, run_dir))
+    argv += ["--script", args.script] if args.script else ["--job", args.job]
     # The run settings go to the coordinator alone: it publishes the ranks' share in
     # the run's meta, where every rank reads it.
     argv += settings.argv(args)
@@ -126,11 +169,33 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
     return argv
 
 
-def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> list[str]:
-    argv = _cli("worker", *_shared_argv(args, run, run_dir))
+def script_tail(args: argparse.Namespace) -> list[str]:
+    """The script's own arguments, for the coordinator's command line's end."""
+    return ["--", *args.script_args] if args.script else []
+
+
+def _worker_flags(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> list[str]:
+    argv = _shared_argv(args, run, run_dir)
+    if not args.script:
+        argv += ["--job", args.job]
     argv += ["--rank", str(rank), "--log-level", args.log_level]
     if args.device != "auto":
         argv += ["--device", args.device]
     if args.save_path:
         argv += ["--save-path", args.save_path]
     return argv
+
+
+def worker_argv(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> list[str]:
+    """Rank ``rank``'s command line: ``flodl-bus worker``, or the script itself."""
+    if args.script:
+        return [sys.executable, args.script, *args.script_args]
+    return _cli("worker", *_worker_flags(args, run, rank, run_dir))
+
+
+def worker_env(args: argparse.Namespace, run: str, rank: int, run_dir: Path) -> dict[str, str]:
+    """What a script started as rank ``rank`` finds in its environment: the flags its
+    ``flodl_bus.Rank`` joins with (``flodl-bus worker``'s); nothing for a job's rank."""
+    if not args.script:
+        return {}
+    return {ENV_WORKER_ARGV: json.dumps(_worker_flags(args, run, rank, run_dir))}

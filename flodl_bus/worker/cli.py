@@ -22,8 +22,9 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from torch import nn
@@ -64,6 +65,8 @@ from flodl_bus.worker.options import (
 )
 from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
+
+_T = TypeVar("_T")
 
 
 def _overlaps_rounds(mode: str, knobs: Mapping[str, Any]) -> bool:
@@ -234,22 +237,62 @@ def run(args: argparse.Namespace) -> int:
     # job, an ignored SIGTERM as PID 1 in a container): during setup a stop signal
     # raises SignalStop; once the rank runs, it leaves in order (``run_rank``).
     with StopSignals() as stop:
-        try:
-            return _main(args, stop)
-        except SignalStop as exc:
-            print(
-                f"flodl-bus worker: stopped by {signal_name(exc.signum)} before training",
-                file=sys.stderr,
-            )
-            return by_signal(exc.signum)
-        except REFUSALS as exc:
-            # An ACL that lacks a command or key, a password that stopped working: one
-            # line naming the user and where its credentials came from.
-            print(f"flodl-bus worker: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
-            return CONFIG
+        return guarded(args, lambda: _main(args, stop))
+
+
+def guarded(args: argparse.Namespace, body: Callable[[], _T]) -> _T | int:
+    """``body()``, or the exit code of a rank stopped before it trained: a stop signal
+    during setup, or Redis refusing the worker's user (each said in one line)."""
+    try:
+        return body()
+    except SignalStop as exc:
+        print(
+            f"flodl-bus worker: stopped by {signal_name(exc.signum)} before training",
+            file=sys.stderr,
+        )
+        return by_signal(exc.signum)
+    except REFUSALS as exc:
+        # An ACL that lacks a command or key, a password that stopped working: one
+        # line naming the user and where its credentials came from.
+        print(f"flodl-bus worker: {describe_refusal(exc, args.redis_url)}", file=sys.stderr)
+        return CONFIG
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A rank that joined its run: what ``run_rank`` (or a script's ``Rank``) needs."""
+
+    job: Job
+    bus: RedisRankBus
+    options: RankOptions
+    factory: ParamsFactory | None
+    #: the connection that joined; the caller closes it after the rank ends
+    client: redis.Redis
 
 
 def _main(args: argparse.Namespace, stop: StopSignals) -> int:
+    joined = join_run(args)
+    if isinstance(joined, int):
+        return joined
+    code: int | None = None
+    try:
+        code = run_rank(joined.job, joined.bus, joined.options, joined.factory, stop)
+        return code
+    finally:
+        finish(joined, code)
+
+
+def finish(joined: Joined, code: int | None) -> None:
+    """After the rank: its connection closed, and one line of how it ended."""
+    joined.client.close()
+    _say(f"rank {joined.bus.rank} {'raised (above)' if code is None else describe(code)}")
+
+
+def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
+    """Join the run as the parsed command line says (meet the coordinator, say Hello,
+    be given a rank) and build the rank's bus and options; an exit code when that fails
+    (its one line said). ``job``: the job to train (a script's); None: ``--job``, else
+    the coordinator's."""
     from flodl_bus.bus.run_secret import (
         ENV_SECRET,
         AuthenticationFailed,
@@ -265,7 +308,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         check(args)
         _check_data_env()
         # An explicit job is checked before Redis is reached: its error is the useful one.
-        job = _load_job(args.job) if args.job else None
+        if job is None and args.job:
+            job = _load_job(args.job)
         keys = RunKeys(args.run)
         who = f"rank{args.rank}" if args.rank is not None else "joiner"
         try:
@@ -400,13 +444,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         # meanwhile would be overwritten
         plans_wait_for_update=mode == "cpu-cadence" and not _overlaps_rounds(mode, knobs),
     )
-    code: int | None = None
-    try:
-        code = run_rank(job, bus, options, factory, stop)
-        return code
-    finally:
-        client.close()
-        _say(f"rank {rank} {'raised (above)' if code is None else describe(code)}")
+    return Joined(job=job, bus=bus, options=options, factory=factory, client=client)
 
 
 def _secret_there(client: redis.Redis, keys: RunKeys) -> bool:

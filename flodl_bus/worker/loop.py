@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -54,6 +55,11 @@ def record_scalar(tag: str, value: float) -> None:
         loop.record_scalar(tag, value)
 
 
+def set_active(loop: RankLoop | None) -> None:
+    """Make ``loop`` the one ``record_scalar`` adds to on this thread (None: no loop)."""
+    _active.loop = loop
+
+
 class CoreObserver(Protocol):
     """Watches every call the loop makes into the core, in order (the rank's recorder,
     ``worker.recording``). ``before`` is called right before each core call, on the
@@ -74,6 +80,29 @@ class CoreObserver(Protocol):
     def closed(self, out: Dispatched) -> None: ...
 
     def dropped(self, msg: ControlMsg) -> None: ...
+
+
+@dataclass
+class PlanTally:
+    """What a plan has trained so far, for its MetricsMsg at the end."""
+
+    plan: EpochPlan
+    #: ``time.perf_counter()`` when the plan began
+    started: float
+    done: int = 0
+    finite_done: int = 0
+    loss_sum: float = 0.0
+    compute_ms: float = 0.0
+    data_ms: float = 0.0
+
+    def add(self, loss_value: float, data_ms: float, compute_ms: float) -> None:
+        self.done += 1
+        self.data_ms += data_ms
+        self.compute_ms += compute_ms
+        # A non-finite loss (a skipped batch) counts as trained but not in the average.
+        if math.isfinite(loss_value):
+            self.loss_sum += loss_value
+            self.finite_done += 1
 
 
 class RankLoop:
@@ -140,6 +169,8 @@ class RankLoop:
         self.rank = control.rank
         self._scalars: dict[str, list[float]] = {}
         self._nonfinite_skipped = 0
+        #: the epoch whose callback last fired (``next_plan``)
+        self._last_epoch_fired: int | None = None
 
     # ------------------------------------------------------------------ control
 
@@ -238,17 +269,23 @@ class RankLoop:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def run_epoch_plan(self, plan: EpochPlan) -> bool:
-        """Train one plan (an epoch share or a chunk). True means shut down."""
-        start = time.perf_counter()
+    # ------------------------------------------------------------ a plan's steps
+    #
+    # The pieces every training loop is made of, the job's (``run_epoch_plan``) and a
+    # script's own (``worker.script``): open a plan, feed its picks, report each step,
+    # close it with its metrics. Between steps the rank services its control messages.
+
+    def open_plan(self, plan: EpochPlan) -> PlanTally | None:
+        """Start training ``plan``; None when it holds no batch (its zero metrics are
+        already sent: the coordinator still has to see the plan complete)."""
         control, obs = self.control, self.observer
+        start = time.perf_counter()
         if obs is not None:
             obs.before()
         control.begin_plan(plan)
         if obs is not None:
             obs.planned(plan)
         if control.num_batches == 0:
-            # The coordinator still has to see this plan complete.
             self.publish(
                 _zero_metrics(
                     self.rank,
@@ -257,29 +294,74 @@ class RankLoop:
                     sample_resources(_device_of(self.model)),
                 )
             )
-            return False
+            return None
+        self.feed.begin(self.picks_of)
+        return PlanTally(plan, start)
 
+    def picks_of(self, index: int) -> list[int] | None:
+        """The picks of the running plan's batch ``index``; None past its end. Re-read at
+        every call: ExtendPartition grows the plan mid-way."""
+        control = self.control
+        return control.batch_picks(index) if index < control.num_batches else None
+
+    def plan_left(self, tally: PlanTally) -> bool:
+        """Whether the plan has a batch left (re-read: ExtendPartition grows it)."""
+        return tally.done < self.control.num_batches
+
+    def step_trained(
+        self, tally: PlanTally, loss_value: float, data_ms: float, compute_ms: float, lr: float
+    ) -> bool:
+        """One batch of the plan is trained: tell the core, send its Batch (and LR), then
+        service what control came meanwhile. True means stop."""
+        tally.add(loss_value, data_ms, compute_ms)
+        control, obs, publish = self.control, self.observer, self.publish
+        if obs is not None:
+            obs.before()
+        batch_msg, lr_msg = control.step_done(loss_value, compute_ms, data_ms, lr)
+        if obs is not None:
+            obs.stepped((loss_value, compute_ms, data_ms, lr), (batch_msg, lr_msg))
+        publish(batch_msg)
+        if lr_msg is not None:
+            publish(lr_msg)
+        return self.handle_control()
+
+    def close_plan(self, tally: PlanTally) -> None:
+        """The plan is trained: its MetricsMsg, which tells the coordinator it is done."""
+        control = self.control
+        n = control.num_batches
+        self.publish(
+            MetricsMsg(
+                rank=self.rank,
+                epoch=tally.plan.epoch,
+                avg_loss=tally.loss_sum / tally.finite_done if tally.finite_done else math.nan,
+                batches_processed=n,
+                epoch_ms=(time.perf_counter() - tally.started) * 1000.0,
+                samples_processed=n * control.batch_size,
+                share_complete_ms=tally.compute_ms + tally.data_ms,
+                compute_only_ms=tally.compute_ms,
+                data_starve_ms=tally.data_ms,
+                scalars=self._drain_scalars(),
+                resources=sample_resources(_device_of(self.model)),
+            )
+        )
+
+    def run_epoch_plan(self, plan: EpochPlan) -> bool:
+        """Train one plan (an epoch share or a chunk) with the job's loss. True means
+        shut down."""
+        tally = self.open_plan(plan)
+        if tally is None:
+            return False
         job = self.job
         model, optimizer, feed = self.model, self.optimizer, self.feed
         clip = job.max_grad_norm
-
-        def picks_of(index: int) -> list[int] | None:
-            # Re-read at every call: ExtendPartition grows the plan mid-way.
-            return control.batch_picks(index) if index < control.num_batches else None
-
-        feed.begin(picks_of)
-        publish = self.publish
         model.train()
-        loss_sum = compute_ms_total = data_ms_total = 0.0
-        done = finite_done = 0
         _active.loop = self
         try:
-            # The bound is re-read every iteration: ExtendPartition grows it mid-plan.
-            while done < control.num_batches:
+            while self.plan_left(tally):
                 t0 = time.perf_counter()
-                batch = feed.get(done)
+                batch = feed.get(tally.done)
                 t1 = time.perf_counter()
-                scheduled = job.lr(control.lr_position, self.planned_steps)
+                scheduled = job.lr(self.control.lr_position, self.planned_steps)
                 if scheduled is None:
                     lr = self.own_lr if self.own_lr is not None else 0.0
                 else:
@@ -292,50 +374,18 @@ class RankLoop:
                 # only, the backward keeps the device busy) and before the step, so a
                 # non-finite loss never reaches the parameters.
                 loss_value = float(loss.detach())
-                finite = math.isfinite(loss_value)
-                if finite:
+                if math.isfinite(loss_value):
                     if clip is not None:
                         nn.utils.clip_grad_norm_(model.parameters(), clip)
                     optimizer.step()
                 else:
-                    self._nonfinite(loss_value, plan, done)
+                    self._nonfinite(loss_value, plan, tally.done)
                 t2 = time.perf_counter()
-                data_ms, compute_ms = (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
-                data_ms_total += data_ms
-                compute_ms_total += compute_ms
-                if finite:
-                    loss_sum += loss_value
-                    finite_done += 1
-                done += 1
-                if obs is not None:
-                    obs.before()
-                batch_msg, lr_msg = control.step_done(loss_value, compute_ms, data_ms, lr)
-                if obs is not None:
-                    obs.stepped((loss_value, compute_ms, data_ms, lr), (batch_msg, lr_msg))
-                publish(batch_msg)
-                if lr_msg is not None:
-                    publish(lr_msg)
-                if self.handle_control():
+                if self.step_trained(tally, loss_value, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0, lr):
                     return True
         finally:
             _active.loop = None
-
-        n = control.num_batches
-        self.publish(
-            MetricsMsg(
-                rank=self.rank,
-                epoch=plan.epoch,
-                avg_loss=loss_sum / finite_done if finite_done else math.nan,
-                batches_processed=n,
-                epoch_ms=(time.perf_counter() - start) * 1000.0,
-                samples_processed=n * control.batch_size,
-                share_complete_ms=compute_ms_total + data_ms_total,
-                compute_only_ms=compute_ms_total,
-                data_starve_ms=data_ms_total,
-                scalars=self._drain_scalars(),
-                resources=sample_resources(_device_of(model)),
-            )
-        )
+        self.close_plan(tally)
         return False
 
     def _nonfinite(self, loss_value: float, plan: EpochPlan, index: int) -> None:
@@ -372,60 +422,71 @@ class RankLoop:
             )
         )
 
+    def next_plan(self) -> EpochPlan | None:
+        """The next plan to train, once the core holds one; the epoch callback fires at
+        each epoch change (once per transition, not per chunk). None means shut down."""
+        plan = self.wait_for_epoch_plan()
+        if plan is not None and plan.epoch != self._last_epoch_fired:
+            self._last_epoch_fired = plan.epoch
+            self._fire_epoch_fn(plan.epoch)
+        return plan
+
+    def note_failure(self, exc: BaseException) -> None:
+        """Why the rank leaves, from what its training raised: the job's (or script's)
+        own code is a job failure, which stops the run; anything else is the rank's."""
+        if isinstance(exc, JobError):
+            self.failure = leaving.reason(leaving.JOB_FAILED, exc.line)
+        else:
+            self.failure = leaving.reason(
+                leaving.RANK_FAILED, f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
+            )
+
     def run_until_shutdown(self) -> bool:
         """The rank's main loop (reference §3.2). True on a clean completion, the only
         case that reports Exiting; an exception propagates after the teardown."""
         clean = False
-        last_epoch_fired: int | None = None
         try:
-            while True:
-                plan = self.wait_for_epoch_plan()
-                if plan is None:
-                    break
-                if plan.epoch != last_epoch_fired:
-                    # Once per epoch transition, not per chunk.
-                    last_epoch_fired = plan.epoch
-                    self._fire_epoch_fn(plan.epoch)
+            while (plan := self.next_plan()) is not None:
                 if self.run_epoch_plan(plan):
                     break
             clean = True
-        except JobError as exc:
-            self.failure = leaving.reason(leaving.JOB_FAILED, exc.line)
-            raise
         except Exception as exc:
-            self.failure = leaving.reason(
-                leaving.RANK_FAILED, f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)
-            )
+            self.note_failure(exc)
             raise
         finally:
-            try:
-                self.drain_pending_shutdown()
-            except Exception:
-                _log.exception("teardown_drain_failed", rank=self.rank)
-            if not clean:
-                # An error exit may leave a collective in flight that peers are parked in.
-                try:
-                    self.control.params.abort()
-                except Exception:
-                    _log.exception("teardown_abort_failed", rank=self.rank)
-            try:
-                self.feed.close()
-            except Exception:
-                _log.exception("feed_close_failed", rank=self.rank)
-            if self.final_snapshot is not None:
-                try:
-                    self.final_snapshot()
-                except Exception:
-                    _log.exception("final_snapshot_failed", rank=self.rank)
-            if self.failure is None and self.failure_of is not None:
-                self.failure = self.failure_of()
-            if self.failure is not None:
-                # Said upstream so the coordinator acts now (stops the run on a job
-                # failure, declares the rank dead otherwise), not at a heartbeat timeout.
-                self.publish(Exiting(rank=self.rank, reason=self.failure))
-            elif clean:
-                self.publish(Exiting(rank=self.rank))
+            self.teardown(clean)
         return clean
+
+    def teardown(self, clean: bool) -> None:
+        """The rank's last acts, whatever ended its training: a queued save is written,
+        an unclean exit aborts the collectives peers may be parked in, and ``Exiting``
+        says upstream why the rank leaves (nothing when it was cut short otherwise)."""
+        try:
+            self.drain_pending_shutdown()
+        except Exception:
+            _log.exception("teardown_drain_failed", rank=self.rank)
+        if not clean:
+            try:
+                self.control.params.abort()
+            except Exception:
+                _log.exception("teardown_abort_failed", rank=self.rank)
+        try:
+            self.feed.close()
+        except Exception:
+            _log.exception("feed_close_failed", rank=self.rank)
+        if self.final_snapshot is not None:
+            try:
+                self.final_snapshot()
+            except Exception:
+                _log.exception("final_snapshot_failed", rank=self.rank)
+        if self.failure is None and self.failure_of is not None:
+            self.failure = self.failure_of()
+        if self.failure is not None:
+            # Said upstream so the coordinator acts now (stops the run on a job
+            # failure, declares the rank dead otherwise), not at a heartbeat timeout.
+            self.publish(Exiting(rank=self.rank, reason=self.failure))
+        elif clean:
+            self.publish(Exiting(rank=self.rank))
 
 
 def _device_of(model: nn.Module) -> torch.device:

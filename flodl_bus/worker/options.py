@@ -18,6 +18,10 @@ PROG = "flodl-bus worker"
 MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 DEFAULT_MODE = "nccl-cadence"
 DEFAULT_JOB = "flodl_bus.examples.digits:job"
+#: A training script started as a rank (``flodl-bus up --script``) finds its worker
+#: command line here, as a JSON list of flags: its ``flodl_bus.Rank`` joins the run with
+#: them exactly as ``flodl-bus worker`` would (the script's own argv stays its own).
+ENV_WORKER_ARGV = "FLODL_BUS_WORKER_ARGV"
 
 
 def parser() -> argparse.ArgumentParser:

@@ -120,161 +120,213 @@ def run_rank(
     teardown, but the run is lost); 1 when training failed; 128 + N when signal N
     (``stop``) made the rank leave mid-run (it said so upstream first).
     """
-    rank = bus.rank
-    runtimes: list[RankRuntime] = []
-
-    def on_stop(signum: int, _nth: int) -> None:
-        # Before the runtime runs, the signal is only noted: it is acted on right after
-        # ``runtime.start`` (building the model is bounded; the record must be closed).
-        for rt in runtimes:
-            rt.leave(signal_name(signum))
-
-    if stop is not None:
-        stop.call_on_stop(on_stop)
-    if params_factory is None and options.world_size != 1:
-        raise ValueError(
-            "a world of more than one rank needs a param plane; pass params_factory "
-            "(LocalParams only averages a world of one)"
-        )
-    # Before any of the job's code runs: it may read them (torchrun's convention).
-    set_rank_env(rank, options.world_size)
-    threads = options.threads or thread_share(os.environ, usable_cores())
-    if threads is not None:
-        torch.set_num_threads(threads)
-    feed_options = options.feed if options.feed is not None else FeedOptions.from_env()
-    torch.manual_seed(job.seed)
-    device = torch.device(options.device)
-    if device.type == "cuda":
-        # NCCL binds a communicator to the current device; set it before any group forms.
-        torch.cuda.set_device(device)
-    try:
-        model = call_job("build_model", job.build_model).to(device)
-        optimizer = call_job("build_optimizer", job.build_optimizer, model)
-        # As built: a resume below loads the saved (already scaled) LR into the groups.
-        base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        train_data = check_train_data(call_job("train_data", job.train_data))
-        eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
-        lr_said = _lr_said(job, base_lrs, options, len(train_data))
-    except JobError as exc:
-        return _failed_before_start(bus, rank, exc)
-    if options.resume is not None:
-        # Before the param plane exists: it may take the model's values as they are.
-        try:
-            restore_model(options.resume, model)
-        except ValueError as exc:
-            return _refused(bus, rank, f"--resume: {exc}")
-
-    recording = None
-    if options.record_dir is not None:
-        from flodl_bus.worker.recording import RankRecording
-
-        recording = RankRecording(options.record_dir, rank)
-        bus = recording.bus(bus)
-
-    inbox = Inbox()
-    if params_factory is None:
-        params: ParamPort = LocalParams(model, rank=rank, inject=inbox.put, publish=bus.publish)
-    else:
-        params = params_factory(model, inbox.put, bus.publish)
-    if hasattr(params, "reset_inner"):
-        # DiLoCo: an outer optimizer that resets the inner one does it after each
-        # adopted consensus; the plane owns the round, the rank owns the optimizer.
-        params.reset_inner = lambda: reset_optimizer_state(optimizer)
-    if options.resume is not None:
-        try:
-            restore_rank_state(options.resume, rank, optimizer, params)
-        except ValueError as exc:
-            close_params = getattr(params, "close", None)
-            if callable(close_params):
-                close_params()
-            return _refused(bus, rank, f"--resume: {exc}")
-    raw_params = params
-    model_port: ModelPort = TorchModelPort(
-        rank=rank,
-        model=model,
-        optimizer=optimizer,
-        eval_fn=job.eval_fn,
-        eval_data=eval_data,
-        checkpoint_fn=_checkpoint_fn(job, options.save_path),
-        save_path=options.save_path,
-        consensus=params if isinstance(params, ConsensusSource) else None,
-        params=params,
-        writer_role=lambda: control.epoch_callback_role,
-    )
-    clock: Callable[[], float] = time.perf_counter
-    if recording is not None:
-        # Recording wraps the ports; the core is the plain one (replay drives another).
-        recorded_model = recording.model(model_port)
-        model_port = recorded_model
-        recording.header(
-            **dict(options.record_header),
-            world_size=options.world_size,
-            batch_size=job.batch_size,
-            pick_space=len(train_data),
-            seed=options.shuffle_seed,
-            splits=options.epoch_splits,
-            model=recorded_model.capabilities(),
-            lr=lr_said,
-            plans_wait_for_update=options.plans_wait_for_update,
-        )
-        params = recording.params(params)
-        clock = recording.clock(clock)
-    control = WorkerControl(
-        rank=rank,
-        params=params,
-        batch_size=job.batch_size,
-        pick_space=len(train_data),
-        clock=clock,
-        model=model_port,
-        seed=options.shuffle_seed,
-        splits=options.epoch_splits,
-        plans_wait_for_update=options.plans_wait_for_update,
-    )
-    observer = None if recording is None else recording.observer(control, inbox)
-    feed = make_feed(train_data, device, feed_options, seed=job.seed + rank)
-    hooks = JobHooks(job, rank, lambda: control.epoch_callback_role)
-    loop = RankLoop(
-        job=job,
-        control=control,
-        inbox=inbox,
-        publish=bus.publish,
-        model=model,
-        optimizer=optimizer,
-        train_data=train_data,
-        feed=feed,
-        lr_scale=options.lr_scale,
-        base_lrs=base_lrs,
-        planned_epochs=options.epochs,
-        epoch_fn=_bound_epoch_fn(job, model),
-        observer=observer,
-        # The cpu averaging thread's failure (no caller to raise to); read at teardown.
-        failure_of=lambda: getattr(params, "failure", None),
-        on_dispatched=hooks.dispatched if hooks.wanted else None,
-    )
-    runtime = RankRuntime(
-        bus=bus, inbox=inbox, params=params, world_size=options.world_size, config=options.runtime
-    )
-    if options.announce is not None:
-        options.announce(_lr_line(rank, lr_said))
-    runtime.start()
-    runtimes.append(runtime)
-    if stop is not None and stop.signum is not None:
-        runtime.leave(signal_name(stop.signum))
-    # The model, the data and the imports are built: out of the collector's view with
-    # them, or each full collection stalls the training and reader threads for ms
-    # (``bus.stream_ops.settle_heap``).
-    gc.freeze()
+    session = RankSession(job, bus, options, params_factory, stop)
+    refused = session.open()
+    if refused is not None:
+        return refused
     clean = False
-    # The job's request_eval/request_checkpoint, called on this (the training) thread.
-    bind_intent_sink(rank, bus.publish)
     try:
-        clean = loop.run_until_shutdown()
+        clean = session.loop.run_until_shutdown()
     except Exception as exc:
         # The loop already tore down in order and said why upstream (``Exiting`` with
         # ``loop.failure``); one line here, the traceback only in the record and at debug.
-        _log_failure(rank, loop.failure or repr(exc), exc, recording)
-        clean = False
+        session.failed(exc)
     finally:
+        code = session.close(clean)
+    return code
+
+
+class RankSession:
+    """One rank between its setup and its exit code; who trains in between is the
+    caller's: the job's loop (``run_rank``) or a script's own (``worker.script``).
+
+    ``open`` builds the model, the param plane, the core, the loop and the threads;
+    ``close`` tears them down in order and says the exit code (``run_rank``'s).
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        bus: RankBus,
+        options: RankOptions,
+        params_factory: ParamsFactory | None = None,
+        stop: StopSignals | None = None,
+    ) -> None:
+        if params_factory is None and options.world_size != 1:
+            raise ValueError(
+                "a world of more than one rank needs a param plane; pass params_factory "
+                "(LocalParams only averages a world of one)"
+            )
+        self.job = job
+        self.bus = bus
+        self.options = options
+        self.params_factory = params_factory
+        self.stop = stop
+        self.rank = bus.rank
+        self.runtimes: list[RankRuntime] = []
+        self.recording: Any = None
+        if stop is not None:
+            stop.call_on_stop(self._on_stop)
+
+    def _on_stop(self, signum: int, _nth: int) -> None:
+        # Before the runtime runs, the signal is only noted: it is acted on right after
+        # ``runtime.start`` (building the model is bounded; the record must be closed).
+        for rt in self.runtimes:
+            rt.leave(signal_name(signum))
+
+    def open(self) -> int | None:
+        """Set the rank up and start its threads; an exit code when it cannot start (the
+        job's builder raised, a resume that does not fit), said upstream already."""
+        job, bus, options, rank = self.job, self.bus, self.options, self.rank
+        # Before any of the job's code runs: it may read them (torchrun's convention).
+        set_rank_env(rank, options.world_size)
+        threads = options.threads or thread_share(os.environ, usable_cores())
+        if threads is not None:
+            torch.set_num_threads(threads)
+        feed_options = options.feed if options.feed is not None else FeedOptions.from_env()
+        torch.manual_seed(job.seed)
+        device = torch.device(options.device)
+        if device.type == "cuda":
+            # NCCL binds a communicator to the current device; set it before any group forms.
+            torch.cuda.set_device(device)
+        try:
+            model = call_job("build_model", job.build_model).to(device)
+            optimizer = call_job("build_optimizer", job.build_optimizer, model)
+            # As built: a resume below loads the saved (already scaled) LR into the groups.
+            base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+            train_data = check_train_data(call_job("train_data", job.train_data))
+            eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
+            lr_said = _lr_said(job, base_lrs, options, len(train_data))
+        except JobError as exc:
+            return _failed_before_start(bus, rank, exc)
+        if options.resume is not None:
+            # Before the param plane exists: it may take the model's values as they are.
+            try:
+                restore_model(options.resume, model)
+            except ValueError as exc:
+                return _refused(bus, rank, f"--resume: {exc}")
+
+        recording = None
+        if options.record_dir is not None:
+            from flodl_bus.worker.recording import RankRecording
+
+            recording = RankRecording(options.record_dir, rank)
+            bus = recording.bus(bus)
+        self.recording = recording
+
+        inbox = Inbox()
+        if self.params_factory is None:
+            params: ParamPort = LocalParams(model, rank=rank, inject=inbox.put, publish=bus.publish)
+        else:
+            params = self.params_factory(model, inbox.put, bus.publish)
+        if hasattr(params, "reset_inner"):
+            # DiLoCo: an outer optimizer that resets the inner one does it after each
+            # adopted consensus; the plane owns the round, the rank owns the optimizer.
+            params.reset_inner = lambda: reset_optimizer_state(optimizer)
+        if options.resume is not None:
+            try:
+                restore_rank_state(options.resume, rank, optimizer, params)
+            except ValueError as exc:
+                close_params = getattr(params, "close", None)
+                if callable(close_params):
+                    close_params()
+                return _refused(bus, rank, f"--resume: {exc}")
+        self.raw_params = params
+        model_port: ModelPort = TorchModelPort(
+            rank=rank,
+            model=model,
+            optimizer=optimizer,
+            eval_fn=job.eval_fn,
+            eval_data=eval_data,
+            checkpoint_fn=_checkpoint_fn(job, options.save_path),
+            save_path=options.save_path,
+            consensus=params if isinstance(params, ConsensusSource) else None,
+            params=params,
+            writer_role=lambda: control.epoch_callback_role,
+        )
+        clock: Callable[[], float] = time.perf_counter
+        if recording is not None:
+            # Recording wraps the ports; the core is the plain one (replay drives another).
+            recorded_model = recording.model(model_port)
+            model_port = recorded_model
+            recording.header(
+                **dict(options.record_header),
+                world_size=options.world_size,
+                batch_size=job.batch_size,
+                pick_space=len(train_data),
+                seed=options.shuffle_seed,
+                splits=options.epoch_splits,
+                model=recorded_model.capabilities(),
+                lr=lr_said,
+                plans_wait_for_update=options.plans_wait_for_update,
+            )
+            params = recording.params(params)
+            clock = recording.clock(clock)
+        self.params = params
+        control = WorkerControl(
+            rank=rank,
+            params=params,
+            batch_size=job.batch_size,
+            pick_space=len(train_data),
+            clock=clock,
+            model=model_port,
+            seed=options.shuffle_seed,
+            splits=options.epoch_splits,
+            plans_wait_for_update=options.plans_wait_for_update,
+        )
+        observer = None if recording is None else recording.observer(control, inbox)
+        feed = make_feed(train_data, device, feed_options, seed=job.seed + rank)
+        hooks = JobHooks(job, rank, lambda: control.epoch_callback_role)
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.loop = RankLoop(
+            job=job,
+            control=control,
+            inbox=inbox,
+            publish=bus.publish,
+            model=model,
+            optimizer=optimizer,
+            train_data=train_data,
+            feed=feed,
+            lr_scale=options.lr_scale,
+            base_lrs=base_lrs,
+            planned_epochs=options.epochs,
+            epoch_fn=_bound_epoch_fn(job, model),
+            observer=observer,
+            # The cpu averaging thread's failure (no caller to raise to); read at teardown.
+            failure_of=lambda: getattr(params, "failure", None),
+            on_dispatched=hooks.dispatched if hooks.wanted else None,
+        )
+        runtime = RankRuntime(
+            bus=bus,
+            inbox=inbox,
+            params=params,
+            world_size=options.world_size,
+            config=options.runtime,
+        )
+        if options.announce is not None:
+            options.announce(_lr_line(rank, lr_said))
+        runtime.start()
+        self.runtime = runtime
+        self.runtimes.append(runtime)
+        if self.stop is not None and self.stop.signum is not None:
+            runtime.leave(signal_name(self.stop.signum))
+        # The model, the data and the imports are built: out of the collector's view with
+        # them, or each full collection stalls the training and reader threads for ms
+        # (``bus.stream_ops.settle_heap``).
+        gc.freeze()
+        # The job's request_eval/request_checkpoint, called on this (the training) thread.
+        bind_intent_sink(rank, bus.publish)
+        return None
+
+    def failed(self, exc: BaseException) -> None:
+        """Training raised (after the loop's teardown): one console line, the traceback
+        in the record."""
+        _log_failure(self.rank, self.loop.failure or repr(exc), exc, self.recording)
+
+    def close(self, clean: bool) -> int:
+        """Tear the rank down after its loop's own teardown; the exit code."""
+        options, rank, runtime, loop = self.options, self.rank, self.runtime, self.loop
+        stop, recording = self.stop, self.recording
         unbind_intent_sink()
         # Back into the collector's view: what is frozen is never collected, so a
         # process group caught in a cycle would outlive the interpreter and gloo's
@@ -282,7 +334,7 @@ def run_rank(
         gc.unfreeze()
         # The param plane first: its averaging thread may still publish a round's
         # SyncAck, which needs the bus the runtime closes.
-        close_params = getattr(params, "close", None)
+        close_params = getattr(self.params, "close", None)
         if callable(close_params):
             close_params()
         _close_users_process_group(rank)
@@ -303,7 +355,7 @@ def run_rank(
             # run needs besides that model (the rank is idle, so this is its state at
             # the saved consensus).
             try:
-                save_rank_state(options.save_path, rank, optimizer, raw_params)
+                save_rank_state(options.save_path, rank, self.optimizer, self.raw_params)
             except Exception as exc:
                 structlog.get_logger("flodl_bus.worker").error(
                     "rank_state_not_saved", rank=rank, error=repr(exc)
@@ -314,7 +366,7 @@ def run_rank(
                 "end", exit_code=code, clean=clean, left=runtime.left, failure=loop.failure
             )
             recording.close()
-    return code
+        return code
 
 
 def _log_failure(rank: int, why: str, exc: BaseException | None, recording: Any) -> None:

@@ -29,7 +29,8 @@ HOOKS = ["--run", "r1", "--job", "tests.e2e.jobs:hooks_job", "--world-size", "2"
     [
         ([*BASE, "--mode", "nccl-async"], "use cpu-async, or nccl-cadence"),
         ([*BASE, "--mode", "gpu-sync"], "expected one of"),
-        (["--run", "r1", "--world-size", "2"], "required: --job"),
+        (["--run", "r1", "--world-size", "2"], "one of the arguments --job --script is required"),
+        ([*BASE, "--script", "train.py"], "argument --script: not allowed with argument --job"),
         ([*BASE, "--log-level", "LOUD"], "invalid choice: 'loud'"),
         (["--run", "r1", "--job", "flodl_bus.examples.digits:job"], "give --world-size N"),
         (["--run", "bad run!", *BASE[2:]], "--run"),

@@ -241,6 +241,29 @@ def tiles(ranges: Sequence[Range], space: Sequence[Range]) -> bool:
     return sorted(got) == sorted(want) and len(set(got)) == len(got)
 
 
+def assert_each_sample_once(run_dir: Path, ranks: int, epochs: int, why: str = "") -> None:
+    """Every sample of each batch-aligned epoch trained exactly once: the ranks' own
+    counts add up to the epoch, and what each rank was sent tiles the epoch, each rank
+    having trained exactly what it was sent."""
+    from flodl_bus.coordinator.config import CoordinatorConfig
+
+    recs = records(run_dir)
+    cfg = CoordinatorConfig(
+        **{k: v for k, v in header(recs)["config"].items() if k != "max_failure"}
+    )
+    epoch_size = cfg.epoch_batches(0) * cfg.batch_size
+    rows = metrics_rows(run_dir)
+    assert [int(r["epoch"]) for r in rows] == list(range(epochs)), why
+    plans = sent_plans(recs)
+    for row in rows:
+        e = int(row["epoch"])
+        trained = epoch_samples(row, ranks)
+        assert sum(trained) == epoch_size, (e, trained)
+        per_rank = plans[e]
+        assert tiles([rng for r in per_rank for rng in per_rank[r]], [(0, epoch_size)]), e
+        assert trained == [sum(s for _, s in per_rank.get(r, [])) for r in range(ranks)], e
+
+
 def header(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     assert recs and recs[0]["event"] == "run", "the record does not start with its header"
     return recs[0]

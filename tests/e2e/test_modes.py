@@ -12,15 +12,12 @@ from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.replay import replay_run
 from tests.e2e.harness import (
     Cluster,
-    epoch_samples,
+    assert_each_sample_once,
     final_metric,
     header,
-    metrics_rows,
     new_run_id,
     received,
     records,
-    sent_plans,
-    tiles,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -57,21 +54,7 @@ def test_mode_trains_digits_past_target_each_sample_once_and_shuts_down_clean(
         **{k: v for k, v in header(recs)["config"].items() if k != "max_failure"}
     )
     assert (cfg.mode, cfg.world_size, cfg.num_epochs) == (mode, ranks, EPOCHS)
-    epoch_size = cfg.epoch_batches(0) * cfg.batch_size
-
-    # Every sample of each batch-aligned epoch trained exactly once: the ranks' own
-    # counts add up to the epoch, and what each rank was sent tiles the epoch, each rank
-    # having trained exactly what it was sent.
-    rows = metrics_rows(run_dir)
-    assert [int(r["epoch"]) for r in rows] == list(range(EPOCHS)), cluster.tails()
-    plans = sent_plans(recs)
-    for row in rows:
-        e = int(row["epoch"])
-        trained = epoch_samples(row, ranks)
-        assert sum(trained) == epoch_size, (e, trained)
-        per_rank = plans[e]
-        assert tiles([rng for r in per_rank for rng in per_rank[r]], [(0, epoch_size)]), e
-        assert trained == [sum(s for _, s in per_rank.get(r, [])) for r in range(ranks)], e
+    assert_each_sample_once(run_dir, ranks, EPOCHS, cluster.tails())
     assert not [r for r in recs if r.get("event") == "send_failed"]
 
     # Clean shutdown: every rank said Exiting, after the coordinator's Shutdown.
