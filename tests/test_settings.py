@@ -220,8 +220,7 @@ def test_a_run_file_holds_the_launch_keys_too_and_the_knobs_skip_them(tmp_path: 
 
 
 def test_up_takes_the_launch_keys_of_its_run_file_and_a_flag_beats_them(tmp_path: Path) -> None:
-    from flodl_bus.launch.up import _launch_keys_from_file
-    from flodl_bus.launch.up_args import _parser
+    from flodl_bus.launch.up_args import _launch_keys_from_file, _parser
 
     path = tmp_path / "run.toml"
     path.write_text('mode = "cpu-sync"\nworkers = 3\nepochs = 4\n')

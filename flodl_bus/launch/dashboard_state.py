@@ -265,13 +265,13 @@ class DashboardState:
         status = meta.get("status", "unknown") if meta else "unknown"
         live = status in LIVE_STATUSES
         world = self._world()
-        rank_epoch = _json_list(meta.get("rank_epoch"))
-        window = _json_list(meta.get("counts"))
-        heard = _json_list(meta.get("heard_s"))
+        rank_epoch = json_list(meta.get("rank_epoch"))
+        window = json_list(meta.get("counts"))
+        heard = json_list(meta.get("heard_s"))
         state_at = _float(meta.get("state_at"))
         state_age = None if state_at is None else max(0.0, now_ms / 1000 - state_at)
-        dead = set(_json_list(meta.get("dead")))
-        exited = set(_json_list(meta.get("exited")))
+        dead = set(json_list(meta.get("dead")))
+        exited = set(json_list(meta.get("exited")))
         last_row = self._epochs[max(self._epochs)][1] if self._epochs else None
         ranks = []
         for r in range(world):
@@ -367,7 +367,8 @@ def _float(raw: str | None) -> float | None:
         return None
 
 
-def _json_list(raw: str | None) -> list[Any]:
+def json_list(raw: str | None) -> list[Any]:
+    """A JSON list field of the run's meta; anything else (absent, damaged) is empty."""
     try:
         got = json.loads(raw or "[]")
     except ValueError:

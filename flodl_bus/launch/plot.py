@@ -21,6 +21,26 @@ CSV_FIELDS = (
 )  # fmt: skip
 
 
+def write_outputs(
+    run_dir: Path, view: RunView, rows: Sequence[EpochRow], title: str, *, plot: bool
+) -> None:
+    """``up``'s files at a run's end: ``metrics.csv`` where the coordinator left none, and
+    ``plot.png``; a plot that cannot be drawn is said on the console, never a failure."""
+    if rows and not (run_dir / "metrics.csv").exists():
+        write_rows_csv(run_dir / "metrics.csv", rows, view.world_size)
+    if not plot:
+        return
+    try:
+        write_plot(run_dir / "plot.png", view, rows, title)
+    except ModuleNotFoundError as exc:
+        print(
+            f"flodl-bus up: plot not written: {exc.name} is not installed "
+            "(pip install 'flodl_bus[plot]', or --no-plot)"
+        )
+    except Exception as exc:  # a plot must never turn a good run into a failed one
+        print(f"flodl-bus up: plot not written ({type(exc).__name__}: {exc})")
+
+
 def write_rows_csv(path: Path, rows: Sequence[EpochRow], world_size: int) -> None:
     """The epoch table as CSV (used when the coordinator left no metrics.csv)."""
     thru = [f"samples_per_s_r{r}" for r in range(world_size)]

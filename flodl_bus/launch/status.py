@@ -33,6 +33,7 @@ from flodl_bus.bus.entries import F_TYPE
 from flodl_bus.bus.ids import parse_id
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.tail import RunUnavailable, open_run
+from flodl_bus.launch.dashboard_state import json_list
 from flodl_bus.options import OneLineParser
 
 #: the newest entries of ``up:<r>`` looked at (a rank writes a Batch per step and a
@@ -100,14 +101,14 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
         world = 0
     if world == 0:  # still joining: count the ranks whose streams exist
         world = sum(1 for _ in client.scan_iter(match=keys.up_pattern, count=1000))
-    rank_epoch: list[Any] = _json_list(meta.get("rank_epoch"))
+    rank_epoch: list[Any] = json_list(meta.get("rank_epoch"))
     status = meta.get("status", "unknown")
     live = status in LIVE_STATUSES
     state_at = _float(meta.get("state_at"))
     state_age = None if state_at is None else max(0.0, now_ms / 1000 - state_at)
-    heard = _json_list(meta.get("heard_s")) if state_age is not None else []
-    dead, exited = set(_json_list(meta.get("dead"))), set(_json_list(meta.get("exited")))
-    resources = _json_list(meta.get("resources"))
+    heard = json_list(meta.get("heard_s")) if state_age is not None else []
+    dead, exited = set(json_list(meta.get("dead"))), set(json_list(meta.get("exited")))
+    resources = json_list(meta.get("resources"))
     ranks = []
     for r in range(world):
         info = rank_status(client, keys.up(r), now_ms)
@@ -150,14 +151,6 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
         "dead_letters": int(client.xlen(keys.dlq)),
         "ranks": ranks,
     }
-
-
-def _json_list(raw: str | None) -> list[Any]:
-    try:
-        got = json.loads(raw or "[]")
-    except ValueError:
-        return []
-    return got if isinstance(got, list) else []
 
 
 def _float(raw: str | None) -> float | None:

@@ -39,9 +39,8 @@ from typing import Any
 import orjson
 import redis
 
-from flodl_bus import settings
 from flodl_bus.bus.connection import ENV_URL, connect, redact_url
-from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
 from flodl_bus.bus.server import free_port
 from flodl_bus.coordinator.supervisor import notice as supervisor_notice
@@ -53,7 +52,6 @@ from flodl_bus.exits import (
 )
 from flodl_bus.launch import run_lock
 from flodl_bus.launch.display import Progress, Summary, terminal_width
-from flodl_bus.launch.jobref import check_job_ref
 from flodl_bus.launch.outcome import (
     _row_fields,
     _signals_as_stop,
@@ -63,10 +61,9 @@ from flodl_bus.launch.outcome import (
 )
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.up_args import (
-    MODES,
     _default_run_id,
     _parser,
-    check_script,
+    check_args,
     coordinator_argv,
     job_label,
     script_tail,
@@ -554,23 +551,11 @@ class Launcher:
             for row in self.rows
         ]
         job_name, target_metric = self._job_facts()
-        if self.rows and not (run_dir / "metrics.csv").exists():
-            from flodl_bus.launch.plot import write_rows_csv
-
-            write_rows_csv(run_dir / "metrics.csv", self.rows, view.world_size)
-        if not args.no_plot and (self.rows or view.total_batches):
-            from flodl_bus.launch.plot import write_plot
+        if self.rows or view.total_batches:
+            from flodl_bus.launch.plot import write_outputs
 
             title = f"{self.run}: {job_label(args)} ({args.mode})"
-            try:
-                write_plot(run_dir / "plot.png", view, self.rows, title)
-            except ModuleNotFoundError as exc:
-                print(
-                    f"flodl-bus up: plot not written: {exc.name} is not installed "
-                    "(pip install 'flodl_bus[plot]', or --no-plot)"
-                )
-            except Exception as exc:  # a plot must never turn a good run into a failed one
-                print(f"flodl-bus up: plot not written ({type(exc).__name__}: {exc})")
+            write_outputs(run_dir, view, self.rows, title, plot=not args.no_plot)
         workers = [c for c in self.children if c is not self.coordinator]
         summary = Summary(
             run=self.run,
@@ -627,44 +612,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(given)
     args.script_args = script_args
     started, started_wall = time.monotonic(), time.time()
-    if args.config:
-        try:
-            _launch_keys_from_file(args, given)
-        except (settings.SettingsError, ValueError) as exc:
-            print(f"flodl-bus up: {exc}", file=sys.stderr)
-            return 2
-    if args.workers < 1:
-        print("flodl-bus up: --workers must be at least 1", file=sys.stderr)
-        return 2
-    if args.epochs is not None and args.epochs < 1:
-        print("flodl-bus up: --epochs must be at least 1", file=sys.stderr)
-        return 2
-    if args.tensorboard:
-        from flodl_bus.coordinator.metrics import TensorBoardScalars
-
-        why = TensorBoardScalars.available()
-        if why is not None:
-            print(f"flodl-bus up: {why}", file=sys.stderr)
-            return 2
-    try:
-        knobs = settings.resolve(args)  # a bad flag or --config file fails here, before any start
-    except settings.SettingsError as exc:
-        print(f"flodl-bus up: {exc}", file=sys.stderr)
-        return 2
-    world_wrong = settings.world_mismatch(knobs, args.workers)
-    if world_wrong is not None:
-        print(f"flodl-bus up: {world_wrong}", file=sys.stderr)
-        return 2
-    bad_job = check_script(args) or (None if args.script else check_job_ref(args.job))
-    if bad_job is not None:
-        print(f"flodl-bus up: {bad_job}", file=sys.stderr)
+    wrong = check_args(args, given)
+    if wrong is not None:
+        print(f"flodl-bus up: {wrong}", file=sys.stderr)
         return 2
     run = args.run or _default_run_id()
-    try:
-        RunKeys(run)
-    except InvalidRunId as exc:
-        print(f"flodl-bus up: --run: {exc}", file=sys.stderr)
-        return 2
     try:
         launcher = Launcher(args, run, started, started_wall)
     except run_lock.RunDirBusy as exc:
@@ -685,16 +637,3 @@ def _gpu_likely(device: str) -> bool:
     if visible is not None and visible.strip() in ("", "-1"):
         return False
     return os.path.exists("/dev/nvidiactl")
-
-
-def _launch_keys_from_file(args: Any, given: Sequence[str]) -> None:
-    """``--config``'s launch keys (job, mode, workers, epochs, eval_every, device) for the
-    flags not given: a run can live in one file, and a flag still beats it."""
-    flags = {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
-    for key, value in settings.read_launch(args.config).items():
-        if f"--{key.replace('_', '-')}" in flags or (key == "job" and "--script" in flags):
-            continue
-        if key == "mode" and value not in MODES:
-            choices = ", ".join(MODES)
-            raise ValueError(f"--config {args.config}: mode {value!r}; use one of {choices}")
-        setattr(args, key, value)

@@ -16,7 +16,8 @@ from datetime import datetime
 from pathlib import Path
 
 from flodl_bus import settings
-from flodl_bus.launch.jobref import DEFAULT_JOB
+from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.launch.jobref import DEFAULT_JOB, check_job_ref
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 from flodl_bus.worker.options import ENV_WORKER_ARGV
 
@@ -119,6 +120,56 @@ def check_script(args: argparse.Namespace) -> str | None:
     # Absolute: the coordinator and the ranks find it whatever their working directory.
     args.script = str(Path(args.script).resolve())
     return None
+
+
+def check_args(args: argparse.Namespace, given: Sequence[str]) -> str | None:
+    """Why ``up`` cannot start with these arguments, in one line (without the command's
+    prefix); None when it can. Everything a flag, the ``--config`` file or the job can
+    get wrong fails here, before anything starts."""
+    if args.config:
+        try:
+            _launch_keys_from_file(args, given)
+        except (settings.SettingsError, ValueError) as exc:
+            return str(exc)
+    if args.workers < 1:
+        return "--workers must be at least 1"
+    if args.epochs is not None and args.epochs < 1:
+        return "--epochs must be at least 1"
+    if args.tensorboard:
+        from flodl_bus.coordinator.metrics import TensorBoardScalars
+
+        why = TensorBoardScalars.available()
+        if why is not None:
+            return why
+    try:
+        knobs = settings.resolve(args)
+    except settings.SettingsError as exc:
+        return str(exc)
+    world_wrong = settings.world_mismatch(knobs, args.workers)
+    if world_wrong is not None:
+        return world_wrong
+    bad_job = check_script(args) or (None if args.script else check_job_ref(args.job))
+    if bad_job is not None:
+        return bad_job
+    if args.run is not None:
+        try:
+            RunKeys(args.run)
+        except InvalidRunId as exc:
+            return f"--run: {exc}"
+    return None
+
+
+def _launch_keys_from_file(args: argparse.Namespace, given: Sequence[str]) -> None:
+    """``--config``'s launch keys (job, mode, workers, epochs, eval_every, device) for the
+    flags not given: a run can live in one file, and a flag still beats it."""
+    flags = {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
+    for key, value in settings.read_launch(args.config).items():
+        if f"--{key.replace('_', '-')}" in flags or (key == "job" and "--script" in flags):
+            continue
+        if key == "mode" and value not in MODES:
+            choices = ", ".join(MODES)
+            raise ValueError(f"--config {args.config}: mode {value!r}; use one of {choices}")
+        setattr(args, key, value)
 
 
 def job_label(args: argparse.Namespace) -> str:

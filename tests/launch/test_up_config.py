@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.launch.up import batches_per_rank, check_job_ref, main
+from flodl_bus.launch.jobref import check_job_ref
+from flodl_bus.launch.up import batches_per_rank, main
 
 
 @pytest.mark.parametrize(
