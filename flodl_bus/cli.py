@@ -27,6 +27,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "a live web page of a run (loopback): ranks, gate, rounds, deaths, evals",
     ),
     "replay": ("flodl_bus.replay.cli:main", "replay a recorded run against fresh cores"),
+    "events": (
+        "flodl_bus.replay.events:main",
+        "flodl's timeline of a recorded run: syncs, divergence, anchor, throttles",
+    ),
     "acl": ("flodl_bus.bus.acl:main", "per-run Redis ACL users: create, drop, print rules"),
 }
 
@@ -52,7 +56,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 #: the help's sections, in order; every command is in exactly one (a test checks)
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("train", ("up", "coordinator", "worker")),
-    ("watch and inspect", ("status", "tail", "dashboard", "replay")),
+    ("watch and inspect", ("status", "tail", "dashboard", "replay", "events")),
     ("operate", ("acl",)),
 )
 

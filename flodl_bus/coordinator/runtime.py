@@ -378,7 +378,7 @@ class CoordinatorLoop:
                 try:
                     self.bus.broadcast(o.msg)
                 except Exception as exc:
-                    self._broadcast_failed(o, exc)
+                    self._broadcast_failed(o, exc, now)
                     continue
                 self._observe(o.msg)
             elif isinstance(o, WriteMeta):
@@ -416,7 +416,7 @@ class CoordinatorLoop:
                 if isinstance(o, Send):
                     pending += self._send_failed(o, exc, now)
                 elif isinstance(o, Broadcast):
-                    self._broadcast_failed(o, exc)
+                    self._broadcast_failed(o, exc, now)
             return
         for o in run:
             assert isinstance(o, Send | Broadcast)
@@ -442,7 +442,7 @@ class CoordinatorLoop:
             )
         return more
 
-    def _broadcast_failed(self, o: Broadcast, exc: Exception) -> None:
+    def _broadcast_failed(self, o: Broadcast, exc: Exception, now: float) -> None:
         # Best effort (reference §4.16.3): a broadcast the transport could not write
         # (OOM under noeviction, an ACL refusal) is a lost control message to report,
         # not a reason to abandon the run.
@@ -453,6 +453,12 @@ class CoordinatorLoop:
             error=repr(exc)[:300],
             total=self.broadcasts_failed,
         )
+        if self.rec is not None:
+            # A fact of the run the core never sees: the record keeps it for the
+            # timeline's LostBroadcast (replay skips free-form lines).
+            self.rec.event(
+                "lost_broadcast", control=type(o.msg).__name__, now=now, error=repr(exc)[:300]
+            )
 
     def _observe(self, msg: object) -> None:
         """Console progress and metrics.csv from what the core broadcast."""

@@ -22,6 +22,12 @@ Common to both roles:
     ``{"type": "Update", "local": true, "version", "realized", "tensors"}``).
 ``{"event": <other>, ...}``
     free-form runtime events (membership, reconnects, alerts); replay ignores them.
+    ``{"event": "lost_broadcast", "control", "now", "error"}``: a broadcast the bus
+    refused (the timeline's ``LostBroadcast``).
+
+A coordinator's recorder also folds each core call it records into flodl's timeline
+events (``record.telemetry``) and appends them to ``events.jsonl`` in the same
+directory, so what a watcher reads live is what ``flodl-bus events`` derives later.
 ``{"event": "end", "records", ...}``
     the last line (``DispatchRecorder.end``): without it the record is incomplete.
 
@@ -75,14 +81,16 @@ import itertools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, get_args
+from typing import Any, BinaryIO, Final, get_args
 
+import orjson
 import structlog
 
 from flodl_bus.protocol import wire
-from flodl_bus.protocol.messages import EpochPlan, Update, WireMsg
+from flodl_bus.protocol.messages import EpochPlan, SyncAck, Update, WireMsg
 from flodl_bus.record import log, states
 from flodl_bus.record.log import Recorder
+from flodl_bus.record.telemetry import EVENTS_FILE, LOST_BROADCAST, Timeline
 
 _WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
 _PLAIN: Final = (bool, int, float, str, bytes)
@@ -191,6 +199,7 @@ class DispatchRecorder:
         *,
         compress: bool | None = None,
         deltas: bool | None = None,
+        events: bool | None = None,
     ) -> None:
         self.role = role
         #: core events carry state deltas (``record.states``): the coordinator's, whose
@@ -209,6 +218,13 @@ class DispatchRecorder:
         # next() on itertools.count is atomic under the GIL: the reader and the training
         # thread of a rank share the numbering without a lock.
         self._counter = itertools.count()
+        #: flodl's timeline events as they happen (``record.telemetry``): the coordinator's,
+        #: folded from the very calls recorded here, so they equal a derivation from the
+        #: record; written to ``events.jsonl`` once there is one
+        self.timeline: Timeline | None = (
+            Timeline() if (role == "coordinator" if events is None else events) else None
+        )
+        self._events: BinaryIO | None = None
         if self.rotated_from is not None:
             structlog.get_logger("flodl_bus.record").warning(
                 "record_rotated",
@@ -221,7 +237,11 @@ class DispatchRecorder:
     # ------------------------------------------------------------------ both roles
 
     def header(self, **config: Any) -> None:
-        self._rec.record("run", role=self.role, rank=self.rank, **record_value(config))
+        fields = record_value(config)
+        self._rec.record("run", role=self.role, rank=self.rank, **fields)
+        if self.timeline is not None:
+            cfg = fields.get("config")
+            self.timeline = Timeline(cfg if isinstance(cfg, Mapping) else None)
 
     def dispatch(
         self,
@@ -236,9 +256,10 @@ class DispatchRecorder:
         sender: int | None = None,
         **extra: Any,
     ) -> None:
+        i = next(self._counter)
         self._rec.record_core(
             "dispatch",
-            i=next(self._counter),
+            i=i,
             stream=stream,
             id=entry_id,
             sender=sender,
@@ -248,6 +269,8 @@ class DispatchRecorder:
             out=out,
             **extra,
         )
+        if self.timeline is not None:
+            self._observe("dispatch", i, now, before, after, out, msg, sender)
 
     def _states(
         self, before: Mapping[str, Any], after: Mapping[str, Any], hint: int | None
@@ -267,7 +290,63 @@ class DispatchRecorder:
         if name == "end":
             self.end(**fields)
             return
-        self._rec.record(name, **record_value(fields))
+        values = record_value(fields)
+        self._rec.record(name, **values)
+        if self.timeline is not None and name == LOST_BROADCAST:
+            self._write_events(
+                self.timeline.runtime_event(name, float(values.get("now") or 0.0), values)
+            )
+
+    # ------------------------------------------------------------------ live events
+
+    def _observe(
+        self,
+        event: str,
+        i: int,
+        now: float,
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+        out: Sequence[object],
+        msg: object = None,
+        sender: int | None = None,
+    ) -> None:
+        """The timeline's events of one recorded call. A dispatch with no effect, no
+        anchor or round change and no ``SyncAck`` implies none (``Timeline.core_call`` says the
+        same of its record form): most Batches stop here, before any conversion."""
+        tl = self.timeline
+        assert tl is not None
+        if (
+            not out
+            and event == "dispatch"
+            and type(msg) is not SyncAck
+            and before.get("anchor") == after.get("anchor")
+            and before.get("avg_count") == after.get("avg_count")
+        ):
+            tl.state = after
+            return
+        rmsg = record_value(msg)
+        evs = tl.core_call(
+            event,
+            i,
+            now,
+            before,
+            after,
+            record_value(list(out)),
+            rmsg if isinstance(rmsg, Mapping) else None,
+            sender,
+        )
+        if evs:
+            self._write_events(evs)
+
+    def _write_events(self, evs: Sequence[Mapping[str, Any]]) -> None:
+        if not evs:
+            return
+        if self._events is None:
+            self._events = (self.run_dir / EVENTS_FILE).open("ab")
+        self._events.write(b"".join(orjson.dumps(e) + b"\n" for e in evs))
+        # Decisions only (a few per window): each reaches the OS as it happens, so a
+        # watcher reading the file sees it now, and a crash leaves it behind.
+        self._events.flush()
 
     def end(self, **fields: Any) -> None:
         """The record's closing line (``record.chain``): nothing is recorded after it."""
@@ -302,14 +381,26 @@ class DispatchRecorder:
         ``send_failed`` (with ``rank``, ``msg``), ``declare_dead`` (``rank``),
         ``interrupt``. Replay re-issues each by its event name."""
         rank = extra.get("rank")
+        i = next(self._counter)
         self._rec.record_core(
             event,
-            i=next(self._counter),
+            i=i,
             now=now,
             **self._states(before, after, rank if type(rank) is int else None),
             out=out,
             **extra,
         )
+        if self.timeline is not None:
+            self._observe(
+                event,
+                i,
+                now,
+                before,
+                after,
+                out,
+                extra.get("msg"),
+                rank if type(rank) is int else None,
+            )
 
     # ------------------------------------------------------------------ rank
 
@@ -382,3 +473,6 @@ class DispatchRecorder:
 
     def close(self) -> None:
         self._rec.close()
+        if self._events is not None:
+            self._events.close()
+            self._events = None

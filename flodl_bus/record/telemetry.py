@@ -33,7 +33,8 @@ pre_norms, epoch}``
     alive: flodl writes 0 there), ``d_raw`` their maximum (0 without any), the first
     ack's ``post_norm``; ``k_used`` the steps the window added to ``global_step``,
     ``k_max`` the most steps one rank took in it; ``step`` the new global step;
-    ``epoch`` the epoch in flight (``last_aggregated + 1``). Under NCCL the acks arrive
+    ``epoch`` the epoch in flight (``last_aggregated + 1``, the last one for the final
+    reduce). Under NCCL the acks arrive
     after the close that sent ``SyncNow``, so a close judges the previous round's acks,
     as the core does. ``lambda_raw``/``lambda_ema``: None, as flodl emits them.
 ``GuardTelemetry {epoch, step, values}``
@@ -109,6 +110,9 @@ class Timeline:
         mode = str(cfg.get("mode", ""))
         #: a guard Stable may still move the anchor after a meta nudge (async relax-up)
         self.relaxes = mode.endswith("async") and bool(cfg.get("relax_up"))
+        epochs = cfg.get("num_epochs")
+        #: the last epoch: the final reduce after it aggregated still belongs to it
+        self.last_epoch: int | None = epochs - 1 if type(epochs) is int and epochs > 0 else None
         self.t0: float | None = None
         #: the last state recorded (LostBroadcast counts the live ranks in it)
         self.state: Mapping[str, Any] | None = None
@@ -240,6 +244,8 @@ class Timeline:
         d_raw = max((d for d in deltas if d is not None and d == d), default=0.0)
         step = after.get("global_step")
         epoch = int(before.get("last_aggregated", -1)) + 1
+        if self.last_epoch is not None:
+            epoch = min(epoch, self.last_epoch)
         for o in out:
             if o.get("kind") == "Alert" and o.get("event") == "drift":
                 found = _DRIFT.search(str(o.get("detail", "")))
