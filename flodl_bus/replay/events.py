@@ -67,7 +67,8 @@ def line(ev: Mapping[str, Any]) -> str:
     """One event as a timeline row: ``+12.345s  i=873  SyncEnd  duration_ms=8.6``."""
     where = "-" if ev.get("i") is None else str(ev["i"])
     fields = " ".join(f"{k}={_value(v)}" for k, v in ev.items() if k not in _COMMON)
-    return f"+{ev['elapsed_ms'] / 1e3:10.3f}s  i={where:<7} {ev['kind']:<15} {fields}".rstrip()
+    at = f"+{ev['elapsed_ms'] / 1e3:.3f}s"
+    return f"{at:>12}  i={where:<7} {ev['kind']:<15} {fields}".rstrip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
