@@ -8,7 +8,8 @@
 * **heartbeat**: ``Heartbeat`` every second, independent of training, so a rank parked
   in a collective still looks alive.
 * **session**: hands the latest ``NewNcclSession`` to the param plane off the reader
-  thread (forming a group blocks; the reader must keep reading).
+  thread (forming a group blocks; the reader must keep reading), then to the job's
+  default group (``on_session``), which re-forms over the same survivors.
 
 Publishing upstream is ``RankBus.publish`` (the transport owns the single writer).
 """
