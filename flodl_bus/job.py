@@ -287,6 +287,42 @@ def request_checkpoint() -> None:
     _request(IntentKind.CHECKPOINT_NOW, "request_checkpoint")
 
 
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """torch.distributed's default group as the bus set it up for the job's own code
+    (``--user-group``, on by default): what ``process_group()`` returns."""
+
+    #: this rank's place in the group (``dist.get_rank()``); after a re-form it may
+    #: differ from ``bus_rank``
+    rank: int
+    world_size: int
+    #: ``gloo`` on a CPU, ``nccl`` on a GPU
+    backend: str
+    #: 0 for the group the run started with, one more at each re-form after a death
+    generation: int
+    #: the rank's id in the run (``RANK``), the same for the whole run
+    bus_rank: int
+
+
+#: The default group of this process, set by the rank that formed it (None: none formed
+#: by the bus, e.g. ``--user-group false``, or between a destroy and the next form).
+_group: list[GroupInfo | None] = [None]
+
+
+def bind_process_group(info: GroupInfo | None) -> None:
+    """Record the default group the rank just formed (None: it is gone)."""
+    _group[0] = info
+
+
+def process_group() -> GroupInfo | None:
+    """The default group the bus formed for the job's code, or None when it did not.
+
+    Compare ``generation`` with the one a collective of yours last ran on to see that
+    the group was re-formed after a death (new ranks, smaller world) in between.
+    """
+    return _group[0]
+
+
 def load_job(ref: str) -> Job:
     """Resolve ``MODULE:NAME`` to a Job; a clear one-line error names the fix."""
     module_name, _, attr = ref.partition(":")

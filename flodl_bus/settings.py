@@ -257,6 +257,16 @@ KNOBS: tuple[Knob, ...] = (
         metavar="BOOL",
     ),
     Knob(
+        "user_group",
+        _bool,
+        True,
+        "ranks set up torch.distributed's default group (gloo on CPU, NCCL on GPU) for the "
+        "job's own collectives before its code runs, and re-form it after a death; false: "
+        "the job's code makes its own (true|false)",
+        True,
+        metavar="BOOL",
+    ),
+    Knob(
         "easgd_alpha",
         _float(0.0, 1.0, lo_open=True),
         None,

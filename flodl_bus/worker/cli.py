@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 from torch import nn
@@ -63,8 +63,11 @@ from flodl_bus.worker.options import (
     check,
     parser,
 )
-from flodl_bus.worker.rank import ParamsFactory, RankOptions, run_rank
+from flodl_bus.worker.rank import ParamsFactory, RankOptions, UserGroupFactory, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
+
+if TYPE_CHECKING:
+    from flodl_bus.params.user_group import UserGroup
 
 _T = TypeVar("_T")
 
@@ -116,6 +119,21 @@ def _params_factory(
             inject=inject,
             publish=publish,
         )
+
+    return build
+
+
+def _user_group_factory(url: str, run: str, rank: int, device: str) -> UserGroupFactory:
+    """The rank's default group for the job's code, on a connection of its own (its
+    rendezvous blocks on Redis while the rank's other clients go on)."""
+
+    def build() -> UserGroup:
+        import torch
+
+        from flodl_bus.params.user_group import UserGroup
+
+        client = connect(url, client_name=f"flodl-rank{rank}-user-group", key=RunKeys(run).meta)
+        return UserGroup(client, run, rank, torch.device(device))
 
     return build
 
@@ -388,6 +406,11 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
         # A GPU per rank of this host: torchrun's LOCAL_RANK (the launcher's, else the rank).
         device = _resolve_device(args.device, int(rank_env(rank, world, os.environ)["LOCAL_RANK"]))
         factory = _params_factory(args.redis_url, args.run, rank, world, mode, knobs)
+        user_group = (
+            _user_group_factory(args.redis_url, args.run, rank, device)
+            if knobs["user_group"]
+            else None
+        )
     except JobError as exc:
         # The job's bug, met before the rank reached the run: one line (the same job
         # fails the coordinator the same way, so the run does not start either).
@@ -443,6 +466,7 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
         # rank trains through the round, or waits for its Update where steps taken
         # meanwhile would be overwritten
         plans_wait_for_update=mode == "cpu-cadence" and not _overlaps_rounds(mode, knobs),
+        user_group=user_group,
     )
     return Joined(job=job, bus=bus, options=options, factory=factory, client=client)
 

@@ -18,6 +18,7 @@ from flodl_bus.bus.api import RankBus
 from flodl_bus.exits import CONFIG, FAILED, OK, STOPPED, by_signal
 from flodl_bus.job import Job, JobError, call_job, check_train_data
 from flodl_bus.params.port import ParamPort
+from flodl_bus.params.user_group import UserGroup, UserGroupError
 from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import ControlMsg, Exiting, UpstreamMsg
@@ -37,13 +38,19 @@ from flodl_bus.worker.model_port import (
 )
 from flodl_bus.worker.ports import ModelPort
 from flodl_bus.worker.resume import restore_model, restore_rank_state, save_rank_state
-from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
+from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig, heartbeats_meanwhile
 
 #: Builds the param plane for a rank: (model, inject into the control queue, publish).
 ParamsFactory = Callable[
     [nn.Module, Callable[[ControlMsg], None], Callable[[UpstreamMsg], None]], ParamPort
 ]
 
+
+#: Builds the rank's ``UserGroup`` (torch.distributed's default group for the job's code).
+UserGroupFactory = Callable[[], UserGroup]
+
+#: What torch says when a default group is initialized a second time.
+_TWICE = "default process group twice"
 
 #: The rank stopped in order because the coordinator fell silent (reference §3.12).
 EXIT_COORDINATOR_LOST = STOPPED
@@ -82,6 +89,9 @@ class RankOptions:
     resume: str | None = None
     #: a plan waits for the running round's Update (``WorkerControl``; cpu-cadence)
     plans_wait_for_update: bool = False
+    #: forms torch.distributed's default group before the job's code runs, re-formed
+    #: with the averaging session after a death (``--user-group``); None: the job's own
+    user_group: UserGroupFactory | None = None
 
 
 def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -165,6 +175,7 @@ class RankSession:
         self.rank = bus.rank
         self.runtimes: list[RankRuntime] = []
         self.recording: Any = None
+        self.user_group: UserGroup | None = None
         if stop is not None:
             stop.call_on_stop(self._on_stop)
 
@@ -177,6 +188,12 @@ class RankSession:
     def open(self) -> int | None:
         """Set the rank up and start its threads; an exit code when it cannot start (the
         job's builder raised, a resume that does not fit), said upstream already."""
+        # Heard from while it builds: the coordinator's liveness clock runs from the
+        # world's start, and the default group's rendezvous waits for the slowest peer.
+        with heartbeats_meanwhile(self.bus, self.options.runtime.heartbeat_interval):
+            return self._open()
+
+    def _open(self) -> int | None:
         job, bus, options, rank = self.job, self.bus, self.options, self.rank
         # Before any of the job's code runs: it may read them (torchrun's convention).
         set_rank_env(rank, options.world_size)
@@ -189,6 +206,14 @@ class RankSession:
         if device.type == "cuda":
             # NCCL binds a communicator to the current device; set it before any group forms.
             torch.cuda.set_device(device)
+        if options.user_group is not None:
+            # Before the job's code: its build_model may already use the group.
+            try:
+                user_group = options.user_group()
+                user_group.form(rank, options.world_size)
+            except UserGroupError as exc:
+                return _refused(bus, rank, f"--user-group: {exc}")
+            self.user_group = user_group
         try:
             model = call_job("build_model", job.build_model).to(device)
             optimizer = call_job("build_optimizer", job.build_optimizer, model)
@@ -198,12 +223,14 @@ class RankSession:
             eval_data = call_job("eval_data", job.eval_data) if job.eval_data is not None else None
             lr_said = _lr_said(job, base_lrs, options, len(train_data))
         except JobError as exc:
-            return _failed_before_start(bus, rank, exc)
+            self._close_user_group()
+            return _failed_before_start(bus, rank, self._explained(exc))
         if options.resume is not None:
             # Before the param plane exists: it may take the model's values as they are.
             try:
                 restore_model(options.resume, model)
             except ValueError as exc:
+                self._close_user_group()
                 return _refused(bus, rank, f"--resume: {exc}")
 
         recording = None
@@ -230,6 +257,7 @@ class RankSession:
                 close_params = getattr(params, "close", None)
                 if callable(close_params):
                     close_params()
+                self._close_user_group()
                 return _refused(bus, rank, f"--resume: {exc}")
         self.raw_params = params
         model_port: ModelPort = TorchModelPort(
@@ -302,6 +330,8 @@ class RankSession:
             params=params,
             world_size=options.world_size,
             config=options.runtime,
+            # After the averaging group's: the default group follows it over the survivors.
+            on_session=None if self.user_group is None else self.user_group.reform,
         )
         if options.announce is not None:
             options.announce(_lr_line(rank, lr_said))
@@ -317,6 +347,23 @@ class RankSession:
         # The job's request_eval/request_checkpoint, called on this (the training) thread.
         bind_intent_sink(rank, bus.publish)
         return None
+
+    def _explained(self, exc: JobError) -> JobError:
+        """A job that makes the default group itself, beside the one the bus made: the
+        fix, in the same line (torch only says it was initialized twice)."""
+        if self.user_group is None or _TWICE not in str(exc.__cause__ or ""):
+            return exc
+        better = JobError(
+            f"{exc.line} (the bus set up torch.distributed's default group before the "
+            "job's code ran: drop the job's init_process_group or guard it with "
+            "dist.is_initialized(), or run with --user-group false)"
+        )
+        better.__cause__ = exc.__cause__
+        return better
+
+    def _close_user_group(self) -> None:
+        if self.user_group is not None:
+            self.user_group.close()
 
     def failed(self, exc: BaseException) -> None:
         """Training raised (after the loop's teardown): one console line, the traceback
@@ -337,8 +384,12 @@ class RankSession:
         close_params = getattr(self.params, "close", None)
         if callable(close_params):
             close_params()
-        _close_users_process_group(rank)
         runtime.close()
+        # After the runtime: its session thread (which re-forms the group) has stopped.
+        if self.user_group is not None:
+            self.user_group.close()
+        else:
+            _close_users_process_group(rank)
         if stop is not None and runtime.left is not None:
             assert stop.signum is not None
             code = by_signal(stop.signum)

@@ -8,17 +8,19 @@
 * **heartbeat**: ``Heartbeat`` every second, independent of training, so a rank parked
   in a collective still looks alive.
 * **session**: hands the latest ``NewNcclSession`` to the param plane off the reader
-  thread (forming a group blocks; the reader must keep reading).
+  thread (forming a group blocks; the reader must keep reading), then to the job's
+  default group (``on_session``), which re-forms over the same survivors.
 
 Publishing upstream is ``RankBus.publish`` (the transport owns the single writer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -62,6 +64,34 @@ class RuntimeConfig:
             raise ValueError("read_block_ms must be at least 1")
 
 
+@contextlib.contextmanager
+def heartbeats_meanwhile(bus: RankBus, interval: float) -> Iterator[None]:
+    """Heartbeats from a thread of their own while the rank sets up, before its runtime
+    (and its heartbeat thread) starts: the coordinator's liveness clock runs from the
+    world's start, and building the model, loading the data and the default group's
+    rendezvous (which waits for the slowest peer) may outlast the heartbeat timeout on
+    a loaded host."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        beats = 0
+        while not stop.is_set():
+            beats += 1
+            try:
+                bus.publish(Heartbeat(rank=bus.rank, step_count=beats))
+            except Exception as exc:  # a rank refused at setup closed its bus meanwhile
+                _log.debug("early_heartbeat_failed", rank=bus.rank, error=repr(exc))
+            stop.wait(interval)
+
+    thread = threading.Thread(target=beat, name=f"rank{bus.rank}-early-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 class RankRuntime:
     def __init__(
         self,
@@ -72,6 +102,7 @@ class RankRuntime:
         world_size: int,
         config: RuntimeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_session: Callable[[bytes, int, int], None] | None = None,
     ) -> None:
         self.bus = bus
         self.rank = bus.rank
@@ -80,6 +111,9 @@ class RankRuntime:
         self.world_size = world_size
         self.config = config or RuntimeConfig()
         self._clock = clock
+        #: called with each new session (uid, new rank, new world size) after the param
+        #: plane took it: the job's default group re-forms over the same survivors
+        self._on_session = on_session
         self._stop = threading.Event()
         self._dead_lock = threading.Lock()
         #: the worker-local dead-rank ledger
@@ -301,3 +335,9 @@ class RankRuntime:
                 self.params.new_session(session.uid_bytes, session.new_rank, session.new_world_size)
             except Exception:
                 _log.exception("new_session_failed", rank=self.rank)
+            if self._on_session is not None:
+                try:
+                    self._on_session(session.uid_bytes, session.new_rank, session.new_world_size)
+                except Exception:
+                    # The job's group is lost, not the run: its next collective says so.
+                    _log.exception("user_group_not_reformed", rank=self.rank)

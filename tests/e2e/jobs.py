@@ -168,7 +168,71 @@ def _model_beside_a_default_group() -> nn.Module:
     return digits.build_model()
 
 
-#: builds its model beside a torch.distributed default group of its own
+#: builds its model beside a torch.distributed default group of its own (`--user-group
+#: false`: else the bus made one already)
 default_group_job = dataclasses.replace(
     digits.job, name="digits-default-group", build_model=_model_beside_a_default_group
+)
+
+
+# ------------------------------------------------------- the bus's default group
+
+#: Folder where ``user_group_job`` writes each collective it ran on the default group.
+GROUP_DIR_ENV = "FLODL_TEST_GROUP_DIR"
+
+
+def _sum_of_ranks(where: str) -> None:
+    # Every rank adds its group rank + 1: on a world of W the sum is W(W+1)/2, so a
+    # wrong world or a rank counted twice shows in the number.
+    import torch.distributed as dist
+
+    from flodl_bus.job import process_group
+
+    info = process_group()
+    seen = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(seen)
+    line = {
+        "where": where,
+        "bus_rank": int(os.environ["RANK"]),
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
+        "backend": str(dist.get_backend()),
+        "sum": float(seen),
+        "generation": None if info is None else info.generation,
+        "info_world": None if info is None else info.world_size,
+    }
+    path = os.path.join(os.environ[GROUP_DIR_ENV], f"rank{os.environ['RANK']}.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def _model_on_the_default_group() -> nn.Module:
+    # The group the bus set up is there before the job's first line runs.
+    _sum_of_ranks("build_model")
+    return digits.build_model()
+
+
+_generation_seen = [0]
+
+
+def _loss_after_a_reform(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    from flodl_bus.job import process_group
+
+    # One collective per new generation of the group, at the next step of each
+    # survivor: the re-formed group must work over the survivors alone.
+    info = process_group()
+    if info is not None and info.generation != _generation_seen[0]:
+        _generation_seen[0] = info.generation
+        _sum_of_ranks("after_reform")
+    return _slow_loss(model, batch)
+
+
+#: uses the default group the bus set up: at build_model, and once after each re-form
+user_group_job = dataclasses.replace(
+    slow_job,
+    name="digits-user-group",
+    build_model=_model_on_the_default_group,
+    loss_fn=_loss_after_a_reform,
 )

@@ -387,15 +387,16 @@ def test_gpu_likely_reads_the_device_flag_and_the_visible_devices(
 
 
 def test_the_jobs_own_code_gets_a_default_process_group_from_up(tmp_path: Path) -> None:
-    """Issue 30: ``dist.init_process_group("gloo")`` in a job's own code works under
-    ``up`` as under torchrun (MASTER_ADDR/MASTER_PORT set for every rank), beside the
-    bus's own groups, and every rank ends its run cleanly."""
+    """Issue 30: with ``--user-group false``, ``dist.init_process_group("gloo")`` in a
+    job's own code works under ``up`` as under torchrun (MASTER_ADDR/MASTER_PORT set for
+    every rank), beside the bus's own groups, and every rank ends its run cleanly."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k not in ("FLODL_RUN_SECRET", "MASTER_PORT")}
     env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run(
         [sys.executable, "-m", "flodl_bus.cli", "up", "--no-progress", "--no-plot",
-         "--job", "tests.e2e.jobs:default_group_job", "--workers", "2", "--epochs", "1"],
+         "--job", "tests.e2e.jobs:default_group_job", "--workers", "2", "--epochs", "1",
+         "--user-group", "false"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
