@@ -102,6 +102,27 @@ def dataset_signature(data: TrainData) -> str:
     return hashlib.sha256(kind.encode()).hexdigest()[:16]
 
 
+def model_signature(build: Callable[[], nn.Module]) -> str | None:
+    """What the coordinator compares to refuse a worker that builds another model: a hash
+    of the parameters' and buffers' names, shapes and dtypes, in order. The model is
+    built on the meta device (no memory, no initialisation) with the random state put
+    back, so telling it costs neither the job's RNG stream nor its time; a build that
+    cannot run there (it loads weights, or places tensors itself) has no signature
+    (None), and is not compared."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = build()
+        if not isinstance(model, nn.Module):
+            return None
+        parts = [
+            f"{name}:{tuple(t.shape)}:{t.dtype}"
+            for name, t in (*model.named_parameters(), *model.named_buffers())
+        ]
+    except Exception:
+        return None
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
 def classification_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return nn.functional.cross_entropy(model(x), y)

@@ -170,3 +170,27 @@ def test_the_default_eval_scores_any_map_style_dataset_as_an_array_dataset() -> 
     torch.manual_seed(0)
     model = digits.build_model()
     assert accuracy(model, Rows(), chunk=100) == accuracy(model, arrays, chunk=100)
+
+
+def test_the_model_signature_is_its_names_shapes_and_dtypes_told_without_using_the_rng() -> None:
+    from torch import nn
+
+    from flodl_bus.examples import digits
+    from flodl_bus.job import model_signature
+
+    torch.manual_seed(7)
+    want = torch.rand(3)
+    torch.manual_seed(7)
+    sig = model_signature(digits.job.build_model)  # it seeds the RNG itself
+    assert torch.equal(torch.rand(3), want)
+    assert sig is not None and sig == model_signature(digits.job.build_model)
+    wider = model_signature(lambda: nn.Sequential(nn.Linear(64, 129), nn.Linear(129, 10)))
+    halves = model_signature(lambda: digits.job.build_model().half())
+    assert None not in (wider, halves) and len({sig, wider, halves}) == 3
+
+    def reads_its_weights() -> nn.Module:
+        m = nn.Linear(2, 2)
+        m.weight.detach().numpy()  # not on the meta device: no signature, not a failure
+        return m
+
+    assert model_signature(reads_its_weights) is None

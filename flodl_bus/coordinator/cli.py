@@ -123,6 +123,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         dataset_signature,
         describe_script,
         load_job,
+        model_signature,
     )
     from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
@@ -212,6 +213,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     for key, why in ignored_settings(probe):
         log.warning("setting_ignored", setting=key, mode=args.mode, reason=why)
     sig = dataset_signature(train)
+    model_sig = model_signature(job.build_model)
     run_fields: dict[str, str] = {
         "mode": args.mode,
         "job": job_ref,
@@ -219,6 +221,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         "epochs": str(epochs),
         **settings.to_meta(knobs),
         "dataset_sig": sig,
+        "model_sig": model_sig or "",
         "world_size": "" if args.world_size is None else str(args.world_size),
         "save_path": save_path or "",
         "resume": args.resume or "",
@@ -286,6 +289,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     )
     admission = Admission(
         dataset_sig=sig,
+        model_sig=model_sig,
         world_size=args.world_size,
         min_workers=args.min_workers,
         join_timeout=args.join_timeout,
@@ -300,6 +304,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         min_workers=args.min_workers,
         epochs=epochs,
         dataset_sig=sig,
+        model_sig=model_sig,
         resume=args.resume,
         redis=redact_url(args.redis_url),
     )
@@ -345,6 +350,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         job_name=job.name,
         target_metric=job.target_metric,
         dataset_sig=sig,
+        model_sig=model_sig,
         resume_meta=resume_meta,
         members=[dataclasses.asdict(m) for m in admission.members],
         clock="time.monotonic",

@@ -54,6 +54,7 @@ class Admission:
         world_size: int | None = None,
         min_workers: int | None = None,
         join_timeout: float = 60.0,
+        model_sig: str | None = None,
     ) -> None:
         if world_size is None and min_workers is None:
             raise ValueError("give world_size, min_workers, or both")
@@ -66,6 +67,8 @@ class Admission:
         if join_timeout < 0:
             raise ValueError("join_timeout must be >= 0")
         self.dataset_sig = dataset_sig
+        #: the coordinator's model signature (None: not told, nothing compared)
+        self.model_sig = model_sig
         self.target = world_size
         self.min_workers = min_workers
         self.join_timeout = join_timeout
@@ -106,6 +109,15 @@ class Admission:
                     f"dataset signature {msg.dataset_sig} does not match the coordinator's "
                     f"{self.dataset_sig}: every worker must train the same data (same --job "
                     "and data files)",
+                )
+            ]
+        if None not in (self.model_sig, msg.model_sig) and msg.model_sig != self.model_sig:
+            return [
+                self._refuse(
+                    msg,
+                    f"model signature {msg.model_sig} does not match the coordinator's "
+                    f"{self.model_sig}: every worker must build the same model (same --job "
+                    "and code; parameter names, shapes and dtypes)",
                 )
             ]
         want = msg.requested_rank

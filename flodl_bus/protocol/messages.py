@@ -374,6 +374,9 @@ class Hello:
     #: the worker's fresh X25519 public key (hex): with the coordinator's, it makes the
     #: key only this rank and the coordinator share (``protocol.signing``)
     kx_pub: str = ""
+    #: the model the job builds, as names, shapes and dtypes (``job.model_signature``);
+    #: None where it could not be told (a worker before it, a build that needs a device)
+    model_sig: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,14 @@ from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.exits import CONFIG, by_signal, describe
-from flodl_bus.job import Job, JobError, call_job, check_train_data, dataset_signature
+from flodl_bus.job import (
+    Job,
+    JobError,
+    call_job,
+    check_train_data,
+    dataset_signature,
+    model_signature,
+)
 from flodl_bus.options import ConfigError
 from flodl_bus.params.port import ParamPort
 from flodl_bus.protocol.messages import (
@@ -385,6 +392,7 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
             worker_id=worker_id,
             host=socket.gethostname(),
             dataset_sig=dataset_signature(check_train_data(call_job("train_data", job.train_data))),
+            model_sig=model_signature(job.build_model),
             device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
             kx_pub=kx.pub,

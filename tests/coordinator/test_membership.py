@@ -34,6 +34,17 @@ def test_a_dataset_mismatch_is_refused_at_once_naming_both_signatures() -> None:
     assert adm.joined == 0  # the refused worker holds no slot
 
 
+def test_a_model_mismatch_is_refused_naming_both_and_an_unknown_one_is_not_compared() -> None:
+    adm = Admission(dataset_sig=SIG, world_size=2, model_sig="m0")
+    other = Hello(worker_id="x", host="h", dataset_sig=SIG, model_sig="m1")
+    (out,) = adm.hello(other, 0.0)
+    assert isinstance(out, Reject) and "model signature m1" in out.reason and "m0" in out.reason
+    # a worker before the field, or a build that could not be told: admitted
+    assert adm.hello(Hello(worker_id="a", host="h", dataset_sig=SIG), 0.1) == []
+    same = Hello(worker_id="b", host="h", dataset_sig=SIG, model_sig="m0")
+    assert [type(o) for o in adm.hello(same, 0.2)] == [Assign, Assign]
+
+
 def test_claimed_ranks_are_kept_and_joiners_fill_the_free_ones() -> None:
     adm = Admission(dataset_sig=SIG, world_size=3)
     adm.hello(hello("j1"), 0.0)

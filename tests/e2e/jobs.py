@@ -51,6 +51,16 @@ other_data_job: Job = dataclasses.replace(
 )
 
 
+def _wider_model() -> nn.Module:
+    # Same data, same layers, another hidden width: a worker running other code.
+    return nn.Sequential(nn.Linear(64, 65), nn.ReLU(), nn.Linear(65, 10))
+
+
+other_model_job: Job = dataclasses.replace(
+    digits.job, name="digits-mlp-other-model", build_model=_wider_model
+)
+
+
 def _process_rank() -> int | None:
     """This worker process's ``--rank`` (the tests start ranked workers)."""
     argv = sys.argv

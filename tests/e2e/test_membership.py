@@ -11,6 +11,7 @@ import redis
 
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.examples import digits
+from flodl_bus.job import model_signature
 from flodl_bus.protocol import wire
 from tests.e2e.harness import (
     Cluster,
@@ -22,7 +23,7 @@ from tests.e2e.harness import (
     received,
     records,
 )
-from tests.e2e.jobs import other_data_job
+from tests.e2e.jobs import other_data_job, other_model_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
@@ -95,3 +96,22 @@ def test_a_worker_with_other_training_data_is_refused_naming_both_signatures(
     assert coord.popen.poll() is None, cluster.tails()
     coord.popen.terminate()
     assert cluster.wait([coord], timeout=30) == [143]  # 128 + SIGTERM (README exit codes)
+
+
+def test_a_worker_that_builds_another_model_is_refused_naming_both_signatures(
+    cluster: Cluster,
+) -> None:
+    run = new_run_id("msig")
+    coord = cluster.coordinator(run, "--mode", "cpu-sync", "--world-size", "2")
+    bad = cluster.worker(run, "stranger", "--job", "tests.e2e.jobs:other_model_job")
+    (code,) = cluster.wait([bad], timeout=60)
+    assert code == 2, cluster.tails()
+    theirs = model_signature(digits.job.build_model)
+    mine = model_signature(other_model_job.build_model)
+    assert theirs and mine and theirs != mine
+    *_progress, refusal = bad.output().strip().splitlines()
+    assert refusal.startswith("flodl-bus worker: refused by the coordinator"), refusal
+    assert "model signature" in refusal and mine in refusal and theirs in refusal
+    assert coord.popen.poll() is None, cluster.tails()
+    coord.popen.terminate()
+    assert cluster.wait([coord], timeout=30) == [143]
