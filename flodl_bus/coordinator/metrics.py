@@ -151,6 +151,15 @@ class TensorBoardScalars:
             w.add_scalar("loss", em.avg_loss, e)
         for r, per_ms in enumerate(em.per_rank_throughput):
             w.add_scalar(f"samples_per_s/rank{r}", per_ms * 1000.0, e)  # wire: per ms
+        for r, res in enumerate(em.per_rank_resources):
+            # flodl's resource telemetry, where the rank could read it (None: not shown)
+            for tag, value, scale in (
+                ("rss_mib", None if res is None else res.rss_bytes, 1 / 2**20),
+                ("vram_mib", None if res is None else res.vram_allocated_bytes, 1 / 2**20),
+                ("gpu_util_percent", None if res is None else res.gpu_util_percent, 1.0),
+            ):
+                if value is not None:
+                    w.add_scalar(f"resources/{tag}/rank{r}", value * scale, e)
         w.add_scalar("anchor", anchor, e)
         w.add_scalar("syncs/epoch", max(0, syncs - self._syncs_before), e)
         w.add_scalar("syncs/total", syncs, e)

@@ -117,9 +117,11 @@ def test_tensorboard_scalars_carry_the_consoles_figures_by_epoch(tmp_path: Path)
 
     assert TensorBoardScalars.available() is None
     board = TensorBoardScalars(str(tmp_path / "tb"))
+    res = (ResourceSample(rss_bytes=3 * 2**20), None)  # rank 1 sent no sample
     for e, syncs in ((0, 3), (1, 5)):
         em = EpochMetrics(epoch=e, avg_loss=1.0 / (e + 1), epoch_ms=10.0,
-                          per_rank_throughput=(1.5, 0.5))  # fmt: skip
+                          per_rank_throughput=(1.5, 0.5),
+                          per_rank_resources=res)  # fmt: skip
         board.on_epoch(em, syncs=syncs, anchor=10 * (e + 1))
     board.on_eval(1, 0.93)
     board.close()
@@ -131,3 +133,6 @@ def test_tensorboard_scalars_carry_the_consoles_figures_by_epoch(tmp_path: Path)
     assert got["syncs/epoch"] == [(0, 3.0), (1, 2.0)]
     assert got["syncs/total"] == [(0, 3.0), (1, 5.0)]
     assert got["eval/metric"] == [(1, pytest.approx(0.93))]
+    # a CPU rank's RSS; no VRAM or GPU figure, and nothing for the rank without a sample
+    assert got["resources/rss_mib/rank0"] == [(0, 3.0), (1, 3.0)]
+    assert not [t for t in got if t.startswith("resources/") and t != "resources/rss_mib/rank0"]
