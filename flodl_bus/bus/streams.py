@@ -201,6 +201,8 @@ class RedisCoordinatorBus:
         self._reads: dict[int, list[EntryId]] = {}
         #: rank -> when its last heartbeat with read positions came (``monotonic``)
         self._reported_at: dict[int, float] = {}
+        #: when each rank first said where it had read (its runtime had started)
+        self._reading_since: dict[int, float] = {}
         #: the clock of ``overdue`` (sends and reports; a test may replace it)
         self.monotonic: Callable[[], float] = time.monotonic
         #: control stream -> entries written and not yet read by every rank it is for
@@ -257,12 +259,20 @@ class RedisCoordinatorBus:
     def _note_read(self, hb: Heartbeat) -> None:
         """Where a rank says it has read its control streams (its MAC says it is the
         rank): the trimmer holds each control stream there."""
+        if hb.ctl_read is None and hb.all_read is None:
+            # Says nothing about reading: a rank still setting up (its runtime, the only
+            # reader, has not started), or one from before the field.
+            return
         with self._lock:
             known = self._reads.setdefault(hb.rank, [ZERO, ZERO])
             for i, text in enumerate((hb.ctl_read, hb.all_read)):
                 if text is not None:
                     known[i] = max(known[i], parse_id(text))
-            self._reported_at[hb.rank] = self.monotonic()
+            now = self.monotonic()
+            self._reported_at[hb.rank] = now
+            # What went out while it set up is owed from when it started to read, not
+            # from when it was sent: a long setup is not a rank that does not read.
+            self._reading_since.setdefault(hb.rank, now)
 
     def _owed(self, stream: str, eid: EntryId, msg: object, at: float) -> None:
         """Note a control entry written (with the lock held): owed until every rank it
@@ -300,8 +310,11 @@ class RedisCoordinatorBus:
                             oldest = entry
                         break
                 said_at = self._reported_at.get(r, 0.0)
-                if oldest is not None and said_at - oldest[2] > budget_s:
-                    out.append((r, oldest[1], now - oldest[2]))
+                if oldest is None:
+                    continue
+                owed_since = max(oldest[2], self._reading_since.get(r, oldest[2]))
+                if said_at - owed_since > budget_s:
+                    out.append((r, oldest[1], now - owed_since))
         return out
 
     def read_holds(self) -> dict[str, list[GroupHold]]:

@@ -27,6 +27,7 @@ from typing import assert_never
 import structlog
 
 from flodl_bus.bus.api import Delivery, RankBus
+from flodl_bus.bus.ids import ZERO, format_id
 from flodl_bus.params.port import ParamPort
 from flodl_bus.protocol.messages import (
     ControlMsg,
@@ -45,6 +46,9 @@ _log = structlog.get_logger("flodl_bus.worker")
 #: Size of the uid a rank generates for a new collective session (the gloo/NCCL store
 #: key of the survivors' group; flodl's NCCL ids are 128 bytes, a key needs far fewer).
 NEW_SESSION_UID_BYTES = 32
+
+#: a heartbeat's read position before anything was read (the start of a stream)
+START_ID = format_id(ZERO)
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,6 +314,11 @@ class RankRuntime:
         while not self._stop.is_set():
             self._heartbeats += 1
             ctl, bcast = read() if callable(read) else (None, None)
+            if callable(read):
+                # "Nothing read yet" is a position too: said as the streams' start, so a
+                # rank whose control never reaches it is still found not reading (None
+                # says nothing, as a rank still setting up does).
+                ctl, bcast = ctl or START_ID, bcast or START_ID
             try:
                 self.bus.publish(
                     Heartbeat(

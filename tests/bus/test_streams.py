@@ -688,6 +688,41 @@ def test_send_batch_refuses_unicasts_and_broadcasts_in_one_batch(backend: Backen
     coord.close()
 
 
+def test_control_sent_while_a_rank_set_up_is_owed_from_when_it_started_to_read(
+    backend: Backend,
+) -> None:
+    # A rank heartbeats while it builds its model and joins the default group, before
+    # its reader runs (``worker.runtime.heartbeats_meanwhile``): those heartbeats say
+    # nothing about reading, and what was sent meanwhile is owed only from the first
+    # heartbeat that does; a rank that then never reads is still named, a budget later.
+    keys = RunKeys("owedsetup")
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=[0], config=FAST)
+    clock = [1000.0]
+    coord.monotonic = lambda: clock[0]
+    rank = RedisRankBus(backend.make(), keys, 0, RK(0), config=FAST)
+
+    def beat(step: int, **read: str | None) -> None:
+        rank.publish(m.Heartbeat(rank=0, step_count=step, **read))
+        assert rank.flush(10)
+        (got,) = collect_up(coord, 1)
+        assert got.msg.step_count == step
+
+    coord.broadcast(m.CoordHeartbeat())
+    for step in (1, 2, 3):  # 45 s of setup, heartbeating without read positions
+        clock[0] += 15.0
+        beat(step)
+        assert coord.overdue(30.0) == []
+    beat(4, ctl_read="0-0", all_read="0-0")  # the runtime started: nothing read yet
+    assert coord.overdue(30.0) == []  # the broadcast is 45 s old, but owed for 0 s
+    clock[0] += 31.0
+    beat(5, ctl_read="0-0", all_read="0-0")  # reading for 31 s, still not the broadcast
+    assert [(r, what, age) for r, what, age in coord.overdue(30.0)] == [
+        (0, "CoordHeartbeat", 31.0)
+    ]
+    for bus in (rank, coord):
+        bus.close()
+
+
 def test_control_a_rank_leaves_unread_past_the_budget_is_named_with_its_age(
     backend: Backend,
 ) -> None:
