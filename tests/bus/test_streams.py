@@ -716,9 +716,7 @@ def test_control_sent_while_a_rank_set_up_is_owed_from_when_it_started_to_read(
     assert coord.overdue(30.0) == []  # the broadcast is 45 s old, but owed for 0 s
     clock[0] += 31.0
     beat(5, ctl_read="0-0", all_read="0-0")  # reading for 31 s, still not the broadcast
-    assert [(r, what, age) for r, what, age in coord.overdue(30.0)] == [
-        (0, "CoordHeartbeat", 31.0)
-    ]
+    assert [(r, what, age) for r, what, age in coord.overdue(30.0)] == [(0, "CoordHeartbeat", 31.0)]
     for bus in (rank, coord):
         bus.close()
 
