@@ -162,10 +162,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     save_path = args.save_path or args.resume or str(default_save_stem(args))
     final_eval = not args.no_final_eval and job.eval_fn is not None and job.eval_data is not None
 
-    def make_config(world_size: int) -> CoordinatorConfig:
+    def make_config(
+        world_size: int, device_scores: tuple[float, ...] | None = None
+    ) -> CoordinatorConfig:
         return CoordinatorConfig(
             mode=args.mode,
             world_size=world_size,
+            device_scores=device_scores,
             total_samples=len(train),
             batch_size=job.batch_size,
             num_epochs=epochs,
@@ -324,7 +327,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         return stopped_code()
     ws = admission.world_size
     assert ws is not None
-    config = make_config(ws)
+    # The members' device spec scores (all or none) seed ElChe's cold-start anchor.
+    config = make_config(ws, admission.device_scores)
     try:
         core = (
             Coordinator.from_meta(config, resume_meta)

@@ -126,6 +126,11 @@ class CoordinatorConfig:
     callback_slack: bool = True
     #: relative per-rank speeds (higher = faster) used before ElChe has measured any
     speed_hints: tuple[float, ...] | None = None
+    #: each rank's device spec score from its Hello (lower = slower by spec), when
+    #: every rank told one: the lowest-scoring rank anchors ElChe before any timing
+    #: (flodl's ``with_device_indices``) unless speed hints or partition ratios name the
+    #: slow rank. None (CPU ranks, an unknown device, records made before it): no prior
+    device_scores: tuple[float, ...] | None = None
     #: progressive dispatch tells each rank what it will train next (prefetch hints).
     #: Off by default, unlike flodl: no rank here has a stager to use them, and each
     #: reduce would pay one message per rank of O(world size) ranges (10x the reduce's
@@ -222,6 +227,11 @@ class CoordinatorConfig:
             len(self.speed_hints) != self.world_size or min(self.speed_hints) <= 0
         ):
             raise ValueError("speed_hints needs one positive entry per rank")
+        if self.device_scores is not None and (
+            len(self.device_scores) != self.world_size
+            or not all(math.isfinite(s) for s in self.device_scores)
+        ):
+            raise ValueError("device_scores needs one finite entry per rank")
 
     # ------------------------------------------------------------------ derived
     @property

@@ -107,6 +107,9 @@ class Coordinator:
             window_cap=cfg.epoch_batches(0),
             growth=self.policy is not Policy.SYNC,
             speed_hints=cfg.speed_hints,
+            # Partition ratios name the slow rank too (flodl pins it from them): the
+            # user's word outranks the spec prior, as speed hints do inside ElChe.
+            device_scores=cfg.device_scores if cfg.partition_ratios is None else None,
             dead_zone_keeps_five_percent=cfg.dead_zone_keeps_five_percent,
             flodl_election=cfg.elche_flodl_election,
         )

@@ -59,6 +59,14 @@ def _elect(cohort: list[int], ms: Sequence[float | None], cur: int | None) -> in
     return cur
 
 
+def slowest_by_spec(scores: Sequence[float]) -> int | None:
+    """The rank whose device scores lowest (``worker.device_spec``), the lowest rank of
+    equal scores, as flodl's ``spec_prior::slowest_rank``; None for no scores."""
+    if not scores:
+        return None
+    return min(range(len(scores)), key=lambda r: (scores[r], r))
+
+
 def _round_half_up(x: float) -> int:
     return math.floor(x + 0.5)
 
@@ -75,6 +83,7 @@ class ElChe:
         window_cap: int | None = None,
         growth: bool = True,
         speed_hints: Sequence[float] | None = None,
+        device_scores: Sequence[float] | None = None,
         dead_zone_keeps_five_percent: bool = True,
         flodl_election: bool = True,
     ) -> None:
@@ -128,6 +137,12 @@ class ElChe:
                 # The user named the slow rank (flodl's with_speed_ratio): it anchors
                 # until the Stable phase may elect another from measurements.
                 self.anchor_rank = list(speed_hints).index(slowest)
+        if speed_hints is None and device_scores is not None and len(device_scores) == world_size:
+            # Before any timing, the slowest device by spec anchors (flodl's
+            # with_device_indices): a prior only, as a hinted rank is, so elections
+            # from the Stable phase on may move it. Hints, the user's word, outrank
+            # it; scores that miss a rank give none.
+            self.anchor_rank = slowest_by_spec(device_scores)
         self._apply_window_cap()
 
     # ------------------------------------------------------------------ queries

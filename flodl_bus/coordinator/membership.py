@@ -21,6 +21,7 @@ No clock, no IO: the runtime passes ``now`` and posts what ``hello``/``poll`` re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from flodl_bus.protocol.messages import Assign, Hello, Reject
@@ -38,6 +39,8 @@ class Member:
     requested: bool
     #: the worker's X25519 public key from its Hello (its rank key is derived from it)
     kx_pub: str = ""
+    #: the spec score of the worker's CUDA device from its Hello (None: not told)
+    device_score: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,19 @@ class Admission:
     def world_size(self) -> int | None:
         """The formed world's size (None until it formed)."""
         return len(self.members) if self.formed else None
+
+    @property
+    def device_scores(self) -> tuple[float, ...] | None:
+        """Each rank's device spec score in rank order, once the world formed and every
+        member told one; None otherwise (flodl's spec prior covers every rank or none)."""
+        if not self.formed or not self.members:
+            return None
+        scores: list[float] = []
+        for m in self.members:
+            if m.device_score is None or not math.isfinite(m.device_score):
+                return None
+            scores.append(m.device_score)
+        return tuple(scores)
 
     @property
     def joined(self) -> int:
@@ -201,12 +217,11 @@ class Admission:
         members: list[Member] = []
         for p in pending:
             h = p.hello
-            if h.requested_rank is not None:
-                members.append(
-                    Member(h.worker_id, h.host, h.device, h.requested_rank, True, h.kx_pub)
-                )
-            else:
-                members.append(Member(h.worker_id, h.host, h.device, next(free), False, h.kx_pub))
+            requested = h.requested_rank is not None
+            rank = h.requested_rank if h.requested_rank is not None else next(free)
+            members.append(
+                Member(h.worker_id, h.host, h.device, rank, requested, h.kx_pub, h.device_score)
+            )
         members.sort(key=lambda m: m.rank)
         self.members = members
         self._pending = []

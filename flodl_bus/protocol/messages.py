@@ -377,6 +377,10 @@ class Hello:
     #: the model the job builds, as names, shapes and dtypes (``job.model_signature``);
     #: None where it could not be told (a worker before it, a build that needs a device)
     model_sig: str | None = None
+    #: the spec score of the CUDA device the worker trains on (``worker.device_spec``:
+    #: lower is slower), the cold-start anchor's prior; None on CPU, where the device
+    #: could not be asked, or from a worker before the field
+    device_score: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -392,7 +392,7 @@ _ADDED_LATER: Final[dict[type, frozenset[str]]] = {
     m.Exiting: frozenset({"reason"}),
     m.Heartbeat: frozenset({"ctl_read", "all_read"}),
     m.MetricsMsg: frozenset({"resources"}),
-    m.Hello: frozenset({"model_sig"}),
+    m.Hello: frozenset({"model_sig", "device_score"}),
 }
 _BY_CLASS: dict[type, _Spec] = {}
 
@@ -532,6 +532,7 @@ _spec(
     requested_rank=_opt_u64,
     kx_pub=_str,
     model_sig=_opt_str,
+    device_score=_opt_f64,
 )
 _spec(m.Assign, JOIN, worker_id=_str, rank=_u64, world_size=_u64)
 _spec(m.Reject, JOIN, worker_id=_str, reason=_str)

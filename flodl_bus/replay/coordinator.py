@@ -40,7 +40,16 @@ def config_from_header(header: Mapping[str, Any]) -> CoordinatorConfig:
             continue
         if k == "max_failure" and isinstance(v, Mapping):
             v = MaxFailure(absolute=v.get("absolute"), percent=v.get("percent"))
-        elif k in ("partition_ratios", "speed_hints", "checkpoint_at_epoch") and v is not None:
+        elif (
+            k
+            in (
+                "partition_ratios",
+                "speed_hints",
+                "device_scores",
+                "checkpoint_at_epoch",
+            )
+            and v is not None
+        ):
             v = tuple(v)
         kwargs[k] = v
     return CoordinatorConfig(**kwargs)

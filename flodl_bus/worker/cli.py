@@ -62,6 +62,7 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
 )
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
+from flodl_bus.worker.device_spec import hello_spec_score
 from flodl_bus.worker.feed import FeedOptions
 from flodl_bus.worker.host import rank_env, thread_share
 from flodl_bus.worker.options import (
@@ -233,6 +234,41 @@ def _resolve_device(wanted: str, rank: int) -> str:
     return "cpu"
 
 
+def _spec_candidates(wanted: str, local_rank: int | None) -> list[int]:
+    """The CUDA devices this rank may train on, told before the join: the one its local
+    rank resolves to where that is known already (a launcher's ``LOCAL_RANK``, or
+    ``--rank``), else any of this host's (its rank, hence its device, is assigned at the
+    join). Empty on CPU, or where ``--device`` is wrong (that is said after the join)."""
+    import torch
+
+    if wanted == "cpu" or not torch.cuda.is_available():
+        return []
+    if local_rank is not None:
+        try:
+            device = torch.device(_resolve_device(wanted, local_rank))
+        except ConfigError:
+            return []
+        return [device.index] if device.type == "cuda" and device.index is not None else []
+    if wanted != "auto":
+        try:
+            device = torch.device(wanted)
+        except RuntimeError:
+            return []
+        if device.type != "cuda":
+            return []
+        if device.index is not None:
+            return [device.index]
+    return list(range(torch.cuda.device_count()))
+
+
+def _local_rank_before_join(rank: int | None, env: Mapping[str, str]) -> int | None:
+    """This rank's local rank where it is known before the join (``rank_env``'s rule)."""
+    local, local_world = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
+    if local is not None and local_world is not None:
+        return int(local) if local.isdigit() else None
+    return rank
+
+
 def _join(join: JoinStream, hello: Hello, run: str, timeout: float) -> Assign:
     """Say Hello and wait for the coordinator's Assign (or its Reject)."""
     cursor = join.post(hello)
@@ -396,6 +432,10 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
             device=_device() if args.device == "auto" else args.device,
             requested_rank=args.rank,
             kx_pub=kx.pub,
+            # the cold-start anchor's prior (flodl's with_device_indices): None on CPU
+            device_score=hello_spec_score(
+                _spec_candidates(args.device, _local_rank_before_join(args.rank, os.environ))
+            ),
         )
         join = JoinStream(
             client, keys, secret, answers=ident.sign_pub, where=redact_url(args.redis_url)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+
 import pytest
 
 from flodl_bus.coordinator.config import CoordinatorConfig, MaxFailure, parse_mode
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.replay.coordinator import config_from_header
 
 
 def cfg(mode: str, **kw: object) -> CoordinatorConfig:
@@ -75,3 +81,31 @@ def test_percent_out_of_range_is_clamped_and_zero_world_is_zero() -> None:
 def test_max_failure_needs_exactly_one_form() -> None:
     with pytest.raises(ValueError):
         MaxFailure()
+
+
+def test_device_scores_need_one_finite_entry_per_rank() -> None:
+    assert cfg("cpu-cadence", device_scores=(884.0, 880.0)).device_scores == (884.0, 880.0)
+    for bad in ((884.0,), (884.0, 880.0, 1.0), (884.0, math.nan), (math.inf, 880.0)):
+        with pytest.raises(ValueError, match="device_scores"):
+            cfg("cpu-cadence", device_scores=bad)
+
+
+def test_the_coordinators_elche_starts_anchored_on_the_spec_slowest_rank_unless_told() -> None:
+    assert Coordinator(cfg("cpu-cadence", device_scores=(884.0, 880.0))).elche.anchor_rank == 1
+    assert Coordinator(cfg("cpu-cadence")).elche.anchor_rank is None
+    # the user's word outranks the prior: speed hints, or partition ratios
+    hinted = cfg("cpu-cadence", device_scores=(884.0, 880.0), speed_hints=(1.0, 2.0))
+    assert Coordinator(hinted).elche.anchor_rank == 0
+    ratios = cfg("cpu-cadence", device_scores=(884.0, 880.0), partition_ratios=(0.5, 0.5))
+    assert Coordinator(ratios).elche.anchor_rank is None
+
+
+def test_device_scores_are_recorded_in_the_header_and_a_header_without_them_has_no_prior() -> None:
+    made = cfg("cpu-cadence", device_scores=(884.0, 880.0))
+    # the recorder writes the header as JSON: the tuple comes back a list
+    header = json.loads(json.dumps({"config": dataclasses.asdict(made)}))
+    assert config_from_header(header) == made
+    before = dict(header["config"])
+    del before["device_scores"]  # a record made before the field
+    old = config_from_header({"config": before})
+    assert old.device_scores is None and Coordinator(old).elche.anchor_rank is None

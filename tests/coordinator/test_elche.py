@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flodl_bus.coordinator.elche import ElChe, WindowReport
+from flodl_bus.coordinator.elche import ElChe, WindowReport, slowest_by_spec
 from flodl_bus.coordinator.guard import STABLE, SUPPRESS, Verdict, VerdictKind
 
 
@@ -443,3 +443,36 @@ def test_the_window_caps_remainder_goes_to_the_last_of_the_largest_counts() -> N
     assert ElChe(3, speed_hints=(2.0, 1.0, 2.0), window_cap=47).counts == [18, 9, 20]
     legacy = ElChe(3, speed_hints=(2.0, 1.0, 2.0), window_cap=47, flodl_election=False)
     assert legacy.counts == [20, 9, 18]
+
+
+def test_the_lowest_device_spec_score_anchors_through_warm_up_then_measurements_take_over() -> None:
+    # flodl's with_device_indices: an A100 80GB (880) among RTX 3090s (884) is the
+    # spec-slowest, so rank 1 anchors before any timing
+    el = ElChe(3, device_scores=(884.0, 880.0, 884.0))
+    assert el.anchor_rank == 1 and el.counts == [10, 10, 10]
+    # it is a prior only: the warm-up keeps it even though rank 1 measures fastest...
+    for _ in range(5):
+        el.report_window(report(10.0, 5.0, 10.0))
+        assert el.anchor_rank == 1
+    assert el.counts == [5, 10, 5]
+    # ...and the first election of the Stable phase hands it to the measured slow cohort
+    el.report_window(report(10.0, 5.0, 10.0))
+    assert el.anchor_rank == 0 and el.counts == [10, 20, 10]
+
+
+def test_equal_spec_scores_anchor_the_lowest_of_those_ranks() -> None:
+    assert slowest_by_spec((880.0, 880.0, 884.0)) == 0
+    assert slowest_by_spec((884.0, 880.0, 880.0)) == 1
+    assert slowest_by_spec(()) is None
+    assert ElChe(3, device_scores=(884.0, 883.5, 883.5)).anchor_rank == 1
+
+
+def test_speed_hints_outrank_device_scores_and_scores_missing_a_rank_give_no_prior() -> None:
+    # the user says rank 0 is slow; the spec says rank 1: the user wins
+    assert ElChe(2, speed_hints=(1.0, 2.0), device_scores=(900.0, 800.0)).anchor_rank == 0
+    # under the rules of records made before the pin, hints pin nothing, nor do scores
+    legacy = ElChe(2, speed_hints=(1.0, 2.0), device_scores=(900.0, 800.0), flodl_election=False)
+    assert legacy.anchor_rank is None
+    # scores that do not cover every rank are no prior at all, as in flodl
+    assert ElChe(3, device_scores=(900.0, 800.0)).anchor_rank is None
+    assert ElChe(2).anchor_rank is None

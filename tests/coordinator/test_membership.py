@@ -126,3 +126,27 @@ def test_a_claim_outside_a_world_formed_at_min_workers_is_refused_and_it_waits_o
 def test_impossible_worlds_are_refused_up_front(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
         Admission(dataset_sig=SIG, **kwargs)  # type: ignore[arg-type]
+
+
+def scored(wid: str, score: float | None, rank: int | None = None) -> Hello:
+    return Hello(worker_id=wid, host="h", dataset_sig=SIG, requested_rank=rank, device_score=score)
+
+
+def test_device_scores_come_in_rank_order_once_formed_and_only_when_every_member_told_one() -> None:
+    adm = Admission(dataset_sig=SIG, world_size=3)
+    adm.hello(scored("a", 884.0), 0.0)
+    adm.hello(scored("b", 880.0, rank=0), 0.1)  # claims rank 0: "a" and "c" follow it
+    assert adm.device_scores is None  # not formed yet
+    adm.hello(scored("c", 1039.5), 0.2)
+    assert [(m.worker_id, m.rank, m.device_score) for m in adm.members] == [
+        ("b", 0, 880.0),
+        ("a", 1, 884.0),
+        ("c", 2, 1039.5),
+    ]
+    assert adm.device_scores == (880.0, 884.0, 1039.5)
+
+    # one CPU worker (no score) and the world has no prior
+    mixed = Admission(dataset_sig=SIG, world_size=2)
+    mixed.hello(scored("a", 884.0), 0.0)
+    mixed.hello(scored("b", None), 0.1)
+    assert mixed.formed and mixed.device_scores is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import pytest
 import redis
 
@@ -13,6 +14,7 @@ from flodl_bus.bus.keys import RunKeys
 from flodl_bus.examples import digits
 from flodl_bus.job import model_signature
 from flodl_bus.protocol import wire
+from flodl_bus.replay import replay_run
 from tests.e2e.harness import (
     Cluster,
     epoch_samples,
@@ -115,3 +117,28 @@ def test_a_worker_that_builds_another_model_is_refused_naming_both_signatures(
     assert coord.popen.poll() is None, cluster.tails()
     coord.popen.terminate()
     assert cluster.wait([coord], timeout=30) == [143]
+
+
+def test_cpu_workers_tell_no_device_score_so_the_run_has_no_spec_prior_and_replays(
+    cluster: Cluster,
+) -> None:
+    # This host's ranks train on CPU: their Hellos carry no device score, so the
+    # recorded config has no device_scores and ElChe starts without an anchor rank.
+    run = new_run_id("spec")
+    coord = cluster.coordinator(run, "--mode", "cpu-cadence", "--world-size", "2", "--epochs", "2")
+    joiners = [cluster.worker(run, f"joiner{i}", "--device", "cpu") for i in range(2)]
+    codes = cluster.wait([coord, *joiners], timeout=120)
+    assert codes == [0, 0, 0], cluster.tails()
+    run_dir = cluster.run_dir(run)
+    head = header(records(run_dir))
+    assert [m["device_score"] for m in head["members"]] == [None, None]
+    assert head["config"]["device_scores"] is None
+    client = redis.Redis.from_url(cluster.redis_url, socket_timeout=10)
+    try:
+        entries: list[tuple[bytes, dict[bytes, bytes]]] = client.xrange(RunKeys(run).join)  # type: ignore[assignment]
+    finally:
+        client.close()
+    bodies = [msgpack.unpackb(f[b"body"]) for _, f in entries if f[b"type"] == b"Hello"]
+    assert len(bodies) == 2 and not any("device_score" in b for b in bodies)
+    replays = replay_run(run_dir)
+    assert {k: r.summary() for k, r in replays.items() if not r.identical} == {}

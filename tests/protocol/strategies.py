@@ -169,6 +169,7 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
         requested_rank=st.none() | u64,
         kx_pub=text,
         model_sig=st.none() | text,
+        device_score=opt_f64,
     ),
     "Assign": _build(m.Assign, worker_id=text, rank=u64, world_size=u64),
     "Reject": _build(m.Reject, worker_id=text, reason=text),

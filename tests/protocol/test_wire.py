@@ -795,3 +795,19 @@ def test_fuzz_10000_mutations_give_decode_error_or_a_valid_message() -> None:
     # the loop must reach validation, not just the msgpack parser, and must also produce
     # valid messages (flipped float bits, edited values), or it tests nothing
     assert past_msgpack > 3_000 and valid > 200, (past_msgpack, valid)
+
+
+def test_a_hello_with_a_device_score_round_trips_and_one_before_the_field_reads_as_before() -> None:
+    sent = m.Hello(worker_id="w", host="h", dataset_sig="s", device="cuda:0", device_score=884.0)
+    assert decode_join(encode(sent)) == sent
+    # a CPU worker's Hello leaves the field off the wire: its body is as before the field
+    cpu = dataclasses.replace(sent, device="cpu", device_score=None)
+    assert "device_score" not in msgpack.unpackb(encode(cpu))
+    old = sample_map("Hello")
+    old.pop("device_score", None)
+    body = msgpack.packb(old, use_bin_type=True)
+    back = decode_join(body)
+    assert isinstance(back, m.Hello) and back.device_score is None
+    assert encode(back) == body  # byte for byte, as a replay compares
+    # the score is a float: a string there is refused, naming the field
+    assert "Hello.device_score" in rejected(with_value("Hello", ("device_score",), "880"))
