@@ -106,17 +106,18 @@ class StreamWatcher:
             for raw_id, fields in items:
                 eid = parse_id(raw_id)
                 verifier = self._verifier(rank)
-                parsed = (
-                    "no key for this rank yet"
-                    if verifier is None
-                    else entries.parse(
-                        verifier,
-                        stream,
-                        format_id(eid).encode(),
-                        fields,
-                        channel=channel,
-                        rank=owner,
-                    )
+                if verifier is None:
+                    # Not judged yet: a rank given its --rank writes (heartbeats while it
+                    # sets up) before the world forms and the coordinator's Assign names
+                    # its key; the cursor stays and the entry is read again once it does.
+                    break
+                parsed = entries.parse(
+                    verifier,
+                    stream,
+                    format_id(eid).encode(),
+                    fields,
+                    channel=channel,
+                    rank=owner,
                 )
                 if isinstance(parsed, str):
                     if (stream, eid) not in self._refused:

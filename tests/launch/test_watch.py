@@ -198,3 +198,26 @@ def test_a_foreign_largest_id_never_moves_the_cursor_past_what_the_run_writes_la
     assert repair_stream(real_redis, stream, keys.dlq, floor=parse_id("5-1"), now_ms=now_ms, by="t")
     genuine(f"{now_ms}-0", 2)
     assert [s.msg.step_count for s in _collect(watcher, 1)] == [2]  # type: ignore[attr-defined]
+
+
+def test_an_entry_written_before_its_ranks_assign_is_shown_once_the_key_is_known(
+    real_redis: redis.Redis, redis_url: str
+) -> None:
+    # A rank given its --rank heartbeats while it sets up, before the world forms and
+    # the coordinator's Assign names its key: not a forgery, and not to be skipped.
+    keys = RunKeys("w6")
+    ident = CoordinatorIdentity.generate()
+    join = JoinStream(real_redis, keys, new_secret(), signer=ident.signing)
+    kx = RankKx.generate()
+    join.post(Hello("w0", "h", "sig", kx_pub=kx.pub))
+    key = ident.rank_key(keys.run, 0, kx.pub)
+    watcher = StreamWatcher(connect(redis_url), keys, 1, ident)
+    stream = keys.up(0)
+    beat = Heartbeat(rank=0, step_count=1)
+    real_redis.xadd(stream, entries.build(key, stream, "5-1", beat, "0", 1), id="5-1")  # type: ignore[arg-type]
+    for _ in range(2):
+        assert watcher.poll(block_ms=50) == []  # not judged without its key
+    join.post(Assign("w0", 0, 1))
+    seen = _collect(watcher, 1)
+    assert [type(s.msg).__name__ for s in seen] == ["Heartbeat"]
+    assert watcher.rejected == 0
