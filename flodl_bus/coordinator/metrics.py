@@ -7,7 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flodl_bus.coordinator.numeric import ordered_sum
-from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg, ResourceSample
+from flodl_bus.protocol.messages import (
+    NONFINITE_SKIPPED_TAG,
+    EpochMetrics,
+    MetricsMsg,
+    ResourceSample,
+)
 
 
 @dataclass(slots=True)
@@ -81,6 +86,8 @@ def aggregate(
         means = {t: s / c for t, (s, c) in a.scalars.items() if c > 0}
         per_rank.append(means)
         tags += [t for t in means if t not in tags]
+    # A skipped batch records 1.0 under its tag: the mean says nothing, the count is it.
+    skipped = [int(a.scalars.get(NONFINITE_SKIPPED_TAG, [0.0, 0.0])[1]) for a in accs]
     scalars: dict[str, float] = {}
     for t in tags:
         holders = [(pr[t], a.batches) for pr, a in zip(per_rank, accs) if t in pr]
@@ -113,6 +120,7 @@ def aggregate(
         per_rank_resources=tuple(a.resources for a in accs)
         if any(a.resources is not None for a in accs)
         else (),
+        per_rank_skipped=tuple(skipped) if any(skipped) else (),
     )
 
 
@@ -121,7 +129,8 @@ class TensorBoardScalars:
 
     Written by the coordinator, which sees every epoch's aggregate: ``loss``,
     ``eval/metric`` (at the epoch whose model it scored), ``samples_per_s/rank<r>``,
-    ``anchor``, ``syncs/epoch`` and ``syncs/total``; the step is the epoch. Needs the
+    ``anchor``, ``skipped_batches`` (non-finite losses skipped), ``syncs/epoch`` and
+    ``syncs/total``; the step is the epoch. Needs the
     ``tensorboard`` package (``pip install 'flodl_bus[tensorboard]'``), checked by
     ``available`` before the run starts.
     """
@@ -152,6 +161,7 @@ class TensorBoardScalars:
         for r, per_ms in enumerate(em.per_rank_throughput):
             w.add_scalar(f"samples_per_s/rank{r}", per_ms * 1000.0, e)  # wire: per ms
         w.add_scalar("anchor", anchor, e)
+        w.add_scalar("skipped_batches", sum(em.per_rank_skipped), e)
         w.add_scalar("syncs/epoch", max(0, syncs - self._syncs_before), e)
         w.add_scalar("syncs/total", syncs, e)
         self._syncs_before = syncs

@@ -52,10 +52,12 @@ class MetricsTable:
         self._syncs_before = 0
 
     #: Units and counts are the console's (launch/display.py): samples per second, and
-    #: ``syncs`` the averaging rounds of that epoch beside ``syncs_total`` for the run.
+    #: ``syncs`` the averaging rounds of that epoch beside ``syncs_total`` for the run;
+    #: ``skipped_batches`` the epoch's batches (all ranks) skipped for a non-finite loss.
     @property
     def columns(self) -> list[str]:
-        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "version", "syncs", "syncs_total"]
+        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "skipped_batches"]
+        cols += ["version", "syncs", "syncs_total"]
         cols += ["global_step", "anchor"]
         for r in range(self.ws):
             cols += [f"samples_r{r}", f"samples_per_s_r{r}", f"batch_share_r{r}", f"loss_r{r}"]
@@ -75,6 +77,7 @@ class MetricsTable:
             "avg_loss": _num(em.avg_loss),
             "epoch_ms": _num(em.epoch_ms),
             "samples": str(sum(em.per_rank_samples)),
+            "skipped_batches": str(sum(em.per_rank_skipped)),
             "version": str(version),
             "syncs": str(max(0, syncs - self._syncs_before)),
             "syncs_total": str(syncs),

@@ -146,6 +146,8 @@ class DashboardState:
                     "epoch_s": m.epoch_ms / 1000.0,
                     # the wire's unit is samples per millisecond
                     "samples_per_s": [t * 1000.0 for t in m.per_rank_throughput],
+                    # batches skipped for a non-finite loss, as metrics.csv counts them
+                    "skipped": sum(m.per_rank_skipped),
                 },
             )
         elif isinstance(msg, EvalBroadcast):

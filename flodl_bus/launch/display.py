@@ -58,10 +58,13 @@ def format_row(row: EpochRow, width: int | None = None) -> str:
         slow = min(finite) if finite else None
         slowest = "-" if slow is None else f"r{slow[1]} {slow[0]:.0f}"
         thru = f"{_num(total, '.0f', 8)} {slowest:>10}"
-    return (
+    line = (
         f"{row.epoch:>5} {_num(row.loss, '.4f', 8)} {_num(row.metric, '.4f', 7)} {thru} "
         f"{row.syncs:>6} {anchor:>6} {_num(row.at, '.1f', 6)}s"
     )
+    # After the columns, not one of them: most runs skip nothing, and a column of zeros
+    # would take the width a rank's throughput needs.
+    return line + (f"  {row.skipped} skipped (non-finite loss)" if row.skipped else "")
 
 
 def late_eval_line(epoch: int, metric: float) -> str:
@@ -114,6 +117,8 @@ class Summary:
     syncs: int
     batches: int
     files: tuple[str, ...]
+    #: batches skipped for a non-finite loss (the coordinator's count, as in metrics.csv)
+    skipped: int = 0
 
     @property
     def reached_target(self) -> bool | None:
@@ -165,7 +170,8 @@ class Summary:
             *head,
             f"  final metric     {metric}",
             f"  wall time        {self.wall_s:.2f}s (first step after {first})",
-            f"  syncs            {self.syncs} averaging rounds, {self.batches} batches",
+            f"  syncs            {self.syncs} averaging rounds, {self.batches} batches"
+            + (f" ({self.skipped} skipped: non-finite loss)" if self.skipped else ""),
             *wrap_items("  exit codes       ", codes, width, 19),
             *files,
         ]

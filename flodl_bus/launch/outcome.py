@@ -11,10 +11,12 @@ import contextlib
 import math
 import signal
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from flodl_bus.exits import CONFIG, FAILED, OK, STOP_SIGNALS, STOPPED, by_signal, signal_of
+from flodl_bus.launch import run_lock
 from flodl_bus.launch.view import EpochRow
 
 
@@ -100,4 +102,12 @@ def _row_fields(row: EpochRow) -> dict[str, Any]:
         "anchor": row.anchor,
         "epoch_s": row.epoch_s,
         "at": row.at,
+        "skipped": row.skipped,
     }
+
+
+def run_files(run_dir: Path) -> tuple[str, ...]:
+    """The files of the run's folder the summary lists (the run's lock is no output)."""
+    return tuple(
+        sorted(p.name for p in run_dir.iterdir() if p.is_file() and p.name != run_lock.LOCK_NAME)
+    )

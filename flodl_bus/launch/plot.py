@@ -18,6 +18,7 @@ from flodl_bus.launch.view import EpochRow, RunView
 #: the coordinator's metrics.csv names and units where they overlap (coordinator/runtime.py)
 CSV_FIELDS = (
     "epoch", "avg_loss", "eval_metric", "syncs", "syncs_total", "anchor", "epoch_ms", "at_s",
+    "skipped_batches",
 )  # fmt: skip
 
 
@@ -58,6 +59,7 @@ def write_rows_csv(path: Path, rows: Sequence[EpochRow], world_size: int) -> Non
                     "" if row.anchor is None else row.anchor,
                     row.epoch_s * 1000.0,
                     row.at,
+                    row.skipped,
                     *row.throughput,
                 ]
             )

@@ -52,6 +52,8 @@ class EpochRow:
     epoch_s: float
     #: seconds since the launch when the aggregate was seen
     at: float
+    #: batches the ranks skipped for a non-finite loss during this epoch
+    skipped: int = 0
 
 
 @dataclass(slots=True)
@@ -213,6 +215,12 @@ class RunView:
         return max(self._version, max((r.sync_now for r in self.ranks), default=0))
 
     @property
+    def skipped(self) -> int:
+        """Batches skipped for a non-finite loss in the epochs aggregated so far: the
+        coordinator's count (``EpochMetrics.per_rank_skipped``), the one metrics.csv has."""
+        return sum(sum(m.per_rank_skipped) for m in self.metrics.values())
+
+    @property
     def total_batches(self) -> int:
         return sum(r.batches for r in self.ranks)
 
@@ -264,4 +272,5 @@ class RunView:
             anchor=self._anchors.get(e),
             epoch_s=m.epoch_ms / 1000.0,
             at=self._seen_at.get(e, 0.0),
+            skipped=sum(m.per_rank_skipped),
         )

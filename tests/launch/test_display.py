@@ -301,3 +301,15 @@ def test_an_interrupted_runs_summary_claims_no_final_metric_and_no_target() -> N
     assert "(stopped in order by the interrupt)" in text
     none = Summary(**{**s.__dict__, "final_metric": None})
     assert "- (interrupted before any eval)" in "\n".join(none.lines())
+
+
+def test_skipped_batches_follow_their_row_and_the_summary_and_nothing_when_none() -> None:
+    import dataclasses
+
+    row = dataclasses.replace(_row(0), skipped=4)
+    line = format_row(row)
+    assert line.startswith(format_row(_row(0))) and line.endswith("  4 skipped (non-finite loss)")
+    s = _summary(2)
+    assert not any("skipped" in line for line in s.lines())
+    told = Summary(**{**s.__dict__, "skipped": 7}).lines()
+    assert any(line.endswith("batches (7 skipped: non-finite loss)") for line in told)
