@@ -140,6 +140,8 @@ class TensorBoardScalars:
 
         self.writer = SummaryWriter(log_dir=log_dir)
         self._syncs_before = 0
+        #: (epoch, rounds so far) of the newest epoch, not written yet
+        self._pending: tuple[int, int] | None = None
 
     @staticmethod
     def available() -> str | None:
@@ -162,10 +164,28 @@ class TensorBoardScalars:
             w.add_scalar(f"samples_per_s/rank{r}", per_ms * 1000.0, e)  # wire: per ms
         w.add_scalar("anchor", anchor, e)
         w.add_scalar("skipped_batches", sum(em.per_rank_skipped), e)
-        w.add_scalar("syncs/epoch", max(0, syncs - self._syncs_before), e)
-        w.add_scalar("syncs/total", syncs, e)
-        self._syncs_before = syncs
+        # An epoch's rounds are written when the next epoch's come, or at the end:
+        # the last epoch's take the final averaging's too (``on_end``).
+        self._write_pending()
+        self._pending = (e, syncs)
         w.flush()
+
+    def on_end(self, last_epoch: int, syncs: int) -> None:
+        """metrics.csv's ``on_end``: the final rounds join the last epoch, whose rounds
+        are written now, once (a second point at one step would draw as two)."""
+        if self._pending is not None and self._pending[0] == last_epoch:
+            self._pending = (last_epoch, syncs)
+        self._write_pending()
+        self.writer.flush()
+
+    def _write_pending(self) -> None:
+        if self._pending is None:
+            return
+        e, total = self._pending
+        self.writer.add_scalar("syncs/epoch", max(0, total - self._syncs_before), e)
+        self.writer.add_scalar("syncs/total", total, e)
+        self._syncs_before = total
+        self._pending = None
 
     def on_eval(self, scored_epoch: int, metric: float) -> None:
         if math.isfinite(metric):
@@ -173,4 +193,5 @@ class TensorBoardScalars:
             self.writer.flush()
 
     def close(self) -> None:
+        self._write_pending()  # a run stopped before its end
         self.writer.close()

@@ -101,6 +101,22 @@ class MetricsTable:
         self._syncs_before = syncs
         self.write()
 
+    def on_end(self, syncs: int) -> None:
+        """The run is over after ``syncs`` rounds. The rounds after the last epoch's
+        aggregate (the final averaging, which the final eval scores) are that epoch's:
+        the last row's ``syncs_total`` is then the run's, as the console and ``status``
+        say it."""
+        if not self.rows:
+            return
+        row = self.rows[max(self.rows)]
+        added = syncs - int(row["syncs_total"])
+        if added <= 0:
+            return
+        row["syncs"] = str(int(row["syncs"]) + added)
+        row["syncs_total"] = str(syncs)
+        self._syncs_before = syncs
+        self.write()
+
     def on_eval(self, scheduled_epoch: int, metric: float) -> None:
         row_epoch = scheduled_epoch - 1
         self.evals[row_epoch] = metric

@@ -159,3 +159,13 @@ def test_skipped_batches_are_counted_per_rank_over_every_chunk_and_written_per_e
     table.on_epoch(quiet, version=2, syncs=2, step=2, anchor=1)
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [r["skipped_batches"] for r in rows] == ["6", "0"]
+
+
+def test_the_rounds_after_the_last_aggregate_join_the_last_row(tmp_path: Path) -> None:
+    table = MetricsTable(tmp_path / "metrics.csv", 1)
+    table.on_epoch(EpochMetrics(0, 0.5, 10.0), version=2, syncs=2, step=1, anchor=1)
+    table.on_epoch(EpochMetrics(1, 0.4, 10.0), version=3, syncs=3, step=2, anchor=1)
+    table.on_end(4)  # the final averaging, after epoch 1's aggregate
+    table.on_end(4)  # said twice, counted once
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(r["syncs"], r["syncs_total"]) for r in rows] == [("2", "2"), ("2", "4")]

@@ -213,11 +213,13 @@ def test_a_row_waits_for_its_due_eval_past_the_next_epoch_and_a_late_one_is_fill
     # ...and when it comes after all, it is handed out as late, once
     view.on_control(None, EvalBroadcast(epoch=2, metric=0.524), now=4.5)
     assert view.take_late_evals() == [(1, 0.524)] and view.take_late_evals() == []
-    # the last epoch's row waits for the final eval; the result is the latest-trained
+    # the last epoch's row waits for the run's end; the result is the latest-trained
     # model's score even when an older eval arrives after it
     view.on_control(None, EvalBroadcast(epoch=4, metric=0.603), now=5.0)
     view.on_control(None, EvalBroadcast(epoch=3, metric=0.55), now=5.1)
-    assert [(r.epoch, r.metric) for r in view.rows_ready()] == [(2, 0.55), (3, 0.603)]
+    assert [(r.epoch, r.metric) for r in view.rows_ready()] == [(2, 0.55)]
+    # ...and for the run's end: its total has every round, the final averaging's too
+    assert [(r.epoch, r.metric) for r in view.rows_ready(final=True)] == [(3, 0.603)]
     assert view.final_metric == 0.603 and view.last_metric == 0.55
 
 

@@ -1,7 +1,7 @@
 """One set of numbers: a finished ``flodl-bus up`` run read back from every place that
 shows it (the console's table and summary, the launcher's record, metrics.csv,
 TensorBoard, ``status`` and the dashboard's state) must count the same things the same
-way: the batches skipped for a non-finite loss."""
+way: the batches skipped for a non-finite loss, and the averaging rounds."""
 
 from __future__ import annotations
 
@@ -97,3 +97,23 @@ def test_skipped_batches_are_counted_on_the_console_and_in_the_csv_as_they_happe
     ]
     if nan_run["tb"] is not None:
         assert sum(v for _, v in nan_run["tb"]["skipped_batches"]) == truth
+
+
+def test_every_place_counts_the_same_averaging_rounds(nan_run: dict[str, Any]) -> None:
+    rows, summary = nan_run["rows"], nan_run["summary"]
+    total = int(rows[-1]["syncs_total"])
+    assert total > 0
+    assert summary["syncs"] == total
+    assert f"  syncs            {total} averaging rounds" in nan_run["out"]
+    assert nan_run["status"]["status"] == "finished"
+    assert nan_run["status"]["syncs"] == total
+    assert nan_run["dash"]["rounds"] == total
+    # per epoch: the console's table (the launcher records each row it prints), the
+    # CSV, the dashboard and TensorBoard
+    table = [r["syncs_total"] for r in nan_run["records"] if r["event"] == "epoch"]
+    csv_totals = [int(r["syncs_total"]) for r in rows]
+    assert sum(int(r["syncs"]) for r in rows) == total
+    assert table == csv_totals
+    assert [row["rounds_total"] for row in nan_run["dash"]["epoch_rows"]] == csv_totals
+    if nan_run["tb"] is not None:
+        assert [int(v) for _, v in nan_run["tb"]["syncs/total"]] == csv_totals
