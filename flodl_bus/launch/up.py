@@ -56,7 +56,7 @@ from flodl_bus.launch.outcome import (
     _row_fields,
     _signals_as_stop,
     _Stop,
-    batches_per_rank,
+    run_batches,
     run_exit_code,
     run_files,
 )
@@ -306,7 +306,7 @@ class Launcher:
     def _after_first_step(self) -> None:
         header = self._coordinator_header()
         if header is not None and self.progress is not None:
-            self.progress.set_total(batches_per_rank(header))
+            self.progress.set_total(run_batches(header))
         if header is not None:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self.view.set_epochs(int(header["config"]["num_epochs"]))

@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.launch.display import Progress, Summary, format_row, table_header
+from flodl_bus.launch.display import (
+    Progress,
+    Summary,
+    format_row,
+    rank_totals,
+    run_eta_s,
+    table_header,
+)
 from flodl_bus.launch.plot import write_plot, write_rows_csv
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.protocol.messages import Batch, EpochAggregated, EpochMetrics
@@ -279,17 +286,41 @@ def test_bars_keep_a_total_for_a_fast_rank_and_leave_nothing_half_drawn(
     term = _FakeTerminal()
     monkeypatch.setattr(sys, "stderr", term)
     progress = Progress(2, None, bars=True, out=io.StringIO())
-    progress.set_total(10)
+    progress.set_total(20)  # the run's: 10 per rank until the coordinator says shares
     view = RunView(2, started_at=0.0)
-    for i in range(15):  # rank 0 runs past its fair share of 10
+    for i in range(15):  # rank 0 runs past its even share of 10
         view.on_upstream(0, Batch(0, 1.0, 0.0, i, 1.0), now=0.1 * i)
     view.on_upstream(1, Batch(1, 1.0, 0.0, 0, 1.0), now=0.1)
     progress.update(view)
     fast, slow = progress.bars
     assert (fast.n, fast.total) == (15, 15) and (slow.n, slow.total) == (1, 10)
+    assert (progress.run_bar.n, progress.run_bar.total) == (16, 20)
+    # the first epoch's aggregate says the planned shares: 3/4 and 1/4 of the run
+    view.on_control(
+        None, EpochAggregated(EpochMetrics(0, 0.5, 10.0, per_rank_batch_share=(0.75, 0.25))), 2.0
+    )
+    progress.update(view)
+    assert (fast.total, slow.total) == (15, 5)
     progress.close()
     # the last thing on the terminal clears the bar line: a stop mid-draw leaves none
     assert term.getvalue().endswith("\r\x1b[K")
+
+
+def test_a_ranks_total_is_its_planned_share_of_the_run_even_until_one_is_known() -> None:
+    assert rank_totals(None, (0.5, 0.5), 2) == [None, None]
+    assert rank_totals(100, (), 4) == [25, 25, 25, 25]
+    assert rank_totals(100, (0.6, 0.2, 0.2), 3) == [60, 20, 20]
+    assert rank_totals(99, (0.5, 0.5), 2) == [50, 50]  # rounded up: a bar never ends short
+    # shares that say nothing (a missing rank, NaN, all zero) fall back to an even split
+    for odd in ((0.5,), (math.nan, 0.5), (0.0, 0.0)):
+        assert rank_totals(10, odd, 2) == [5, 5]
+
+
+def test_the_runs_eta_is_at_its_rate_since_the_first_step() -> None:
+    assert run_eta_s(0, 100, 5.0) is None  # nothing trained: no rate yet
+    assert run_eta_s(10, None, 5.0) is None and run_eta_s(10, 100, None) is None
+    assert run_eta_s(25, 100, 10.0) == pytest.approx(30.0)  # 2.5 batches/s, 75 left
+    assert run_eta_s(120, 100, 10.0) == 0.0  # past the plan (fast ranks overshoot)
 
 
 def test_an_interrupted_runs_summary_claims_no_final_metric_and_no_target() -> None:
