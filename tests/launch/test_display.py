@@ -262,7 +262,20 @@ def test_the_plot_has_sane_axes_one_legend_and_integer_epochs(tmp_path: Path) ->
     ]
     fig = write_plot(tmp_path / "plot.png", view, rows, "t")
     ax_loss, ax_thru, ax_metric = fig.axes
-    assert ax_loss.get_xlim()[0] == 0.0  # from the launch, not the first batch
+    # from the first training step (7.25s after launch), not from the launch
+    assert ax_loss.get_xlim()[0] == 0.0
+    xs = [x for line in ax_loss.get_lines() for x in line.get_xdata()]
+    assert min(xs) == 0.0 and max(xs) == pytest.approx(7.25 + 3.9 - 7.25)  # the last batch
+    assert "7.2s after launch" in ax_loss.get_xlabel()
+    # each legend lies outside its axes (so off every line drawn in them), in the figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()  # the figure came back closed
+    page = fig.bbox
+    for ax in (ax_loss, ax_thru):
+        box = ax.get_legend().get_window_extent(renderer)
+        assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, ax.get_title()
     lo, hi = ax_metric.get_ylim()
     assert hi - lo >= 0.0999 and lo <= 0.3925 <= hi  # one point: not a 0.04-wide axis
     assert ax_metric.get_legend() is None  # one legend, on the loss axis, for both
