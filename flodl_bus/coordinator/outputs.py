@@ -56,15 +56,15 @@ class MetricsTable:
     #: ``skipped_batches`` the epoch's batches (all ranks) skipped for a non-finite loss.
     @property
     def columns(self) -> list[str]:
-        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "skipped_batches"]
-        cols += ["version", "syncs", "syncs_total"]
+        cols = ["epoch", "avg_loss", "epoch_ms", "samples", "version", "syncs", "syncs_total"]
         cols += ["global_step", "anchor"]
         for r in range(self.ws):
             cols += [f"samples_r{r}", f"samples_per_s_r{r}", f"batch_share_r{r}", f"loss_r{r}"]
         # Each rank's newest resource sample of the epoch, in MiB (GPU: empty on CPU).
         for r in range(self.ws):
             cols += [f"rss_mib_r{r}", f"vram_mib_r{r}", f"vram_peak_mib_r{r}", f"gpu_util_r{r}"]
-        return [*cols, "eval_metric"]
+        # skipped_batches last: added after the others, it moves none of them
+        return [*cols, "eval_metric", "skipped_batches"]
 
     def on_epoch(
         self, em: EpochMetrics, *, version: int, syncs: int, step: int, anchor: int

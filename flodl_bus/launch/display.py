@@ -267,6 +267,8 @@ class Progress:
         self._set_rank_totals()
 
     def _set_rank_totals(self) -> None:
+        if not self.bars:
+            return  # no terminal, no bars
         for bar, total in zip(
             self.bars, rank_totals(self._total, self._shares, self.world_size), strict=True
         ):

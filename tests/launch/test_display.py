@@ -49,6 +49,7 @@ def test_rows_line_up_under_the_header() -> None:
 def test_rows_without_bars_go_to_the_output_with_one_header() -> None:
     out = io.StringIO()
     progress = Progress(2, 10, bars=False, out=out)
+    progress.set_total(20)  # no bars to size: nothing to do, nothing raised
     progress.rows([_row(0), _row(1)])
     progress.close()
     lines = out.getvalue().splitlines()
