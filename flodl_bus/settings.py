@@ -297,6 +297,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 #: the coordinator and the ranks skip them, ``up`` reads them with ``read_launch``
 LAUNCH_KEYS: dict[str, type] = {
     "job": str,
+    "script": str,
+    #: the script's own arguments, a list of strings (a command line's words after it)
+    "script_args": list,
     "mode": str,
     "workers": int,
     "epochs": int,
@@ -316,8 +319,9 @@ def _load(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 
 def read_launch(path: str | Path) -> dict[str, Any]:
-    """The launch keys of a run file (``up``'s: job, mode, workers, epochs, eval_every,
-    device), each checked for its type; a wrong one names itself."""
+    """The launch keys of a run file (``up``'s: job or script and its script_args, mode,
+    workers, epochs, eval_every, device), each checked for its type; a wrong one names
+    itself. A relative script is the file's neighbour."""
     p, raw = _load(path)
     out: dict[str, Any] = {}
     for key, value in raw.items():
@@ -329,7 +333,18 @@ def read_launch(path: str | Path) -> dict[str, Any]:
             raise SettingsError(f"--config {p}: {key}: use a whole number of 1 or more")
         if kind is str and not isinstance(value, str):
             raise SettingsError(f"--config {p}: {key}: use a string")
+        if kind is list and not (
+            isinstance(value, list) and all(isinstance(v, str) for v in value)
+        ):
+            raise SettingsError(f'--config {p}: {key}: use a list of strings, ["--lr", "0.1"]')
+        if name == "script":
+            # Beside the file, as a path in it reads: the run starts from any directory.
+            value = str((p.parent / value).resolve())
         out[name] = value
+    if "job" in out and "script" in out:
+        raise SettingsError(f"--config {p}: job and script exclude each other: keep one")
+    if "script_args" in out and "script" not in out:
+        raise SettingsError(f"--config {p}: script_args without a script")
     return out
 
 

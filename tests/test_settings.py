@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -265,3 +266,40 @@ def test_bf16_wire_is_off_by_default_and_reaches_the_ranks_through_meta(tmp_path
     args = up_parser().parse_args(["--workers", "2", "--bf16-wire", "true"])
     coord = coordinator_argv(args, "r", tmp_path)
     assert coord[coord.index("--bf16-wire") + 1] == "true"
+
+
+def test_a_run_file_may_name_a_script_beside_it_with_its_arguments_instead_of_a_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flodl_bus.launch.up_args import _parser, check_args
+
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "train.py").write_text("")
+    path = conf / "run.toml"
+    path.write_text('script = "train.py"\nscript_args = ["--epochs", "2"]\nworkers = 2\n')
+    monkeypatch.chdir(tmp_path)  # not the file's folder: the script is found beside it
+
+    def up(*given: str) -> Any:
+        args = _parser().parse_args(["--config", str(path), *given])
+        args.script_args = []
+        return args, check_args(args, ["--config", str(path), *given])
+
+    args, wrong = up()
+    assert wrong is None, wrong
+    assert (args.script, args.script_args, args.job) == (
+        str(conf / "train.py"),
+        ["--epochs", "2"],
+        None,
+    )
+    # a flag beats the file: --job trains the job and drops the file's script and its args
+    args, wrong = up("--job", "flodl_bus.examples.digits:job")
+    assert wrong is None and args.script is None and args.script_args == []
+    path.write_text('job = "flodl_bus.examples.digits:job"\nscript = "train.py"\n')
+    assert up()[1] == f"--config {path}: job and script exclude each other: keep one"
+    path.write_text('script_args = ["-v"]\n')
+    assert up()[1] == f"--config {path}: script_args without a script"
+    path.write_text('script = "train.py"\nscript_args = "--epochs 2"\n')
+    assert "script_args: use a list of strings" in str(up()[1])
+    path.write_text('script = "missing.py"\n')
+    assert f"--script {str(conf / 'missing.py')!r}: no such file" == up()[1]

@@ -404,6 +404,11 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
                 super().on_epoch(em, version=version, syncs=syncs, step=step, anchor=anchor)
                 board.on_epoch(em, syncs=syncs, anchor=anchor)
 
+            def on_end(self, syncs: int) -> None:
+                super().on_end(syncs)
+                if self.rows:
+                    board.on_end(max(self.rows), syncs)
+
             def on_eval(self, scheduled_epoch: int, metric: float) -> None:
                 super().on_eval(scheduled_epoch, metric)
                 board.on_eval(scheduled_epoch - 1, metric)

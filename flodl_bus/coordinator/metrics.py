@@ -7,7 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from flodl_bus.coordinator.numeric import ordered_sum
-from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg, ResourceSample
+from flodl_bus.protocol.messages import (
+    NONFINITE_SKIPPED_TAG,
+    EpochMetrics,
+    MetricsMsg,
+    ResourceSample,
+)
 
 
 @dataclass(slots=True)
@@ -81,6 +86,8 @@ def aggregate(
         means = {t: s / c for t, (s, c) in a.scalars.items() if c > 0}
         per_rank.append(means)
         tags += [t for t in means if t not in tags]
+    # A skipped batch records 1.0 under its tag: the mean says nothing, the count is it.
+    skipped = [int(a.scalars.get(NONFINITE_SKIPPED_TAG, [0.0, 0.0])[1]) for a in accs]
     scalars: dict[str, float] = {}
     for t in tags:
         holders = [(pr[t], a.batches) for pr, a in zip(per_rank, accs) if t in pr]
@@ -113,6 +120,7 @@ def aggregate(
         per_rank_resources=tuple(a.resources for a in accs)
         if any(a.resources is not None for a in accs)
         else (),
+        per_rank_skipped=tuple(skipped) if any(skipped) else (),
     )
 
 
@@ -121,7 +129,8 @@ class TensorBoardScalars:
 
     Written by the coordinator, which sees every epoch's aggregate: ``loss``,
     ``eval/metric`` (at the epoch whose model it scored), ``samples_per_s/rank<r>``,
-    ``anchor``, ``syncs/epoch`` and ``syncs/total``; the step is the epoch. Needs the
+    ``anchor``, ``skipped_batches`` (non-finite losses skipped), ``syncs/epoch`` and
+    ``syncs/total``; the step is the epoch. Needs the
     ``tensorboard`` package (``pip install 'flodl_bus[tensorboard]'``), checked by
     ``available`` before the run starts.
     """
@@ -131,6 +140,8 @@ class TensorBoardScalars:
 
         self.writer = SummaryWriter(log_dir=log_dir)
         self._syncs_before = 0
+        #: (epoch, rounds so far) of the newest epoch, not written yet
+        self._pending: tuple[int, int] | None = None
 
     @staticmethod
     def available() -> str | None:
@@ -161,10 +172,29 @@ class TensorBoardScalars:
                 if value is not None:
                     w.add_scalar(f"resources/{tag}/rank{r}", value * scale, e)
         w.add_scalar("anchor", anchor, e)
-        w.add_scalar("syncs/epoch", max(0, syncs - self._syncs_before), e)
-        w.add_scalar("syncs/total", syncs, e)
-        self._syncs_before = syncs
+        w.add_scalar("skipped_batches", sum(em.per_rank_skipped), e)
+        # An epoch's rounds are written when the next epoch's come, or at the end:
+        # the last epoch's take the final averaging's too (``on_end``).
+        self._write_pending()
+        self._pending = (e, syncs)
         w.flush()
+
+    def on_end(self, last_epoch: int, syncs: int) -> None:
+        """metrics.csv's ``on_end``: the final rounds join the last epoch, whose rounds
+        are written now, once (a second point at one step would draw as two)."""
+        if self._pending is not None and self._pending[0] == last_epoch:
+            self._pending = (last_epoch, syncs)
+        self._write_pending()
+        self.writer.flush()
+
+    def _write_pending(self) -> None:
+        if self._pending is None:
+            return
+        e, total = self._pending
+        self.writer.add_scalar("syncs/epoch", max(0, total - self._syncs_before), e)
+        self.writer.add_scalar("syncs/total", total, e)
+        self._syncs_before = total
+        self._pending = None
 
     def on_eval(self, scored_epoch: int, metric: float) -> None:
         if math.isfinite(metric):
@@ -172,4 +202,5 @@ class TensorBoardScalars:
             self.writer.flush()
 
     def close(self) -> None:
+        self._write_pending()  # a run stopped before its end
         self.writer.close()

@@ -52,7 +52,8 @@ class MetricsTable:
         self._syncs_before = 0
 
     #: Units and counts are the console's (launch/display.py): samples per second, and
-    #: ``syncs`` the averaging rounds of that epoch beside ``syncs_total`` for the run.
+    #: ``syncs`` the averaging rounds of that epoch beside ``syncs_total`` for the run;
+    #: ``skipped_batches`` the epoch's batches (all ranks) skipped for a non-finite loss.
     @property
     def columns(self) -> list[str]:
         cols = ["epoch", "avg_loss", "epoch_ms", "samples", "version", "syncs", "syncs_total"]
@@ -62,7 +63,8 @@ class MetricsTable:
         # Each rank's newest resource sample of the epoch, in MiB (GPU: empty on CPU).
         for r in range(self.ws):
             cols += [f"rss_mib_r{r}", f"vram_mib_r{r}", f"vram_peak_mib_r{r}", f"gpu_util_r{r}"]
-        return [*cols, "eval_metric"]
+        # skipped_batches last: added after the others, it moves none of them
+        return [*cols, "eval_metric", "skipped_batches"]
 
     def on_epoch(
         self, em: EpochMetrics, *, version: int, syncs: int, step: int, anchor: int
@@ -75,6 +77,7 @@ class MetricsTable:
             "avg_loss": _num(em.avg_loss),
             "epoch_ms": _num(em.epoch_ms),
             "samples": str(sum(em.per_rank_samples)),
+            "skipped_batches": str(sum(em.per_rank_skipped)),
             "version": str(version),
             "syncs": str(max(0, syncs - self._syncs_before)),
             "syncs_total": str(syncs),
@@ -95,6 +98,22 @@ class MetricsTable:
             row[f"gpu_util_r{r}"] = _num(None if res is None else res.gpu_util_percent)
         row["eval_metric"] = _num(self.evals.get(em.epoch))
         self.rows[em.epoch] = row
+        self._syncs_before = syncs
+        self.write()
+
+    def on_end(self, syncs: int) -> None:
+        """The run is over after ``syncs`` rounds. The rounds after the last epoch's
+        aggregate (the final averaging, which the final eval scores) are that epoch's:
+        the last row's ``syncs_total`` is then the run's, as the console and ``status``
+        say it."""
+        if not self.rows:
+            return
+        row = self.rows[max(self.rows)]
+        added = syncs - int(row["syncs_total"])
+        if added <= 0:
+            return
+        row["syncs"] = str(int(row["syncs"]) + added)
+        row["syncs_total"] = str(syncs)
         self._syncs_before = syncs
         self.write()
 

@@ -391,6 +391,8 @@ class CoordinatorLoop:
             elif isinstance(o, Finished) and self.finished is None:
                 self.finished = o
                 self.finished_at = now
+                if self.metrics is not None:
+                    self.metrics.on_end(self.core.avg_count)
                 log.info(
                     "run_finished",
                     reason=None if o.reason is None else o.reason.snake,

@@ -146,6 +146,8 @@ class DashboardState:
                     "epoch_s": m.epoch_ms / 1000.0,
                     # the wire's unit is samples per millisecond
                     "samples_per_s": [t * 1000.0 for t in m.per_rank_throughput],
+                    # batches skipped for a non-finite loss, as metrics.csv counts them
+                    "skipped": sum(m.per_rank_skipped),
                 },
             )
         elif isinstance(msg, EvalBroadcast):
@@ -321,7 +323,11 @@ class DashboardState:
             row: dict[str, Any] = {"epoch": e}
             if e in self._epochs:
                 eid, aggregate = self._epochs[e]
-                row.update(aggregate, rounds_total=self.rounds_before(eid))
+                # the final averaging, after the last aggregate, is the last epoch's
+                # (metrics.csv's rule): a finished run's last row has every round
+                last = status == "finished" and epochs is not None and e == epochs - 1
+                total = self.rounds if rounds is None else rounds
+                row.update(aggregate, rounds_total=total if last else self.rounds_before(eid))
             row["eval"] = self.evals.get(e)
             rows.append(row)
         return {

@@ -1,4 +1,5 @@
-"""What ``flodl-bus up`` prints: a bar per rank, the epoch table, the closing summary.
+"""What ``flodl-bus up`` prints: a bar for the run and one per rank, the epoch table,
+the closing summary.
 
 Formatting is pure (rows in, strings out); ``Progress`` owns the tqdm bars and is the
 only part that writes to the terminal while bars are drawn (``tqdm.write`` keeps table
@@ -11,6 +12,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -58,10 +60,13 @@ def format_row(row: EpochRow, width: int | None = None) -> str:
         slow = min(finite) if finite else None
         slowest = "-" if slow is None else f"r{slow[1]} {slow[0]:.0f}"
         thru = f"{_num(total, '.0f', 8)} {slowest:>10}"
-    return (
+    line = (
         f"{row.epoch:>5} {_num(row.loss, '.4f', 8)} {_num(row.metric, '.4f', 7)} {thru} "
         f"{row.syncs:>6} {anchor:>6} {_num(row.at, '.1f', 6)}s"
     )
+    # After the columns, not one of them: most runs skip nothing, and a column of zeros
+    # would take the width a rank's throughput needs.
+    return line + (f"  {row.skipped} skipped (non-finite loss)" if row.skipped else "")
 
 
 def late_eval_line(epoch: int, metric: float) -> str:
@@ -114,6 +119,8 @@ class Summary:
     syncs: int
     batches: int
     files: tuple[str, ...]
+    #: batches skipped for a non-finite loss (the coordinator's count, as in metrics.csv)
+    skipped: int = 0
 
     @property
     def reached_target(self) -> bool | None:
@@ -165,14 +172,45 @@ class Summary:
             *head,
             f"  final metric     {metric}",
             f"  wall time        {self.wall_s:.2f}s (first step after {first})",
-            f"  syncs            {self.syncs} averaging rounds, {self.batches} batches",
+            f"  syncs            {self.syncs} averaging rounds, {self.batches} batches"
+            + (f" ({self.skipped} skipped: non-finite loss)" if self.skipped else ""),
             *wrap_items("  exit codes       ", codes, width, 19),
             *files,
         ]
 
 
+def rank_totals(
+    run_batches: int | None, shares: Sequence[float], world_size: int
+) -> list[int | None]:
+    """Each rank's bar total: its planned share of the run's batches. The shares are
+    the coordinator's (ElChe's batch shares of the newest aggregated epoch, which a fast
+    rank's are larger than a slow one's); an even split until the first epoch says."""
+    if run_batches is None:
+        return [None] * world_size
+    usable = len(shares) == world_size and all(math.isfinite(x) and x >= 0 for x in shares)
+    if not usable or sum(shares) <= 0:
+        shares = [1.0] * world_size
+    whole = sum(shares)
+    return [math.ceil(run_batches * x / whole) for x in shares]
+
+
+def run_eta_s(done: int, total: int | None, since_first_step_s: float | None) -> float | None:
+    """Seconds the run has left at its measured rate: batches of all ranks since the
+    first training step (startup is no training, so it is not in the rate); None while
+    nothing says."""
+    if total is None or since_first_step_s is None or done <= 0 or since_first_step_s <= 0:
+        return None
+    return max(0, total - done) * since_first_step_s / done
+
+
+def newest_shares(view: RunView) -> tuple[float, ...]:
+    """The batch shares of the newest aggregated epoch (empty before the first)."""
+    return view.metrics[max(view.metrics)].per_rank_batch_share if view.metrics else ()
+
+
 class Progress:
-    """One tqdm bar per rank (batches run so far) and the table above them.
+    """One bar for the whole run (every rank's batches of every epoch, with its ETA at
+    the run's measured rate), one bar per rank (its planned share) and the table above.
 
     Table lines are sized to the terminal (``width``; None off a terminal). Bars need a
     terminal that reports its size: under one that says 0 columns (some ptys) they are
@@ -182,7 +220,7 @@ class Progress:
     def __init__(
         self,
         world_size: int,
-        batches_per_rank: int | None,
+        run_batches: int | None,
         *,
         bars: bool,
         out: TextIO | None = None,
@@ -191,29 +229,50 @@ class Progress:
         self.out = out or sys.stdout
         self.width = width
         self.bars: list[Any] = []
+        self.run_bar: Any = None
         self._header_done = False
         self.world_size = world_size
-        self._total = batches_per_rank
+        self._total = run_batches
+        self._shares: tuple[float, ...] = ()
         if bars:
             fixed = terminal_width(sys.stderr) is None
-            self.bars = [
-                tqdm(
-                    total=batches_per_rank,
-                    desc=f"rank {r}",
+
+            def bar(desc: str, position: int, **kw: Any) -> Any:
+                return tqdm(
+                    desc=desc,
                     unit="batch",
-                    position=r,
+                    position=position,
                     leave=False,
                     dynamic_ncols=not fixed,
                     ncols=80 if fixed else None,
                     file=sys.stderr,
+                    **kw,
                 )
-                for r in range(world_size)
-            ]
 
-    def set_total(self, total: int | None) -> None:
-        self._total = total
-        for bar in self.bars:
-            # a fast rank runs past its fair share: its bar keeps a total, its own count
+            # tqdm's own ETA would count the startup as training time: the run bar's
+            # is the run's own, in its postfix.
+            self.run_bar = bar(
+                "run", 0, total=run_batches, bar_format="{desc}: {percentage:3.0f}%|{bar}| "
+                "{n_fmt}/{total_fmt} [{elapsed}{postfix}]",
+            )  # fmt: skip
+            totals = rank_totals(run_batches, (), world_size)
+            self.bars = [bar(f"rank {r}", r + 1, total=totals[r]) for r in range(world_size)]
+
+    def set_total(self, run_batches: int | None) -> None:
+        """The run's batches, all ranks and epochs (None: unknown)."""
+        self._total = run_batches
+        if self.run_bar is not None:
+            self.run_bar.total = run_batches
+            self.run_bar.refresh()
+        self._set_rank_totals()
+
+    def _set_rank_totals(self) -> None:
+        if not self.bars:
+            return  # no terminal, no bars
+        for bar, total in zip(
+            self.bars, rank_totals(self._total, self._shares, self.world_size), strict=True
+        ):
+            # a rank past its planned share keeps a total: its own count
             bar.total = None if total is None else max(total, bar.n)
             bar.refresh()
 
@@ -227,6 +286,19 @@ class Progress:
     def update(self, view: RunView) -> None:
         for note in view.take_notes():
             self.write(f"  {note}")
+        shares = newest_shares(view)
+        if shares != self._shares:
+            self._shares = shares
+            self._set_rank_totals()
+        run = self.run_bar
+        if run is not None and view.total_batches != run.n:
+            run.n = view.total_batches
+            if run.total is not None and run.n > run.total:
+                run.total = run.n
+            first = view.first_step_at
+            eta = run_eta_s(run.n, run.total, None if first is None else time.monotonic() - first)
+            run.set_postfix_str("" if eta is None else f"ETA {tqdm.format_interval(eta)}", False)
+            run.refresh()
         for r, bar in enumerate(self.bars):
             rv = view.ranks[r]
             if rv.batches != bar.n:
@@ -250,9 +322,10 @@ class Progress:
 
     def close(self) -> None:
         drew = bool(self.bars)
-        for bar in self.bars:
-            bar.close()
-        self.bars = []
+        for bar in [*self.bars, self.run_bar]:
+            if bar is not None:
+                bar.close()
+        self.bars, self.run_bar = [], None
         if drew:
             # A stop signal can land while a bar is being drawn: clear what is left of
             # it, so the summary starts on a clean line.

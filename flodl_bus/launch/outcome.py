@@ -1,6 +1,6 @@
 """How ``flodl-bus up`` takes a stop signal and reads its run's outcome: the stop
-signals turned into one exception, the launcher's exit code from its children's, a
-rank's share of the batches (a progress bar's total) and an epoch row as record fields.
+signals turned into one exception, the launcher's exit code from its children's, the
+run's batches (the run bar's total) and an epoch row as record fields.
 
 Pure helpers of ``launch.up``, kept apart so the launcher's loop stays readable.
 """
@@ -11,10 +11,12 @@ import contextlib
 import math
 import signal
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from flodl_bus.exits import CONFIG, FAILED, OK, STOP_SIGNALS, STOPPED, by_signal, signal_of
+from flodl_bus.launch import run_lock
 from flodl_bus.launch.view import EpochRow
 
 
@@ -57,19 +59,18 @@ def run_exit_code(
     return FAILED if target_missed else OK
 
 
-def batches_per_rank(run_header: Mapping[str, Any]) -> int | None:
-    """A rank's fair share of the run's batches (a bar's total; fast ranks overshoot it),
-    from the ``run`` line of the coordinator's record."""
+def run_batches(run_header: Mapping[str, Any]) -> int | None:
+    """The run's batches, every rank's of every epoch (the run bar's total), from the
+    ``run`` line of the coordinator's record."""
     try:
         cfg = run_header["config"]
         samples, batch = int(cfg["total_samples"]), int(cfg["batch_size"])
-        epochs, world = int(cfg["num_epochs"]), int(cfg["world_size"])
+        epochs = int(cfg["num_epochs"])
     except (KeyError, TypeError, ValueError):
         return None
-    if min(samples, batch, epochs, world) < 1:
+    if min(samples, batch, epochs) < 1:
         return None
-    per_epoch = math.ceil(samples / batch)
-    return math.ceil(per_epoch * epochs / world)
+    return math.ceil(samples / batch) * epochs
 
 
 @contextlib.contextmanager
@@ -100,4 +101,12 @@ def _row_fields(row: EpochRow) -> dict[str, Any]:
         "anchor": row.anchor,
         "epoch_s": row.epoch_s,
         "at": row.at,
+        "skipped": row.skipped,
     }
+
+
+def run_files(run_dir: Path) -> tuple[str, ...]:
+    """The files of the run's folder the summary lists (the run's lock is no output)."""
+    return tuple(
+        sorted(p.name for p in run_dir.iterdir() if p.is_file() and p.name != run_lock.LOCK_NAME)
+    )

@@ -18,6 +18,7 @@ from flodl_bus.launch.view import EpochRow, RunView
 #: the coordinator's metrics.csv names and units where they overlap (coordinator/runtime.py)
 CSV_FIELDS = (
     "epoch", "avg_loss", "eval_metric", "syncs", "syncs_total", "anchor", "epoch_ms", "at_s",
+    "skipped_batches",
 )  # fmt: skip
 
 
@@ -58,6 +59,7 @@ def write_rows_csv(path: Path, rows: Sequence[EpochRow], world_size: int) -> Non
                     "" if row.anchor is None else row.anchor,
                     row.epoch_s * 1000.0,
                     row.at,
+                    row.skipped,
                     *row.throughput,
                 ]
             )
@@ -91,9 +93,19 @@ def metric_limits(values: Sequence[float]) -> tuple[float, float]:
     return lo, hi
 
 
+#: a legend under its axes' label, a row of entries, outside what is plotted
+_BELOW: dict[str, Any] = {
+    "loc": "upper center",
+    "bbox_to_anchor": (0.5, -0.18),
+    "ncols": 4,
+    "frameon": False,
+}
+
+
 def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) -> Any:
-    """plot.png: loss over time since launch (batches per rank, epoch means, the eval
-    metric on its own axis, one legend), and each rank's samples per second by epoch.
+    """plot.png: loss over time since the first step (batches per rank, epoch means, the
+    eval metric on its own axis, one legend), and each rank's samples per second by
+    epoch; the legends under their axes.
     Returns the figure, closed (tests read its axes)."""
     import matplotlib
 
@@ -101,9 +113,12 @@ def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) 
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_loss, ax_thru) = plt.subplots(2, 1, figsize=(9, 7), constrained_layout=True)
+    fig, (ax_loss, ax_thru) = plt.subplots(2, 1, figsize=(9, 8), constrained_layout=True)
+    # From the first training step: the startup before it (seconds of imports and
+    # handshakes) is no training, and would squeeze the curves to the right.
+    first = view.time_to_first_step() or 0.0
     for r, rv in enumerate(view.ranks):
-        pts = [(t, v) for t, v in rv.losses if math.isfinite(v)]
+        pts = [(t - first, v) for t, v in rv.losses if math.isfinite(v)]
         if not pts:
             continue
         ts, vs = zip(*pts)
@@ -111,10 +126,10 @@ def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) 
     handles, labels = ax_loss.get_legend_handles_labels()
     if rows:
         ax_loss.plot(
-            [row.at for row in rows], [row.loss for row in rows], "ko-", label="epoch mean"
+            [row.at - first for row in rows], [row.loss for row in rows], "ko-", label="epoch mean"
         )
         handles, labels = ax_loss.get_legend_handles_labels()
-        evals = [(row.at, row.metric) for row in rows if row.metric is not None]
+        evals = [(row.at - first, row.metric) for row in rows if row.metric is not None]
         if evals:
             ax_metric = ax_loss.twinx()
             ax_metric.plot(*zip(*evals), "s--", color="tab:green", label="eval metric")
@@ -122,14 +137,14 @@ def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) 
             ax_metric.set_ylim(*metric_limits([m for _, m in evals]))
             more_h, more_l = ax_metric.get_legend_handles_labels()
             handles, labels = handles + more_h, labels + more_l
-    # From the launch (0), so the time to the first step shows as the gap it was.
     ax_loss.set_xlim(left=0.0)
-    ax_loss.set_xlabel("seconds since launch")
+    ax_loss.set_xlabel(f"seconds since the first training step ({first:.1f}s after launch)")
     ax_loss.set_ylabel("loss")
     ax_loss.set_title(title)
     if handles:
-        # one legend for both axes (two would overlap)
-        ax_loss.legend(handles, labels, loc="upper right", fontsize="small")
+        # One legend for both axes (two would overlap), under the axes: inside, it sat
+        # on the curves wherever it went.
+        ax_loss.legend(handles, labels, fontsize="small", **_BELOW)
 
     epochs = [row.epoch for row in rows]
     for r in range(view.world_size):
@@ -140,7 +155,7 @@ def write_plot(path: Path, view: RunView, rows: Sequence[EpochRow], title: str) 
     ax_thru.set_ylabel("samples / s")
     ax_thru.set_title("throughput per rank")
     if rows:
-        ax_thru.legend(loc="lower right", fontsize="small")
+        ax_thru.legend(fontsize="small", **_BELOW)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig

@@ -56,8 +56,9 @@ from flodl_bus.launch.outcome import (
     _row_fields,
     _signals_as_stop,
     _Stop,
-    batches_per_rank,
+    run_batches,
     run_exit_code,
+    run_files,
 )
 from flodl_bus.launch.procs import Child, spawn, stop_all, thread_env, threads_per_worker
 from flodl_bus.launch.up_args import (
@@ -305,7 +306,7 @@ class Launcher:
     def _after_first_step(self) -> None:
         header = self._coordinator_header()
         if header is not None and self.progress is not None:
-            self.progress.set_total(batches_per_rank(header))
+            self.progress.set_total(run_batches(header))
         if header is not None:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self.view.set_epochs(int(header["config"]["num_epochs"]))
@@ -572,13 +573,8 @@ class Launcher:
             first_step_s=view.time_to_first_step(),
             syncs=view.syncs,
             batches=view.total_batches,
-            files=tuple(
-                sorted(
-                    p.name
-                    for p in run_dir.iterdir()
-                    if p.is_file() and p.name != run_lock.LOCK_NAME
-                )
-            ),
+            skipped=view.skipped,
+            files=run_files(run_dir),
         )
         code = run_exit_code(
             summary.coordinator_rc,
@@ -598,6 +594,7 @@ class Launcher:
             first_step_s=summary.first_step_s,
             syncs=summary.syncs,
             batches=summary.batches,
+            skipped=summary.skipped,
             coordinator_rc=summary.coordinator_rc,
             worker_rcs=list(summary.worker_rcs),
             rejected_entries=0 if self.watcher is None else self.watcher.rejected,

@@ -160,11 +160,15 @@ def check_args(args: argparse.Namespace, given: Sequence[str]) -> str | None:
 
 
 def _launch_keys_from_file(args: argparse.Namespace, given: Sequence[str]) -> None:
-    """``--config``'s launch keys (job, mode, workers, epochs, eval_every, device) for the
-    flags not given: a run can live in one file, and a flag still beats it."""
+    """``--config``'s launch keys (job or script and its arguments, mode, workers,
+    epochs, eval_every, device) for the flags not given: a run can live in one file, and
+    a flag still beats it; ``--job`` or ``--script`` beats the file's job or script."""
     flags = {tok.split("=", 1)[0] for tok in given if tok.startswith("--")}
+    trains = {"job", "script", "script_args"}
     for key, value in settings.read_launch(args.config).items():
-        if f"--{key.replace('_', '-')}" in flags or (key == "job" and "--script" in flags):
+        if key in trains and flags & {"--job", "--script"}:
+            continue
+        if f"--{key.replace('_', '-')}" in flags:
             continue
         if key == "mode" and value not in MODES:
             choices = ", ".join(MODES)

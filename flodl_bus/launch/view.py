@@ -52,6 +52,8 @@ class EpochRow:
     epoch_s: float
     #: seconds since the launch when the aggregate was seen
     at: float
+    #: batches the ranks skipped for a non-finite loss during this epoch
+    skipped: int = 0
 
 
 @dataclass(slots=True)
@@ -213,6 +215,12 @@ class RunView:
         return max(self._version, max((r.sync_now for r in self.ranks), default=0))
 
     @property
+    def skipped(self) -> int:
+        """Batches skipped for a non-finite loss in the epochs aggregated so far: the
+        coordinator's count (``EpochMetrics.per_rank_skipped``), the one metrics.csv has."""
+        return sum(sum(m.per_rank_skipped) for m in self.metrics.values())
+
+    @property
     def total_batches(self) -> int:
         return sum(r.batches for r in self.ranks)
 
@@ -236,6 +244,8 @@ class RunView:
         for e in sorted(self.metrics):
             if e in self._rows_out:
                 continue
+            if self.is_last(e) and not final:
+                break  # its rounds are counted at the run's end (see ``_row``)
             if e + 1 not in self.evals and not final:
                 due = self.expects_eval(e)
                 later = sum(1 for k in self.metrics if k > e)
@@ -249,9 +259,15 @@ class RunView:
                 self._shown_metric.add(e)
         return out
 
+    def is_last(self, epoch: int) -> bool:
+        return self.num_epochs is not None and epoch == self.num_epochs - 1
+
     def _row(self, e: int) -> EpochRow:
         m = self.metrics[e]
-        total = self._syncs_at.get(e, self.syncs)
+        # The rounds of an epoch are those done by its aggregate; the last epoch also
+        # takes the rounds after it (the final averaging), so its total is the run's,
+        # as metrics.csv, TensorBoard, status and the dashboard count them.
+        total = self.syncs if self.is_last(e) else self._syncs_at.get(e, self.syncs)
         syncs = total - self._last_row_syncs
         self._last_row_syncs = total
         return EpochRow(
@@ -264,4 +280,5 @@ class RunView:
             anchor=self._anchors.get(e),
             epoch_s=m.epoch_ms / 1000.0,
             at=self._seen_at.get(e, 0.0),
+            skipped=sum(m.per_rank_skipped),
         )

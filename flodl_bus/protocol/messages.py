@@ -105,6 +105,15 @@ class EpochMetrics:
     #: each rank's newest resource sample of the epoch (None: it sent none); empty when
     #: no rank sent one, which keeps the message as it was before resources existed
     per_rank_resources: tuple[ResourceSample | None, ...] = ()
+    #: batches each rank skipped for a non-finite loss in the epoch
+    #: (``Job.on_nonfinite_loss="skip"``); empty when none did, which keeps the message
+    #: as it was before the count existed
+    per_rank_skipped: tuple[int, ...] = ()
+
+
+#: The ``record_scalar`` tag a rank counts a skipped non-finite batch under; the
+#: coordinator turns its count into ``EpochMetrics.per_rank_skipped``.
+NONFINITE_SKIPPED_TAG = "nonfinite_skipped"
 
 
 @dataclass(frozen=True, slots=True)

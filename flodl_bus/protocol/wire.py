@@ -306,6 +306,7 @@ _epoch_metrics = _record(
         "per_rank_loss": _tuple_of(_opt_f64),
         "per_rank_samples": _u64s,
         "per_rank_resources": _tuple_of(_opt_resources),
+        "per_rank_skipped": _u64s,
     },
 )
 _segments = _tuple_of(_pair(_u64, _tuple_of(_u64_pair)))
@@ -357,6 +358,9 @@ def _enc_metrics(e: m.EpochMetrics) -> dict[str, Any]:
         # Left out when no rank sent a sample: the message then reads as it did before
         # resources existed, to an older rank and against an older record.
         out["per_rank_resources"] = tuple(resources_to_map(r) for r in e.per_rank_resources)
+    if e.per_rank_skipped:
+        # the same: left out in a run that skipped nothing
+        out["per_rank_skipped"] = e.per_rank_skipped
     return out
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from flodl_bus.job import Job, JobError, TrainData, call_job
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
+    NONFINITE_SKIPPED_TAG,
     Batch,
     ControlMsg,
     EpochFnElapsed,
@@ -400,7 +401,7 @@ class RankLoop:
             )
         self.optimizer.zero_grad(set_to_none=True)
         self._nonfinite_skipped += 1
-        self.record_scalar("nonfinite_skipped", 1.0)
+        self.record_scalar(NONFINITE_SKIPPED_TAG, 1.0)
         if self._nonfinite_skipped & (self._nonfinite_skipped - 1) == 0:
             # 1st, 2nd, 4th, 8th...: a run of bad batches is visible without a line each.
             _log.warning(

@@ -10,7 +10,12 @@ import pytest
 
 from flodl_bus.coordinator.metrics import EpochBuffer, aggregate
 from flodl_bus.coordinator.outputs import MetricsTable
-from flodl_bus.protocol.messages import EpochMetrics, MetricsMsg, ResourceSample
+from flodl_bus.protocol.messages import (
+    NONFINITE_SKIPPED_TAG,
+    EpochMetrics,
+    MetricsMsg,
+    ResourceSample,
+)
 
 
 def msg(rank: int, loss: float, batches: int, **kw: object) -> MetricsMsg:
@@ -136,3 +141,36 @@ def test_tensorboard_scalars_carry_the_consoles_figures_by_epoch(tmp_path: Path)
     # a CPU rank's RSS; no VRAM or GPU figure, and nothing for the rank without a sample
     assert got["resources/rss_mib/rank0"] == [(0, 3.0), (1, 3.0)]
     assert not [t for t in got if t.startswith("resources/") and t != "resources/rss_mib/rank0"]
+
+
+def test_skipped_batches_are_counted_per_rank_over_every_chunk_and_written_per_epoch(
+    tmp_path: Path,
+) -> None:
+    buf = EpochBuffer(3)
+    # a skipped batch records 1.0 under the tag: the count, not the mean, is the number
+    buf.record(0, msg(0, 1.0, 10, scalars={NONFINITE_SKIPPED_TAG: (2.0, 2)}))
+    buf.record(0, msg(0, 1.0, 10, scalars={NONFINITE_SKIPPED_TAG: (3.0, 3)}))
+    buf.record(1, msg(1, 1.0, 10))
+    buf.record(2, msg(2, 1.0, 10, scalars={NONFINITE_SKIPPED_TAG: (1.0, 1)}))
+    em = aggregate(0, buf.pop(0), [1 / 3] * 3)
+    assert em.per_rank_skipped == (5, 0, 1)
+    table = MetricsTable(tmp_path / "metrics.csv", 3)
+    table.on_epoch(em, version=1, syncs=1, step=1, anchor=1)
+    clean = EpochBuffer(3)
+    for r in range(3):
+        clean.record(r, msg(r, 1.0, 10, epoch=1))
+    quiet = aggregate(1, clean.pop(1), [1 / 3] * 3)
+    assert quiet.per_rank_skipped == ()  # as before the count existed
+    table.on_epoch(quiet, version=2, syncs=2, step=2, anchor=1)
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [r["skipped_batches"] for r in rows] == ["6", "0"]
+
+
+def test_the_rounds_after_the_last_aggregate_join_the_last_row(tmp_path: Path) -> None:
+    table = MetricsTable(tmp_path / "metrics.csv", 1)
+    table.on_epoch(EpochMetrics(0, 0.5, 10.0), version=2, syncs=2, step=1, anchor=1)
+    table.on_epoch(EpochMetrics(1, 0.4, 10.0), version=3, syncs=3, step=2, anchor=1)
+    table.on_end(4)  # the final averaging, after epoch 1's aggregate
+    table.on_end(4)  # said twice, counted once
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [(r["syncs"], r["syncs_total"]) for r in rows] == [("2", "2"), ("2", "4")]

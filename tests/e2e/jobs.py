@@ -102,6 +102,25 @@ nan_stop_job = dataclasses.replace(slow_job, name="nan-stop", loss_fn=_rank1_nan
 nan_skip_job = dataclasses.replace(
     slow_job, name="nan-skip", loss_fn=_rank1_nan, on_nonfinite_loss="skip"
 )
+#: Folder where ``every_fifth_nan_job`` notes each NaN loss it returned, a file per process.
+NAN_DIR_ENV = "FLODL_TEST_NAN_DIR"
+
+
+def _every_fifth_nan(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    _calls[0] += 1
+    loss = classification_loss(model, batch)
+    if _calls[0] % 5 != 0:
+        return loss
+    # The ground truth a test counts against what the run reports it skipped.
+    with open(os.path.join(os.environ[NAN_DIR_ENV], f"{os.getpid()}.nan"), "a") as f:
+        f.write("nan\n")
+    return loss * float("nan")
+
+
+#: every rank's every fifth batch has a NaN loss, skipped; unslowed, so a short run
+every_fifth_nan_job = dataclasses.replace(
+    digits.job, name="digits-nan-fifth", loss_fn=_every_fifth_nan, on_nonfinite_loss="skip"
+)
 #: rank 1 cannot build its optimizer
 builder_raises_job = dataclasses.replace(
     slow_job, name="builder-raises", build_optimizer=_rank1_optimizer

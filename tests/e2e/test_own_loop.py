@@ -134,3 +134,26 @@ def test_a_script_raising_in_its_loop_stops_the_run_as_a_job_failure_and_replays
     assert reasons.get(0) is None and 0 in reasons
     replayed = _flodl_bus(tmp_path, "replay", str(run_dir), timeout=120)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+
+
+def test_a_run_file_naming_a_script_and_its_arguments_runs_it_from_another_directory(
+    tmp_path: Path, redis_url: str
+) -> None:
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "train.py").write_text(Path(digits_own_loop.__file__).read_text())
+    (conf / "run.toml").write_text(
+        f'script = "train.py"\nscript_args = ["--epochs", "{EPOCHS}"]\n'
+        f'workers = {RANKS}\nmode = "cpu-cadence"\n'
+    )
+    run = new_run_id("own-loop-file")
+    run_dir = tmp_path / "runs" / run
+    up = _flodl_bus(
+        tmp_path, "up", "--no-progress", "--no-plot", "--redis-url", redis_url, "--run", run,
+        "--config", "conf/run.toml", timeout=240,
+    )  # fmt: skip
+    logs = up.stdout + up.stderr + "".join(p.read_text() for p in run_dir.glob("*.log"))
+    assert up.returncode == 0, logs
+    assert f"script {conf / 'train.py'}" in up.stdout
+    # the script's own --epochs reached it: every sample of each of its epochs, once
+    assert_each_sample_once(run_dir, RANKS, EPOCHS, logs)

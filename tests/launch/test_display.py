@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.launch.display import Progress, Summary, format_row, table_header
+from flodl_bus.launch.display import (
+    Progress,
+    Summary,
+    format_row,
+    rank_totals,
+    run_eta_s,
+    table_header,
+)
 from flodl_bus.launch.plot import write_plot, write_rows_csv
 from flodl_bus.launch.view import EpochRow, RunView
 from flodl_bus.protocol.messages import Batch, EpochAggregated, EpochMetrics
@@ -42,6 +49,7 @@ def test_rows_line_up_under_the_header() -> None:
 def test_rows_without_bars_go_to_the_output_with_one_header() -> None:
     out = io.StringIO()
     progress = Progress(2, 10, bars=False, out=out)
+    progress.set_total(20)  # no bars to size: nothing to do, nothing raised
     progress.rows([_row(0), _row(1)])
     progress.close()
     lines = out.getvalue().splitlines()
@@ -213,11 +221,13 @@ def test_a_row_waits_for_its_due_eval_past_the_next_epoch_and_a_late_one_is_fill
     # ...and when it comes after all, it is handed out as late, once
     view.on_control(None, EvalBroadcast(epoch=2, metric=0.524), now=4.5)
     assert view.take_late_evals() == [(1, 0.524)] and view.take_late_evals() == []
-    # the last epoch's row waits for the final eval; the result is the latest-trained
+    # the last epoch's row waits for the run's end; the result is the latest-trained
     # model's score even when an older eval arrives after it
     view.on_control(None, EvalBroadcast(epoch=4, metric=0.603), now=5.0)
     view.on_control(None, EvalBroadcast(epoch=3, metric=0.55), now=5.1)
-    assert [(r.epoch, r.metric) for r in view.rows_ready()] == [(2, 0.55), (3, 0.603)]
+    assert [(r.epoch, r.metric) for r in view.rows_ready()] == [(2, 0.55)]
+    # ...and for the run's end: its total has every round, the final averaging's too
+    assert [(r.epoch, r.metric) for r in view.rows_ready(final=True)] == [(3, 0.603)]
     assert view.final_metric == 0.603 and view.last_metric == 0.55
 
 
@@ -253,7 +263,20 @@ def test_the_plot_has_sane_axes_one_legend_and_integer_epochs(tmp_path: Path) ->
     ]
     fig = write_plot(tmp_path / "plot.png", view, rows, "t")
     ax_loss, ax_thru, ax_metric = fig.axes
-    assert ax_loss.get_xlim()[0] == 0.0  # from the launch, not the first batch
+    # from the first training step (7.25s after launch), not from the launch
+    assert ax_loss.get_xlim()[0] == 0.0
+    xs = [x for line in ax_loss.get_lines() for x in line.get_xdata()]
+    assert min(xs) == 0.0 and max(xs) == pytest.approx(7.25 + 3.9 - 7.25)  # the last batch
+    assert "7.2s after launch" in ax_loss.get_xlabel()
+    # each legend lies outside its axes (so off every line drawn in them), in the figure
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()  # the figure came back closed
+    page = fig.bbox
+    for ax in (ax_loss, ax_thru):
+        box = ax.get_legend().get_window_extent(renderer)
+        assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+        assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0, ax.get_title()
     lo, hi = ax_metric.get_ylim()
     assert hi - lo >= 0.0999 and lo <= 0.3925 <= hi  # one point: not a 0.04-wide axis
     assert ax_metric.get_legend() is None  # one legend, on the loss axis, for both
@@ -277,17 +300,41 @@ def test_bars_keep_a_total_for_a_fast_rank_and_leave_nothing_half_drawn(
     term = _FakeTerminal()
     monkeypatch.setattr(sys, "stderr", term)
     progress = Progress(2, None, bars=True, out=io.StringIO())
-    progress.set_total(10)
+    progress.set_total(20)  # the run's: 10 per rank until the coordinator says shares
     view = RunView(2, started_at=0.0)
-    for i in range(15):  # rank 0 runs past its fair share of 10
+    for i in range(15):  # rank 0 runs past its even share of 10
         view.on_upstream(0, Batch(0, 1.0, 0.0, i, 1.0), now=0.1 * i)
     view.on_upstream(1, Batch(1, 1.0, 0.0, 0, 1.0), now=0.1)
     progress.update(view)
     fast, slow = progress.bars
     assert (fast.n, fast.total) == (15, 15) and (slow.n, slow.total) == (1, 10)
+    assert (progress.run_bar.n, progress.run_bar.total) == (16, 20)
+    # the first epoch's aggregate says the planned shares: 3/4 and 1/4 of the run
+    view.on_control(
+        None, EpochAggregated(EpochMetrics(0, 0.5, 10.0, per_rank_batch_share=(0.75, 0.25))), 2.0
+    )
+    progress.update(view)
+    assert (fast.total, slow.total) == (15, 5)
     progress.close()
     # the last thing on the terminal clears the bar line: a stop mid-draw leaves none
     assert term.getvalue().endswith("\r\x1b[K")
+
+
+def test_a_ranks_total_is_its_planned_share_of_the_run_even_until_one_is_known() -> None:
+    assert rank_totals(None, (0.5, 0.5), 2) == [None, None]
+    assert rank_totals(100, (), 4) == [25, 25, 25, 25]
+    assert rank_totals(100, (0.6, 0.2, 0.2), 3) == [60, 20, 20]
+    assert rank_totals(99, (0.5, 0.5), 2) == [50, 50]  # rounded up: a bar never ends short
+    # shares that say nothing (a missing rank, NaN, all zero) fall back to an even split
+    for odd in ((0.5,), (math.nan, 0.5), (0.0, 0.0)):
+        assert rank_totals(10, odd, 2) == [5, 5]
+
+
+def test_the_runs_eta_is_at_its_rate_since_the_first_step() -> None:
+    assert run_eta_s(0, 100, 5.0) is None  # nothing trained: no rate yet
+    assert run_eta_s(10, None, 5.0) is None and run_eta_s(10, 100, None) is None
+    assert run_eta_s(25, 100, 10.0) == pytest.approx(30.0)  # 2.5 batches/s, 75 left
+    assert run_eta_s(120, 100, 10.0) == 0.0  # past the plan (fast ranks overshoot)
 
 
 def test_an_interrupted_runs_summary_claims_no_final_metric_and_no_target() -> None:
@@ -301,3 +348,15 @@ def test_an_interrupted_runs_summary_claims_no_final_metric_and_no_target() -> N
     assert "(stopped in order by the interrupt)" in text
     none = Summary(**{**s.__dict__, "final_metric": None})
     assert "- (interrupted before any eval)" in "\n".join(none.lines())
+
+
+def test_skipped_batches_follow_their_row_and_the_summary_and_nothing_when_none() -> None:
+    import dataclasses
+
+    row = dataclasses.replace(_row(0), skipped=4)
+    line = format_row(row)
+    assert line.startswith(format_row(_row(0))) and line.endswith("  4 skipped (non-finite loss)")
+    s = _summary(2)
+    assert not any("skipped" in line for line in s.lines())
+    told = Summary(**{**s.__dict__, "skipped": 7}).lines()
+    assert any(line.endswith("batches (7 skipped: non-finite loss)") for line in told)

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from flodl_bus.launch.jobref import check_job_ref
-from flodl_bus.launch.up import batches_per_rank, main
+from flodl_bus.launch.outcome import run_batches
+from flodl_bus.launch.up import main
 
 
 @pytest.mark.parametrize(
@@ -35,12 +36,12 @@ def test_a_job_reference_is_checked_without_importing_it() -> None:
     assert check_job_ref("flodl_bus.nothing_here:job") is not None
 
 
-def test_a_ranks_bar_total_is_its_fair_share_of_the_runs_batches() -> None:
+def test_the_run_bars_total_is_every_ranks_batches_of_every_epoch() -> None:
     header = {"config": {"total_samples": 1000, "batch_size": 32, "num_epochs": 3,
                          "world_size": 2}}  # fmt: skip
-    assert batches_per_rank(header) == 48  # ceil(1000/32)=32 per epoch, 96 over 2 ranks
-    assert batches_per_rank({"config": {}}) is None
-    assert batches_per_rank({}) is None
+    assert run_batches(header) == 96  # ceil(1000/32)=32 per epoch, 3 epochs
+    assert run_batches({"config": {}}) is None
+    assert run_batches({}) is None
 
 
 def test_the_runs_epochs_reach_coordinator_and_every_rank_so_the_lr_schedule_agrees() -> None:

@@ -72,6 +72,7 @@ epoch_metrics = _build(
     per_rank_loss=tuples(opt_f64),
     per_rank_samples=tuples(u64),
     per_rank_resources=tuples(st.none() | resources, max_size=4),
+    per_rank_skipped=tuples(u64),
 )
 segments = tuples(st.tuples(u64, tuples(st.tuples(u64, u64), max_size=4)), max_size=4)
 

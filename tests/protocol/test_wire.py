@@ -194,6 +194,13 @@ def test_an_aggregate_without_any_rank_resources_reads_as_before_they_existed() 
     assert decode_control(encode(m.EpochAggregated(metrics))) == m.EpochAggregated(metrics)
 
 
+def test_an_aggregate_that_skipped_nothing_reads_as_before_the_count_existed() -> None:
+    metrics = dataclasses.replace(SAMPLES["EpochAggregated"].metrics, per_rank_skipped=())
+    assert "per_rank_skipped" not in msgpack.unpackb(encode(m.EpochAggregated(metrics)))["metrics"]
+    skipped = dataclasses.replace(metrics, per_rank_skipped=(0, 4))
+    assert decode_control(encode(m.EpochAggregated(skipped))) == m.EpochAggregated(skipped)
+
+
 @pytest.mark.parametrize("name", TARGETED)
 def test_reserved_target_rank_is_a_decode_error_naming_reserved(name: str) -> None:
     reason = rejected(with_value(name, ("target_rank",), RESERVED), CONTROL)
