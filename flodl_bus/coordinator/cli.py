@@ -414,6 +414,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
                 board.on_eval(scheduled_epoch - 1, metric)
 
         metrics = BoardedMetrics(run_dir / "metrics.csv", ws)
+        recorder.on_events = board.on_events
 
     class PublishingLoop(CoordinatorLoop):
         """The loop, which also keeps the core's state in the run's ``meta`` about once a

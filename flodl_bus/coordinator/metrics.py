@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from flodl_bus.coordinator.numeric import ordered_sum
 from flodl_bus.protocol.messages import (
@@ -195,6 +196,19 @@ class TensorBoardScalars:
         self.writer.add_scalar("syncs/total", total, e)
         self._syncs_before = total
         self._pending = None
+
+    def on_events(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """flodl's timeline (``record.telemetry``) where it has a figure to plot: each
+        round's divergence at its global step, each epoch's summary at its epoch."""
+        w = self.writer
+        for ev in events:
+            kind = ev.get("kind")
+            if kind == "Divergence" and ev.get("d_raw") is not None:
+                w.add_scalar("divergence/d_raw", float(ev["d_raw"]), int(ev.get("step") or 0))
+            elif kind == "DivergenceEpoch":
+                for field in ("d_max", "d_mean", "sync_count"):
+                    if ev.get(field) is not None:
+                        w.add_scalar(f"divergence_epoch/{field}", float(ev[field]), ev["epoch"])
 
     def on_eval(self, scored_epoch: int, metric: float) -> None:
         if math.isfinite(metric):

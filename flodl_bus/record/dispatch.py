@@ -79,7 +79,7 @@ import dataclasses
 import enum
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Final, get_args
 
@@ -225,6 +225,8 @@ class DispatchRecorder:
             Timeline() if (role == "coordinator" if events is None else events) else None
         )
         self._events: BinaryIO | None = None
+        #: also hands each batch of timeline events here as it is written (TensorBoard)
+        self.on_events: Callable[[Sequence[Mapping[str, Any]]], None] | None = None
         if self.rotated_from is not None:
             structlog.get_logger("flodl_bus.record").warning(
                 "record_rotated",
@@ -347,6 +349,8 @@ class DispatchRecorder:
         # Decisions only (a few per window): each reaches the OS as it happens, so a
         # watcher reading the file sees it now, and a crash leaves it behind.
         self._events.flush()
+        if self.on_events is not None:
+            self.on_events(evs)
 
     def end(self, **fields: Any) -> None:
         """The record's closing line (``record.chain``): nothing is recorded after it."""

@@ -3,6 +3,7 @@ behind in Redis: keys and secret that expire."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,6 +97,16 @@ def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
         scalars = _scalars(str(tmp_path / "tb"))
         assert [step for step, _ in scalars["loss"]] == list(range(6))
         assert {"anchor", "syncs/epoch", "samples_per_s/rank1", "eval/metric"} <= set(scalars)
+        # flodl's telemetry and resources beside them: each round's divergence as the
+        # run's events.jsonl has it, each epoch's summary, each rank's memory
+        events = [
+            json.loads(line)
+            for line in (tmp_path / "runs" / run / "events.jsonl").read_text().splitlines()
+        ]
+        rounds = [e for e in events if e["kind"] == "Divergence" and e["d_raw"] is not None]
+        assert rounds and {"divergence/d_raw", "divergence_epoch/d_max"} <= set(scalars)
+        assert {step for step, _ in scalars["divergence/d_raw"]} == {e["step"] for e in rounds}
+        assert {"resources/rss_mib/rank0", "resources/rss_mib/rank1"} <= set(scalars)
 
     # after the run: the command shows it finished, with each rank's memory as its last
     # metrics said (its own process; no GPU on CPU); its keys and secret expire
