@@ -60,7 +60,7 @@ ul { margin: 0; padding-left: 1.2em; }
 </div>
 <h2>epochs</h2>
 <table id="epochs"><thead><tr><th>epoch</th><th>loss</th><th>eval</th><th>rounds</th>
-<th>seconds</th><th>samples/s per rank</th></tr></thead><tbody></tbody></table>
+<th>seconds</th><th>samples/s per rank</th><th>skipped</th></tr></thead><tbody></tbody></table>
 <h2>deaths, re-formations, exits (<span id="event-count">0</span>)</h2>
 <ul id="events"></ul>
 <h2>dead letters</h2>
@@ -168,6 +168,8 @@ function draw(s) {
     cell(tr, e.rounds_total === undefined ? "-" : String(e.rounds_total), "rounds");
     cell(tr, num(e.epoch_s, 3), "seconds");
     cell(tr, (e.samples_per_s || []).map((x) => num(x, 4)).join("  "), "samples-per-s");
+    // batches a non-finite loss skipped (metrics.csv's skipped_batches)
+    cell(tr, e.skipped === undefined ? "-" : String(e.skipped), "skipped");
     rows.appendChild(tr);
   }
   chart($("eval-chart"), s.evals.map((e) => [e.epoch, e.metric]), "#1565c0");

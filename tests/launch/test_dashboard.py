@@ -415,6 +415,7 @@ def test_the_page_in_headless_chromium_shows_a_live_run_and_ends_matching_its_re
             per_rank = [float(x) for x in shown["samples-per-s"].split()]
             want = [float(row[f"samples_per_s_r{r}"]) for r in range(2)]
             assert per_rank == pytest.approx(want, rel=1e-3)
+            assert shown["skipped"] == row["skipped_batches"]
             if row["eval_metric"]:
                 assert _close(1e-5)(float(shown["eval"]), float(row["eval_metric"]))
             else:
