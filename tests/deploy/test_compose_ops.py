@@ -179,13 +179,19 @@ def test_a_root_owned_runs_is_refused_loudly_until_init_hands_it_to_the_services
     bindir = shared_tmp / "bin"
     _echo_bus(bindir)
     env = {"PATH": f"{bindir}:/usr/bin:/bin", "FLODL_RUN": "", "HOME": "/tmp"}
-    entry = ["sh", str(SERVICES / "entrypoint-coordinator.sh")]
+    # The entrypoints as the image holds them, readable by the services' user wherever
+    # this checkout lies (a clone under a root-only directory is unreadable to uid 1000).
+    scripts = shared_tmp / "services"
+    shutil.copytree(SERVICES, scripts)
+    for path in (scripts, *scripts.iterdir()):
+        path.chmod(0o755)
+    entry = ["sh", str(scripts / "entrypoint-coordinator.sh")]
 
     refused = _as_uid(uid, entry, app, env)
     assert refused.returncode == 2, refused
     assert "runs is not writable by uid 1000" in refused.stderr and "owner 0:0" in refused.stderr
     assert not (app / "runs" / ".compose-run").exists()
-    worker = _as_uid(uid, ["sh", str(SERVICES / "entrypoint-worker.sh")], app,
+    worker = _as_uid(uid, ["sh", str(scripts / "entrypoint-worker.sh")], app,
                      {**env, "FLODL_RUN": "r"})  # fmt: skip
     assert worker.returncode == 2 and "not writable" in worker.stderr, worker
 
