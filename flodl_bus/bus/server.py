@@ -8,6 +8,7 @@ directory, so several can run side by side and none touches the machine's own Re
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -28,6 +29,34 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_fixed_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A free port below the kernel's ephemeral range, for a port chosen now and bound
+    later by another process (torchrun's MASTER_PORT): ``free_port``'s comes from that
+    range, so between the choice and the bind any socket of any process (a gloo pair, a
+    store) may be given it, and the later bind fails with EADDRINUSE. Below the range
+    only an explicit bind can take it. Falls back to ``free_port`` where the range
+    leaves no room."""
+    low, _high = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(tries if low > 10_000 else 0):
+        port = rng.randrange(10_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port()
 
 
 def find_server_binary() -> str:

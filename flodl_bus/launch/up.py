@@ -42,7 +42,7 @@ import redis
 from flodl_bus.bus.connection import ENV_URL, connect, redact_url
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.run_secret import ENV_COORD_SEED, ENV_SECRET
-from flodl_bus.bus.server import free_port
+from flodl_bus.bus.server import free_fixed_port
 from flodl_bus.coordinator.supervisor import notice as supervisor_notice
 from flodl_bus.exits import (
     CONFIG,
@@ -245,7 +245,9 @@ class Launcher:
         # group from init_process_group, a metric's all_reduce...); the bus's own groups
         # never use it. Set by the caller, the caller's wins.
         base_env.setdefault("MASTER_ADDR", "127.0.0.1")
-        base_env.setdefault("MASTER_PORT", str(free_port()))
+        # Below the ephemeral range: no socket of the ranks (gloo pairs, stores) can be
+        # handed it between now and rank 0's bind (EADDRINUSE under load).
+        base_env.setdefault("MASTER_PORT", str(free_fixed_port()))
         threads = threads_per_worker(args.workers, env=os.environ)
         # The supervisor pipe: only the coordinator inherits its read end (pipes are
         # not inheritable by default; pass_fds makes this one so for that child alone).
