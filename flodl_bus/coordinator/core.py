@@ -463,9 +463,10 @@ class Coordinator:
         self.reduce.trigger(now, closed, self.checkpoints.arm(), out)
         if self.plans_with_request:
             # Each rank's next chunk rides behind the RequestParams, drawn from the
-            # counts the round is closing with: the rank holds it until the round's
-            # Update (adoption overwrites, so no step may come between), then trains at
-            # once instead of waiting out SyncAck -> coordinator -> Update (issue 27).
+            # counts the round is closing with: the rank trains it at once and keeps
+            # those steps on top of the consensus (``--overlap-rounds``), or holds it
+            # until the round's Update; either way it no longer waits out SyncAck ->
+            # coordinator -> Update -> its read for work (issue 27).
             self.dispatch.prefetch(now, out)
 
     # ----------------------------------------------------------------- epoch hooks

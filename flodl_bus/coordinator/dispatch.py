@@ -177,13 +177,13 @@ class PoolDispatch(Dispatch):
         self._live_sum = 0
         #: NCCL cadence: a rank held idle by the reduce's wait is given more work
         self.bridges = bridge.applies(core.config)
-        #: no epoch barrier: no collective here that could mix two epochs (§6 #17); the
-        #: core's ``solo`` is not set yet, so a world of one is read off the config
+        # The core's ``solo`` is not set yet: a world of one is read off the config.
         cfg = core.config
         #: a world of one trains what is left of an epoch in one plan
         self._solo_epochs = (
             cfg.world_size == 1 and cfg.solo_without_rounds and cfg.solo_whole_epochs
         )
+        #: no epoch barrier: no collective here that could mix two epochs (§6 #17)
         self.overlaps = cfg.epoch_overlap and (
             cfg.backend is Backend.CPU or (cfg.world_size == 1 and cfg.solo_without_rounds)
         )
@@ -410,8 +410,9 @@ class PoolDispatch(Dispatch):
         if self.has_in_flight(r):
             return None
         budget = self._budget(r)
-        # A world of one's windows close without a round: its budget never holds a plan.
-        if core.ledger.steps[r] >= budget and not self._solo_epochs:
+        # A world of one's windows close without a round: its budget never holds its
+        # next epoch back (records made before the overlap waited for the window's close).
+        if core.ledger.steps[r] >= budget and not (self._solo_epochs and self.overlaps):
             return self._bridge(r, out, via_update)
         num_epochs = core.config.num_epochs
         epoch = self.rank_epoch[r]
