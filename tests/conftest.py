@@ -22,6 +22,23 @@ pin_one_host(os.environ)
 # console, uncached, for the whole session.
 configure_console(cache=False)
 
+#: what a rank run in this process (``run_rank``, a ``UserGroup``) writes into the
+#: environment, as a rank's process does; a later test's ``up`` would hand it to its own
+#: ranks (a world of one's LOCAL_RANK, a store's MASTER_PORT)
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _rank_env_restored() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in RANK_ENV}
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 # The recorded-run fixtures and helpers (flodl_bus.replay.testing) for every test module.
 pytest_plugins = ["flodl_bus.replay.testing"]
 

@@ -276,6 +276,11 @@ class Launcher:
                     {
                         **thread_env(base_env, threads),
                         **worker_env(args, self.run, r, self.run_dir),
+                        # Every rank of ``up`` is on this host, rank r of the workers: a
+                        # LOCAL_* inherited from the caller's environment (a shell under
+                        # another launcher) would give every rank the same local rank.
+                        "LOCAL_RANK": str(r),
+                        "LOCAL_WORLD_SIZE": str(args.workers),
                     },
                     self.run_dir / f"rank{r}.log",
                 )
