@@ -28,12 +28,20 @@ def rss_bytes() -> int | None:
         return None
 
 
+#: devices whose utilisation could not be read once: not asked again every plan (a
+#: missing pynvml costs an import search per attempt, on the training thread)
+_NO_UTIL: set[int] = set()
+
+
 def _gpu_util(index: int) -> float | None:
     # torch asks NVML (the pynvml package); without it, or on a driver that refuses,
     # there is no utilisation figure rather than a failed report.
+    if index in _NO_UTIL:
+        return None
     try:
         return float(torch.cuda.utilization(index))
     except Exception:
+        _NO_UTIL.add(index)
         return None
 
 
