@@ -45,7 +45,9 @@ def _cadence_run(overlap: bool, total: int = 50, epochs: int = 3) -> tuple[Coord
         "cpu-cadence", total=total, num_epochs=epochs, anchor=16, epoch_overlap=overlap
     )
     holding, now, early, rounds = dict(plans(out)), 0.0, 0, 0
-    while holding:
+    for _ in range(1000):
+        if not holding:
+            break
         now += 0.01
         outs: list[Any] = []
         for r in sorted(holding):

@@ -237,7 +237,7 @@ def test_the_last_round_of_an_epoch_sends_the_next_epochs_chunks_after_its_aggre
     for r, plan in plans(out).items():
         feed(core, r, plan.partition_size)
         core.handle(r, metrics(r, 0, plan.partition_size), 0.0)
-    while True:  # train epoch 0 out, round by round
+    for _ in range(100):  # train epoch 0 out, round by round
         out = core.tick(0.01)
         if msgs(out, m.EpochAggregated):
             break
@@ -247,6 +247,8 @@ def test_the_last_round_of_an_epoch_sends_the_next_epochs_chunks_after_its_aggre
         for r, plan in plans(out).items():
             feed(core, r, plan.partition_size)
             core.handle(r, metrics(r, plan.epoch, plan.partition_size), 0.03)
+    else:
+        raise AssertionError("epoch 0 never aggregated")
     kinds = types(out)
     # the epoch is aggregated first, then the round, then epoch 1's chunks behind it
     assert kinds.index("EpochAggregated") < kinds.index("RequestParams")

@@ -37,6 +37,14 @@ def _flodl_bus(cwd: Path, *args: str, timeout: float) -> subprocess.CompletedPro
     )
 
 
+def _up(cwd: Path, redis_url: str, run: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``flodl-bus up`` of ``RANKS`` workers on the test's Redis."""
+    return _flodl_bus(
+        cwd, "up", "--no-progress", "--no-plot", "--redis-url", redis_url, "--run", run,
+        "--workers", str(RANKS), *args, timeout=240,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "training",
     [
@@ -52,22 +60,7 @@ def test_up_trains_each_sample_once_and_the_record_replays(
 ) -> None:
     run = new_run_id("own-loop")
     run_dir = tmp_path / "runs" / run
-    up = _flodl_bus(
-        tmp_path,
-        "up",
-        "--no-progress",
-        "--no-plot",
-        "--redis-url",
-        redis_url,
-        "--run",
-        run,
-        "--workers",
-        str(RANKS),
-        "--mode",
-        "cpu-cadence",
-        *training,
-        timeout=240,
-    )
+    up = _up(tmp_path, redis_url, run, "--mode", "cpu-cadence", *training)
     logs = up.stdout + up.stderr + "".join(p.read_text() for p in run_dir.glob("*.log"))
     assert up.returncode == 0, logs
 
@@ -110,21 +103,7 @@ def test_a_script_raising_in_its_loop_stops_the_run_as_a_job_failure_and_replays
     script.write_text(FAILING)
     run = new_run_id("own-loop-fails")
     run_dir = tmp_path / "runs" / run
-    up = _flodl_bus(
-        tmp_path,
-        "up",
-        "--no-progress",
-        "--no-plot",
-        "--redis-url",
-        redis_url,
-        "--run",
-        run,
-        "--workers",
-        str(RANKS),
-        "--script",
-        str(script),
-        timeout=240,
-    )
+    up = _up(tmp_path, redis_url, run, "--script", str(script))
     assert up.returncode != 0, up.stdout + up.stderr
     assert "rank 1: the script raised ValueError: bad batch" in up.stdout + up.stderr
     recs = records(run_dir)
