@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +47,13 @@ from flodl_bus.bus.cluster_server import LocalCluster
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer, free_port
+from flodl_bus.coordinator.loop_profile import STAGES, WAITS, LoopProfile, busiest
 
 #: what ``MAXLEN ~ 100000`` alone let each rank's streams hold (issue 21's soak)
 MAXLEN_BYTES_PER_RANK = 16_000_000
 SATURATED = 0.85
+#: Redis memory per rank before issue 31 (H200 host, 256-1024 ranks), its goal's bound
+REDIS_KB_PER_RANK_BEFORE = "60-72"
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,22 @@ class ScaleResult:
     redis_masters: int = 1
     #: CPU of the busiest master (``redis_cpu`` sums every master)
     redis_cpu_busiest: float = float("nan")
+    #: what a simulated rank costs the harness, for sizing a large run: Redis clients
+    #: (peak connected over N), threads and memory (sim processes' peak, above their
+    #: imports, over N)
+    clients_per_rank: float = float("nan")
+    threads_per_rank: float = float("nan")
+    sim_bytes_per_rank: float = float("nan")
+    #: the coordinator loop's own accounting over its run (``LoopProfile.to_dict``)
+    loop: dict[str, float] = field(default_factory=dict)
+    #: µs per upstream message of each stage (``other`` included), and share of the
+    #: loop's wall time
+    stage_us: dict[str, float] = field(default_factory=dict)
+    stage_share: dict[str, float] = field(default_factory=dict)
+    #: what a message may cost one thread at this N: step / 2N (``bench path``)
+    budget_us: float = float("nan")
+    #: the working stage (not ``idle``) with the most time
+    busiest_stage: str = ""
 
 
 def rank_counts(text: str) -> list[int] | None:
@@ -153,6 +172,8 @@ class _RedisWatch:
         self.node_cpu: list[list[tuple[float, float]]] = [[] for _ in self.nodes]
         self.cpu: list[tuple[float, float]] = []
         self.memory: list[tuple[float, int]] = []
+        #: most clients connected at once (every master summed)
+        self.peak_clients = 0
         self.stream_bytes: list[tuple[float, int]] = []
         self.pings: list[float] = []
         #: (time, busy CPU seconds of the whole host) from /proc/stat
@@ -160,13 +181,15 @@ class _RedisWatch:
 
     def sample(self) -> None:
         t = time.monotonic()
-        cpu, memory = 0.0, 0
+        cpu, memory, clients = 0.0, 0, 0
         for i, node in enumerate(self.nodes):
             info: Any = node.info("all")
             used = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
             self.node_cpu[i].append((t, used))
             cpu += used
             memory += int(info["used_memory"])
+            clients += int(info["connected_clients"])
+        self.peak_clients = max(self.peak_clients, clients)
         self.cpu.append((t, cpu))
         self.memory.append((t, memory))
         for _ in range(5):
@@ -364,7 +387,7 @@ def _figures(
     harness = sum(sim_shares)
     trained = [r.get("trained_s", float("nan")) / args.epochs for r in ranks]
     redis_cpu = _share(watch.cpu, a, b)
-    busiest = max(_share(nc, a, b) for nc in watch.node_cpu)
+    busiest_cpu = max(_share(nc, a, b) for nc in watch.node_cpu)
     host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
     mem = [m for t, m in watch.memory if a <= t <= b] or [m for _, m in watch.memory]
     # a short run may fall between two samples: then every sample taken while the run's
@@ -376,7 +399,7 @@ def _figures(
     cores = os.cpu_count() or 1
     shares = {
         "coordinator (one core)": coord_cpu,
-        "redis-server (one core)": busiest,
+        "redis-server (one core)": busiest_cpu,
         "a sim process (one GIL)": max(sim_shares, default=0.0),
     }
     worst = max(shares, key=lambda k: shares[k])
@@ -426,8 +449,72 @@ def _figures(
             else None
         ),
         redis_masters=len(watch.nodes),
-        redis_cpu_busiest=busiest,
+        redis_cpu_busiest=busiest_cpu,
+        clients_per_rank=watch.peak_clients / n,
+        threads_per_rank=sum(s.get("peak_threads", 0) for s in sims) / n,
+        sim_bytes_per_rank=sum(s.get("peak_rss", 0) - s.get("base_rss", 0) for s in sims) / n,
+        **_stages(coord.get("profile"), args.step_ms, n),
     )
+
+
+def _stages(raw: dict[str, Any] | None, step_ms: float, n: int) -> dict[str, Any]:
+    """The coordinator loop's breakdown as ``ScaleResult`` fields."""
+    budget = step_ms * 1000.0 / (2 * n)
+    if not raw:
+        return {"budget_us": budget}
+    prof = LoopProfile(**{k: v for k, v in raw.items() if k != "other"})
+    wall = prof.wall_s or float("nan")
+    parts = {**prof.stages(), "other": prof.other}
+    return {
+        "loop": prof.to_dict(),
+        "stage_us": prof.per_message_us(),
+        "stage_share": {k: v / wall for k, v in parts.items()},
+        "budget_us": budget,
+        "busiest_stage": busiest(parts),
+    }
+
+
+#: what each stage of the coordinator's breakdown is, for the report
+STAGE_LABELS = {
+    "idle": "idle (blocked, no input)",
+    "read_wait": "read: off-CPU (Redis, or 1st entry)",
+    "read_cpu": "read: CPU (XREADGROUP, MAC, decode)",
+    "handle": "core.handle",
+    "record": "record",
+    "send": "sends/broadcasts",
+    "apply": "other effects",
+    "tick": "ticks",
+    "ack": "acks",
+    "other": "loop's rest",
+}
+
+
+def breakdown(r: ScaleResult) -> list[str]:
+    """Where the coordinator's time went, per upstream message, beside the budget."""
+    if not r.loop:
+        return []
+    p = r.loop
+    n = max(1, int(p["messages"]))
+    work = sum(v for k, v in r.stage_us.items() if k not in WAITS)
+    lines = [
+        f"  coordinator loop  {p['wall_s']:8.2f} s wall, {p['cpu_s']:.2f} s CPU (loop thread); "
+        f"{int(p['messages'])} upstream msgs in {int(p['reads'])} reads "
+        f"({int(p['empty_reads'])} empty), {int(p['ticks'])} ticks; sent "
+        f"{int(p['sent'])} unicast + {int(p['broadcasts'])} broadcast in "
+        f"{int(p['send_calls'])} bus calls ({p['send_calls'] / n:.3f} a msg)",
+        f"    per upstream msg (budget at {r.ranks} ranks: step / 2N = {r.budget_us:.1f} µs)",
+    ]
+    for k in (*STAGES, "other"):
+        lines.append(
+            f"    {STAGE_LABELS[k]:36s} {r.stage_us[k]:9.1f} µs  {100 * r.stage_share[k]:5.1f}% "
+            f"of wall"
+        )
+    lines.append(
+        f"    {'work (all but the two waits)':36s} {work:9.1f} µs  "
+        f"{100 * work / r.budget_us:5.1f}% of the budget; largest: "
+        f"{STAGE_LABELS.get(r.busiest_stage, r.busiest_stage)}"
+    )
+    return lines
 
 
 def report(r: ScaleResult) -> str:
@@ -458,13 +545,18 @@ def report(r: ScaleResult) -> str:
             f"(host busy: {r.host_cpu:.2f} cores, every process; busiest sim process "
             f"{r.sim_process_cpu:.2f})",
             f"  redis memory      {r.redis_memory_bytes / 1e6:8.2f} MB above empty "
-            f"({r.redis_memory_bytes / r.ranks / 1e3:.1f} kB per rank, clients included)",
+            f"({r.redis_memory_bytes / r.ranks / 1e3:.1f} kB per rank, clients included; "
+            f"issue 31 goal: no more than {REDIS_KB_PER_RANK_BEFORE} kB)",
             f"  stream bytes      {r.stream_bytes_per_rank / 1e3:8.1f} kB per rank  "
             f"(MAXLEN cap alone: {MAXLEN_BYTES_PER_RANK / 1e6:.0f} MB per rank)",
             f"  record            {r.record_bytes_per_step:8.0f} B per step (coordinator)",
+            f"  per simulated rank {r.clients_per_rank:7.1f} Redis clients, "
+            f"{r.threads_per_rank:.1f} threads, {r.sim_bytes_per_rank / 1e6:.2f} MB of sim "
+            f"process memory (what sizes a large run: see --ranks 4096)",
             f"  ranks clean {r.ranks_clean}/{r.ranks}, declared dead {r.declared_dead}, "
             f"steps {r.steps_done}/{r.ranks * r.steps * r.epochs}",
             f"  saturated: {r.saturated}",
+            *breakdown(r),
             *(
                 [
                     f"  partition         rank {r.ranks - 1} cut off: declared dead "

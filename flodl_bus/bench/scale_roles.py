@@ -66,10 +66,12 @@ def raise_fd_limit() -> None:
 
 
 class CpuSampler:
-    """(monotonic, process CPU seconds) every ``every`` seconds, on a thread."""
+    """(monotonic, process CPU seconds) every ``every`` seconds, on a thread; and the
+    most threads the process ran at once."""
 
     def __init__(self, every: float = 0.25) -> None:
         self.samples: list[tuple[float, float]] = []
+        self.peak_threads = 0
         self._stop = threading.Event()
         self._every = every
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
@@ -78,6 +80,7 @@ class CpuSampler:
     def _run(self) -> None:
         while True:
             self.samples.append((time.monotonic(), time.process_time()))
+            self.peak_threads = max(self.peak_threads, threading.active_count())
             if self._stop.wait(self._every):
                 self.samples.append((time.monotonic(), time.process_time()))
                 return
@@ -226,6 +229,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         "cpu": samples,
         "record_bytes": rec.path.stat().st_size if rec is not None else 0,
         "trim_passes": bus.trimmed_passes,
+        "profile": loop.profile.to_dict(),
     }
     (out / "coordinator.json").write_text(json.dumps(result))
     return 0
@@ -387,8 +391,14 @@ class SimRank:
             self.runtime.close()
 
 
+def _peak_rss_bytes() -> int:
+    # ru_maxrss is in KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def run_sim(args: argparse.Namespace) -> int:
     raise_fd_limit()
+    base_rss = _peak_rss_bytes()
     lo, hi = (int(x) for x in args.slice.split(":"))
     ranks = [SimRank(args, r) for r in range(lo, hi)]
     cpu = CpuSampler()
@@ -414,6 +424,10 @@ def run_sim(args: argparse.Namespace) -> int:
             for r in ranks
         ],
         "cpu": samples,
+        # what the ranks cost the host beyond the process's imports (memory, threads)
+        "base_rss": base_rss,
+        "peak_rss": _peak_rss_bytes(),
+        "peak_threads": cpu.peak_threads,
     }
     Path(args.dir, f"sim{lo}.json").write_text(json.dumps(result))
     return 0

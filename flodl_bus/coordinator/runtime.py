@@ -39,6 +39,7 @@ from flodl_bus.coordinator.join_desk import (
     WorldNotFormed,
     form_world,
 )
+from flodl_bus.coordinator.loop_profile import LoopProfile
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
 from flodl_bus.coordinator.stall import STALL_CHECK_S, StallWatch
 from flodl_bus.coordinator.supervisor import SupervisorFeed
@@ -153,12 +154,18 @@ class CoordinatorLoop:
         #: flodl's stall dump: a run that stops moving logs why at 15 s and 120 s
         self.stall = StallWatch()
         self._next_stall_check = 0.0
+        #: where the loop's time went, stage by stage (``loop_profile``)
+        self.profile = LoopProfile()
 
     # ------------------------------------------------------------------ public
 
     def run(self) -> int:
         core = self.core
+        prof = self.profile
+        pc, tt = time.perf_counter, time.thread_time
         early = self._await_first_contact()
+        w0, c0 = pc(), tt()
+        prof.opened_at = time.monotonic()
         now = self.clock()
         before = self._state_before() if self.rec is not None else None
         outs = core.start(now)
@@ -184,14 +191,36 @@ class CoordinatorLoop:
                 self._interrupt()
             if self._done():
                 break
+            t0, u0 = pc(), tt()
             deliveries = self.bus.read_upstream(self.options.block_ms)
+            t1, u1 = pc(), tt()
+            # Off the thread's CPU is waiting: on Redis when the read brought entries,
+            # for input when it did not.
+            cpu = min(u1 - u0, t1 - t0)
+            prof.read_cpu += cpu
+            prof.reads += 1
             if deliveries:
+                prof.read_wait += t1 - t0 - cpu
                 self._dispatch_all(deliveries)
+            else:
+                prof.idle += t1 - t0 - cpu
+                prof.empty_reads += 1
             self._poll_supervisor()
             if self.finished is None:
+                t0, sent = pc(), prof.send
                 self._tick()
+                prof.tick += pc() - t0 - (prof.send - sent)
+                prof.ticks += 1
                 self._check_unread()
             self._poll_join()
+        prof.wall_s += pc() - w0
+        prof.cpu_s += tt() - c0
+        log.info(
+            "loop_profile",
+            messages=prof.messages,
+            wall_s=round(prof.wall_s, 3),
+            us_per_message={k: round(v, 2) for k, v in prof.per_message_us().items()},
+        )
         if self.rec is not None:
             self.rec.event(
                 "end",
@@ -256,6 +285,10 @@ class CoordinatorLoop:
         core = self.core
         rec = self.rec
         ranks = self._stream_ranks
+        prof = self.profile
+        pc = time.perf_counter
+        # One reading per boundary, each message's end the next one's start.
+        t = pc()
         for d in deliveries:
             rank = ranks.get(d.stream, -1)
             if rank == -1:
@@ -270,7 +303,9 @@ class CoordinatorLoop:
                 continue
             now = self.clock()
             before = self._state_before() if rec is not None else None
+            t1 = pc()
             outs = core.handle(rank, msg, now)
+            t2 = pc()
             self.dispatches += 1
             if rec is not None:
                 assert before is not None
@@ -284,8 +319,16 @@ class CoordinatorLoop:
                     out=outs,
                     sender=rank,
                 )
+            t3, sent = pc(), prof.send
             self._apply(outs, now)
+            t4 = pc()
+            prof.record += (t1 - t) + (t3 - t2)
+            prof.handle += t2 - t1
+            prof.apply += t4 - t3 - (prof.send - sent)
+            t = t4
+            prof.messages += 1
         self.bus.ack(deliveries)
+        prof.ack += pc() - t
 
     def _state_before(self) -> dict[str, Any]:
         # The core changes only through the calls recorded here (start, handle, tick,
@@ -368,18 +411,18 @@ class CoordinatorLoop:
                     self._send_run(send_batch, run, now, pending)
                     continue
             if isinstance(o, Send):
-                try:
-                    self.bus.send(o.rank, o.msg)
-                except Exception as exc:
-                    pending += self._send_failed(o, exc, now)
+                failed = self._timed_send(self.bus.send, o.rank, o.msg)
+                if failed is not None:
+                    pending += self._send_failed(o, failed, now)
                     continue
+                self.profile.sent += 1
                 self._observe(o.msg)
             elif isinstance(o, Broadcast):
-                try:
-                    self.bus.broadcast(o.msg)
-                except Exception as exc:
-                    self._broadcast_failed(o, exc, now)
+                failed = self._timed_send(self.bus.broadcast, o.msg)
+                if failed is not None:
+                    self._broadcast_failed(o, failed, now)
                     continue
+                self.profile.broadcasts += 1
                 self._observe(o.msg)
             elif isinstance(o, WriteMeta):
                 self._write_meta(o)
@@ -409,9 +452,8 @@ class CoordinatorLoop:
         pending: list[Out],
     ) -> None:
         items = [(o.rank, o.msg) if isinstance(o, Send) else (None, o.msg) for o in run]  # type: ignore[union-attr]
-        try:
-            send_batch(items)
-        except Exception as exc:
+        exc = self._timed_send(send_batch, items)
+        if exc is not None:
             # The batch is one transaction: none of it was written. Each message fails
             # as it would alone (a Send's chunk rolled back, a broadcast reported).
             for o in run:
@@ -420,9 +462,25 @@ class CoordinatorLoop:
                 elif isinstance(o, Broadcast):
                     self._broadcast_failed(o, exc, now)
             return
+        if items[0][0] is None:
+            self.profile.broadcasts += len(items)
+        else:
+            self.profile.sent += len(items)
         for o in run:
             assert isinstance(o, Send | Broadcast)
             self._observe(o.msg)
+
+    def _timed_send(self, call: Callable[..., object], *args: Any) -> Exception | None:
+        """One bus write, its time in the profile's ``send``; what it raised, if it did."""
+        t0 = time.perf_counter()
+        try:
+            call(*args)
+        except Exception as exc:
+            return exc
+        finally:
+            self.profile.send += time.perf_counter() - t0
+            self.profile.send_calls += 1
+        return None
 
     def _send_failed(self, o: Send, exc: Exception, now: float) -> list[Out]:
         """What the core does about a Send the bus could not write; its effects are
