@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.bench.scale import ScaleResult, main
+from flodl_bus.bench.scale import STAGE_LABELS, ScaleResult, main
 from flodl_bus.cli import BENCHES
+from flodl_bus.coordinator.loop_profile import STAGES
+from flodl_bus.record.log import read_records
 
 
 def test_bench_scale_is_a_registered_bench() -> None:
@@ -26,6 +28,8 @@ def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure
 ) -> None:
     out = tmp_path / "scale.json"
     argv = ["--ranks", "8", "--steps", "8", "--epochs", "2", "--step-ms", "20"]
+    keep = tmp_path / "keep"
+    argv += ["--keep", str(keep)]
     assert main([*argv, "--procs", "2", "--timeout", "120", "--json", str(out)]) == 0
     (got,) = json.loads(out.read_text())
     assert set(got) == set(ScaleResult.__dataclass_fields__)
@@ -41,9 +45,45 @@ def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure
     assert got["stream_bytes_per_rank"] > 0 and got["record_bytes_per_step"] > 0
     printed = capsys.readouterr().out
     for label in ("epoch time", "dispatch p50", "coordinator CPU", "redis-server CPU",
-                  "redis memory", "stream bytes", "record", "saturated"):  # fmt: skip
+                  "redis memory", "stream bytes", "record", "saturated",
+                  "per simulated rank", "coordinator loop",
+                  "budget at 8 ranks: step / 2N = 1250.0 µs", "largest: "):  # fmt: skip
         assert label in printed
+    for label in STAGE_LABELS.values():
+        assert label in printed
+    # a sim rank holds at least its control reader's and its publisher's connections
+    assert got["clients_per_rank"] >= 2 and got["threads_per_rank"] >= 3
     assert main(["--ranks", "eight"]) == 2
+
+    # The coordinator's own accounting of the same run adds up, and counts what it did.
+    coord = json.loads((keep / "ranks8" / "coordinator.json").read_text())
+    prof = coord["profile"]
+    assert prof == got["loop"]
+    assert all(prof[k] >= 0 for k in (*STAGES, "other", "wall_s", "cpu_s")), prof
+    assert sum(prof[k] for k in STAGES) <= prof["wall_s"]
+    assert prof["cpu_s"] <= prof["wall_s"] and prof["read_cpu"] <= prof["cpu_s"]
+    # every upstream message the record holds as a dispatch, and nothing else
+    records = read_records(keep / "ranks8" / "coordinator.jsonl")
+    dispatched = [r for r in records if r.get("event") == "dispatch"]
+    assert prof["messages"] == len(dispatched) == coord["dispatches"]
+    # a Batch per step, a Metrics per rank and epoch, an Exiting per rank at least
+    assert prof["messages"] >= 8 * 8 * 2 + 8 * 2 + 8
+    # every control entry the bus wrote once the window opened (before it: only the
+    # first-contact heartbeats, which the loop writes outside any core call)
+    written = [s for s in coord["sent"] if s[3] >= prof["opened_at"]]
+    assert all(s[2] == "CoordHeartbeat" for s in coord["sent"] if s[3] < prof["opened_at"])
+    assert prof["sent"] + prof["broadcasts"] == len(written)
+    assert prof["broadcasts"] == sum(1 for s in written if s[0].endswith(":ctl:all"))
+    assert 1 <= prof["send_calls"] <= len(written)
+    assert prof["ticks"] >= 1 and prof["reads"] >= prof["ticks"]
+    assert prof["empty_reads"] <= prof["reads"]
+    # the figures printed are this accounting per message, and they add up to the wall
+    per = got["stage_us"]
+    assert per["handle"] == pytest.approx(prof["handle"] * 1e6 / prof["messages"])
+    total = sum(per.values()) * prof["messages"] / 1e6
+    assert total == pytest.approx(prof["wall_s"])
+    assert got["busiest_stage"] in (*STAGES, "other")
+    assert got["busiest_stage"] not in ("idle", "read_wait")
 
 
 @pytest.mark.slow
