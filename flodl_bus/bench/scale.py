@@ -42,12 +42,19 @@ from typing import Any
 import redis
 
 from flodl_bus.bench.netns import DelayRelay
+from flodl_bus.bench.scale_sizing import (
+    default_heartbeat_timeout,
+    default_timeout,
+    problems,
+    raise_limits,
+    redis_args,
+)
+from flodl_bus.bench.scale_stages import breakdown, stage_fields
 from flodl_bus.bus import cluster
 from flodl_bus.bus.cluster_server import LocalCluster
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer, free_port
-from flodl_bus.coordinator.loop_profile import STAGES, WAITS, LoopProfile, busiest
 
 #: what ``MAXLEN ~ 100000`` alone let each rank's streams hold (issue 21's soak)
 MAXLEN_BYTES_PER_RANK = 16_000_000
@@ -172,6 +179,8 @@ class _RedisWatch:
         self.node_cpu: list[list[tuple[float, float]]] = [[] for _ in self.nodes]
         self.cpu: list[tuple[float, float]] = []
         self.memory: list[tuple[float, int]] = []
+        #: samples lost to a Redis too busy to answer in time
+        self.missed = 0
         #: most clients connected at once (every master summed)
         self.peak_clients = 0
         self.stream_bytes: list[tuple[float, int]] = []
@@ -180,6 +189,14 @@ class _RedisWatch:
         self.host: list[tuple[float, float]] = []
 
     def sample(self) -> None:
+        # A Redis busy with thousands of ranks connecting may miss a sample's reply: the
+        # watch skips it rather than end the bench.
+        try:
+            self._sample()
+        except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError):
+            self.missed += 1
+
+    def _sample(self) -> None:
         t = time.monotonic()
         cpu, memory, clients = 0.0, 0, 0
         for i, node in enumerate(self.nodes):
@@ -241,6 +258,16 @@ def _spawn(
 
 
 def run_one(args: argparse.Namespace, n: int, on_cluster: bool = False) -> ScaleResult:
+    # the waits a large world makes longer, unless given
+    args = argparse.Namespace(
+        **{
+            **vars(args),
+            "timeout": default_timeout(n) if args.timeout is None else args.timeout,
+            "heartbeat_timeout": default_heartbeat_timeout(n)
+            if args.heartbeat_timeout is None
+            else args.heartbeat_timeout,
+        }
+    )
     procs = max(1, min(args.procs, n))
     work = Path(tempfile.mkdtemp(prefix=f"flodl-scale-{n}-"))
     server: RedisServer | None = None
@@ -249,12 +276,10 @@ def run_one(args: argparse.Namespace, n: int, on_cluster: bool = False) -> Scale
     url = args.redis_url
     nets = [pair.split("=", 1) for pair in args.rank_netns.split(",")] if args.rank_netns else []
     if on_cluster and url is None:
-        local = LocalCluster(
-            masters=3, replicas=1, extra_args=["--maxclients", str(max(10_000, 4 * n + 256))]
-        ).start()
+        local = LocalCluster(masters=3, replicas=1, extra_args=redis_args(n)).start()
         url = local.url
     elif url is None:
-        extra = ["--maxclients", str(max(10_000, 4 * n + 256))]
+        extra = redis_args(n)
         if nets:
             extra += ["--bind", " ".join(["127.0.0.1", *(h for _, h in nets)])]
         server = RedisServer(extra_args=extra).start()
@@ -453,68 +478,8 @@ def _figures(
         clients_per_rank=watch.peak_clients / n,
         threads_per_rank=sum(s.get("peak_threads", 0) for s in sims) / n,
         sim_bytes_per_rank=sum(s.get("peak_rss", 0) - s.get("base_rss", 0) for s in sims) / n,
-        **_stages(coord.get("profile"), args.step_ms, n),
+        **stage_fields(coord.get("profile"), args.step_ms, n),
     )
-
-
-def _stages(raw: dict[str, Any] | None, step_ms: float, n: int) -> dict[str, Any]:
-    """The coordinator loop's breakdown as ``ScaleResult`` fields."""
-    budget = step_ms * 1000.0 / (2 * n)
-    if not raw:
-        return {"budget_us": budget}
-    prof = LoopProfile(**{k: v for k, v in raw.items() if k != "other"})
-    wall = prof.wall_s or float("nan")
-    parts = {**prof.stages(), "other": prof.other}
-    return {
-        "loop": prof.to_dict(),
-        "stage_us": prof.per_message_us(),
-        "stage_share": {k: v / wall for k, v in parts.items()},
-        "budget_us": budget,
-        "busiest_stage": busiest(parts),
-    }
-
-
-#: what each stage of the coordinator's breakdown is, for the report
-STAGE_LABELS = {
-    "idle": "idle (blocked, no input)",
-    "read_wait": "read: off-CPU (Redis, or 1st entry)",
-    "read_cpu": "read: CPU (XREADGROUP, MAC, decode)",
-    "handle": "core.handle",
-    "record": "record",
-    "send": "sends/broadcasts",
-    "apply": "other effects",
-    "tick": "ticks",
-    "ack": "acks",
-    "other": "loop's rest",
-}
-
-
-def breakdown(r: ScaleResult) -> list[str]:
-    """Where the coordinator's time went, per upstream message, beside the budget."""
-    if not r.loop:
-        return []
-    p = r.loop
-    n = max(1, int(p["messages"]))
-    work = sum(v for k, v in r.stage_us.items() if k not in WAITS)
-    lines = [
-        f"  coordinator loop  {p['wall_s']:8.2f} s wall, {p['cpu_s']:.2f} s CPU (loop thread); "
-        f"{int(p['messages'])} upstream msgs in {int(p['reads'])} reads "
-        f"({int(p['empty_reads'])} empty), {int(p['ticks'])} ticks; sent "
-        f"{int(p['sent'])} unicast + {int(p['broadcasts'])} broadcast in "
-        f"{int(p['send_calls'])} bus calls ({p['send_calls'] / n:.3f} a msg)",
-        f"    per upstream msg (budget at {r.ranks} ranks: step / 2N = {r.budget_us:.1f} µs)",
-    ]
-    for k in (*STAGES, "other"):
-        lines.append(
-            f"    {STAGE_LABELS[k]:36s} {r.stage_us[k]:9.1f} µs  {100 * r.stage_share[k]:5.1f}% "
-            f"of wall"
-        )
-    lines.append(
-        f"    {'work (all but the two waits)':36s} {work:9.1f} µs  "
-        f"{100 * work / r.budget_us:5.1f}% of the budget; largest: "
-        f"{STAGE_LABELS.get(r.busiest_stage, r.busiest_stage)}"
-    )
-    return lines
 
 
 def report(r: ScaleResult) -> str:
@@ -590,8 +555,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--procs", type=int, default=max(2, os.cpu_count() or 2))
     ap.add_argument("--mode", default="nccl-cadence", choices=("nccl-cadence", "nccl-sync"))
-    ap.add_argument("--heartbeat-timeout", type=float, default=30.0)
-    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per rank count")
+    ap.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        help="seconds (default: 30 up to 1,024 ranks, then 30 x sqrt(N / 1024))",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per rank count (default: 240 + 0.1 per rank)",
+    )
+    ap.add_argument(
+        "--no-checks",
+        action="store_true",
+        help="start even where the host looks too small for the largest rank count "
+        "(file descriptors, threads, memory)",
+    )
     ap.add_argument(
         "--no-record", action="store_true", help="coordinator without its dispatch record"
     )
@@ -622,6 +603,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not counts or min(counts) < 1 or args.steps < 1 or args.epochs < 1 or args.step_ms <= 0:
         print("--ranks, --steps, --epochs and --step-ms must be positive", file=sys.stderr)
         return 2
+    # redis-server, the coordinator and every sim process inherit the raised limits
+    raise_limits()
+    if not args.no_checks:
+        short = problems(
+            max(counts),
+            args.procs,
+            cluster=args.cluster and args.redis_url is None,
+            own_redis=args.redis_url is None,
+        )
+        if short:
+            print(f"bench scale: this host cannot run {max(counts)} ranks:", file=sys.stderr)
+            for p in short:
+                print(f"  {p}", file=sys.stderr)
+            print("  (--no-checks starts anyway)", file=sys.stderr)
+            return 2
     results = []
     for n in counts:
         r = run_one(args, n)

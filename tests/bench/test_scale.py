@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from flodl_bus.bench.scale import STAGE_LABELS, ScaleResult, main
+from flodl_bus.bench import scale_sizing
+from flodl_bus.bench.scale import ScaleResult, main
+from flodl_bus.bench.scale_stages import STAGE_LABELS
 from flodl_bus.cli import BENCHES
 from flodl_bus.coordinator.loop_profile import STAGES
 from flodl_bus.record.log import read_records
@@ -101,3 +107,61 @@ def test_bench_scale_with_cluster_runs_the_same_ranks_on_three_masters_beside_on
         assert got["dispatches_timed"] >= 6 * 2
         assert math.isfinite(got["redis_cpu_busiest"])
     assert "cluster vs one Redis at 6 ranks" in capsys.readouterr().out
+
+
+def _with_fd_limit(limit: int, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh interpreter whose file descriptors are capped (soft and hard)."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        preexec_fn=cap,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_sizing_of_4096_ranks_scales_maxclients_backlog_and_waits_with_n() -> None:
+    # what 4,096 ranks need from redis-server: more clients than its 10,000 default
+    assert scale_sizing.maxclients(8) == 10_000
+    assert scale_sizing.maxclients(4096) >= scale_sizing.CLIENTS_PER_RANK * 4096 + 256
+    assert scale_sizing.tcp_backlog(4096) >= 4096 and scale_sizing.tcp_backlog(8) == 511
+    assert "--maxclients" in scale_sizing.redis_args(4096)
+    # waits grow with the world, and stay where they were at the sizes measured before
+    assert scale_sizing.default_heartbeat_timeout(1024) == 30.0
+    assert scale_sizing.default_heartbeat_timeout(4096) == pytest.approx(60.0)
+    assert scale_sizing.default_timeout(4096) > scale_sizing.default_timeout(64) >= 240.0
+
+
+def test_a_host_with_too_few_file_descriptors_is_told_so_before_anything_starts() -> None:
+    # 400 ranks hold some 1,200 connections: a hard limit of 1,024 cannot carry them
+    got = _with_fd_limit(
+        1024,
+        "import sys; from flodl_bus.bench.scale import main; "
+        "sys.exit(main(['--ranks', '8,400', '--procs', '2', '--steps', '1', '--epochs', "
+        "'1', '--timeout', '1']))",
+    )
+    assert got.returncode == 2, got.stderr[-2000:]
+    assert "this host cannot run 400 ranks" in got.stderr
+    assert "file descriptors: the hard limit (ulimit -Hn) is 1024" in got.stderr
+    assert "redis-server" in got.stderr and "ranks:" not in got.stdout
+    # the same limit does for a few ranks, and the check says nothing
+    ok = _with_fd_limit(
+        1024,
+        "from flodl_bus.bench.scale_sizing import problems; print(problems(8, 2))",
+    )
+    assert ok.returncode == 0 and ok.stdout.strip() == "[]", ok.stderr[-2000:]
+
+
+def test_more_ranks_than_the_cores_carry_are_refused_up_front(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    cores = os.cpu_count() or 1
+    too_many = scale_sizing.RANKS_PER_CORE * cores + 1
+    assert any(p.startswith("CPU:") for p in scale_sizing.problems(too_many, 2))
+    assert main(["--ranks", str(too_many), "--procs", "2", "--timeout", "1"]) == 2
+    assert f"this host cannot run {too_many} ranks" in capsys.readouterr().err
