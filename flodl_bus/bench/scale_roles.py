@@ -396,8 +396,14 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+#: a sim thread's stack: thousands of ranks' threads in one process at the default 8 MiB
+#: reserve tens of GB of address space (refused outright under strict overcommit)
+SIM_THREAD_STACK = 1 << 20
+
+
 def run_sim(args: argparse.Namespace) -> int:
     raise_fd_limit()
+    threading.stack_size(SIM_THREAD_STACK)
     base_rss = _peak_rss_bytes()
     lo, hi = (int(x) for x in args.slice.split(":"))
     ranks = [SimRank(args, r) for r in range(lo, hi)]

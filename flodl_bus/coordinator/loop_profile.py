@@ -1,7 +1,8 @@
 """Where the coordinator loop's time goes, stage by stage, over a whole run.
 
 ``CoordinatorLoop`` adds the time of each call it makes into one ``LoopProfile``: a
-``time.perf_counter`` pair around each (about 0.2 µs a reading), the loop thread's CPU
+``time.perf_counter`` reading between each two (0.05-0.2 µs a reading; three a message,
+each message's last the next one's first), the loop thread's CPU
 time (``time.thread_time``) only around calls made once per read, never per message.
 The stages do not overlap, so their sum never exceeds the window's wall time; what is
 left is ``other`` (the loop's own bookkeeping: supervisor, join and unread polls, the
@@ -16,9 +17,9 @@ console's progress lines):
   a core or the GIL;
 * ``read_cpu``: the loop thread's CPU in every read, whatever it held: packing the
   XREADGROUP over N streams, parsing the reply, checking MACs, decoding;
-* ``handle``: ``Coordinator.handle`` per upstream message;
-* ``record``: the dispatch record per message (state summary, record line), and the
-  message's own lookup (its rank, the clock);
+* ``handle``: ``Coordinator.handle`` per upstream message, with the message's lookup
+  (its rank, the clock, the state summary the recorder cached at the previous call);
+* ``record``: the dispatch record per message (the state summary after, the line);
 * ``send``: the bus calls of the core's ``Send``/``Broadcast`` effects (one call per
   batch of consecutive ones); ``apply``: the rest of applying effects;
 * ``tick``: ``Coordinator.tick`` with its record and what the loop does per tick, sends
