@@ -79,6 +79,10 @@ def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure
     written = [s for s in coord["sent"] if s[3] >= prof["opened_at"]]
     assert all(s[2] == "CoordHeartbeat" for s in coord["sent"] if s[3] < prof["opened_at"])
     assert prof["sent"] + prof["broadcasts"] == len(written)
+    # ... which are every Send and Broadcast the core returned, as the record has them
+    effects = [o["kind"] for r in records for o in r.get("out") or ()]
+    assert prof["sent"] == effects.count("Send")
+    assert prof["broadcasts"] == effects.count("Broadcast")
     assert prof["broadcasts"] == sum(1 for s in written if s[0].endswith(":ctl:all"))
     assert 1 <= prof["send_calls"] <= len(written)
     assert prof["ticks"] >= 1 and prof["reads"] >= prof["ticks"]

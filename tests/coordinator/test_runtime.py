@@ -134,6 +134,16 @@ def test_loop_trains_a_rank_to_the_end_recording_every_dispatch_and_the_metrics(
     # Ticks are recorded only when they emit or change something.
     assert all(r["out"] or r["before"] != r["after"] for r in recs if r["event"] == "tick")
     assert recs[-2]["after"] == core.state_summary()  # the deltas add up to the end state
+    # The loop's own accounting: nonnegative stages within its wall time, a message per
+    # dispatch, and a write per Send/Broadcast the core returned (one call each here: the
+    # in-memory bus has no send_batch).
+    prof = loop.profile
+    assert all(v >= 0 for v in prof.stages().values()) and prof.other >= 0
+    assert sum(prof.stages().values()) <= prof.wall_s
+    assert prof.messages == loop.dispatches
+    effects = [o["kind"] for r in recs for o in r.get("out") or ()]
+    assert (prof.sent, prof.broadcasts) == (effects.count("Send"), effects.count("Broadcast"))
+    assert prof.send_calls == prof.sent + prof.broadcasts > 0
 
     lines = (tmp_path / "metrics.csv").read_text().splitlines()
     assert lines[0].startswith("epoch,avg_loss,epoch_ms,samples,version")
