@@ -16,7 +16,14 @@ from the same run:
   part saturates;
 * Redis memory (INFO used_memory above the empty server) and the run's stream bytes per
   rank (MEMORY USAGE);
-* coordinator record bytes per training step.
+* coordinator record bytes per training step;
+* where the coordinator's time went (``bench.scale_stages``, from the loop's own
+  accounting): µs per upstream message and share of its wall time per stage (reads,
+  ``core.handle``, the record, sends, ticks, acks, idle), beside the budget a step leaves
+  one thread at N (step / 2N), and the largest stage;
+* what a simulated rank costs the host (Redis clients, threads, memory), which sizes a
+  large run: before starting, ``bench.scale_sizing`` checks that the host can carry the
+  largest N (file descriptors, threads, memory, cores) and says what is short.
 
 "Saturated" names the part at or near its CPU limit. Runs write JSON with ``--json``.
 """
