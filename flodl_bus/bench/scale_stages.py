@@ -60,10 +60,14 @@ def breakdown(r: ScaleResult) -> list[str]:
         f"{int(p['send_calls'])} bus calls ({p['send_calls'] / n:.3f} a msg)",
         f"    per upstream msg (budget at {r.ranks} ranks: step / 2N = {r.budget_us:.1f} µs)",
     ]
+    # the part of the reads' wait no backlog avoids: a round trip each (PING's, from the
+    # same run); the rest waited for input or on Redis's own work
+    rtt_us = p["reads"] * r.ping_p50_ms * 1000.0 / n
     for k in (*STAGES, "other"):
+        note = f"  (round trips alone, reads x PING: {rtt_us:.1f} µs)" if k == "read_wait" else ""
         lines.append(
             f"    {STAGE_LABELS[k]:36s} {r.stage_us[k]:9.1f} µs  {100 * r.stage_share[k]:5.1f}% "
-            f"of wall"
+            f"of wall{note}"
         )
     lines.append(
         f"    {'work (all but the two waits)':36s} {work:9.1f} µs  "

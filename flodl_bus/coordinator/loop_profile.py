@@ -25,6 +25,10 @@ console's progress lines):
 * ``tick``: ``Coordinator.tick`` with its record and what the loop does per tick, sends
   excluded; ``ack``: handing deliveries back to the bus.
 
+On a Redis Cluster (``ShardedCoordinatorBus``) each shard is read on a thread of its own
+and the loop takes what they read from a queue: the reading's CPU is on those threads,
+and the loop's reads wait on the queue.
+
 A message is an upstream delivery the core handled. The window opens right before
 ``Coordinator.start`` (after the first-contact wait) and closes when the loop ends.
 """
