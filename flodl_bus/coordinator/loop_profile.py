@@ -81,6 +81,26 @@ class LoopProfile:
     broadcasts: int = 0
     send_calls: int = 0
 
+    def add_read(self, wall: float, cpu: float, got: bool) -> None:
+        """One upstream read: its wall and thread CPU time, and whether it brought
+        entries (its off-CPU part is then ``read_wait``, else ``idle``)."""
+        cpu = min(cpu, wall)
+        self.read_cpu += cpu
+        self.reads += 1
+        if got:
+            self.read_wait += wall - cpu
+        else:
+            self.idle += wall - cpu
+            self.empty_reads += 1
+
+    def brief(self) -> dict[str, Any]:
+        """The figures of the run's closing log line."""
+        return {
+            "messages": self.messages,
+            "wall_s": round(self.wall_s, 3),
+            "us_per_message": {k: round(v, 2) for k, v in self.per_message_us().items()},
+        }
+
     @property
     def other(self) -> float:
         return max(0.0, self.wall_s - sum(self.stages().values()))

@@ -193,18 +193,9 @@ class CoordinatorLoop:
                 break
             t0, u0 = pc(), tt()
             deliveries = self.bus.read_upstream(self.options.block_ms)
-            t1, u1 = pc(), tt()
-            # Off the thread's CPU is waiting: on Redis when the read brought entries,
-            # for input when it did not.
-            cpu = min(u1 - u0, t1 - t0)
-            prof.read_cpu += cpu
-            prof.reads += 1
+            prof.add_read(pc() - t0, tt() - u0, bool(deliveries))
             if deliveries:
-                prof.read_wait += t1 - t0 - cpu
                 self._dispatch_all(deliveries)
-            else:
-                prof.idle += t1 - t0 - cpu
-                prof.empty_reads += 1
             self._poll_supervisor()
             if self.finished is None:
                 t0, sent = pc(), prof.send
@@ -215,12 +206,7 @@ class CoordinatorLoop:
             self._poll_join()
         prof.wall_s += pc() - w0
         prof.cpu_s += tt() - c0
-        log.info(
-            "loop_profile",
-            messages=prof.messages,
-            wall_s=round(prof.wall_s, 3),
-            us_per_message={k: round(v, 2) for k, v in prof.per_message_us().items()},
-        )
+        log.info("loop_profile", **prof.brief())
         if self.rec is not None:
             self.rec.event(
                 "end",
