@@ -24,6 +24,7 @@ import redis
 
 from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.batch_script import BatchScript, named_user, write_batch
 from flodl_bus.bus.connection import Link
 from flodl_bus.bus.foreign import FOLLOW_LIMIT_MS, StreamBlocked, repair_stream, writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
@@ -179,11 +180,14 @@ class RedisCoordinatorBus:
         clock: IdClock | None = None,
         lock: threading.RLock | None = None,
         wait_ms: int = 0,
+        script: bool = True,
     ) -> None:
         """``shard``, ``clock``, ``lock``: one shard of a run on a Redis Cluster
         (``bus.sharded``), the shards sharing one id clock and one lock so that every
         rank's control keeps the send order. ``wait_ms`` > 0: each control write is
-        followed by ``WAIT 1 wait_ms`` (``bus.replication``)."""
+        followed by ``WAIT 1 wait_ms`` (``bus.replication``). ``script``: ``send_batch``
+        in one EVALSHA where the server and the user allow it (``bus.batch_script``);
+        False, or on a cluster shard, the WATCH/MULTI/EXEC transaction."""
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.client = client
         self.signing = keys
@@ -227,6 +231,15 @@ class RedisCoordinatorBus:
             if wait_ms > 0
             else None
         )
+        self.script = BatchScript(client, where)
+        if not script:
+            self.script.off = "turned off by the caller"
+        elif named_user(client) is not None:
+            self.script.off = "a named Redis user (the per-run ACL users run no scripts)"
+        elif shard is not None:
+            # Untried there: a failover's redirects and NOSCRIPT on the promoted replica
+            # have not been tested together yet.
+            self.script.off = "a Redis Cluster shard"
         with self._lock:
             self._link.call(lambda retry: self._raise_floor(self._bcast))
         for rank in ranks:
@@ -391,7 +404,10 @@ class RedisCoordinatorBus:
         returns the entry id of each.
 
         One core step often sends a message to every rank (StartEpoch, SyncNow): one
-        XADD round trip each made a burst at 1,024 ranks take ~300 ms. Here the streams
+        XADD round trip each made a burst at 1,024 ranks take ~300 ms. Where the server
+        and the user run scripts, one EVALSHA checks the tops and writes the batch
+        (``bus.batch_script``, the same guarantees in one round trip instead of three).
+        Otherwise the streams
         are WATCHed, their tops read in one pipeline, the clock lifted above them, and
         every XADD goes in one MULTI/EXEC: all of the batch lands or none of it, so no
         XADD can be refused halfway (which would leave a stream's later entry written
@@ -416,6 +432,7 @@ class RedisCoordinatorBus:
         with self._lock:
             encoded = [entries.encode(msg) for _, msg in items]
             seqs = [self._next_seq(st, rf, sg) for st, rf, sg in plan]
+            planned = [(*p, e, q) for p, e, q in zip(plan, encoded, seqs, strict=True)]
             streams = list(dict.fromkeys(st for st, _, _ in plan))
             tried: list[tuple[str, str, bytes]] = []
             ids: list[str] = []
@@ -426,6 +443,18 @@ class RedisCoordinatorBus:
                     self._guard.recover()
                 if retry and tried and landed(self.client, *tried[-1]):
                     return  # the lost reply was of a transaction that ran
+                if self.script.off is None and write_batch(
+                    self.script,
+                    self._clock,
+                    self.config.maxlen,
+                    planned,
+                    streams,
+                    self._repair,
+                    tried,
+                    ids,
+                    written,
+                ):
+                    return
                 while True:
                     with self.client.pipeline(transaction=True) as pipe:
                         try:
