@@ -43,6 +43,7 @@ import redis
 from flodl_bus.bus import entries
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import EntryId, IdClock, format_id, parse_id
+from flodl_bus.bus.lane import Lane
 from flodl_bus.bus.stream_ops import _now_ms, log
 from flodl_bus.protocol.signing import Signer
 
@@ -127,9 +128,11 @@ class BatchScript:
     """``SOURCE`` on one client: EVALSHA, loaded again on NOSCRIPT; switched off for
     good where the server or the user cannot run it."""
 
-    def __init__(self, client: redis.Redis, where: str = "") -> None:
+    def __init__(self, client: redis.Redis, where: str = "", lane: Lane | None = None) -> None:
         self.client = client
         self.where = where
+        #: the connection EVALSHA goes out on (the caller's send lane, or one of its own)
+        self.lane = lane if lane is not None else Lane(client)
         #: why the transaction is used instead (None: the script is in use, or untried)
         self.off: str | None = None
         #: SCRIPT LOADs issued (the first NOSCRIPT, and each after the cache was lost)
@@ -142,12 +145,12 @@ class BatchScript:
             return None
         try:
             try:
-                reply: Any = self.client.evalsha(SHA, len(keys), *keys, *argv)
+                reply: Any = self.lane.call("EVALSHA", SHA, len(keys), *keys, *argv)
             except redis.exceptions.NoScriptError:
                 # Nothing ran. The cache is empty after a restart or a failover.
                 self.loads += 1
-                self.client.script_load(SOURCE)
-                reply = self.client.evalsha(SHA, len(keys), *keys, *argv)
+                self.lane.call("SCRIPT", "LOAD", SOURCE)
+                reply = self.lane.call("EVALSHA", SHA, len(keys), *keys, *argv)
         except redis.exceptions.ResponseError as exc:
             why = _unsupported(exc)
             if why is None:

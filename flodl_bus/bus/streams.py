@@ -29,6 +29,7 @@ from flodl_bus.bus.connection import Link
 from flodl_bus.bus.foreign import FOLLOW_LIMIT_MS, StreamBlocked, repair_stream, writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
+from flodl_bus.bus.lane import Lane
 from flodl_bus.bus.publisher import _Publisher
 from flodl_bus.bus.reader import _CursorReader, _GroupReader
 from flodl_bus.bus.replication import ReplicaGuard
@@ -231,7 +232,9 @@ class RedisCoordinatorBus:
             if wait_ms > 0
             else None
         )
-        self.script = BatchScript(client, where)
+        #: the connection the sends go out on, under ``_lock`` (``bus.lane``)
+        self._lane = Lane(client)
+        self.script = BatchScript(client, where, self._lane)
         if not script:
             self.script.off = "turned off by the caller"
         elif named_user(client) is not None:
@@ -545,6 +548,7 @@ class RedisCoordinatorBus:
             seq = self._next_seq(stream, rank_field, signer)
             tried: list[tuple[str, bytes]] = []
             written: list[tuple[str, str, dict[bytes, bytes]]] = []
+            head = ("XADD", stream, "MAXLEN", "~", self.config.maxlen)
 
             def op(retry: bool) -> None:
                 if self._guard is not None:
@@ -557,15 +561,10 @@ class RedisCoordinatorBus:
                     tried.append((eid, fields[entries.F_MAC]))
                     written[:] = [(stream, eid, fields)]
                     try:
-                        self.client.xadd(
-                            stream,
-                            fields,  # type: ignore[arg-type]
-                            id=eid,
-                            maxlen=self.config.maxlen,
-                            approximate=True,
-                        )
-                        self._tops[stream] = parse_id(eid)
-                        self._owed(stream, parse_id(eid), msg, self.monotonic())
+                        self._lane.call(*head, eid, *(x for kv in fields.items() for x in kv))
+                        top = parse_id(eid)
+                        self._tops[stream] = top
+                        self._owed(stream, top, msg, self.monotonic())
                         return
                     except redis.exceptions.ResponseError as exc:
                         if not id_refused(exc):
@@ -626,4 +625,6 @@ class RedisCoordinatorBus:
             self._trim_thread.join(5.0)
         self._reader.close()
         self._link.close()
+        with self._lock:
+            self._lane.close()
         gc.unfreeze()
