@@ -337,3 +337,26 @@ def test_no_run_credential_may_run_or_load_the_script(
         rank.close()
         coord.close()
         admin.close()
+
+
+def test_a_scripted_batch_is_still_waited_for_and_kept_until_a_replica_has_it(
+    redis_url: str, admin: redis.Redis
+) -> None:
+    # ``wait_ms`` > 0: WAIT 1 follows the script as it followed EXEC. This server has no
+    # replica, so no WAIT is ever acknowledged and every entry of every batch is kept
+    # (to be written again after a failover, ``bus.replication``).
+    keys = RunKeys("scriptwait")
+    coord = RedisCoordinatorBus(
+        connect(redis_url), keys, CK, ranks=range(2), config=FAST, wait_ms=20
+    )
+    before = _calls(admin)
+    coord.send_batch(_steps_batch(0, [0, 1, 0]))
+    coord.send_batch(_steps_batch(3, [None, None]))
+    after = _calls(admin)
+    try:
+        assert coord.script.off is None
+        assert _delta(before, after, "exec") == 0
+        assert _delta(before, after, "wait") == 1  # then degraded: kept without waiting
+        assert coord._guard is not None and coord._guard.unconfirmed == 5
+    finally:
+        coord.close()
