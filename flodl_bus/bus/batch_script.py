@@ -47,10 +47,6 @@ from flodl_bus.bus.lane import Lane
 from flodl_bus.bus.stream_ops import _now_ms, log
 from flodl_bus.protocol.signing import Signer
 
-#: arguments per entry after ``ARGV[1]`` (MAXLEN): key index, id, type, rank, seq,
-#: body, mac (the fields in the order ``entries.sign`` gives them)
-PER_ENTRY: Final = 7
-
 SOURCE: Final = """#!lua
 -- KEYS: the batch's streams, each once. ARGV[1]: MAXLEN ~ of every XADD; then per
 -- entry, in send order: key index, id, type, rank, seq, body, mac.
@@ -139,8 +135,10 @@ class BatchScript:
         self.loads = 0
 
     def run(self, keys: Sequence[str], argv: Sequence[bytes | str | int]) -> str | Refused | None:
-        """ "ok" (every entry written), "landed" (the batch was already there), a
-        ``Refused``, or None: scripts cannot run here (``off`` says why; nothing ran)."""
+        """One call: ``"ok"`` (every entry written), ``"landed"`` (the batch was there
+        already), a ``Refused``, or None: scripts cannot run here (``off`` says why;
+        nothing ran). ``argv``: MAXLEN, then per entry its key's index in ``keys``
+        (from 1), id, type, rank, seq, body and mac (``entries.sign``'s field order)."""
         if self.off is not None:
             return None
         try:
