@@ -73,7 +73,8 @@ def test_a_batch_below_another_writers_top_is_renumbered_above_it_as_before(
         coord = RedisCoordinatorBus(
             connect(redis_url), keys, CK, ranks=range(2), config=FAST, script=path == "script"
         )
-        ahead = admin.time()[0] * 1000 + 500  # ahead of now, within the follow limit
+        sec, usec = admin.time()
+        ahead = sec * 1000 + usec // 1000 + 500  # ahead of now, within the follow limit
         other = RedisCoordinatorBus(connect(redis_url), keys, CK, ranks=range(2), config=FAST)
         other._clock.raise_floor((ahead, 0))
         other.send(1, m.SetGlobalStep(global_step=0))
