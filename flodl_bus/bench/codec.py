@@ -5,11 +5,15 @@ For each wire variant the same map is timed two ways in the same run: through
 through bare ``msgspec.msgpack.encode`` / ``decode`` of the generic map (the floor no
 codec can beat). The
 figure that matters is the ratio; absolute times depend on the machine.
+
+``--signing 8,64,1024`` times a broadcast's signature and a rank's check of it instead,
+beside the one-shot ``hmac.digest`` per rank slot that the prepared pads replaced.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +23,14 @@ import msgspec
 
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol import wire
+from flodl_bus.protocol.signing import (
+    VECTOR_MAX_RANKS,
+    VECTOR_TAG,
+    CoordinatorKeys,
+    fixed_keys,
+    rank_keys_for,
+    signed_bytes,
+)
 
 _NCCL_UID = bytes(range(128))  # an NCCL unique id is 128 bytes
 
@@ -171,10 +183,75 @@ def measure(msg: object, iterations: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def _one_shot_vector(keys: CoordinatorKeys, data: bytes) -> bytes:
+    """A broadcast MAC vector as it was made before the prepared pads: one
+    ``hmac.digest`` (key set up again) and one hex conversion per rank. The reference."""
+    ranks = keys.ranks
+    return VECTOR_TAG + b"".join(
+        hmac.digest(ranks[r].key, b"broadcast\x1f" + data, "sha256")[:8].hex().encode()
+        for r in range(max(ranks) + 1)
+    )
+
+
+def measure_signing(ranks: int, iterations: int, repeats: int) -> dict[str, float]:
+    """Median µs of one broadcast's signature over ``ranks`` and of one rank's check of
+    it, beside the one-shot ``hmac.digest`` vector (the reference) in the same run."""
+    keys = fixed_keys(b"bench-codec")
+    for r in range(ranks):
+        keys.rank(r)
+    sample = sample_messages()["SetGlobalStep"]
+    type_, body = wire.type_name(sample).encode(), wire.encode(sample)
+    data = signed_bytes(b"flodl:{bench}:ctl:all", b"1796000000000-0", type_, b"all", b"7", body)
+    signer = keys.broadcast
+    checker = rank_keys_for(keys, ranks - 1).broadcast_verifier(ranks - 1)
+    mac = signer.sign(data)
+    vector = ranks <= VECTOR_MAX_RANKS
+    if vector:
+        assert mac == _one_shot_vector(keys, data)  # the same bytes, or no comparison
+
+    def old_check(d: bytes) -> bool:
+        got = hmac.digest(checker.rank_key.key, b"broadcast\x1f" + d, "sha256")[:8]
+        return hmac.compare_digest(
+            got.hex().encode(), mac[1 + 16 * (ranks - 1) : 17 + 16 * (ranks - 1)]
+        )
+
+    samples: dict[str, list[float]] = {"sign": [], "ref_sign": [], "check": [], "ref_check": []}
+    for _ in range(repeats):
+        samples["sign"].append(_per_call_ns(signer.sign, data, iterations) / 1000)
+        samples["check"].append(
+            _per_call_ns(lambda d: checker.verify(d, mac), data, iterations) / 1000
+        )
+        if vector:
+            samples["ref_sign"].append(
+                _per_call_ns(lambda d: _one_shot_vector(keys, d), data, iterations) / 1000
+            )
+            samples["ref_check"].append(_per_call_ns(old_check, data, iterations) / 1000)
+    return {k: statistics.median(v) if v else float("nan") for k, v in samples.items()}
+
+
+def _signing_report(counts: Sequence[int], iterations: int, repeats: int) -> None:
+    print(
+        "broadcast signing, median µs: the coordinator's signature of one broadcast and a "
+        "rank's check of it; reference: one-shot hmac.digest per rank slot, same run"
+    )
+    for n in counts:
+        r = measure_signing(n, max(1, iterations * 8 // max(n, 8)), repeats)
+        kind = "MAC vector" if n <= VECTOR_MAX_RANKS else "Ed25519 (no vector above 64)"
+        print(
+            f"  {n:>5} ranks  {kind:<28} sign {r['sign']:8.1f} (ref {r['ref_sign']:8.1f})"
+            f"   check {r['check']:6.1f} (ref {r['ref_check']:6.1f})"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="flodl-bus bench codec",
         description="Median encode/decode ns per message vs plain msgpack on the same map.",
+    )
+    parser.add_argument(
+        "--signing",
+        default="",
+        help="world sizes (e.g. 8,64,1024): time broadcast signing instead of the codec",
     )
     parser.add_argument("--iterations", type=int, default=2000, help="calls per repeat")
     parser.add_argument("--repeats", type=int, default=5, help="repeats (median is taken)")
@@ -183,6 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.iterations < 1 or args.repeats < 1:
         parser.error("--iterations and --repeats must be at least 1")
 
+    if args.signing:
+        _signing_report(
+            [int(x) for x in args.signing.split(",") if x], args.iterations, args.repeats
+        )
+        return 0
     samples = sample_messages()
     names = list(samples) if not args.only else args.only
     unknown = [n for n in names if n not in samples]

@@ -68,7 +68,9 @@ Every Redis command each role issues, from the code (``git grep`` over ``bus/``,
   its secret too), SET NX + GET flodl-secret:{RUN}; DEL + HSET identity in MULTI/EXEC
   (``publish_identity``); INFO memory (``connection.describe_transient``, optional);
   health check: HGET meta, EXISTS identity. Workers also try INFO memory on an
-  OOM episode; refused, the line says "maxmemory reached" without figures.
+  OOM episode; refused, the line says "maxmemory reached" without figures. As the
+  default user only (an embedded or unsecured server), never under these rules:
+  EVALSHA + SCRIPT LOAD for ``send_batch`` (``bus.batch_script`` says why not here).
 - observer: ``bus/tail.py``: EXISTS, SCAN ... TYPE stream, XINFO STREAM, XREAD, GET
   flodl-secret:{RUN} (a refusal is expected and handled); ``launch/watch.py``: XREAD;
   ``launch/status.py``: HGETALL meta, XREVRANGE up:*, XLEN dlq, EXISTS, SCAN;

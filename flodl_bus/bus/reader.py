@@ -31,6 +31,7 @@ from flodl_bus.bus.connection import BusClosed, BusUnavailable, Link
 from flodl_bus.bus.cursor import Check, GroupCursor, Received
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
+from flodl_bus.bus.lane import Lane
 from flodl_bus.bus.stream_ops import StreamsConfig, _now_ms, ensure_group, log
 from flodl_bus.protocol.signing import Verifier
 
@@ -343,6 +344,8 @@ class _CursorReader(_GroupReader):
         self.applied: dict[str, EntryId] = {}
         #: refused entries beyond the run's ids, which the cursor stays below
         self._far: set[tuple[str, EntryId]] = set()
+        #: the reads' connection, used by the one thread that reads (``bus.lane``)
+        self._lane = Lane(client)
 
     def _ensure_groups(self) -> None:
         return
@@ -364,13 +367,19 @@ class _CursorReader(_GroupReader):
     def _ack_dead(self, pipe: Any, r: Received) -> None:
         return  # nothing to ack: the cursor moved past it (or stays, for a foreign id)
 
+    def close(self) -> None:
+        super().close()
+        self._lane.close()
+
     def read(self, block_ms: int, check: Check | None = None) -> list[Received]:
         block = min(block_ms, self.config.max_block_ms)
 
         def op(retry: bool) -> Any:
-            ids: dict[Any, Any] = dict(self.cursor.request())
-            wait = block if block > 0 and self.cursor.can_block else None
-            return self._reads.xread(ids, count=self.config.read_count, block=wait)
+            req = self.cursor.request()
+            args: list[Any] = ["XREAD", "COUNT", self.config.read_count]
+            if block > 0 and self.cursor.can_block:
+                args += ("BLOCK", block)
+            return self._lane.call(*args, "STREAMS", *req.keys(), *req.values())
 
         try:
             raw = self.link.call(op, deadline=time.monotonic() + max(block, 0) / 1000 + 0.05)

@@ -50,3 +50,16 @@ def test_bench_codec_refuses_zero_iterations() -> None:
     with pytest.raises(SystemExit) as info:
         main(["--iterations", "0"])
     assert info.value.code == 2
+
+
+def test_bench_codec_signing_prints_each_world_beside_its_reference(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # measure_signing asserts the vector equals the one-shot reference before timing it
+    assert main(["--signing", "8,65", "--iterations", "8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\s+(\d+) ranks\s+(.+?)\s+sign\s+(\S+) \(ref\s+(\S+)\)", out, re.M)
+    assert [(int(n), kind.split()[0]) for n, kind, _, _ in rows] == [(8, "MAC"), (65, "Ed25519")]
+    sign, ref = float(rows[0][2]), float(rows[0][3])
+    assert sign > 0 and ref > 0
+    assert math.isnan(float(rows[1][3]))  # no vector above 64 ranks: no reference

@@ -598,15 +598,21 @@ def test_send_batch_keeps_each_ranks_order_across_unicast_and_broadcast(
         coord.close()
 
 
-@pytest.mark.parametrize("command", ["EXEC", "WATCH", "XINFO"])
+@pytest.mark.parametrize("command", ["EXEC", "WATCH", "XINFO", "EVALSHA"])
 def test_send_batch_after_lost_replies_loses_and_duplicates_nothing(
     backend: Backend, command: str
 ) -> None:
     # A lost EXEC reply: the transaction ran, the retry must see it and not write again.
     # A lost WATCH/XINFO reply: nothing ran yet, the retry must write it once.
+    # A lost EVALSHA reply (the one-round-trip script, ``bus.batch_script``): it ran.
+    script = command == "EVALSHA"
+    if script and not backend.real:
+        pytest.skip("fakeredis runs no scripts: its buses keep the transaction")
     faults = Faults(command, times=4)
     keys = RunKeys(f"batchlost{command.lower()}")
-    coord = RedisCoordinatorBus(_lossy(backend, faults), keys, CK, ranks=range(3), config=FAST)
+    coord = RedisCoordinatorBus(
+        _lossy(backend, faults), keys, CK, ranks=range(3), config=FAST, script=script
+    )
     buses = [RedisRankBus(backend.make(), keys, r, RK(r), config=FAST) for r in range(3)]
     batches, expected = _batch_plan(3, 60, seed=5)
     _send_batches(coord, batches)

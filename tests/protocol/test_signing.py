@@ -135,3 +135,38 @@ def test_a_seed_gives_the_same_identity_and_fixed_keys_any_rank() -> None:
 def test_new_secret_is_random_and_sized() -> None:
     a, b = new_secret(), new_secret()
     assert len(a) == SECRET_BYTES and a != b
+
+
+@pytest.mark.parametrize("key_len", [0, 1, 16, 32, 63, 64, 65, 200])
+def test_prepared_macs_and_slots_are_hmac_sha256_for_any_key_length(key_len: int) -> None:
+    # The prepared pads must give exactly the standard HMAC: records made before them,
+    # and ranks still running the one-shot ``hmac.digest``, check the same bytes.
+    import hashlib
+    import hmac
+    import os
+    import pickle
+
+    key = os.urandom(key_len)
+    data = signed_bytes(**ENTRY)
+    mk = MacKey(key)
+    want = hmac.new(key, data, hashlib.sha256).digest()
+    assert mk.sign(data) == want[:MAC_BYTES].hex().encode()
+    slot = hmac.new(key, b"broadcast\x1f" + data, hashlib.sha256).digest()[:8]
+    assert mk.slot(data) == slot.hex().encode()
+    # the pads are copied, never consumed: a second MAC is the same
+    assert mk.sign(data) == mk.sign(data) and mk.slot(data) == mk.slot(data)
+    again = pickle.loads(pickle.dumps(mk))
+    assert again == mk and again.sign(data) == mk.sign(data)
+
+
+def test_a_broadcast_vector_is_every_ranks_slot_with_zeros_for_a_gap() -> None:
+    keys = fixed_keys(b"vector")
+    for r in (0, 1, 3):  # rank 2 never admitted
+        keys.rank(r)
+    data = signed_bytes(**ENTRY)
+    vec = keys.broadcast.sign(data)
+    slots = [keys.ranks[r].slot(data) if r in keys.ranks else b"0" * 16 for r in range(4)]
+    assert vec == b"m" + b"".join(slots)
+    for r in (0, 1, 3):
+        verifier = keys.ranks[r]
+        assert vec[1 + 16 * r : 17 + 16 * r] == verifier.slot(data)
