@@ -8,7 +8,12 @@ rank sends them at a constant LR):
 * ``ingest``: ``RedisCoordinatorBus.read_upstream`` + ack (XREADGROUP, seq, MAC, decode);
 * ``+ core``: the same through ``CoordinatorLoop``'s dispatch (``Coordinator.handle``,
   one ``tick`` per read) without a record;
-* ``+ record``: the same with the dispatch record (state summary + record line);
+* ``+ record``: the same with the dispatch record as the ``flodl-bus coordinator``
+  command writes it: the state summary and delta on the thread, the line built by the
+  record process (``record.process``); ``caught up`` is how long after the last message
+  the record process had every line on disk;
+* ``+ record in-thread``: the same with the whole line built on the thread
+  (``FLODL_RECORD_PROCESS=0``), the reference of the one above;
 * ``send``: one ``StartEpoch`` to every rank in one batch (encode, MAC, XADD), per
   message; ``broadcast``: one signed ``CoordHeartbeat`` to every rank (MAC vector up to
   64 ranks, Ed25519 above);
@@ -61,6 +66,8 @@ class PathCosts:
     ingest_us: float
     core_us: float
     record_us: float
+    thread_us: float
+    caught_up_ms: float
     send_us: float
     broadcast_us: float
     record_bytes: float
@@ -113,8 +120,11 @@ def _config(ranks: int, steps: int) -> CoordinatorConfig:
     )
 
 
-def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[float, int, float]:
-    """(µs per message, messages, record bytes per message) of one pre-filled pass."""
+def _run(
+    url: str, ranks: int, steps: int, stage: str, work: Path
+) -> tuple[float, int, float, float]:
+    """(µs per message, messages, record bytes per message, ms the record process took
+    to catch up after the last message) of one pre-filled pass."""
     keys = RunKeys(f"path-{uuid.uuid4().hex[:8]}")
     bus = RedisCoordinatorBus(
         connect(url), keys, fixed_keys(SEED), ranks=range(ranks), config=QUIET
@@ -126,8 +136,8 @@ def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[floa
     loop = None
     if stage != "ingest":
         core = Coordinator(_config(ranks, steps))
-        if stage == "record":
-            rec = DispatchRecorder(work / keys.run, "coordinator")
+        if stage in ("record", "thread"):
+            rec = DispatchRecorder(work / keys.run, "coordinator", process=stage == "record")
             rec.header(run=keys.run, bench="path", ranks=ranks)
         loop = CoordinatorLoop(core, bus, recorder=rec, rank_of=keys.rank_of)
         now = time.monotonic()
@@ -150,14 +160,17 @@ def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[floa
         loop._dispatch_all(ds)
         loop._tick()
     elapsed = time.perf_counter() - t0
-    size = 0.0
+    size = caught_up = 0.0
     if rec is not None:
         rec.flush()
+        caught_up = (time.perf_counter() - t0 - elapsed) * 1000
         rec.close()
+        if rec.failure is not None:
+            raise RuntimeError(f"bench path: {rec.failure}")
         size = rec.path.stat().st_size / got
     bus.flush_acks()
     bus.close()
-    return elapsed * 1e6 / got, got, size
+    return elapsed * 1e6 / got, got, size, caught_up
 
 
 def _sends(url: str, ranks: int) -> tuple[float, float]:
@@ -214,12 +227,17 @@ def measure(
 ) -> PathCosts:
     """Each stage's best of ``repeats`` passes (a shared host's noise only adds)."""
 
-    def best(stage: str) -> tuple[float, int, float]:
+    def best(stage: str) -> tuple[float, int, float, float]:
         return min(_run(url, ranks, steps, stage, work) for _ in range(repeats))
 
-    ingest, n, _ = best("ingest")
-    core, _, _ = best("core")
-    record, _, size = best("record")
+    ingest, n, _, _ = best("ingest")
+    core, _, _, _ = best("core")
+    # alternated, so that a shared host's load falls on both alike
+    runs = [
+        _run(url, ranks, steps, st, work) for _ in range(repeats) for st in ("record", "thread")
+    ]
+    record, _, size, caught_up = min(runs[0::2])
+    thread = min(runs[1::2])[0]
     send, cast = _sends(url, ranks)
     read, tick = _per_read(url, ranks, steps)
     return PathCosts(
@@ -228,6 +246,8 @@ def measure(
         ingest_us=ingest,
         core_us=core,
         record_us=record,
+        thread_us=thread,
+        caught_up_ms=caught_up,
         send_us=send,
         broadcast_us=cast,
         record_bytes=size,
@@ -249,7 +269,10 @@ def report(c: PathCosts, step_ms: float) -> str:
             f"  ingest             {c.ingest_us:7.1f} µs/msg   {cores(c.ingest_us)}",
             f"  ingest + core      {c.core_us:7.1f} µs/msg   {cores(c.core_us)}",
             f"  ingest+core+record {c.record_us:7.1f} µs/msg   {cores(c.record_us)}   "
-            f"(record {c.record_us - c.core_us:+.1f} µs, {c.record_bytes:.0f} B/msg on disk)",
+            f"(record {c.record_us - c.core_us:+.1f} µs, {c.record_bytes:.0f} B/msg on disk; "
+            f"record process caught up {c.caught_up_ms:.0f} ms after the last message)",
+            f"  ... in-thread      {c.thread_us:7.1f} µs/msg   {cores(c.thread_us)}   "
+            f"(record {c.thread_us - c.core_us:+.1f} µs: the reference, FLODL_RECORD_PROCESS=0)",
             f"  send (batched)     {c.send_us:7.1f} µs/msg   broadcast {c.broadcast_us:.1f} µs",
             f"  per read           {c.read_us + c.tick_us:7.1f} µs      (empty XREADGROUP "
             f"{c.read_us:.1f} µs + tick {c.tick_us:.1f} µs, whatever the read holds)",

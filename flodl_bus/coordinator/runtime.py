@@ -42,7 +42,7 @@ from flodl_bus.coordinator.join_desk import (
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
 from flodl_bus.coordinator.stall import STALL_CHECK_S, StallWatch
 from flodl_bus.coordinator.supervisor import SupervisorFeed
-from flodl_bus.exits import CONFIG, OK, STOPPED
+from flodl_bus.exits import CONFIG, FAILED, OK, STOPPED
 from flodl_bus.protocol.messages import (
     CoordHeartbeat,
     DeclareDead,
@@ -153,6 +153,8 @@ class CoordinatorLoop:
         #: flodl's stall dump: a run that stops moving logs why at 15 s and 120 s
         self.stall = StallWatch()
         self._next_stall_check = 0.0
+        #: why the record stopped being written (its process died): the run stops
+        self.record_lost: str | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -179,6 +181,8 @@ class CoordinatorLoop:
             self._dispatch_all(early)
         interrupted = False
         while True:
+            if self.record_lost is None and self.rec is not None and self.rec.failure:
+                self._stop_for_record(self.rec.failure)
             if self.stop.is_set() and not interrupted and self.finished is None:
                 interrupted = True
                 self._interrupt()
@@ -192,7 +196,7 @@ class CoordinatorLoop:
                 self._tick()
                 self._check_unread()
             self._poll_join()
-        if self.rec is not None:
+        if self.rec is not None and self.record_lost is None:
             self.rec.event(
                 "end",
                 now=self.clock(),
@@ -204,6 +208,8 @@ class CoordinatorLoop:
             self.rec.flush()
         if core.refused is not None:
             return CONFIG
+        if self.record_lost is not None:
+            return FAILED
         if interrupted:
             return EXIT_INTERRUPTED
         if self.finished is not None and self.finished.reason is not None:
@@ -592,6 +598,20 @@ class CoordinatorLoop:
             # Already shut down by the core before the stop request: still leave.
             self.finished = Finished(None)
             self.finished_at = now
+
+    def _stop_for_record(self, why: str) -> None:
+        """The record process died (``record.process``): a run that can no longer be
+        recorded cannot be replayed, so it stops in order now (Shutdown to every rank,
+        the exit grace for their Exiting) and the coordinator exits ``FAILED``."""
+        self.record_lost = why
+        log.error(
+            "run_stopped_record_lost",
+            why=why,
+            detail="the record ends at its last line on disk (no end line: replay reports "
+            "it incomplete); broadcasting Shutdown, exit 1",
+        )
+        if self.finished is None:
+            self._interrupt()
 
     def _poll_join(self) -> None:
         """Late Hellos: a retried one gets its Assign again, anyone else a Reject."""
