@@ -282,7 +282,15 @@ class DispatchRecorder:
         if remote.path != self.path:
             remote.close()
             raise RuntimeError(f"the record process chose {remote.path}, not {self.path}")
+        structlog.get_logger("flodl_bus.record").info(
+            "record_process_started", pid=remote.pid, record=str(self.path)
+        )
         return remote
+
+    @property
+    def remote(self) -> RecordProcess | None:
+        """The record process writing this record, if any."""
+        return self._remote
 
     @property
     def in_process(self) -> bool:

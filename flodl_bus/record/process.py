@@ -130,6 +130,8 @@ class RecordProcess:
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         self.failure: str | None = None
+        #: set the moment ``failure`` is
+        self.dead = threading.Event()
         self._closing = False
         self._pipe_closed = False
         #: items not yet written down the pipe, in call order
@@ -191,6 +193,7 @@ class RecordProcess:
     def _fail(self, why: str) -> None:
         if self.failure is None:
             self.failure = why
+            self.dead.set()
             log.error(
                 "record_process_died",
                 why=why,
