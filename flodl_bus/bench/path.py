@@ -68,6 +68,11 @@ class PathCosts:
     record_us: float
     thread_us: float
     caught_up_ms: float
+    #: CPU time of the bench's own process per message (every thread of it), the figure
+    #: a shared host's load disturbs least: ``+ core``, ``+ record``, ``... in-thread``
+    core_cpu_us: float
+    record_cpu_us: float
+    thread_cpu_us: float
     send_us: float
     broadcast_us: float
     record_bytes: float
@@ -122,9 +127,10 @@ def _config(ranks: int, steps: int) -> CoordinatorConfig:
 
 def _run(
     url: str, ranks: int, steps: int, stage: str, work: Path
-) -> tuple[float, int, float, float]:
+) -> tuple[float, int, float, float, float]:
     """(µs per message, messages, record bytes per message, ms the record process took
-    to catch up after the last message) of one pre-filled pass."""
+    to catch up after the last message, CPU µs of this process per message) of one
+    pre-filled pass."""
     keys = RunKeys(f"path-{uuid.uuid4().hex[:8]}")
     bus = RedisCoordinatorBus(
         connect(url), keys, fixed_keys(SEED), ranks=range(ranks), config=QUIET
@@ -147,6 +153,7 @@ def _run(
             rec.core_call("start", now=now, before=before, after=core.state_summary(), out=outs)
         loop._apply(outs, now)
     got = 0
+    c0 = time.process_time()
     t0 = time.perf_counter()
     while got < total:
         ds = bus.read_upstream(200)
@@ -160,6 +167,7 @@ def _run(
         loop._dispatch_all(ds)
         loop._tick()
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     size = caught_up = 0.0
     if rec is not None:
         rec.flush()
@@ -170,7 +178,7 @@ def _run(
         size = rec.path.stat().st_size / got
     bus.flush_acks()
     bus.close()
-    return elapsed * 1e6 / got, got, size, caught_up
+    return elapsed * 1e6 / got, got, size, caught_up, cpu * 1e6 / got
 
 
 def _sends(url: str, ranks: int) -> tuple[float, float]:
@@ -227,17 +235,21 @@ def measure(
 ) -> PathCosts:
     """Each stage's best of ``repeats`` passes (a shared host's noise only adds)."""
 
-    def best(stage: str) -> tuple[float, int, float, float]:
+    def best(stage: str) -> tuple[float, int, float, float, float]:
         return min(_run(url, ranks, steps, stage, work) for _ in range(repeats))
 
-    ingest, n, _, _ = best("ingest")
-    core, _, _, _ = best("core")
+    ingest, n, _, _, _ = best("ingest")
+    core_runs = [_run(url, ranks, steps, "core", work) for _ in range(repeats)]
+    core = min(core_runs)[0]
+    core_cpu = min(r[4] for r in core_runs)
     # alternated, so that a shared host's load falls on both alike
     runs = [
         _run(url, ranks, steps, st, work) for _ in range(repeats) for st in ("record", "thread")
     ]
-    record, _, size, caught_up = min(runs[0::2])
+    record, _, size, caught_up, _ = min(runs[0::2])
     thread = min(runs[1::2])[0]
+    record_cpu = min(r[4] for r in runs[0::2])
+    thread_cpu = min(r[4] for r in runs[1::2])
     send, cast = _sends(url, ranks)
     read, tick = _per_read(url, ranks, steps)
     return PathCosts(
@@ -248,6 +260,9 @@ def measure(
         record_us=record,
         thread_us=thread,
         caught_up_ms=caught_up,
+        core_cpu_us=core_cpu,
+        record_cpu_us=record_cpu,
+        thread_cpu_us=thread_cpu,
         send_us=send,
         broadcast_us=cast,
         record_bytes=size,
@@ -273,6 +288,9 @@ def report(c: PathCosts, step_ms: float) -> str:
             f"record process caught up {c.caught_up_ms:.0f} ms after the last message)",
             f"  ... in-thread      {c.thread_us:7.1f} µs/msg   {cores(c.thread_us)}   "
             f"(record {c.thread_us - c.core_us:+.1f} µs: the reference, FLODL_RECORD_PROCESS=0)",
+            f"  CPU of this process: + core {c.core_cpu_us:.1f} µs/msg, + record "
+            f"{c.record_cpu_us:.1f} (record {c.record_cpu_us - c.core_cpu_us:+.1f}), in-thread "
+            f"{c.thread_cpu_us:.1f} (record {c.thread_cpu_us - c.core_cpu_us:+.1f})",
             f"  send (batched)     {c.send_us:7.1f} µs/msg   broadcast {c.broadcast_us:.1f} µs",
             f"  per read           {c.read_us + c.tick_us:7.1f} µs      (empty XREADGROUP "
             f"{c.read_us:.1f} µs + tick {c.tick_us:.1f} µs, whatever the read holds)",
