@@ -155,6 +155,9 @@ class RecordProcess:
         if not line.startswith(b"ready "):
             self._proc.kill()
             self._proc.wait()
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+            self._proc.stdout.close()
             raise RecordProcessUnavailable(
                 f"the record process did not start ({describe(self._proc.returncode)})"
             )
@@ -203,9 +206,13 @@ class RecordProcess:
     def send(self, item: tuple[Any, ...]) -> None:
         """Queue one item; it goes down the pipe with the next batch (``BATCH_ITEMS``
         queued, or the gatherer's next turn, at most ``GATHER_S`` later)."""
-        buf = self._buf
-        buf.append(item)
-        if len(buf) >= BATCH_ITEMS:
+        # Under the lock: an item appended to a batch the gatherer has just taken, after
+        # it pickled it, would be lost.
+        with self._lock:
+            buf = self._buf
+            buf.append(item)
+            full = len(buf) >= BATCH_ITEMS
+        if full:
             self._write()
 
     def _write(self) -> None:
@@ -213,8 +220,6 @@ class RecordProcess:
             buf = self._buf
             if not buf:
                 return
-            # Swapped, not cleared: ``send`` appends to whichever list is current, and
-            # list.append is atomic under the GIL.
             self._buf = []
             if self.failure is not None or self._pipe_closed:
                 return
@@ -254,8 +259,11 @@ class RecordProcess:
         self._write()
         with self._lock:
             self._pipe_closed = True
+            # Through its file object, never os.close: the object would close the fd
+            # number again when collected, by then another file's.
+            assert self._proc.stdin is not None
             with contextlib.suppress(OSError):
-                os.close(self._fd)
+                self._proc.stdin.close()
         self._watcher.join(FLUSH_S)
         if self._proc.poll() is None:
             log.error("record_process_hung", detail="killed after it did not close in time")
@@ -271,7 +279,14 @@ class RecordProcess:
 def _serve(spec: Mapping[str, Any]) -> int:
     from flodl_bus.record import states
     from flodl_bus.record.dispatch import DispatchRecorder
+    from flodl_bus.record.log import configure_console
 
+    # The replies get stdout's pipe to themselves: anything printed or logged (structlog
+    # prints to stdout unless configured) goes to the coordinator's stderr instead.
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    configure_console("warning")
     rec = DispatchRecorder(
         spec["run_dir"],
         spec["role"],
@@ -281,7 +296,6 @@ def _serve(spec: Mapping[str, Any]) -> int:
         events=spec["events"],
         process=False,
     )
-    out = sys.stdout.buffer
     out.write(b"ready " + str(rec.path).encode() + b"\n")
     out.flush()
     stdin = sys.stdin.buffer

@@ -7,11 +7,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.coordinator.config import CoordinatorConfig
@@ -199,3 +201,18 @@ def test_the_option_and_its_limits() -> None:
     assert process_default({"FLODL_RECORD_PROCESS": "off"}) is False
     with pytest.raises(ValueError, match="coordinator"):
         DispatchRecorder("/nonexistent-never-created", "rank", 0, process=True)
+
+
+def test_a_record_process_that_cannot_start_leaves_the_record_on_the_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an interpreter that exits at once: the child never says it is ready
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with structlog.testing.capture_logs() as logs:
+        rec = DispatchRecorder(tmp_path, "coordinator", process=True)
+    assert not rec.in_process and rec.failure is None
+    assert [e["event"] for e in logs] == ["record_process_unavailable"]
+    rec.header(run="fallback")
+    rec.event("end", dispatches=0)
+    rec.close()
+    assert chain.check(rec.path).ended
