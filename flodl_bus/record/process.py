@@ -1,13 +1,13 @@
 """A coordinator record written by a process of its own (``FLODL_RECORD_PROCESS``).
 
 Building a record line (JSON of the message and the effects, the digest chain, zstd,
-the timeline fold into ``events.jsonl``) is Python work that held the coordinator's one
-thread for most of a message's budget at 1,024 ranks; a thread would still hold the
-GIL. So the dispatching thread only hands each recorded call to a child process over a
-pipe, in call order, in the cheapest form that still says everything:
+the timeline fold into ``events.jsonl``) is Python work on the coordinator's one
+thread; a thread of its own would still hold the GIL. So the dispatching thread only
+hands each recorded call to a child process over a pipe, in call order, in the cheapest
+form that still says everything (``bench path`` prints what it saves):
 
 * the call's record number ``i``, stream, entry id, sender, ``now``;
-* the message as its class's index and its field values (``_pack``), rebuilt as the
+* the message as its class's index and its field values (``pack_msg``), rebuilt as the
   same object in the child, so the line and the timeline see exactly what the core saw;
 * the state as the line holds it: the delta (``record.states``) computed on the
   dispatching thread, which alone still holds the previous state (a whole summary is
@@ -20,9 +20,16 @@ The child (``python -m flodl_bus.record.process``) runs an ordinary in-thread
 ``DispatchRecorder`` on the same directory and writes every line exactly as the
 in-thread recorder does; a record from either replays the same way.
 
-Ordering and loss: one pipe, written under one lock, read by one loop: lines keep the
-order of the calls. ``flush`` returns once the child has put every earlier line on disk
-(``record.chain``'s block), ``close`` once it exited having closed the record. The pipe
+Calls are queued and go down the pipe ``BATCH_ITEMS`` at a time, or at most ``GATHER_S``
+after they were made (a gatherer thread): a write per call woke the child per call.
+``events.jsonl`` therefore lags the core by about that much.
+
+Ordering and loss: one queue and one pipe, both under one lock, read by one loop: lines
+keep the order of the calls. A coordinator killed loses the calls of its last
+``GATHER_S`` (the child writes everything it got, then stops at the end of its input),
+as an in-thread record loses its last ``record.chain.FLUSH_S``. ``flush`` returns once
+the child has put every earlier line on disk (``record.chain``'s block), ``close`` once
+it exited having closed the record. The pipe
 holds up to ``PIPE_BYTES``; a child that falls further behind blocks the writer (back
 pressure, never a drop). Stop signals do not reach the child (it ignores them and ends
 at the end of its input), so a Ctrl-C stops the coordinator in order and the record
