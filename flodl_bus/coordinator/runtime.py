@@ -40,6 +40,7 @@ from flodl_bus.coordinator.join_desk import (
     form_world,
 )
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
+from flodl_bus.coordinator.shadow import CHECK_EVERY_S, NO_STATE, ShadowRecorder
 from flodl_bus.coordinator.stall import STALL_CHECK_S, StallWatch
 from flodl_bus.coordinator.supervisor import SupervisorFeed
 from flodl_bus.exits import CONFIG, FAILED, OK, STOPPED
@@ -125,6 +126,9 @@ class CoordinatorLoop:
         self.core = core
         self.bus = bus
         self.rec = recorder
+        #: the recorder that rebuilds the core's states itself (no summaries here)
+        self._shadow = recorder if isinstance(recorder, ShadowRecorder) else None
+        self._next_shadow_check = 0.0
         self.broadcasts_failed = 0
         #: the core's state summary as of the last recorded call (see _state_before)
         self._state: dict[str, Any] | None = None
@@ -196,6 +200,8 @@ class CoordinatorLoop:
                 self._tick()
                 self._check_unread()
             self._poll_join()
+        if self._shadow is not None and self.record_lost is None:
+            self._shadow.check(core.state_summary())
         if self.rec is not None and self.record_lost is None:
             self.rec.event(
                 "end",
@@ -294,6 +300,8 @@ class CoordinatorLoop:
         self.bus.ack(deliveries)
 
     def _state_before(self) -> dict[str, Any]:
+        if self._shadow is not None:
+            return NO_STATE  # type: ignore[return-value]  # rebuilt by the record process
         # The core changes only through the calls recorded here (start, handle, tick,
         # send_failed), each of which refreshes the cache with its "after": so the last
         # "after" is exactly the next "before", and the summary is built once per call.
@@ -302,6 +310,8 @@ class CoordinatorLoop:
         return self._state
 
     def _state_after(self) -> dict[str, Any]:
+        if self._shadow is not None:
+            return NO_STATE  # type: ignore[return-value]
         self._state = self.core.state_summary(self._state)
         return self._state
 
@@ -315,8 +325,11 @@ class CoordinatorLoop:
         before = self._state_before()
         outs = core.tick(now)
         after = self._state_after()
-        if outs or after != before:
+        if outs or after != before or self._shadow is not None:
             self.rec.core_call("tick", now=now, before=before, after=after, out=outs)
+            if self._shadow is not None and now >= self._next_shadow_check:
+                self._next_shadow_check = now + CHECK_EVERY_S
+                self._shadow.check(core.state_summary())
         else:
             # Unrecorded, unchanged: keep the very object the recorder holds as its last
             # state, so the next call's "before" is recognised without a comparison.
@@ -557,7 +570,7 @@ class CoordinatorLoop:
         if self.rec is not None:
             assert before is not None
             after = self._state_after()
-            if outs or after != before:
+            if outs or after != before or self._shadow is not None:
                 self.rec.core_call(
                     "declare_dead", rank=rank, now=now, before=before, after=after, out=outs
                 )

@@ -271,7 +271,7 @@ class DispatchRecorder:
             "events": events,
         }
         try:
-            remote = RecordProcess(spec)
+            remote = RecordProcess(spec, self.process_module)
         except (OSError, RecordProcessUnavailable) as exc:
             structlog.get_logger("flodl_bus.record").warning(
                 "record_process_unavailable",
@@ -291,6 +291,12 @@ class DispatchRecorder:
     def remote(self) -> RecordProcess | None:
         """The record process writing this record, if any."""
         return self._remote
+
+    #: the module the record process runs (``python -m``)
+    process_module = "flodl_bus.record.process"
+    #: whether the caller hands in the core's states (``before``/``after``); a recorder
+    #: that rebuilds them itself (``coordinator.shadow``) says False
+    needs_states = True
 
     @property
     def in_process(self) -> bool:

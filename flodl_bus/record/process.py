@@ -135,7 +135,7 @@ class RecordProcessUnavailable(RuntimeError):
 class RecordProcess:
     """The dispatching process's end: ``send`` items, ``flush``, ``close``."""
 
-    def __init__(self, spec: Mapping[str, Any]) -> None:
+    def __init__(self, spec: Mapping[str, Any], module: str = "flodl_bus.record.process") -> None:
         self.failure: str | None = None
         #: set the moment ``failure`` is
         self.dead = threading.Event()
@@ -146,7 +146,7 @@ class RecordProcess:
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "flodl_bus.record.process", json.dumps(dict(spec))],
+            [sys.executable, "-m", module, json.dumps(dict(spec))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
@@ -283,7 +283,13 @@ class RecordProcess:
             self._fail(f"the record process failed at close: {describe(rc)}")
 
 
-def _serve(spec: Mapping[str, Any]) -> int:
+#: the handler of the items a ``serve`` caller adds (their codes are ``EXTRA`` and up)
+Extra = Callable[[Any, tuple[Any, ...]], None]
+EXTRA: Final = 10
+
+
+def serve(spec: Mapping[str, Any], extra: Extra | None = None) -> int:
+    """The child's loop: write every item the pipe brings until the close or its end."""
     from flodl_bus.record import states
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
@@ -330,7 +336,9 @@ def _serve(spec: Mapping[str, Any]) -> int:
             except EOFError:
                 return 0  # the dispatching process is gone: keep what came, no end line
             for item in batch:
-                if _apply(rec, item, whole, out):
+                if item[0] >= EXTRA and extra is not None:
+                    extra(rec, item)
+                elif _apply(rec, item, whole, out):
                     return 0
     finally:
         rec.close()
@@ -379,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     args = sys.argv[1:] if argv is None else list(argv)
-    return _serve(json.loads(args[0]))
+    return serve(json.loads(args[0]))
 
 
 if __name__ == "__main__":
