@@ -14,6 +14,8 @@ rank sends them at a constant LR):
   the record process had every line on disk;
 * ``+ record in-thread``: the same with the whole line built on the thread
   (``FLODL_RECORD_PROCESS=0``), the reference of the one above;
+* ``shadow core``: the same with the states rebuilt in the record process by a shadow
+  core (``FLODL_RECORD_PROCESS=shadow``, ``coordinator.shadow``): no summary on the thread;
 * ``send``: one ``StartEpoch`` to every rank in one batch (encode, MAC, XADD), per
   message; ``broadcast``: one signed ``CoordHeartbeat`` to every rank (MAC vector up to
   64 ranks, Ed25519 above);
@@ -50,6 +52,7 @@ from flodl_bus.bus.streams import RedisCoordinatorBus
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.runtime import CoordinatorLoop
+from flodl_bus.coordinator.shadow import ShadowRecorder
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys
 from flodl_bus.record.dispatch import DispatchRecorder
@@ -73,6 +76,10 @@ class PathCosts:
     core_cpu_us: float
     record_cpu_us: float
     thread_cpu_us: float
+    #: ``FLODL_RECORD_PROCESS=shadow``: the states rebuilt in the record process
+    shadow_us: float
+    shadow_cpu_us: float
+    shadow_caught_up_ms: float
     send_us: float
     broadcast_us: float
     record_bytes: float
@@ -144,6 +151,9 @@ def _run(
         core = Coordinator(_config(ranks, steps))
         if stage in ("record", "thread"):
             rec = DispatchRecorder(work / keys.run, "coordinator", process=stage == "record")
+            rec.header(run=keys.run, bench="path", ranks=ranks)
+        elif stage == "shadow":
+            rec = ShadowRecorder(work / keys.run, config=core.config)
             rec.header(run=keys.run, bench="path", ranks=ranks)
         loop = CoordinatorLoop(core, bus, recorder=rec, rank_of=keys.rank_of)
         now = time.monotonic()
@@ -242,14 +252,15 @@ def measure(
     core_runs = [_run(url, ranks, steps, "core", work) for _ in range(repeats)]
     core = min(core_runs)[0]
     core_cpu = min(r[4] for r in core_runs)
-    # alternated, so that a shared host's load falls on both alike
-    runs = [
-        _run(url, ranks, steps, st, work) for _ in range(repeats) for st in ("record", "thread")
-    ]
-    record, _, size, caught_up, _ = min(runs[0::2])
-    thread = min(runs[1::2])[0]
-    record_cpu = min(r[4] for r in runs[0::2])
-    thread_cpu = min(r[4] for r in runs[1::2])
+    # alternated, so that a shared host's load falls on each alike
+    kinds = ("record", "thread", "shadow")
+    runs = [_run(url, ranks, steps, st, work) for _ in range(repeats) for st in kinds]
+    record, _, size, caught_up, _ = min(runs[0::3])
+    thread = min(runs[1::3])[0]
+    shadow, _, _, shadow_caught_up, _ = min(runs[2::3])
+    record_cpu = min(r[4] for r in runs[0::3])
+    thread_cpu = min(r[4] for r in runs[1::3])
+    shadow_cpu = min(r[4] for r in runs[2::3])
     send, cast = _sends(url, ranks)
     read, tick = _per_read(url, ranks, steps)
     return PathCosts(
@@ -263,6 +274,9 @@ def measure(
         core_cpu_us=core_cpu,
         record_cpu_us=record_cpu,
         thread_cpu_us=thread_cpu,
+        shadow_us=shadow,
+        shadow_cpu_us=shadow_cpu,
+        shadow_caught_up_ms=shadow_caught_up,
         send_us=send,
         broadcast_us=cast,
         record_bytes=size,
@@ -288,9 +302,13 @@ def report(c: PathCosts, step_ms: float) -> str:
             f"record process caught up {c.caught_up_ms:.0f} ms after the last message)",
             f"  ... in-thread      {c.thread_us:7.1f} µs/msg   {cores(c.thread_us)}   "
             f"(record {c.thread_us - c.core_us:+.1f} µs: the reference, FLODL_RECORD_PROCESS=0)",
+            f"  ... shadow core    {c.shadow_us:7.1f} µs/msg   {cores(c.shadow_us)}   "
+            f"(record {c.shadow_us - c.core_us:+.1f} µs: FLODL_RECORD_PROCESS=shadow; caught up "
+            f"{c.shadow_caught_up_ms:.0f} ms after the last message)",
             f"  CPU of this process: + core {c.core_cpu_us:.1f} µs/msg, + record "
             f"{c.record_cpu_us:.1f} (record {c.record_cpu_us - c.core_cpu_us:+.1f}), in-thread "
-            f"{c.thread_cpu_us:.1f} (record {c.thread_cpu_us - c.core_cpu_us:+.1f})",
+            f"{c.thread_cpu_us:.1f} (record {c.thread_cpu_us - c.core_cpu_us:+.1f}), shadow "
+            f"{c.shadow_cpu_us:.1f} (record {c.shadow_cpu_us - c.core_cpu_us:+.1f})",
             f"  send (batched)     {c.send_us:7.1f} µs/msg   broadcast {c.broadcast_us:.1f} µs",
             f"  per read           {c.read_us + c.tick_us:7.1f} µs      (empty XREADGROUP "
             f"{c.read_us:.1f} µs + tick {c.tick_us:.1f} µs, whatever the read holds)",

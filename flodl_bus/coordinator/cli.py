@@ -128,7 +128,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
-    from flodl_bus.record.process import process_default
+    from flodl_bus.record.process import process_mode
 
     _check(args)
     try:
@@ -344,9 +344,14 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     # The line built off this thread (record.process) unless FLODL_RECORD_PROCESS=0; the
     # TensorBoard scalars come from the live events, which only an in-thread record has.
-    recorder = DispatchRecorder(
-        run_dir, "coordinator", process=process_default() and not args.tensorboard
-    )
+    mode = "thread" if args.tensorboard else process_mode()
+    recorder: DispatchRecorder
+    if mode == "shadow":
+        from flodl_bus.coordinator.shadow import ShadowRecorder
+
+        recorder = ShadowRecorder(run_dir, config=config, resume_meta=resume_meta)
+    else:
+        recorder = DispatchRecorder(run_dir, "coordinator", process=mode == "process")
     run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record
     recorder.header(
         run=args.run,

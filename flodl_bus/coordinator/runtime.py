@@ -127,7 +127,9 @@ class CoordinatorLoop:
         self.bus = bus
         self.rec = recorder
         #: the recorder that rebuilds the core's states itself (no summaries here)
-        self._shadow = recorder if isinstance(recorder, ShadowRecorder) else None
+        self._shadow = (
+            recorder if isinstance(recorder, ShadowRecorder) and not recorder.needs_states else None
+        )
         self._next_shadow_check = 0.0
         self.broadcasts_failed = 0
         #: the core's state summary as of the last recorded call (see _state_before)

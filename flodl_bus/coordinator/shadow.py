@@ -64,7 +64,9 @@ class ShadowRecorder(DispatchRecorder):
     ) -> None:
         super().__init__(run_dir, "coordinator", compress=compress, process=True)
         if self._remote is None:
-            raise process.RecordProcessUnavailable("the shadow record process did not start")
+            # no record process (logged): an in-thread record, fed states by the loop
+            self.needs_states = True
+            return
         self._send((CORE, config, resume_meta))
         self._lines -= 1  # not a line
 
@@ -81,6 +83,12 @@ class ShadowRecorder(DispatchRecorder):
         sender: int | None = None,
         **extra: Any,
     ) -> None:
+        if self._remote is None:
+            super().dispatch(
+                stream=stream, entry_id=entry_id, msg=msg, now=now, before=before,
+                after=after, out=out, sender=sender, **extra,
+            )  # fmt: skip
+            return
         k, values = process.pack_msg(msg, record_value)
         self._send((DISPATCH, stream, entry_id, sender, k, values, now, _outs(out)))
 
@@ -94,15 +102,23 @@ class ShadowRecorder(DispatchRecorder):
         out: Sequence[object],
         **extra: Any,
     ) -> None:
+        if self._remote is None:
+            super().core_call(event, now=now, before=before, after=after, out=out, **extra)
+            return
         msg = extra.get("msg")
         packed = None if msg is None else process.pack_msg(msg, record_value)
         self._send((CALL, event, now, extra.get("rank"), packed, _outs(out)))
 
     def port(self, *, call: str, args: Mapping[str, Any], result: Any) -> None:
+        if self._remote is None:
+            super().port(call=call, args=args, result=result)
+            return
         self._send((PORT, call, record_value(args), record_value(result)))
 
     def check(self, summary: Mapping[str, Any]) -> None:
         """The real core's whole state now, for the child to compare with its own."""
+        if self._remote is None:
+            return
         self._send((CHECK, summary))
         self._lines -= 1
 

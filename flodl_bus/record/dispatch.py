@@ -296,7 +296,7 @@ class DispatchRecorder:
     process_module = "flodl_bus.record.process"
     #: whether the caller hands in the core's states (``before``/``after``); a recorder
     #: that rebuilds them itself (``coordinator.shadow``) says False
-    needs_states = True
+    needs_states: bool = True
 
     @property
     def in_process(self) -> bool:

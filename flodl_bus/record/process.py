@@ -66,8 +66,9 @@ from flodl_bus.protocol.messages import WireMsg
 
 log = structlog.get_logger("flodl_bus.record")
 
-#: ``0`` records the coordinator on its own thread; anything else (the default of the
-#: ``flodl-bus coordinator`` command) in a record process.
+#: ``0`` records the coordinator on its own thread; ``shadow`` in a record process that
+#: rebuilds the core's states itself (``coordinator.shadow``); anything else (the default
+#: of the ``flodl-bus coordinator`` command) in a record process fed the state deltas.
 ENV_PROCESS: Final = "FLODL_RECORD_PROCESS"
 #: how long the child may take to start (imports on a loaded host) before the record
 #: falls back to the dispatching thread (nothing was written yet)
@@ -105,8 +106,17 @@ _GETTERS: Final = tuple(_getter(n) for n in _NAMES)
 
 
 def process_default(env: Mapping[str, str] | None = None) -> bool:
-    raw = (os.environ if env is None else env).get(ENV_PROCESS, "1")
-    return raw.strip().lower() not in ("0", "no", "false", "off")
+    """Whether the coordinator's record goes to a record process (either kind)."""
+    return process_mode(env) != "thread"
+
+
+def process_mode(env: Mapping[str, str] | None = None) -> str:
+    """``FLODL_RECORD_PROCESS``: ``thread`` (``0``, ``off``...), ``shadow`` (the record
+    process rebuilds the states itself: ``coordinator.shadow``), else ``process``."""
+    raw = (os.environ if env is None else env).get(ENV_PROCESS, "1").strip().lower()
+    if raw in ("0", "no", "false", "off", "thread"):
+        return "thread"
+    return "shadow" if raw == "shadow" else "process"
 
 
 def pack_msg(msg: object, encode: Callable[[Any], Any]) -> tuple[int, Any]:
