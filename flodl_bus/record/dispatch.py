@@ -283,7 +283,10 @@ class DispatchRecorder:
             remote.close()
             raise RuntimeError(f"the record process chose {remote.path}, not {self.path}")
         structlog.get_logger("flodl_bus.record").info(
-            "record_process_started", pid=remote.pid, record=str(self.path)
+            "record_process_started",
+            pid=remote.pid,
+            record=str(self.path),
+            module=self.process_module,
         )
         return remote
 

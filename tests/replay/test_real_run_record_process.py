@@ -31,6 +31,7 @@ def test_the_coordinators_record_process_record_replays_identically(
     _, run_dir = record_run(redis_url, tmp_path / "run", world_size=2, extra=INFO)
     log = (tmp_path / "run-coordinator.log").read_text()
     assert "record_process_started" in log and "record_process_unavailable" not in log
+    assert "module=flodl_bus.record.process" in log
     run = load_run(run_dir)
     verify_run(run)  # every record complete and chained
     for key, rec in run.items():
@@ -46,7 +47,7 @@ def test_killing_the_record_process_stops_the_real_run_in_order_with_exit_1(
 
     def kill_after_first_epoch(log: Path, coord: subprocess.Popen[bytes]) -> None:
         _wait_for_line(log, b"record_process_started", coord, 120)
-        pid = re.search(rb"record_process_started\s+pid=(\d+)", log.read_bytes())
+        pid = re.search(rb"record_process_started[^\n]*?pid=(\d+)", log.read_bytes())
         assert pid is not None
         _wait_for_line(log, b"epoch_aggregated", coord, 120)
         os.kill(int(pid[1]), signal.SIGKILL)
@@ -77,3 +78,17 @@ def test_killing_the_record_process_stops_the_real_run_in_order_with_exit_1(
     # the ranks' records are whole: they were shut down, not cut
     for key in ("rank:0", "rank:1"):
         assert run[key].path is not None and chain.check(run[key].path).ended
+
+
+def test_a_shadow_core_record_of_a_real_run_replays_identically(
+    redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLODL_RECORD_PROCESS", "shadow")
+    _, run_dir = record_run(redis_url, tmp_path / "run", world_size=2, extra=INFO)
+    log = (tmp_path / "run-coordinator.log").read_text()
+    assert "flodl_bus.coordinator.shadow" in log and "record_shadow_diverged" not in log
+    run = load_run(run_dir)
+    verify_run(run)
+    for key, rec in run.items():
+        result = replay(rec)
+        assert result.identical, f"{key}: {result.summary()}"
