@@ -78,9 +78,11 @@ state delta and hands each call to a record process (``record.process``), which 
 chains, compresses and folds the lines there, off the dispatching thread's GIL: the
 record is the same, line for line. The ``flodl-bus coordinator`` command records that way
 unless ``FLODL_RECORD_PROCESS=0`` (or ``--tensorboard``, whose scalars come from the live
-events in the coordinator's process); a record process that cannot start leaves the
-record on the thread (``record_process_unavailable`` in the log), one that dies stops
-the run (``failure``; see ``record.process``).
+events in the coordinator's process); ``FLODL_RECORD_PROCESS=shadow`` (opt-in) leaves
+the thread not even the states: the record process rebuilds them with a checked shadow
+core (``coordinator.shadow``). A record process that cannot start leaves the record on
+the thread (``record_process_unavailable`` in the log), one that dies stops the run
+(``failure``; see ``record.process``).
 """
 
 from __future__ import annotations
