@@ -8,7 +8,14 @@ rank sends them at a constant LR):
 * ``ingest``: ``RedisCoordinatorBus.read_upstream`` + ack (XREADGROUP, seq, MAC, decode);
 * ``+ core``: the same through ``CoordinatorLoop``'s dispatch (``Coordinator.handle``,
   one ``tick`` per read) without a record;
-* ``+ record``: the same with the dispatch record (state summary + record line);
+* ``+ record``: the same with the dispatch record as the ``flodl-bus coordinator``
+  command writes it: the state summary and delta on the thread, the line built by the
+  record process (``record.process``); ``caught up`` is how long after the last message
+  the record process had every line on disk;
+* ``+ record in-thread``: the same with the whole line built on the thread
+  (``FLODL_RECORD_PROCESS=0``), the reference of the one above;
+* ``shadow core``: the same with the states rebuilt in the record process by a shadow
+  core (``FLODL_RECORD_PROCESS=shadow``, ``coordinator.shadow``): no summary on the thread;
 * ``send``: one ``StartEpoch`` to every rank in one batch (encode, MAC, XADD), per
   message; ``broadcast``: one signed ``CoordHeartbeat`` to every rank (MAC vector up to
   64 ranks, Ed25519 above);
@@ -45,6 +52,7 @@ from flodl_bus.bus.streams import RedisCoordinatorBus
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.runtime import CoordinatorLoop
+from flodl_bus.coordinator.shadow import ShadowRecorder
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys
 from flodl_bus.record.dispatch import DispatchRecorder
@@ -61,6 +69,17 @@ class PathCosts:
     ingest_us: float
     core_us: float
     record_us: float
+    thread_us: float
+    caught_up_ms: float
+    #: CPU time of the bench's own process per message (every thread of it), the figure
+    #: a shared host's load disturbs least: ``+ core``, ``+ record``, ``... in-thread``
+    core_cpu_us: float
+    record_cpu_us: float
+    thread_cpu_us: float
+    #: ``FLODL_RECORD_PROCESS=shadow``: the states rebuilt in the record process
+    shadow_us: float
+    shadow_cpu_us: float
+    shadow_caught_up_ms: float
     send_us: float
     broadcast_us: float
     record_bytes: float
@@ -113,8 +132,12 @@ def _config(ranks: int, steps: int) -> CoordinatorConfig:
     )
 
 
-def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[float, int, float]:
-    """(µs per message, messages, record bytes per message) of one pre-filled pass."""
+def _run(
+    url: str, ranks: int, steps: int, stage: str, work: Path
+) -> tuple[float, int, float, float, float]:
+    """(µs per message, messages, record bytes per message, ms the record process took
+    to catch up after the last message, CPU µs of this process per message) of one
+    pre-filled pass."""
     keys = RunKeys(f"path-{uuid.uuid4().hex[:8]}")
     bus = RedisCoordinatorBus(
         connect(url), keys, fixed_keys(SEED), ranks=range(ranks), config=QUIET
@@ -126,8 +149,11 @@ def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[floa
     loop = None
     if stage != "ingest":
         core = Coordinator(_config(ranks, steps))
-        if stage == "record":
-            rec = DispatchRecorder(work / keys.run, "coordinator")
+        if stage in ("record", "thread"):
+            rec = DispatchRecorder(work / keys.run, "coordinator", process=stage == "record")
+            rec.header(run=keys.run, bench="path", ranks=ranks)
+        elif stage == "shadow":
+            rec = ShadowRecorder(work / keys.run, config=core.config)
             rec.header(run=keys.run, bench="path", ranks=ranks)
         loop = CoordinatorLoop(core, bus, recorder=rec, rank_of=keys.rank_of)
         now = time.monotonic()
@@ -137,6 +163,7 @@ def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[floa
             rec.core_call("start", now=now, before=before, after=core.state_summary(), out=outs)
         loop._apply(outs, now)
     got = 0
+    c0 = time.process_time()
     t0 = time.perf_counter()
     while got < total:
         ds = bus.read_upstream(200)
@@ -150,14 +177,18 @@ def _run(url: str, ranks: int, steps: int, stage: str, work: Path) -> tuple[floa
         loop._dispatch_all(ds)
         loop._tick()
     elapsed = time.perf_counter() - t0
-    size = 0.0
+    cpu = time.process_time() - c0
+    size = caught_up = 0.0
     if rec is not None:
         rec.flush()
+        caught_up = (time.perf_counter() - t0 - elapsed) * 1000
         rec.close()
+        if rec.failure is not None:
+            raise RuntimeError(f"bench path: {rec.failure}")
         size = rec.path.stat().st_size / got
     bus.flush_acks()
     bus.close()
-    return elapsed * 1e6 / got, got, size
+    return elapsed * 1e6 / got, got, size, caught_up, cpu * 1e6 / got
 
 
 def _sends(url: str, ranks: int) -> tuple[float, float]:
@@ -214,12 +245,22 @@ def measure(
 ) -> PathCosts:
     """Each stage's best of ``repeats`` passes (a shared host's noise only adds)."""
 
-    def best(stage: str) -> tuple[float, int, float]:
+    def best(stage: str) -> tuple[float, int, float, float, float]:
         return min(_run(url, ranks, steps, stage, work) for _ in range(repeats))
 
-    ingest, n, _ = best("ingest")
-    core, _, _ = best("core")
-    record, _, size = best("record")
+    ingest, n, _, _, _ = best("ingest")
+    core_runs = [_run(url, ranks, steps, "core", work) for _ in range(repeats)]
+    core = min(core_runs)[0]
+    core_cpu = min(r[4] for r in core_runs)
+    # alternated, so that a shared host's load falls on each alike
+    kinds = ("record", "thread", "shadow")
+    runs = [_run(url, ranks, steps, st, work) for _ in range(repeats) for st in kinds]
+    record, _, size, caught_up, _ = min(runs[0::3])
+    thread = min(runs[1::3])[0]
+    shadow, _, _, shadow_caught_up, _ = min(runs[2::3])
+    record_cpu = min(r[4] for r in runs[0::3])
+    thread_cpu = min(r[4] for r in runs[1::3])
+    shadow_cpu = min(r[4] for r in runs[2::3])
     send, cast = _sends(url, ranks)
     read, tick = _per_read(url, ranks, steps)
     return PathCosts(
@@ -228,6 +269,14 @@ def measure(
         ingest_us=ingest,
         core_us=core,
         record_us=record,
+        thread_us=thread,
+        caught_up_ms=caught_up,
+        core_cpu_us=core_cpu,
+        record_cpu_us=record_cpu,
+        thread_cpu_us=thread_cpu,
+        shadow_us=shadow,
+        shadow_cpu_us=shadow_cpu,
+        shadow_caught_up_ms=shadow_caught_up,
         send_us=send,
         broadcast_us=cast,
         record_bytes=size,
@@ -249,7 +298,17 @@ def report(c: PathCosts, step_ms: float) -> str:
             f"  ingest             {c.ingest_us:7.1f} µs/msg   {cores(c.ingest_us)}",
             f"  ingest + core      {c.core_us:7.1f} µs/msg   {cores(c.core_us)}",
             f"  ingest+core+record {c.record_us:7.1f} µs/msg   {cores(c.record_us)}   "
-            f"(record {c.record_us - c.core_us:+.1f} µs, {c.record_bytes:.0f} B/msg on disk)",
+            f"(record {c.record_us - c.core_us:+.1f} µs, {c.record_bytes:.0f} B/msg on disk; "
+            f"record process caught up {c.caught_up_ms:.0f} ms after the last message)",
+            f"  ... in-thread      {c.thread_us:7.1f} µs/msg   {cores(c.thread_us)}   "
+            f"(record {c.thread_us - c.core_us:+.1f} µs: the reference, FLODL_RECORD_PROCESS=0)",
+            f"  ... shadow core    {c.shadow_us:7.1f} µs/msg   {cores(c.shadow_us)}   "
+            f"(record {c.shadow_us - c.core_us:+.1f} µs: FLODL_RECORD_PROCESS=shadow; caught up "
+            f"{c.shadow_caught_up_ms:.0f} ms after the last message)",
+            f"  CPU of this process: + core {c.core_cpu_us:.1f} µs/msg, + record "
+            f"{c.record_cpu_us:.1f} (record {c.record_cpu_us - c.core_cpu_us:+.1f}), in-thread "
+            f"{c.thread_cpu_us:.1f} (record {c.thread_cpu_us - c.core_cpu_us:+.1f}), shadow "
+            f"{c.shadow_cpu_us:.1f} (record {c.shadow_cpu_us - c.core_cpu_us:+.1f})",
             f"  send (batched)     {c.send_us:7.1f} µs/msg   broadcast {c.broadcast_us:.1f} µs",
             f"  per read           {c.read_us + c.tick_us:7.1f} µs      (empty XREADGROUP "
             f"{c.read_us:.1f} µs + tick {c.tick_us:.1f} µs, whatever the read holds)",

@@ -53,7 +53,7 @@ from flodl_bus.coordinator.cli_args import (
     ignored_settings,
 )
 from flodl_bus.coordinator.config import CoordinatorConfig
-from flodl_bus.exits import CONFIG, STOPPED, by_signal
+from flodl_bus.exits import CONFIG, FAILED, STOPPED, by_signal
 from flodl_bus.options import ConfigError
 from flodl_bus.protocol.messages import ResourceSample
 from flodl_bus.protocol.wire import resources_to_map
@@ -128,6 +128,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     from flodl_bus.protocol.signing import BadKey, CoordinatorKeys
     from flodl_bus.record.dispatch import DispatchRecorder
     from flodl_bus.record.log import configure_console
+    from flodl_bus.record.process import process_mode
 
     _check(args)
     try:
@@ -341,7 +342,16 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
 
     run_dir = asked_run_dir(args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    recorder = DispatchRecorder(run_dir, "coordinator")
+    # The line built off this thread (record.process) unless FLODL_RECORD_PROCESS=0; the
+    # TensorBoard scalars come from the live events, which only an in-thread record has.
+    mode = "thread" if args.tensorboard else process_mode()
+    recorder: DispatchRecorder
+    if mode == "shadow":
+        from flodl_bus.coordinator.shadow import ShadowRecorder
+
+        recorder = ShadowRecorder(run_dir, config=config, resume_meta=resume_meta)
+    else:
+        recorder = DispatchRecorder(run_dir, "coordinator", process=mode == "process")
     run_dir = recorder.run_dir  # a fresh sibling when run_dir holds an earlier run's record
     recorder.header(
         run=args.run,
@@ -459,7 +469,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         recorder.close()
         bus.close()
         join.close()
-    status = {0: "finished", EXIT_INTERRUPTED: "interrupted", CONFIG: "refused"}.get(code, "saved")
+    status = {
+        0: "finished",
+        EXIT_INTERRUPTED: "interrupted",
+        CONFIG: "refused",
+        FAILED: "failed",
+    }.get(code, "saved")
     if code == EXIT_INTERRUPTED:
         code = stopped_code()
     try:

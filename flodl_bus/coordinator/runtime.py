@@ -41,9 +41,10 @@ from flodl_bus.coordinator.join_desk import (
 )
 from flodl_bus.coordinator.loop_profile import LoopProfile
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
+from flodl_bus.coordinator.shadow import CHECK_EVERY_S, NO_STATE, ShadowRecorder
 from flodl_bus.coordinator.stall import STALL_CHECK_S, StallWatch
 from flodl_bus.coordinator.supervisor import SupervisorFeed
-from flodl_bus.exits import CONFIG, OK, STOPPED
+from flodl_bus.exits import CONFIG, FAILED, OK, STOPPED
 from flodl_bus.protocol.messages import (
     CoordHeartbeat,
     DeclareDead,
@@ -126,6 +127,11 @@ class CoordinatorLoop:
         self.core = core
         self.bus = bus
         self.rec = recorder
+        #: the recorder that rebuilds the core's states itself (no summaries here)
+        self._shadow = (
+            recorder if isinstance(recorder, ShadowRecorder) and not recorder.needs_states else None
+        )
+        self._next_shadow_check = 0.0
         self.broadcasts_failed = 0
         #: the core's state summary as of the last recorded call (see _state_before)
         self._state: dict[str, Any] | None = None
@@ -156,6 +162,8 @@ class CoordinatorLoop:
         self._next_stall_check = 0.0
         #: where the loop's time went, stage by stage (``loop_profile``)
         self.profile = LoopProfile()
+        #: why the record stopped being written (its process died): the run stops
+        self.record_lost: str | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -186,6 +194,8 @@ class CoordinatorLoop:
             self._dispatch_all(early)
         interrupted = False
         while True:
+            if self.record_lost is None and self.rec is not None and self.rec.failure:
+                self._stop_for_record(self.rec.failure)
             if self.stop.is_set() and not interrupted and self.finished is None:
                 interrupted = True
                 self._interrupt()
@@ -207,7 +217,9 @@ class CoordinatorLoop:
         prof.wall_s += pc() - w0
         prof.cpu_s += tt() - c0
         log.info("loop_profile", **prof.brief())
-        if self.rec is not None:
+        if self._shadow is not None and self.record_lost is None:
+            self._shadow.check(core.state_summary())
+        if self.rec is not None and self.record_lost is None:
             self.rec.event(
                 "end",
                 now=self.clock(),
@@ -219,6 +231,8 @@ class CoordinatorLoop:
             self.rec.flush()
         if core.refused is not None:
             return CONFIG
+        if self.record_lost is not None:
+            return FAILED
         if interrupted:
             return EXIT_INTERRUPTED
         if self.finished is not None and self.finished.reason is not None:
@@ -325,6 +339,8 @@ class CoordinatorLoop:
         prof.messages += handled
 
     def _state_before(self) -> dict[str, Any]:
+        if self._shadow is not None:
+            return NO_STATE  # type: ignore[return-value]  # rebuilt by the record process
         # The core changes only through the calls recorded here (start, handle, tick,
         # send_failed), each of which refreshes the cache with its "after": so the last
         # "after" is exactly the next "before", and the summary is built once per call.
@@ -333,6 +349,8 @@ class CoordinatorLoop:
         return self._state
 
     def _state_after(self) -> dict[str, Any]:
+        if self._shadow is not None:
+            return NO_STATE  # type: ignore[return-value]
         self._state = self.core.state_summary(self._state)
         return self._state
 
@@ -346,8 +364,11 @@ class CoordinatorLoop:
         before = self._state_before()
         outs = core.tick(now)
         after = self._state_after()
-        if outs or after != before:
+        if outs or after != before or self._shadow is not None:
             self.rec.core_call("tick", now=now, before=before, after=after, out=outs)
+            if self._shadow is not None and now >= self._next_shadow_check:
+                self._next_shadow_check = now + CHECK_EVERY_S
+                self._shadow.check(core.state_summary())
         else:
             # Unrecorded, unchanged: keep the very object the recorder holds as its last
             # state, so the next call's "before" is recognised without a comparison.
@@ -603,7 +624,7 @@ class CoordinatorLoop:
         if self.rec is not None:
             assert before is not None
             after = self._state_after()
-            if outs or after != before:
+            if outs or after != before or self._shadow is not None:
                 self.rec.core_call(
                     "declare_dead", rank=rank, now=now, before=before, after=after, out=outs
                 )
@@ -644,6 +665,20 @@ class CoordinatorLoop:
             # Already shut down by the core before the stop request: still leave.
             self.finished = Finished(None)
             self.finished_at = now
+
+    def _stop_for_record(self, why: str) -> None:
+        """The record process died (``record.process``): a run that can no longer be
+        recorded cannot be replayed, so it stops in order now (Shutdown to every rank,
+        the exit grace for their Exiting) and the coordinator exits ``FAILED``."""
+        self.record_lost = why
+        log.error(
+            "run_stopped_record_lost",
+            why=why,
+            detail="the record ends at its last line on disk (no end line: replay reports "
+            "it incomplete); broadcasting Shutdown, exit 1",
+        )
+        if self.finished is None:
+            self._interrupt()
 
     def _poll_join(self) -> None:
         """Late Hellos: a retried one gets its Assign again, anyone else a Reject."""

@@ -71,6 +71,18 @@ Rank only (the training loop's side of the state machine, so a replay needs no m
 Recording is synchronous and runs on the thread that dispatched: arguments may be
 mutated right after the call returns, except a coordinator's states, of which the last
 ``after`` is the base of the next delta (the loop hands in a fresh summary each call).
+
+Where the lines are built (``process``): by default on that same thread. With
+``DispatchRecorder(..., process=True)`` (coordinator only) the thread keeps only the
+state delta and hands each call to a record process (``record.process``), which builds,
+chains, compresses and folds the lines there, off the dispatching thread's GIL: the
+record is the same, line for line. The ``flodl-bus coordinator`` command records that way
+unless ``FLODL_RECORD_PROCESS=0`` (or ``--tensorboard``, whose scalars come from the live
+events in the coordinator's process); ``FLODL_RECORD_PROCESS=shadow`` (opt-in) leaves
+the thread not even the states: the record process rebuilds them with a checked shadow
+core (``coordinator.shadow``). A record process that cannot start leaves the record on
+the thread (``record_process_unavailable`` in the log), one that dies stops the run
+(``failure``; see ``record.process``).
 """
 
 from __future__ import annotations
@@ -88,8 +100,9 @@ import structlog
 
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import EpochPlan, SyncAck, Update, WireMsg
-from flodl_bus.record import log, states
+from flodl_bus.record import log, process, states
 from flodl_bus.record.log import Recorder
+from flodl_bus.record.process import RecordProcess, RecordProcessUnavailable
 from flodl_bus.record.telemetry import EVENTS_FILE, LOST_BROADCAST, Timeline
 
 _WIRE_CLASSES: Final[frozenset[type]] = frozenset(get_args(WireMsg))
@@ -200,6 +213,7 @@ class DispatchRecorder:
         compress: bool | None = None,
         deltas: bool | None = None,
         events: bool | None = None,
+        process: bool = False,
     ) -> None:
         self.role = role
         #: core events carry state deltas (``record.states``): the coordinator's, whose
@@ -214,7 +228,17 @@ class DispatchRecorder:
         if compress is None:
             compress = compress_default()
         self.path = record_path(self.run_dir, role, rank, compress=compress)
-        self._rec = Recorder(self.path, encoder=record_value)
+        #: the record process writing this record (``record.process``), if any
+        self._remote: RecordProcess | None = None
+        self._lines = 0
+        self._ended = False
+        if process:
+            if role != "coordinator":
+                raise ValueError("only a coordinator's record is written by a record process")
+            self._remote = self._start_process(compress, events)
+        self._rec: Recorder | None = (
+            Recorder(self.path, encoder=record_value) if self._remote is None else None
+        )
         # next() on itertools.count is atomic under the GIL: the reader and the training
         # thread of a rank share the numbering without a lock.
         self._counter = itertools.count()
@@ -222,11 +246,12 @@ class DispatchRecorder:
         #: folded from the very calls recorded here, so they equal a derivation from the
         #: record; written to ``events.jsonl`` once there is one
         self.timeline: Timeline | None = (
-            Timeline() if (role == "coordinator" if events is None else events) else None
+            Timeline()
+            if (role == "coordinator" if events is None else events) and self._remote is None
+            else None
         )
         self._events: BinaryIO | None = None
-        #: also hands each batch of timeline events here as it is written (TensorBoard)
-        self.on_events: Callable[[Sequence[Mapping[str, Any]]], None] | None = None
+        self._on_events: Callable[[Sequence[Mapping[str, Any]]], None] | None = None
         if self.rotated_from is not None:
             structlog.get_logger("flodl_bus.record").warning(
                 "record_rotated",
@@ -238,8 +263,81 @@ class DispatchRecorder:
 
     # ------------------------------------------------------------------ both roles
 
+    def _start_process(self, compress: bool, events: bool | None) -> RecordProcess | None:
+        spec = {
+            "run_dir": str(self.run_dir),
+            "role": self.role,
+            "rank": self.rank,
+            "compress": compress,
+            "deltas": self.deltas,
+            "events": events,
+        }
+        try:
+            remote = RecordProcess(spec, self.process_module)
+        except (OSError, RecordProcessUnavailable) as exc:
+            structlog.get_logger("flodl_bus.record").warning(
+                "record_process_unavailable",
+                error=repr(exc)[:300],
+                detail="recording on the dispatching thread instead",
+            )
+            return None
+        if remote.path != self.path:
+            remote.close()
+            raise RuntimeError(f"the record process chose {remote.path}, not {self.path}")
+        structlog.get_logger("flodl_bus.record").info(
+            "record_process_started",
+            pid=remote.pid,
+            record=str(self.path),
+            module=self.process_module,
+        )
+        return remote
+
+    @property
+    def remote(self) -> RecordProcess | None:
+        """The record process writing this record, if any."""
+        return self._remote
+
+    #: the module the record process runs (``python -m``)
+    process_module = "flodl_bus.record.process"
+    #: whether the caller hands in the core's states (``before``/``after``); a recorder
+    #: that rebuilds them itself (``coordinator.shadow``) says False
+    needs_states: bool = True
+
+    @property
+    def in_process(self) -> bool:
+        """Whether a record process writes this record (``record.process``)."""
+        return self._remote is not None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the record process is gone (None: recording): the record stops there."""
+        return None if self._remote is None else self._remote.failure
+
+    @property
+    def on_events(self) -> Callable[[Sequence[Mapping[str, Any]]], None] | None:
+        """Also handed each batch of timeline events as it is written (TensorBoard);
+        in-thread recording only: the events of a record process stay in that process."""
+        return self._on_events
+
+    @on_events.setter
+    def on_events(self, fn: Callable[[Sequence[Mapping[str, Any]]], None] | None) -> None:
+        if fn is not None and self._remote is not None:
+            raise ValueError("on_events needs the in-thread recorder (process=False)")
+        self._on_events = fn
+
+    def _send(self, item: tuple[Any, ...]) -> None:
+        assert self._remote is not None
+        if self._ended:
+            return
+        self._lines += 1
+        self._remote.send(item)
+
     def header(self, **config: Any) -> None:
         fields = record_value(config)
+        if self._remote is not None:
+            self._send((process.HEADER, fields))
+            return
+        assert self._rec is not None
         self._rec.record("run", role=self.role, rank=self.rank, **fields)
         if self.timeline is not None:
             cfg = fields.get("config")
@@ -259,6 +357,35 @@ class DispatchRecorder:
         **extra: Any,
     ) -> None:
         i = next(self._counter)
+        st = self._states(before, after, sender)
+        if self._remote is not None:
+            k, values = process.pack_msg(msg, record_value)
+            self._send(
+                (
+                    process.DISPATCH, i, stream, entry_id, sender, k, values, now, st,
+                    record_value(out) if out else [], record_value(extra) if extra else {},
+                )
+            )  # fmt: skip
+            return
+        self.write_dispatch(i, stream, entry_id, sender, msg, now, st, out, extra, before, after)
+
+    def write_dispatch(
+        self,
+        i: int,
+        stream: str | None,
+        entry_id: str | None,
+        sender: int | None,
+        msg: object,
+        now: float,
+        st: Mapping[str, Any],
+        out: Sequence[object],
+        extra: Mapping[str, Any],
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+    ) -> None:
+        """The line of ``dispatch`` once its number and state fields are known (the
+        record process writes through here)."""
+        assert self._rec is not None
         self._rec.record_core(
             "dispatch",
             i=i,
@@ -267,7 +394,7 @@ class DispatchRecorder:
             sender=sender,
             msg=msg,
             now=now,
-            **self._states(before, after, sender),
+            **st,
             out=out,
             **extra,
         )
@@ -293,6 +420,13 @@ class DispatchRecorder:
             self.end(**fields)
             return
         values = record_value(fields)
+        if self._remote is not None:
+            self._send((process.EVENT, name, values))
+            return
+        self.write_event(name, values)
+
+    def write_event(self, name: str, values: Mapping[str, Any]) -> None:
+        assert self._rec is not None
         self._rec.record(name, **values)
         if self.timeline is not None and name == LOST_BROADCAST:
             self._write_events(
@@ -349,27 +483,34 @@ class DispatchRecorder:
         # Decisions only (a few per window): each reaches the OS as it happens, so a
         # watcher reading the file sees it now, and a crash leaves it behind.
         self._events.flush()
-        if self.on_events is not None:
-            self.on_events(evs)
+        if self._on_events is not None:
+            self._on_events(evs)
 
     def end(self, **fields: Any) -> None:
         """The record's closing line (``record.chain``): nothing is recorded after it."""
+        if self._remote is not None:
+            self._send((process.END, record_value(fields)))
+            self._ended = True
+            return
+        assert self._rec is not None
         self._rec.end(**record_value(fields))
 
     @property
     def lines(self) -> int:
-        return self._rec.lines
+        return self._lines if self._rec is None else self._rec.lines
 
     # ------------------------------------------------------------------ coordinator
 
     def port(self, *, call: str, args: Mapping[str, Any], result: Any) -> None:
-        self._rec.record_core(
-            "port",
-            i=next(self._counter),
-            call=call,
-            args=args,
-            result=result,
-        )
+        i = next(self._counter)
+        if self._remote is not None:
+            self._send((process.PORT, i, call, record_value(args), record_value(result)))
+            return
+        self.write_port(i, call, args, result)
+
+    def write_port(self, i: int, call: str, args: Mapping[str, Any], result: Any) -> None:
+        assert self._rec is not None
+        self._rec.record_core("port", i=i, call=call, args=args, result=result)
 
     def core_call(
         self,
@@ -386,14 +527,30 @@ class DispatchRecorder:
         ``interrupt``. Replay re-issues each by its event name."""
         rank = extra.get("rank")
         i = next(self._counter)
-        self._rec.record_core(
-            event,
-            i=i,
-            now=now,
-            **self._states(before, after, rank if type(rank) is int else None),
-            out=out,
-            **extra,
-        )
+        st = self._states(before, after, rank if type(rank) is int else None)
+        if self._remote is not None:
+            self._send(
+                (process.CORE, event, i, now, st, record_value(out) if out else [],
+                 record_value(extra))
+            )  # fmt: skip
+            return
+        self.write_core(event, i, now, st, out, extra, before, after)
+
+    def write_core(
+        self,
+        event: str,
+        i: int,
+        now: float,
+        st: Mapping[str, Any],
+        out: Sequence[object],
+        extra: Mapping[str, Any],
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+    ) -> None:
+        """The line of ``core_call`` once its number and state fields are known."""
+        assert self._rec is not None
+        rank = extra.get("rank")
+        self._rec.record_core(event, i=i, now=now, **st, out=out, **extra)
         if self.timeline is not None:
             self._observe(
                 event,
@@ -409,6 +566,7 @@ class DispatchRecorder:
     # ------------------------------------------------------------------ rank
 
     def read(self, *, now: float, entries: Sequence[tuple[str, str, object]]) -> None:
+        assert self._rec is not None
         self._rec.record_core(
             "read",
             i=next(self._counter),
@@ -417,6 +575,7 @@ class DispatchRecorder:
         )
 
     def take(self, *, stream: str | None, entry_id: str | None, msg: object, why: str) -> None:
+        assert self._rec is not None
         self._rec.record_core(
             "take",
             i=next(self._counter),
@@ -435,6 +594,7 @@ class DispatchRecorder:
         partition_len: int,
         after: Mapping[str, Any],
     ) -> None:
+        assert self._rec is not None
         self._rec.record_core(
             "plan",
             i=next(self._counter),
@@ -454,6 +614,7 @@ class DispatchRecorder:
         after: Mapping[str, Any],
         now: float | None = None,
     ) -> None:
+        assert self._rec is not None
         self._rec.record_core(
             "step",
             i=next(self._counter),
@@ -465,6 +626,7 @@ class DispatchRecorder:
         )
 
     def closed(self, *, out: object, after: Mapping[str, Any]) -> None:
+        assert self._rec is not None
         self._rec.record_core("closed", i=next(self._counter), out=out, after=after)
 
     def _next(self) -> int:
@@ -473,9 +635,17 @@ class DispatchRecorder:
     # ------------------------------------------------------------------ file
 
     def flush(self) -> None:
+        if self._remote is not None:
+            self._remote.flush()
+            return
+        assert self._rec is not None
         self._rec.flush()
 
     def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+            return
+        assert self._rec is not None
         self._rec.close()
         if self._events is not None:
             self._events.close()

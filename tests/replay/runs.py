@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from flodl_bus.protocol.signing import new_secret
@@ -29,11 +30,15 @@ def record_run(
     extra: tuple[str, ...] = (),
     run: str | None = None,
     reset_run: bool = False,
+    during: Callable[[Path, subprocess.Popen[bytes]], None] | None = None,
+    codes: tuple[int, ...] | None = None,
 ) -> tuple[str, Path]:
     """Train the digits job for ``epochs`` and return (run id, run directory asked for).
 
     ``reset_run``: the coordinator deletes the run's keys first (``--reset-run``, as
-    compose starts it) and the workers start once it said so."""
+    compose starts it) and the workers start once it said so. ``during(coordinator log,
+    coordinator)`` runs once every process started; ``codes``: the exit codes expected
+    (coordinator first, then each worker), instead of all 0."""
     run = run or f"rec-{mode}-{uuid.uuid4().hex[:6]}"
     env = dict(
         os.environ,
@@ -100,6 +105,8 @@ def record_run(
     ]
     outputs = []
     try:
+        if during is not None:
+            during(coord_log, coord)
         coord.wait(timeout=timeout)
         outputs.append((coord.returncode, coord_log.read_bytes().decode(errors="replace")))
         for p in workers:
@@ -111,7 +118,8 @@ def record_run(
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    bad = [(rc, out[-3000:]) for rc, out in outputs if rc != 0]
+    want = codes or (0,) * len(outputs)
+    bad = [(rc, out[-3000:]) for (rc, out), ok in zip(outputs, want, strict=True) if rc != ok]
     if bad:
         raise AssertionError(f"run {run} failed: {bad}")
     return run, run_dir

@@ -1,0 +1,96 @@
+"""The coordinator loop recorded by a record process (``record.process``): a real rank
+(``run_rank`` training digits) on the in-memory bus, as in ``test_runtime``; and the
+record process killed mid-run, which stops the run in order with exit 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.runtime import EXIT_OK, CoordinatorLoop, LoopOptions
+from flodl_bus.exits import FAILED
+from flodl_bus.record import chain, states
+from flodl_bus.record.dispatch import DispatchRecorder
+from flodl_bus.record.log import read_records
+from flodl_bus.record.telemetry import EVENTS_FILE, derive
+from tests.coordinator.test_runtime import config, start_rank
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_run_recorded_by_a_record_process_is_whole_chained_and_its_events_live(
+    tmp_path: Path,
+) -> None:
+    core = Coordinator(config("cpu-cadence", epochs=2, solo_without_rounds=False))
+    hub = MemoryHub(1)
+    world = start_rank(hub)
+    rec = DispatchRecorder(tmp_path, "coordinator", process=True)
+    assert rec.in_process
+    loop = CoordinatorLoop(core, MemoryCoordinatorBus(hub), recorder=rec)
+    try:
+        code = loop.run()
+    finally:
+        rec.close()
+    world.thread.join(30)
+    assert code == EXIT_OK and world.result == [0] and rec.failure is None
+
+    assert chain.check(rec.path).ended
+    raw = read_records(rec.path)
+    recs = list(states.expand(raw))
+    dispatches = [r for r in recs if r["event"] == "dispatch"]
+    assert len(dispatches) == loop.dispatches > 0
+    numbered = [r["i"] for r in recs if "i" in r]
+    assert numbered == list(range(len(numbered)))  # every core call, in call order
+    assert recs[-1]["event"] == "end" and recs[-1]["dispatches"] == loop.dispatches
+    assert recs[-2]["after"] == core.state_summary()  # the deltas add up to the end state
+    live = [orjson.loads(x) for x in (tmp_path / EVENTS_FILE).read_bytes().splitlines()]
+    assert live == list(derive(raw)) and any(e["kind"] == "CpuAvgEnd" for e in live)
+
+
+class KillingRecorder(DispatchRecorder):
+    """Kills its record process at the ``at``-th dispatch, and returns once the watcher
+    saw it die (the loop's next turn then finds ``failure`` set)."""
+
+    at = 20
+
+    def dispatch(self, **kw: Any) -> None:
+        super().dispatch(**kw)
+        self.at -= 1
+        if self.at == 0:
+            assert self.remote is not None
+            self.flush()  # every line so far on disk: the cut is after them
+            self.flushed = self.lines
+            os.kill(self.remote.pid, signal.SIGKILL)
+            assert self.remote.dead.wait(30)
+
+
+def test_a_killed_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Path) -> None:
+    core = Coordinator(config("cpu-cadence", epochs=3))
+    hub = MemoryHub(1)
+    world = start_rank(hub)
+    rec = KillingRecorder(tmp_path, "coordinator", process=True)
+    loop = CoordinatorLoop(
+        core, MemoryCoordinatorBus(hub), recorder=rec, options=LoopOptions(exit_grace=30.0)
+    )
+    try:
+        code = loop.run()
+    finally:
+        rec.close()
+    world.thread.join(60)
+    assert code == FAILED
+    assert loop.record_lost is not None and "SIGKILL" in loop.record_lost
+    # stopped in order: the rank was told to shut down and left before the run's end
+    assert not world.thread.is_alive() and world.result == [0]
+    assert core.last_aggregated < 2 and core.live.exited[0]
+    # the record verifies up to its cut and says it was cut (no end line)
+    st = chain.check(rec.path, allow_incomplete=True)
+    assert not st.ended and rec.flushed <= st.lines < rec.lines
+    with pytest.raises(chain.IncompleteRecord):
+        chain.check(rec.path)
