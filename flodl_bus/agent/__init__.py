@@ -1,0 +1,73 @@
+"""The host agent: one process per host that speaks to Redis for the ranks on it
+(issue 31). Optional per run, off by default (see "Does it pay" below).
+
+Why: each rank holds its own Redis connections, reads ``ctl:<r>`` + ``ctl:all`` itself,
+and writes its own ``up:<r>``; the coordinator reads N upstream streams in one
+XREADGROUP (1.5 ms at 1,024 ranks even when empty) and Redis serves N readers of
+``ctl:all``. With K ranks a host, an agent makes that N/K of each.
+
+What is read and written where
+------------------------------
+* Control (coordinator -> ranks): the agent reads ``ctl:<r>`` of each of its ranks and
+  its shard's ``ctl:all`` in ONE XREAD (``GroupCursor``, ordered, no group: the same
+  reader a rank uses, ``bus.reader._CursorReader``), and hands each entry, raw and in id
+  order, to the ranks it is for over a Unix socket (``agent.frames``; a path on the
+  host, never a network address). The agent verifies nothing and changes nothing: it
+  holds no key. Each rank (``agent.rank_bus.AgentRankBus``) runs ``entries.parse`` with
+  its own keys, exactly as when it reads Redis itself (MAC over stream, entry id, type,
+  rank, seq, body; unicast with its rank key, broadcast with its slot or the
+  coordinator's Ed25519 key).
+* Upstream (ranks -> coordinator): a rank signs each message as a *folded item*
+  (``bus.fold``): its rank key's MAC over its own ``up:<r>`` key, the entry-id slot set
+  to ``b"fold"``, type, rank, its own seq and body. The agent puts every item its ranks
+  sent since its last write into ONE entry of ``up:host:<name>`` (explicit id, MAXLEN ~,
+  a lost reply checked with ``landed``), then acks each rank's frames. The coordinator
+  (``RedisCoordinatorBus.add_fold``) reads that stream instead of the ranks' own ``up:<r>``,
+  and ``bus.fold.unpack`` checks every item with the item's rank's key and that rank's
+  last seq, delivering it as from ``up:<r>`` (synthetic id ``<ms>-<n*4096+k>``).
+  What the MAC covers changes only for folded items (the id is replaced by ``fold``, the
+  seq does its work); direct entries and every record made before are unchanged, and a
+  folded item never verifies as a direct entry or the reverse. Replay sees folded items
+  as entries of ``up:<r>`` and re-signs them as direct ones, so records replay as before.
+
+How DESIGN §3 holds
+-------------------
+1. Order per rank: one atomic XREAD of a rank's two streams (with the other ranks'),
+   released in id order; the agent forwards in that order on one socket; a rank that
+   (re)connects says where it has read, and is handed everything the agent already
+   released after that, merged by id, before anything new (the released entries are a
+   prefix of the id order, so nothing later can overtake them).
+2. Upstream order: a rank's items go in one socket in publish order, the agent writes
+   its queue in order, items of one rank keep their seq order in and across entries.
+3. No loss, no duplicate: the rank owns its cursor. After an agent restart it says hello
+   with its positions, so a new agent (which reads the streams from their start) sends
+   only what is after them; the rank also drops any id at or below the last it checked.
+   Upstream frames stay with the rank until the agent acks them as written; after a
+   reconnect they are sent again, and an item the first agent had written is refused by
+   the coordinator as ``replayed`` (its seq is passed): applied once, never twice.
+7/9. Bad input: every item is verified alone; a forged or altered one (by the agent, or
+   one rank signing as another) is dead-lettered alone, the rest of its entry delivered.
+   A whole entry that is not a well-formed fold (bad digest, not msgpack) is
+   dead-lettered. A control entry a rank refuses goes to the dlq through the agent.
+8. Authenticity: the agent cannot forge for a rank (no rank key) nor for the
+   coordinator (no coordinator key); a rank cannot speak for another through the agent
+   (its MAC is over its own ``up:<r>`` with its own key, and the coordinator accepts an
+   item of rank r only from the fold stream of the host that serves r).
+11. Heartbeats still say where each rank has read (``control_read``), so trimming and
+   the coordinator's "owed" check work as before.
+
+The death of the agent
+----------------------
+A rank whose agent socket closes reconnects for ``grace_s`` (``DEFAULT_AGENT_GRACE_S``,
+5 s): an agent restarted by its supervisor in time costs nothing (see rule 3 above). If
+it does not come back, the rank's reads raise ``bus.api.BusLost`` and its runtime takes
+the escape hatch at once (``coordinator_lost``): the rank stops in order and exits with
+``worker.rank.EXIT_COORDINATOR_LOST``. Its heartbeats stop, so the coordinator declares
+it dead after its heartbeat timeout, exactly like a killed rank, and the run goes on or
+stops as it would for dead ranks.
+
+Does it pay
+-----------
+``flodl-bus bench scale --ranks-per-host K`` measures it (K=1: no agent). Until that
+says it pays, the agent is only used when asked for.
+"""
