@@ -17,6 +17,7 @@ their own CPU time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -206,7 +207,16 @@ def run_coordinator(args: argparse.Namespace) -> int:
     rec = None
     if not args.no_record:
         rec = DispatchRecorder(out, "coordinator")
-        rec.header(run=args.run, bench="scale", ranks=n, mode=args.mode, clock="time.monotonic")
+        rec.header(
+            run=args.run,
+            bench="scale",
+            ranks=n,
+            mode=args.mode,
+            clock="time.monotonic",
+            # the run's config makes the record replayable (``flodl-bus replay``)
+            config=dataclasses.asdict(config),
+            ranks_per_host=args.ranks_per_host,
+        )
     loop = CoordinatorLoop(
         core,
         bus,
