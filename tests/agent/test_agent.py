@@ -33,7 +33,14 @@ RANKS = (0, 1, 2)
 class Agent:
     """One ``python -m flodl_bus.agent`` process, ready once it printed its line."""
 
-    def __init__(self, url: str, sock: str, ranks: tuple[int, ...] = RANKS) -> None:
+    def __init__(
+        self,
+        url: str,
+        sock: str,
+        ranks: tuple[int, ...] = RANKS,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.env = env
         self.url = url
         self.sock = sock
         self.ranks = ranks
@@ -47,7 +54,7 @@ class Agent:
             argv,
             stdout=subprocess.PIPE,
             text=True,
-            env=os.environ.copy(),
+            env=self.env or os.environ.copy(),
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # waits on the event, not a sleep
@@ -300,3 +307,61 @@ def test_a_folded_item_never_verifies_as_a_direct_entry() -> None:
         channel=wire.UPSTREAM, rank="0",
     )  # fmt: skip
     assert isinstance(other, str)
+
+
+def test_the_agent_runs_under_its_least_rights_user(
+    coord: RedisCoordinatorBus, real_redis: redis.Redis, redis_url: str, sock: str
+) -> None:
+    """Control and fold work through ``flodl-RUN-agent``; everything else is refused."""
+    from flodl_bus.agent.acl import agent_rules, agent_user
+
+    info: dict[str, str] = real_redis.info("server")  # type: ignore[assignment]
+    setinfo = tuple(int(x) for x in info["redis_version"].split(".")[:2]) >= (7, 2)
+    name = agent_user(RUN)
+    real_redis.execute_command(
+        "ACL",
+        "SETUSER",
+        name,
+        "reset",
+        "on",
+        ">agent-pw",
+        *agent_rules(RUN, client_setinfo=setinfo),
+    )
+    env = {**os.environ, "FLODL_REDIS_USERNAME": name, "FLODL_REDIS_PASSWORD": "agent-pw"}
+    as_agent = redis.Redis.from_url(redis_url, username=name, password="agent-pw")
+    agent = Agent(redis_url, sock, env=env).start()
+    bus = AgentRankBus(sock, KEYS, 0, RK(0), config=FAST, grace_s=20.0)
+    try:
+        coord.send(0, m.Checkpoint(version=7, target_rank=0))
+        coord.broadcast(m.SetGlobalStep(global_step=8))
+        got: list[int] = []
+        _read(bus, 2, got)
+        assert got == [7, 8]
+        bus.publish(_batch(0, 1))
+        assert bus.flush(20.0)
+        ups = _collect_up(coord, 1)
+        assert [d.msg for d in ups] == [_batch(0, 1)]
+        # it was the agent's user that read and wrote (the server's client list says;
+        # as_agent has not connected yet)
+        clients = real_redis.client_list()
+        assert any(c.get("user") == name for c in clients)
+        refused = [
+            lambda: as_agent.xadd(KEYS.ctl(0), {"type": "x"}),
+            lambda: as_agent.xadd(KEYS.ctl_all, {"type": "x"}),
+            lambda: as_agent.xadd(KEYS.up(0), {"type": "x"}),
+            lambda: as_agent.get(KEYS.secret),
+            lambda: as_agent.xadd(KEYS.join, {"type": "x"}),
+            lambda: as_agent.set(KEYS.store("k"), "1"),
+            lambda: as_agent.xrange(KEYS.dlq),
+            lambda: as_agent.xtrim(fold.host_stream(KEYS.prefix, "h0"), maxlen=0),
+            lambda: as_agent.xgroup_create(KEYS.ctl(0), "g", id="0"),
+            lambda: as_agent.xrange(RunKeys("otherrun").ctl(0)),
+        ]
+        for op in refused:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                op()
+    finally:
+        bus.close()
+        agent.stop()
+        as_agent.close()
+        real_redis.execute_command("ACL", "DELUSER", name)
