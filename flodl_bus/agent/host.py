@@ -34,28 +34,46 @@ from flodl_bus.bus.stream_ops import (
 _STOP: Final = object()
 
 
+#: frames queued to one rank before the agent gives up on it: a rank that stopped
+#: reading its socket is dropped (it reconnects and catches up from Redis) instead of
+#: stalling the agent, and with it every other rank of the host
+MAX_QUEUED: Final = 10_000
+
+
 class _Conn:
-    """One rank's connection: what it was sent (per stream), and a lock for sends."""
+    """One rank's connection: what it was sent (per stream), and its own sender thread,
+    so that a rank that stops reading holds up nobody else."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.lock = threading.Lock()
         self.rank: int | None = None
         #: the newest id per control stream this rank has (its hello, then our sends)
         self.pos: dict[str, EntryId] = {}
         self.alive = True
+        self._out: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, name="agent-send", daemon=True).start()
 
     def send(self, obj: dict[str, Any]) -> None:
         if not self.alive:
             return
-        try:
-            with self.lock:
-                frames.send(self.sock, obj)
-        except OSError:
+        if self._out.qsize() > MAX_QUEUED:
+            log.error("agent_rank_not_reading", rank=self.rank, queued=self._out.qsize())
             self.close()
+            return
+        self._out.put(frames.pack(obj))
+
+    def _send_loop(self) -> None:
+        while (data := self._out.get()) is not None:
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.close()
+                return
 
     def close(self) -> None:
-        self.alive = False
+        if self.alive:
+            self.alive = False
+            self._out.put(None)
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):

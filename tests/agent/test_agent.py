@@ -365,3 +365,29 @@ def test_the_agent_runs_under_its_least_rights_user(
         agent.stop()
         as_agent.close()
         real_redis.execute_command("ACL", "DELUSER", name)
+
+
+def test_a_rank_that_stops_reading_holds_up_no_other_rank(
+    coord: RedisCoordinatorBus, redis_url: str, sock: str
+) -> None:
+    """Rank 1 says hello and never reads its socket: once its buffer is full, a send to
+    it must not block the agent's delivery to rank 0."""
+    import socket as socketlib
+
+    from flodl_bus.agent import frames
+
+    agent = Agent(redis_url, sock).start()
+    stuck = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    stuck.connect(sock)
+    frames.send(stuck, {"op": "hello", "rank": 1, "pos": {}})
+    bus = AgentRankBus(sock, KEYS, 0, RK(0), config=FAST, grace_s=20.0)
+    try:
+        n = 2000  # some 500 kB of frames for rank 1: past what a Unix socket buffers
+        coord.send_batch([(None, m.SetGlobalStep(global_step=i)) for i in range(1, n + 1)])
+        got: list[int] = []
+        _read(bus, n, got)
+        assert got == list(range(1, n + 1))
+    finally:
+        bus.close()
+        stuck.close()
+        agent.stop()
