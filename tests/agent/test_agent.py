@@ -391,3 +391,81 @@ def test_a_rank_that_stops_reading_holds_up_no_other_rank(
         bus.close()
         stuck.close()
         agent.stop()
+
+
+def test_a_rank_refuses_control_its_agent_altered_or_misrouted(
+    coord: RedisCoordinatorBus, real_redis: redis.Redis, sock: str
+) -> None:
+    """A malicious agent (a plain socket server here) hands rank 0 a real entry with its
+    body changed, rank 1's unicast as if it were rank 0's, and a broadcast under another
+    id: the rank delivers only the untouched entry and dead-letters the rest through the
+    agent."""
+    import socket as socketlib
+
+    from flodl_bus.agent import frames
+    from flodl_bus.bus import entries
+
+    coord.send(0, m.Checkpoint(version=1, target_rank=0))
+    coord.send(1, m.Checkpoint(version=2, target_rank=1))
+    coord.broadcast(m.SetGlobalStep(global_step=3))
+    coord.send(0, m.Checkpoint(version=4, target_rank=0))
+
+    def flat(stream: str) -> list[tuple[str, list[bytes]]]:
+        return [
+            (eid.decode(), [x for kv in f.items() for x in kv])
+            for eid, f in real_redis.xrange(stream)  # type: ignore[union-attr]
+        ]
+
+    (e1, f1), (e4, f4) = flat(KEYS.ctl(0))
+    ((e2, f2),) = flat(KEYS.ctl(1))
+    ((e3, f3),) = flat(KEYS.ctl_all)
+    altered = list(f1)
+    altered[altered.index(entries.F_BODY) + 1] = entries.encode(
+        m.Checkpoint(version=99, target_rank=0)
+    )[1]
+    late = f"{int(e3.split('-')[0]) + 1}-0"  # the broadcast re-added under a later id
+    srv = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    srv.bind(sock)
+    srv.listen(1)
+    bus = AgentRankBus(sock, KEYS, 0, RK(0), config=FAST, grace_s=20.0)
+    conn, _ = srv.accept()
+    try:
+        reader = frames.FrameReader(conn)
+        assert reader.read()["op"] == "hello"
+        bad = [[KEYS.ctl(0), e1, altered], [KEYS.ctl(0), e2, f2], [KEYS.ctl_all, late, f3]]
+        frames.send(conn, {"op": "ctl", "entries": [*bad, [KEYS.ctl(0), e4, f4]]})
+        got: list[int] = []
+        _read(bus, 1, got, timeout=10.0)
+        assert got == [4]
+        assert bus.read_control(100) == []
+        dead = [reader.read() for _ in range(3)]
+        assert [f["op"] for f in dead] == ["dlq"] * 3
+        reasons = [dict(zip(f["fields"][::2], f["fields"][1::2]))[b"reason"] for f in dead]
+        assert all(b"authentication failed" in r for r in reasons), reasons
+    finally:
+        bus.close()
+        conn.close()
+        srv.close()
+
+
+def test_a_foreign_entry_at_the_maximum_id_wedges_no_rank_behind_the_agent(
+    coord: RedisCoordinatorBus, real_redis: redis.Redis, redis_url: str, sock: str
+) -> None:
+    agent = Agent(redis_url, sock).start()
+    bus = AgentRankBus(sock, KEYS, 0, RK(0), config=FAST, grace_s=20.0)
+    try:
+        coord.broadcast(m.SetGlobalStep(global_step=1))
+        got: list[int] = []
+        _read(bus, 1, got)
+        real_redis.xadd(KEYS.ctl_all, {"type": "SetGlobalStep"}, id=f"{2**64 - 1}-{2**64 - 1}")
+        # the agent names it once in the dlq and stays below it
+        assert real_redis.xread({KEYS.dlq: "0"}, count=1, block=30_000)
+        assert any("beyond any the run writes" in r for r in _dlq_reasons(real_redis))
+        # the coordinator removes it on its next write; the rank reads on
+        coord.broadcast(m.SetGlobalStep(global_step=2))
+        coord.send(0, m.Checkpoint(version=3, target_rank=0))
+        _read(bus, 3, got)
+        assert got == [1, 2, 3]
+    finally:
+        bus.close()
+        agent.stop()
