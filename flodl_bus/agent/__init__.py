@@ -97,5 +97,15 @@ At 128 ranks (one round) the same shift: coordinator 0.25 -> 0.18 cores, Redis 0
 +99%, dispatch p50 120 -> 119 ms (the harness saturates the host either way). The
 agent moves work off the two shared single-threaded parts (coordinator, Redis) onto
 the hosts; it should pay where the coordinator's ingest saturates (1,024 ranks), which
-this host cannot simulate fairly. Measure there before turning it on by default.
+this host cannot simulate end to end. What it does to the coordinator's own path there,
+``flodl-bus bench agent --ranks 64,256,1024`` (K=8, two runs, best of 3 each):
+
+* ingest per message, direct -> folded: 64 ranks 13.8 -> 14.2 / 40.4 -> 33.0 us;
+  256: 41.7 -> 31.0 / 36.7 -> 26.9 us; 1,024: 64.0 -> 45.4 / 59.6 -> 32.3 us
+  (0.54-0.71x; the budget at 1,024 ranks and 50 ms steps is 24.4 us);
+* an XREADGROUP that finds nothing: 1,024 ranks 1,186 -> 165 / 2,169 -> 298 us (0.14x).
+
+Its folded entries hold a whole step of 8 ranks: the best case; a live agent writes
+what came in one tick, often fewer items an entry. Measure a real 1,024-rank run before
+turning it on by default.
 """

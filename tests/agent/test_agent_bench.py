@@ -40,3 +40,18 @@ def test_bench_scale_through_host_agents_trains_every_step_and_its_record_replay
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert "identical" in replay.stdout
     assert main(["--ranks", "4", "--ranks-per-host", "0"]) == 2
+
+
+def test_bench_agent_prints_the_folded_cost_beside_the_direct_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from flodl_bus.bench.agent import main as agent_main
+    from flodl_bus.cli import BENCHES
+
+    assert BENCHES["agent"][0] == "flodl_bus.bench.agent:main"
+    argv = ["--ranks", "16", "--ranks-per-host", "4", "--steps", "2", "--repeats", "1"]
+    assert agent_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "ingest per message   direct" in out and "folded" in out
+    assert "empty read" in out and "4 fold streams" in out
+    assert agent_main(["--ranks-per-host", "1"]) == 2
