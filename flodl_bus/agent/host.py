@@ -120,6 +120,8 @@ class HostAgent:
         self._reads.set_response_callback("XREAD", _raw_reply)
         self._ctl_link = Link(client, name=f"agent.{host}.reader", backoff=self.config.backoff)
         self._up_link = Link(client, name=f"agent.{host}.writer", backoff=self.config.backoff)
+        # dead letters come from the ranks' connection threads: a link of their own
+        self._dlq_link = Link(client, name=f"agent.{host}.dlq", backoff=self.config.backoff)
         self._conns: dict[int, _Conn] = {}
         self._hellos: queue.SimpleQueue[_Conn] = queue.SimpleQueue()
         self._up: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -159,6 +161,7 @@ class HostAgent:
         self._up.put(_STOP)
         self._ctl_link.close()
         self._up_link.close()
+        self._dlq_link.close()
         if self._server is not None:
             with contextlib.suppress(OSError):
                 self._server.shutdown(socket.SHUT_RDWR)
@@ -221,7 +224,7 @@ class HostAgent:
             self.client.xadd(self.dlq, fields, maxlen=self.config.maxlen, approximate=True)
 
         try:
-            self._ctl_link.call(op, deadline=time.monotonic() + 2.0)
+            self._dlq_link.call(op, deadline=time.monotonic() + 2.0)
         except (BusUnavailable, BusClosed, redis.exceptions.RedisError) as exc:
             log.error("agent_dead_letter_failed", error=str(exc)[:200])
 

@@ -210,6 +210,15 @@ class AgentRankBus:
                 log.error("bus_dead_letter", reader=by, stream=stream, entry=eid_text, reason=p)
                 refused.append(entries.dead_letter_fields(stream, eid_text, p, fields, by))
                 continue
+            last = self._seqs.get(stream, 0)
+            if last and p.seq != last + 1:
+                log.error(
+                    "bus_entries_missing",
+                    reader=self._dlq_by,
+                    stream=stream,
+                    seqs=f"{last + 1}..{p.seq - 1}",
+                    reason="trimmed before the agent read them, or withheld by it",
+                )
             self._seqs[stream] = p.seq
             out.append(Delivery(stream, eid_text, p.msg))
         for f in refused:

@@ -37,6 +37,7 @@ from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.cursor import Received
 from flodl_bus.bus.ids import EntryId, format_id, parse_id
+from flodl_bus.bus.stream_ops import log
 from flodl_bus.protocol import signing, wire
 
 FOLD_ID: Final = b"fold"
@@ -162,6 +163,16 @@ def unpack(
         if isinstance(p, str):
             out.append(Item(stream, sid, None, p, item_fields))
             continue
+        last = seqs.get(stream, 0)
+        if last and p.seq != last + 1:
+            # as for a direct entry (``reader.read_parsed``): said once, loudly
+            log.error(
+                "bus_entries_missing",
+                reader="fold",
+                stream=stream,
+                seqs=f"{last + 1}..{p.seq - 1}",
+                reason="never folded, or withheld by the host's agent",
+            )
         seqs[stream] = p.seq
         out.append(Item(stream, sid, p.msg, None, item_fields))
     return Unpacked(out)
