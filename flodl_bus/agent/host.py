@@ -157,6 +157,14 @@ class HostAgent:
         return self
 
     def close(self) -> None:
+        if not self._stop.is_set():
+            log.info(
+                "agent_stopped",
+                host=self.host,
+                delivered=self.delivered,
+                folded_entries=self.folded_entries,
+                folded_items=self.folded_items,
+            )
         self._stop.set()
         self._up.put(_STOP)
         self._ctl_link.close()

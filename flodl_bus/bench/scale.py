@@ -101,6 +101,8 @@ class ScaleResult:
     ranks_per_host: int = 1
     #: CPU of every host agent together (0 without agents)
     agents_cpu: float = 0.0
+    #: upstream items an agent folded into one entry, on average (0 without agents)
+    items_per_fold: float = 0.0
 
 
 def rank_counts(text: str) -> list[int] | None:
@@ -446,6 +448,7 @@ def _figures(
         redis_cpu_busiest=busiest,
         ranks_per_host=per_host,
         agents_cpu=_share(agents.cpu, a, b) if agents is not None else 0.0,
+        items_per_fold=agents.items_per_fold if agents is not None else 0.0,
     )
 
 
@@ -474,7 +477,8 @@ def report(r: ScaleResult) -> str:
             *(
                 [
                     f"  host agents CPU   {r.agents_cpu:8.2f} cores "
-                    f"({-(-r.ranks // r.ranks_per_host)} agents of {r.ranks_per_host} ranks)"
+                    f"({-(-r.ranks // r.ranks_per_host)} agents of {r.ranks_per_host} ranks; "
+                    f"{r.items_per_fold:.1f} upstream messages a folded entry)"
                 ]
                 if r.ranks_per_host > 1
                 else []

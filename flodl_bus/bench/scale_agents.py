@@ -5,6 +5,7 @@ their CPU, sampled like the other processes'."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,15 +27,19 @@ class Agents:
     def __init__(self, url: str, run: str, work: Path, n: int, k: int) -> None:
         self.procs: list[subprocess.Popen[str]] = []
         self.cpu: list[tuple[float, float]] = []
+        #: set by ``close``
+        self.items_per_fold = float("nan")
+        self.logs = [Path(work) / f"agent{j}.log" for j in range(len(hosts(n, k)))]
         for j, ranks in enumerate(hosts(n, k)):
             cmd = [
                 sys.executable, "-m", "flodl_bus.agent", "--url", url, "--run", run,
                 "--host", f"h{j}", "--ranks", f"{ranks.start}-{ranks.stop - 1}",
                 "--socket", socket_of(work, ranks.start, k),
             ]  # fmt: skip
-            self.procs.append(
-                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            )
+            with open(self.logs[j], "w") as log:
+                self.procs.append(
+                    subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+                )
         for p in self.procs:
             assert p.stdout is not None
             line = p.stdout.readline()
@@ -55,6 +60,19 @@ class Agents:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self.items_per_fold = self._items_per_entry()
+
+    def _items_per_entry(self) -> float:
+        """Items per folded entry over every agent (from their ``agent_stopped`` lines,
+        once they stopped): how much one tick folds."""
+        entries = items = 0
+        for path in self.logs:
+            for line in path.read_text(errors="replace").splitlines():
+                if "agent_stopped" in line:
+                    got = dict(re.findall(r"(folded_\w+)=(\d+)", line))
+                    entries += int(got.get("folded_entries", 0))
+                    items += int(got.get("folded_items", 0))
+        return items / entries if entries else float("nan")
 
 
 def _cpu_s(pid: int) -> float:
