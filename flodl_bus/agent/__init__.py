@@ -92,6 +92,13 @@ loaded; K=1 first, K=8 second, interleaved):
   -> 20.4 / 13.6 ms, p99 110 / 79 -> 145 / 91 ms: within the noise of a saturated
   host, and no better.
 
+With the agent lingering like a rank's publisher (an entry then holds 2.4-2.9
+messages instead of 1.5), two more interleaved rounds at 64 ranks: coordinator CPU 0.25 /
+0.33 -> 0.28 / 0.24, Redis 0.15 / 0.18 -> 0.06 / 0.05, ranks 0.56 / 0.57 -> 0.45 / 0.39,
+agents +0.45 / 0.41; epoch overhead +12.4% / +10.0% -> +8.8% / +6.2%, dispatch p50
+21.6 / 21.0 -> 32.1 / 20.7 ms, p99 158 / 136 -> 111 / 89 ms. Redis always gains;
+the coordinator's CPU moves by less than the noise.
+
 At 128 ranks (one round) the same shift: coordinator 0.25 -> 0.18 cores, Redis 0.15 ->
 0.05, ranks 1.09 -> 0.68, agents +0.56 (total 1.49 -> 1.47 cores); epoch +104% ->
 +99%, dispatch p50 120 -> 119 ms (the harness saturates the host either way). The
@@ -105,7 +112,9 @@ this host cannot simulate end to end. What it does to the coordinator's own path
   (0.54-0.71x; the budget at 1,024 ranks and 50 ms steps is 24.4 us);
 * an XREADGROUP that finds nothing: 1,024 ranks 1,186 -> 165 / 2,169 -> 298 us (0.14x).
 
-Its folded entries hold a whole step of 8 ranks: the best case; a live agent writes
-what came in one tick, often fewer items an entry. Measure a real 1,024-rank run before
-turning it on by default.
+Its folded entries hold a whole step of 8 ranks there: the best case. With 2 messages
+an entry (``--fold-items 2``, what live agents fold at 64 ranks) ingest per message is
+no better: 1,024 ranks 20.1 -> 26.6 us and 31.9 -> 34.0 us (1.06-1.32x; each item
+still costs its MAC and decode, and the unpacking adds), while the empty read keeps its
+0.14-0.33x. Measure a real 1,024-rank run before turning it on by default.
 """

@@ -21,6 +21,7 @@ from flodl_bus.bus.cursor import GroupCursor, Received
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.publisher import LAZY
 from flodl_bus.bus.reader import _entries_of, _raw_reply
 from flodl_bus.bus.stream_ops import (
     StreamsConfig,
@@ -32,6 +33,8 @@ from flodl_bus.bus.stream_ops import (
 )
 
 _STOP: Final = object()
+#: the types of ``publisher.LAZY``, as folded items carry them
+LAZY_TYPES: Final = frozenset(t.__name__.encode() for t in LAZY)
 
 
 #: frames queued to one rank before the agent gives up on it: a rank that stopped
@@ -127,6 +130,8 @@ class HostAgent:
         self._up: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._far: set[tuple[str, EntryId]] = set()
         self._stop = threading.Event()
+        #: set when an item the coordinator acts on is queued (see ``_fold``)
+        self._urgent = threading.Event()
         self._clock = IdClock()
         self._seq = 0
         self.folded_entries = 0
@@ -167,6 +172,7 @@ class HostAgent:
             )
         self._stop.set()
         self._up.put(_STOP)
+        self._urgent.set()
         self._ctl_link.close()
         self._up_link.close()
         self._dlq_link.close()
@@ -214,7 +220,10 @@ class HostAgent:
                     conn.pos = {s: parse_id(i) for s, i in dict(f.get("pos") or {}).items()}
                     self._hellos.put(conn)
                 elif op == "up" and conn.rank is not None:
-                    self._up.put((conn, int(f["n"]), list(f["items"])))
+                    items = list(f["items"])
+                    self._up.put((conn, int(f["n"]), items))
+                    if any(it[2] not in LAZY_TYPES for it in items):
+                        self._urgent.set()
                 elif op == "dlq" and conn.rank is not None:
                     flat = list(f["fields"])
                     self._dead_letter(dict(zip(flat[::2], flat[1::2], strict=False)))
@@ -345,10 +354,17 @@ class HostAgent:
         except BusClosed:
             return
         get = self._up.get
+        linger = self.config.publish_linger_s
         while True:
             first = get()
             if first is _STOP:
                 return
+            if linger > 0 and not self._urgent.is_set():
+                # Only per-step reports so far: let the host's other ranks' reports of
+                # this step join them in one entry (the ranks' publishers linger the same
+                # way); anything the coordinator acts on ends the wait.
+                self._urgent.wait(linger)
+            self._urgent.clear()
             batch: list[Any] = [first]
             count = len(first[2])  # type: ignore[index]
             while count < fold.FOLD_SLOTS:

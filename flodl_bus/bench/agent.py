@@ -4,8 +4,9 @@ upstream cost with host agents folding K ranks' messages into one stream
 
 On a real ``redis-server`` (loopback), every rank's upstream pre-filled with ``--steps``
 training steps (a ``Batch`` each, an ``LrUpdate`` with the first), once as today (each
-rank its ``up:<r>``) and once folded (each host's ``up:host:<h>``, one entry per host
-and step holding its K ranks' items, as an agent writes a tick):
+rank its ``up:<r>``) and once folded (each host's ``up:host:<h>``, by default one entry
+per host and step holding its K ranks' items; ``--fold-items`` sets fewer, as a live
+agent's ticks hold):
 
 * ``ingest``: ``RedisCoordinatorBus.read_upstream`` + ack per message (XREADGROUP, seq,
   MAC, decode; folded: unpack and one MAC per item);
@@ -38,7 +39,7 @@ from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys
 
 
-def _prefill_folded(url: str, keys: RunKeys, ranks: int, steps: int, k: int) -> int:
+def _prefill_folded(url: str, keys: RunKeys, ranks: int, steps: int, k: int, per_entry: int) -> int:
     client = connect(url)
     signing = fixed_keys(SEED)
     clock = IdClock()
@@ -57,8 +58,9 @@ def _prefill_folded(url: str, keys: RunKeys, ranks: int, steps: int, k: int) -> 
                     items.append(fold.sign_item(signing.rank(r), keys.up(r), r, seqs[r], encoded))
                     n += 1
             stream = fold.host_stream(keys.prefix, f"h{j}")
-            fields = fold.fold_fields(f"h{j}", s, items)
-            pipe.xadd(stream, fields, id=format_id(clock.next(1)))  # type: ignore[arg-type]
+            for i in range(0, len(items), per_entry):
+                fields = fold.fold_fields(f"h{j}", s, items[i : i + per_entry])
+                pipe.xadd(stream, fields, id=format_id(clock.next(1)))  # type: ignore[arg-type]
             if len(pipe) >= 500:
                 pipe.execute()
     pipe.execute()
@@ -79,11 +81,11 @@ def _bus(url: str, ranks: int, k: int) -> tuple[RedisCoordinatorBus, RunKeys]:
     return bus, keys
 
 
-def _ingest(url: str, ranks: int, steps: int, k: int) -> float:
+def _ingest(url: str, ranks: int, steps: int, k: int, per_entry: int = 0) -> float:
     """µs per message of one pre-filled pass."""
     bus, keys = _bus(url, ranks, k)
     if k > 1:
-        total = _prefill_folded(url, keys, ranks, steps, k)
+        total = _prefill_folded(url, keys, ranks, steps, k, per_entry or 2 * k)
     else:
         total = _prefill(url, keys, ranks, steps)
     got = 0
@@ -118,6 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flodl-bus bench agent", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="64,256,1024", help="comma-separated world sizes")
     ap.add_argument("--ranks-per-host", type=int, default=8, help="ranks an agent folds")
+    ap.add_argument(
+        "--fold-items",
+        type=int,
+        default=0,
+        help="messages a folded entry holds (default: a whole step of its host's ranks; "
+        "bench scale says how many a live agent folds)",
+    )
     ap.add_argument("--steps", type=int, default=8, help="pre-filled steps per rank")
     ap.add_argument("--step-ms", type=float, default=50.0, help="step time of the budget")
     ap.add_argument("--repeats", type=int, default=3, help="passes per figure (best kept)")
@@ -142,12 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             direct = folded = float("inf")
             for _ in range(args.repeats):
                 direct = min(direct, _ingest(url, n, args.steps, 1))
-                folded = min(folded, _ingest(url, n, args.steps, k))
+                folded = min(folded, _ingest(url, n, args.steps, k, args.fold_items))
             read1, readk = _empty_read(url, n, 1), _empty_read(url, n, k)
             budget = args.step_ms * 1000 / (2 * n)
             print(
-                f"ranks {n}, {k} a host agent ({-(-n // k)} fold streams), {args.steps} steps "
-                f"pre-filled; PING {ping:.1f} us, budget {budget:.1f} us/msg "
+                f"ranks {n}, {k} a host agent ({-(-n // k)} fold streams, "
+                f"{args.fold_items or 'a step of its ranks,'} messages an entry), "
+                f"{args.steps} steps pre-filled; PING {ping:.1f} us, budget {budget:.1f} us/msg "
                 f"(step {args.step_ms:g} ms)\n"
                 f"  ingest per message   direct {direct:7.1f} us   folded {folded:7.1f} us "
                 f"({folded / direct:.2f}x)\n"
