@@ -50,6 +50,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "latency": ("flodl_bus.bench.latency:main", "ranks behind 0.5-10 ms RTT in namespaces"),
     "cluster": ("flodl_bus.bench.cluster:main", "the bus on a 3+3 Redis Cluster vs one Redis"),
     "path": ("flodl_bus.bench.path:main", "coordinator cost per message at N ranks vs budget"),
+    "agent": ("flodl_bus.bench.agent:main", "coordinator upstream cost, host agents vs none"),
 }
 
 

@@ -28,7 +28,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     for layer in (
         "flodl_bus exits protocol options",
         "stop_signals partition job bus",
-        "params record settings",
+        "params record settings agent",
         "worker coordinator",
         "replay launch examples",
         "bench",

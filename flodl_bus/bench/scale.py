@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import shlex
 import shutil
@@ -49,6 +50,7 @@ from typing import Any
 import redis
 
 from flodl_bus.bench.netns import DelayRelay
+from flodl_bus.bench.scale_agents import Agents
 from flodl_bus.bench.scale_sizing import (
     default_heartbeat_timeout,
     default_timeout,
@@ -128,6 +130,12 @@ class ScaleResult:
     budget_us: float = float("nan")
     #: the working stage (not ``idle``) with the most time
     busiest_stage: str = ""
+    #: ranks a host agent speaks for (1: no agent, each rank on Redis itself)
+    ranks_per_host: int = 1
+    #: CPU of every host agent together (0 without agents)
+    agents_cpu: float = 0.0
+    #: upstream items an agent folded into one entry, on average (0 without agents)
+    items_per_fold: float = 0.0
 
 
 def rank_counts(text: str) -> list[int] | None:
@@ -264,7 +272,9 @@ def _spawn(
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def run_one(args: argparse.Namespace, n: int, on_cluster: bool = False) -> ScaleResult:
+def run_one(
+    args: argparse.Namespace, n: int, on_cluster: bool = False, per_host: int = 1
+) -> ScaleResult:
     # the waits a large world makes longer, unless given
     args = argparse.Namespace(
         **{
@@ -324,10 +334,13 @@ def run_one(args: argparse.Namespace, n: int, on_cluster: bool = False) -> Scale
         "--heartbeat-timeout", str(args.heartbeat_timeout), "--timeout", str(args.timeout),
         *(["--no-record"] if args.no_record else []),
         *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
+        "--ranks-per-host", str(per_host),
     ]  # fmt: skip
+    agents = Agents(url, run, work, n, per_host) if per_host > 1 else None
     started = time.monotonic()
     children = [_spawn("coordinator", common)]
-    per = -(-n // procs)
+    # a sim process holds whole hosts
+    per = math.ceil(math.ceil(n / procs) / per_host) * per_host
     for i, lo in enumerate(range(0, n, per)):
         extra = ["--slice", f"{lo}:{min(n, lo + per)}"]
         prefix: list[str] = []
@@ -342,11 +355,15 @@ def run_one(args: argparse.Namespace, n: int, on_cluster: bool = False) -> Scale
     try:
         while any(c.poll() is None for c in children) and time.monotonic() < deadline:
             watch.sample()
+            if agents is not None:
+                agents.sample()
             if args.cut is not None and cut_at is None and _trained_an_epoch(watch, keys, args):
                 subprocess.run(shlex.split(args.cut), check=True)
                 cut_at = time.monotonic()
             time.sleep(0.2 if args.cut is not None and cut_at is None else 0.5)
     finally:
+        if agents is not None:
+            agents.close()
         if relay is not None:
             relay.close()
         for c in children:
@@ -370,7 +387,7 @@ def run_one(args: argparse.Namespace, n: int, on_cluster: bool = False) -> Scale
     if args.keep:
         shutil.copytree(work, Path(args.keep) / f"ranks{n}", dirs_exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
-    return _figures(args, n, procs, wall, coord, sims, watch, base_memory, cut_at)
+    return _figures(args, n, procs, wall, coord, sims, watch, base_memory, cut_at, agents, per_host)
 
 
 def _figures(
@@ -383,6 +400,8 @@ def _figures(
     watch: _RedisWatch,
     base_memory: int,
     cut_at: float | None = None,
+    agents: Agents | None = None,
+    per_host: int = 1,
 ) -> ScaleResult:
     # Latency counts from the first StartEpoch: before it, ranks still starting up hold
     # the coordinator's early heartbeats unread.
@@ -486,13 +505,18 @@ def _figures(
         threads_per_rank=sum(s.get("peak_threads", 0) for s in sims) / n,
         sim_bytes_per_rank=sum(s.get("peak_rss", 0) - s.get("base_rss", 0) for s in sims) / n,
         **stage_fields(coord.get("profile"), args.step_ms, n),
+        ranks_per_host=per_host,
+        agents_cpu=_share(agents.cpu, a, b) if agents is not None else 0.0,
+        items_per_fold=agents.items_per_fold if agents is not None else 0.0,
     )
 
 
 def report(r: ScaleResult) -> str:
     return "\n".join(
         [
-            f"ranks {r.ranks} ({r.procs} sim processes, {r.host_cores} cores), "
+            f"ranks {r.ranks} ({r.procs} sim processes, {r.host_cores} cores"
+            + (f", {r.ranks_per_host} a host agent" if r.ranks_per_host > 1 else "")
+            + "), "
             f"step {r.step_ms:g} ms x {r.steps} steps x {r.epochs} epochs, wall {r.wall_s:.1f} s, "
             f"network: {r.network}, "
             + (
@@ -509,6 +533,15 @@ def report(r: ScaleResult) -> str:
             f"({r.dispatch_p50_ms / r.ping_p50_ms:.1f}x)   p99 {r.dispatch_p99_ms:.2f} ms "
             f"({r.dispatches_timed} deliveries)",
             f"  coordinator CPU   {r.coordinator_cpu:8.2f} cores (saturates at 1)",
+            *(
+                [
+                    f"  host agents CPU   {r.agents_cpu:8.2f} cores "
+                    f"({-(-r.ranks // r.ranks_per_host)} agents of {r.ranks_per_host} ranks; "
+                    f"{r.items_per_fold:.1f} upstream messages a folded entry)"
+                ]
+                if r.ranks_per_host > 1
+                else []
+            ),
             f"  redis-server CPU  {r.redis_cpu:8.2f} cores (saturates at 1)"
             if r.redis_masters == 1
             else f"  redis CPU         {r.redis_cpu:8.2f} cores over {r.redis_masters} masters, "
@@ -554,6 +587,19 @@ def compare(one: ScaleResult, on: ScaleResult) -> str:
     )
 
 
+def compare_agents(base: ScaleResult, on: ScaleResult) -> str:
+    """Host agents' figures beside no agents, same rank count, same host."""
+    return (
+        f"  {on.ranks_per_host} ranks a host agent vs none at {base.ranks} ranks: epoch "
+        f"overhead {100 * on.overhead:+.1f}% vs {100 * base.overhead:+.1f}%, dispatch p50/p99 "
+        f"{on.dispatch_p50_ms:.2f}/{on.dispatch_p99_ms:.2f} vs "
+        f"{base.dispatch_p50_ms:.2f}/{base.dispatch_p99_ms:.2f} ms, coordinator CPU "
+        f"{on.coordinator_cpu:.2f} vs {base.coordinator_cpu:.2f}, redis CPU "
+        f"{on.redis_cpu:.2f} vs {base.redis_cpu:.2f}, agents CPU {on.agents_cpu:.2f}, "
+        f"sim CPU {on.harness_cpu:.2f} vs {base.harness_cpu:.2f} cores"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flodl-bus bench scale", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="64", help="comma-separated rank counts (64,256,1024)")
@@ -595,6 +641,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="per rank count, also run on a local Redis Cluster (3 masters + 3 replicas) "
         "and print its figures beside the single Redis's",
     )
+    ap.add_argument(
+        "--ranks-per-host",
+        default="1",
+        help="ranks a host agent speaks for (flodl_bus.agent); 1: no agent. A list "
+        "(1,8) runs each per rank count, interleaved, each beside the first",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the interleaved runs")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--keep", default=None, help="copy every process's raw timings here")
     # set by `bench latency` (which makes the namespaces), not meant to be typed
@@ -625,8 +678,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {p}", file=sys.stderr)
             print("  (--no-checks starts anyway)", file=sys.stderr)
             return 2
+    per_host = rank_counts(args.ranks_per_host)
+    if per_host is None or min(per_host) < 1:
+        print("--ranks-per-host: expected positive numbers like 1,8", file=sys.stderr)
+        return 2
+    if max(per_host) > 1 and (args.cluster or args.rank_netns):
+        print("--ranks-per-host above 1: one Redis on loopback only", file=sys.stderr)
+        return 2
     results = []
     for n in counts:
+        if per_host != [1]:
+            for _ in range(args.rounds):
+                runs = [run_one(args, n, per_host=k) for k in per_host]
+                for r in runs:
+                    print(report(r), flush=True)
+                for r in runs[1:]:
+                    print(compare_agents(runs[0], r), flush=True)
+                results += runs
+            continue
         r = run_one(args, n)
         results.append(r)
         print(report(r), flush=True)

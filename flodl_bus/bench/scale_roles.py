@@ -17,6 +17,7 @@ their own CPU time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -26,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flodl_bus.agent.rank_bus import AgentRankBus
+from flodl_bus.bench.scale_agents import hosts, socket_of
 from flodl_bus.bus import cluster
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import connect
@@ -196,11 +199,27 @@ def run_coordinator(args: argparse.Namespace) -> int:
         bus = TimedShardedBus(clients, keys, ck, ranks=range(n), wait_ms=cluster.DEFAULT_WAIT_MS)
     else:
         client = connect(args.url, client_name="bench-coordinator")
-        bus = TimedCoordinatorBus(client, keys, ck, ranks=range(n))
+        k = args.ranks_per_host
+        bus = TimedCoordinatorBus(client, keys, ck, ranks=range(n) if k == 1 else ())
+        if k > 1:
+            # each host agent's ranks come folded in its one stream (``flodl_bus.agent``)
+            for j, ranks in enumerate(hosts(n, k)):
+                bus.add_fold(f"h{j}", ranks)
+            for r in range(n):
+                bus.add_rank(r)
     rec = None
     if not args.no_record:
         rec = DispatchRecorder(out, "coordinator")
-        rec.header(run=args.run, bench="scale", ranks=n, mode=args.mode, clock="time.monotonic")
+        rec.header(
+            run=args.run,
+            bench="scale",
+            ranks=n,
+            mode=args.mode,
+            clock="time.monotonic",
+            # the run's config makes the record replayable (``flodl-bus replay``)
+            config=dataclasses.asdict(config),
+            ranks_per_host=args.ranks_per_host,
+        )
     loop = CoordinatorLoop(
         core,
         bus,
@@ -277,6 +296,23 @@ class TimedRankBus(RedisRankBus):
         return got
 
 
+class TimedAgentRankBus(AgentRankBus):
+    """``TimedRankBus`` through a host agent."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.arrivals: list[tuple[str, str, str, float]] = []
+        super().__init__(*args, **kwargs)
+
+    def read_control(self, block_ms: int) -> list[Delivery]:
+        got = super().read_control(block_ms)
+        if got:
+            t = time.monotonic()
+            note = self.arrivals.append
+            for d in got:
+                note((d.stream, d.entry_id, type(d.msg).__name__, t))
+        return got
+
+
 class SimRank:
     """One rank: real bus, runtime and control core; a sleep for a training step."""
 
@@ -285,9 +321,15 @@ class SimRank:
         self.step_s = args.step_ms / 1000.0
         keys = run_keys(args)
         ck = fixed_keys(SEED)
-        bus = TimedRankBus(
-            connect(args.url, key=keys.ctl(rank)), keys, rank, rank_keys_for(ck, rank)
-        )
+        bus: TimedRankBus | TimedAgentRankBus
+        if args.ranks_per_host > 1:
+            bus = TimedAgentRankBus(
+                socket_of(args.dir, rank, args.ranks_per_host), keys, rank, rank_keys_for(ck, rank)
+            )
+        else:
+            bus = TimedRankBus(
+                connect(args.url, key=keys.ctl(rank)), keys, rank, rank_keys_for(ck, rank)
+            )
         self.bus = bus
         self.inbox = Inbox()
         params = NoParams()
@@ -455,6 +497,7 @@ def role_main(argv: Sequence[str]) -> int:
     ap.add_argument("--slice", default="0:0")
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--profile", default=None)
+    ap.add_argument("--ranks-per-host", type=int, default=1)
     args = ap.parse_args(argv)
     return run_coordinator(args) if args.role == "coordinator" else run_sim(args)
 

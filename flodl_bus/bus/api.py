@@ -12,6 +12,11 @@ from typing import NamedTuple, Protocol
 from flodl_bus.protocol.messages import ControlWire, UpstreamMsg
 
 
+class BusLost(RuntimeError):
+    """The transport is gone for good (a rank's host agent did not come back within its
+    grace): the rank stops in order, as when it loses the coordinator."""
+
+
 class Delivery(NamedTuple):
     """One decoded entry as it left the stream (a tuple: the coordinator builds one per
     upstream message, and a frozen dataclass costs several times as much to make)."""

@@ -29,6 +29,7 @@ from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import BusClosed, BusUnavailable, Link
 from flodl_bus.bus.cursor import Check, GroupCursor, Received
+from flodl_bus.bus.fold import Unpacked, unfold_into
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.lane import Lane
@@ -95,6 +96,9 @@ class _GroupReader:
         self.seqs: dict[str, int] = {}
         #: streams where a foreign entry beyond the horizon was seen since the last look
         self.foreign: set[str] = set()
+        #: host agents' fold streams -> their unpacker (``bus.fold``, set by the
+        #: coordinator's bus): each entry carries items of several ranks
+        self.folds: dict[str, Check] = {}
 
     def _on_lost(self) -> None:
         self.cursor.on_lost()
@@ -206,7 +210,11 @@ class _GroupReader:
         seqs = self.seqs
         limit = writer_limit(_now_ms())
 
+        folds = self.folds
+
         def check(stream: str, eid: EntryId, fields: Mapping[bytes, bytes] | None) -> object:
+            if folds and stream in folds:
+                return folds[stream](stream, eid, fields)
             last = seqs.get(stream, 0)
             p = parse(
                 verifiers[stream],
@@ -238,6 +246,8 @@ class _GroupReader:
         for r in self.read(block_ms, check):
             if r.rejected is not None:
                 rejected.append((r, r.rejected))
+            elif type(r.parsed) is Unpacked:
+                unfold_into(r, r.parsed, out, rejected)
             else:
                 out.append(Delivery(r.stream, format_id(r.entry_id), r.parsed.msg))  # type: ignore[attr-defined]
         if rejected:

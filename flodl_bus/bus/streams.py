@@ -26,6 +26,7 @@ from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.batch_script import BatchScript, named_user, write_batch
 from flodl_bus.bus.connection import Link
+from flodl_bus.bus.fold import FoldRoutes, host_stream
 from flodl_bus.bus.foreign import FOLLOW_LIMIT_MS, StreamBlocked, repair_stream, writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
@@ -227,6 +228,8 @@ class RedisCoordinatorBus:
             where=where,
             dlq=self._dlq,
         )
+        #: host agents' fold streams (``add_fold``)
+        self.folds = FoldRoutes(self._verifiers, self._reader.seqs)
         self._guard = (
             ReplicaGuard(client, self.keys.fence(shard), wait_ms, self._link)
             if wait_ms > 0
@@ -351,8 +354,9 @@ class RedisCoordinatorBus:
         """Each stream's newest verified id as this coordinator knows it."""
         with self._lock:
             tops = dict(self._tops)
-        for up in list(self._ranks):
-            tops[up] = self._reader.cursor.last_id(up)
+        for up in [*self._ranks, *self.folds.hosts]:
+            if up not in self.folds.fold_of:  # a folded rank's own stream goes unread
+                tops[up] = self._reader.cursor.last_id(up)
         return tops
 
     def trim_now(self, now: float | None = None) -> dict[str, EntryId]:
@@ -394,7 +398,22 @@ class RedisCoordinatorBus:
         self._link.call(op)
         self._verifiers[up] = key
         self._ranks[up] = str(rank)
-        self._reader.add_stream(up)
+        if up not in self.folds.fold_of:
+            self._reader.add_stream(up)
+
+    def add_fold(self, host: str, ranks: Iterable[int]) -> str:
+        """Read ``ranks``' upstream from host agent ``host``'s fold stream instead of
+        their own ``up:<r>`` (``bus.fold``); call before ``add_rank`` of those ranks.
+        Returns the fold stream's key."""
+        ranks = list(ranks)
+        shards = {self.keys.shard_of(r) for r in ranks}
+        if len(shards) > 1:
+            raise ValueError(f"host {host}: ranks {ranks} live on several shards")
+        stream = host_stream(self.keys.shard_prefix(shards.pop() if ranks else None), host)
+        self.folds.add(stream, {r: self.keys.up(r) for r in ranks})
+        self._reader.folds[stream] = self.folds.check
+        self._reader.add_stream(stream)
+        return stream
 
     def send(self, rank: int, msg: ControlWire) -> None:
         self._write(self.keys.ctl(rank), str(rank), msg, self.signing.rank(rank))
@@ -610,7 +629,7 @@ class RedisCoordinatorBus:
         return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
-        self._reader.queue_acks(deliveries)
+        self._reader.queue_acks(self.folds.acks(deliveries))
 
     def flush_acks(self) -> None:
         self._reader.flush_acks()

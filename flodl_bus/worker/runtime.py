@@ -26,7 +26,7 @@ from typing import assert_never
 
 import structlog
 
-from flodl_bus.bus.api import Delivery, RankBus
+from flodl_bus.bus.api import BusLost, Delivery, RankBus
 from flodl_bus.bus.ids import ZERO, format_id
 from flodl_bus.params.port import ParamPort
 from flodl_bus.protocol.messages import (
@@ -177,6 +177,12 @@ class RankRuntime:
             while not self._stop.is_set():
                 try:
                     deliveries = self.bus.read_control(cfg.read_block_ms)
+                except BusLost as exc:
+                    # Its host agent is gone (``flodl_bus.agent``): nothing more can
+                    # come or go, so stop now instead of after the liveness timeout.
+                    if not self.shutdown_seen:
+                        self._escape(f"bus lost: {exc}")
+                    return
                 except Exception as exc:
                     # The transport reconnects with backoff on its own; a persistent
                     # failure ends up as silence, which the liveness clock handles.
