@@ -103,6 +103,7 @@ def _bus(
         cmd += ["--epochs", str(args.epochs)]
     if args.device == "cpu":  # every contender on the CPU, on a GPU host too
         cmd += ["--device", "cpu"]
+    cmd += shlex.split(args.up_args)
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(
@@ -203,6 +204,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (> 1)")
     p.add_argument(
         "--lr-scale-ratio", type=float, default=1.0, help="passed to the bus run (flodl's 1.0)"
+    )
+    p.add_argument(
+        "--up-args",
+        default="",
+        help="run settings for every bus run's up, e.g. '--bridges false'",
     )
     p.add_argument("--run-dir", help="keep the bus runs' records here")
     p.add_argument("--json", help="write every run and the medians here")
