@@ -15,7 +15,12 @@ between two batches: what it trained before its snapshot is in the snapshot, wei
 its true steps; what it trains after stays on top of the consensus at the Update
 (``--overlap-rounds``), and its Batches that reach the coordinator after the trigger
 count in the next window, as the NCCL bridge's after its SyncNow. With no epoch barrier
-there, a bridge may come from the next epoch, as any chunk of the rank may.
+there, a bridge may come from the next epoch, as any chunk of the rank may. A cpu bridge
+also carries the rank's next window (its count more batches): the round takes no rank out
+of its chunk, so the rank goes on into that window in the same plan instead of reporting
+the bridge, waiting a trip through the coordinator for its next chunk and reporting that
+one too (two turn-overs a window, each a trip through Redis and back, where the bridge
+meant to save one wait).
 
 Sans-IO like the core; ``PoolDispatch`` asks and takes the chunk.
 """
@@ -88,8 +93,9 @@ def owing(core: BridgeCore, dispatch: Quiesced, r: int) -> list[int]:
     ]
 
 
-def batches(core: BridgeCore, dispatch: Quiesced, r: int) -> int:
-    """The bridge's size in batches (before the pool's remainder caps it)."""
+def batches(core: BridgeCore, dispatch: Quiesced, r: int, *, next_window: bool = False) -> int:
+    """The bridge's size in batches (before the pool's remainder caps it); with
+    ``next_window`` (the CPU plane) the rank's next window rides on it."""
     counts, steps = core.elche.counts, core.ledger.steps
     owed_ms = 0.0
     for s in owing(core, dispatch, r):
@@ -98,8 +104,10 @@ def batches(core: BridgeCore, dispatch: Quiesced, r: int) -> int:
             owed_ms = max(owed_ms, (counts[s] - steps[s]) * ms)
     mine = ms_per_batch(core, r)
     if mine is None or owed_ms <= 0.0:
-        return 1
-    return max(1, min(math.ceil(owed_ms / mine), counts[r]))
+        wait = 1
+    else:
+        wait = max(1, min(math.ceil(owed_ms / mine), counts[r]))
+    return wait + counts[r] if next_window else wait
 
 
 def ms_per_batch(core: BridgeCore, r: int) -> float | None:

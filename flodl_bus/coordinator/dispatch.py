@@ -446,7 +446,8 @@ class PoolDispatch(Dispatch):
             if pool.remaining() == 0:
                 return None
         if bridging:
-            batches = min(bridge.batches(core, self, r), pool.remaining() // core.bs)
+            size = bridge.batches(core, self, r, next_window=True)
+            batches = min(size, pool.remaining() // core.bs)
             return self._take(r, pool, batches, out, via_update) if batches > 0 else None
         batches = self._chunk_batches(r, pool, budget)
         if batches <= 0:

@@ -188,9 +188,10 @@ def test_a_cpu_cadence_rank_at_its_count_bridges_through_the_round_and_covers_ea
     feed(core, 1, 7, ms=40.0)
     feed(core, 0, 40)
     out = core.handle(0, metrics(0, 0, 40), 0.0)
-    # rank 1 owes 3 batches of 40 ms: 120 ms of rank 0's 10 ms batches
+    # rank 1 owes 3 batches of 40 ms: 120 ms of rank 0's 10 ms batches, then its next
+    # window (40) in the same plan
     bridge = plans(out)[0]
-    assert bridge.partition_size == 12 and set(plans(out)) == {0}
+    assert bridge.partition_size == 12 + 40 and set(plans(out)) == {0}
     handed.append((bridge.epoch, bridge.partition_offset, bridge.partition_size))
     feed(core, 0, 5)  # bridging: past its count, the gate waits on rank 1 alone
     assert core.gate() == (False, "rank 1 at 7/10 steps")
@@ -200,14 +201,14 @@ def test_a_cpu_cadence_rank_at_its_count_bridges_through_the_round_and_covers_ea
     # 1's next chunk: rank 0 is still on its bridge (one chunk in flight)
     assert types(out)[0] == "RequestParams" and set(plans(out)) == {1}
     assert core.ledger.steps == [0, 0]
-    feed(core, 0, 7)  # the bridge's rest, after the trigger: the next window's
-    assert core.ledger.steps == [7, 0]
+    feed(core, 0, 47)  # the bridge's rest, after the trigger: the next window's
+    assert core.ledger.steps == [47, 0]
     for r in (0, 1):
         core.handle(r, m.SyncAck(r, 0), 0.1)
     assert msgs(core.tick(0.1), m.WireUpdate)
     holding = {0: bridge, **plans(out)}
     handed += [(p.epoch, p.partition_offset, p.partition_size) for p in plans(out).values()]
-    done = {0: 7, 1: 0}
+    done = {0: 47, 1: 0}
     now, bridges = 0.1, 0
     for _ in range(10_000):  # every rank trains what it holds out, round by round
         if not holding:
