@@ -257,6 +257,15 @@ KNOBS: tuple[Knob, ...] = (
         metavar="BOOL",
     ),
     Knob(
+        "bridges",
+        _bool,
+        True,
+        "cpu-cadence: a rank whose window is full trains on (a bridge chunk of its data) "
+        "while a slower rank finishes its window, instead of waiting for the round; needs "
+        "--overlap-rounds (nccl-cadence always bridges) (true|false)",
+        metavar="BOOL",
+    ),
+    Knob(
         "user_group",
         _bool,
         True,

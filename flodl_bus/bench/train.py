@@ -90,9 +90,8 @@ def _to_target(evals: Sequence[Sequence[Any]], target: float | None) -> tuple[fl
     return None
 
 
-def _bus(
-    args: argparse.Namespace, job: str, mode: str, run_dir: Path, env: dict[str, str]
-) -> dict[str, Any]:
+def _up_command(args: argparse.Namespace, job: str, mode: str, run_dir: Path) -> list[str]:
+    """The ``up`` of one bus run; ``--up-args`` go last, so they win over ours."""
     cmd = [
         sys.executable, "-m", "flodl_bus.cli", "up", "--job", job,
         "--workers", str(args.workers), "--mode", mode, "--run-dir", str(run_dir),
@@ -103,6 +102,13 @@ def _bus(
         cmd += ["--epochs", str(args.epochs)]
     if args.device == "cpu":  # every contender on the CPU, on a GPU host too
         cmd += ["--device", "cpu"]
+    return cmd + shlex.split(args.up_args)
+
+
+def _bus(
+    args: argparse.Namespace, job: str, mode: str, run_dir: Path, env: dict[str, str]
+) -> dict[str, Any]:
+    cmd = _up_command(args, job, mode, run_dir)
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(
@@ -203,6 +209,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (> 1)")
     p.add_argument(
         "--lr-scale-ratio", type=float, default=1.0, help="passed to the bus run (flodl's 1.0)"
+    )
+    p.add_argument(
+        "--up-args",
+        default="",
+        help="run settings for every bus run's up, e.g. --up-args='--bridges false'",
     )
     p.add_argument("--run-dir", help="keep the bus runs' records here")
     p.add_argument("--json", help="write every run and the medians here")

@@ -1,4 +1,4 @@
-"""Bridges (issue 19 item 5): work for an NCCL cadence rank the reduce would hold idle.
+"""Bridges (issue 19 item 5, issue 27): work for a cadence rank the reduce would hold idle.
 
 A rank whose window is full, or whose final-window slot is spent, has nothing to train
 until every rank has met its count and the SyncNow comes. A bridge is a chunk of its own
@@ -9,6 +9,18 @@ batches the rank trains while the slowest rank still owing steps finishes its wi
 its measured speed, at least one and at most the rank's own window. What it trains after
 the SyncNow counts in the next window; the collective weighs every batch by the work
 each rank really did.
+
+On the CPU plane (``cpu_bridges``) the bridging rank takes the round's RequestParams
+between two batches: what it trained before its snapshot is in the snapshot, weighed by
+its true steps; what it trains after stays on top of the consensus at the Update
+(``--overlap-rounds``), and its Batches that reach the coordinator after the trigger
+count in the next window, as the NCCL bridge's after its SyncNow. With no epoch barrier
+there, a bridge may come from the next epoch, as any chunk of the rank may. A cpu bridge
+also carries the rank's next window (its count more batches): the round takes no rank out
+of its chunk, so the rank goes on into that window in the same plan instead of reporting
+the bridge, waiting a trip through the coordinator for its next chunk and reporting that
+one too (two turn-overs a window, each a trip through Redis and back, where the bridge
+meant to save one wait).
 
 Sans-IO like the core; ``PoolDispatch`` asks and takes the chunk.
 """
@@ -51,14 +63,14 @@ class BridgeCore(Protocol):
 
 
 def applies(cfg: CoordinatorConfig) -> bool:
-    """NCCL cadence only: a cpu rank's work after its snapshot would be overwritten by
-    the Update, and a world of one has no reduce to wait for."""
-    return (
-        cfg.bridge_idle
-        and cfg.backend is Backend.NCCL
-        and cfg.policy is Policy.CADENCE
-        and cfg.world_size > 1
-    )
+    """Cadence with a reduce to wait for (a world of one has none). On the CPU plane only
+    with ``cpu_bridges`` (the ranks keep their round steps): otherwise a rank's work after
+    its snapshot would be overwritten by the Update."""
+    if cfg.policy is not Policy.CADENCE or cfg.world_size < 2:
+        return False
+    if cfg.backend is Backend.NCCL:
+        return cfg.bridge_idle
+    return cfg.cpu_bridges
 
 
 def wanted(core: BridgeCore, r: int) -> bool:
@@ -70,20 +82,32 @@ def wanted(core: BridgeCore, r: int) -> bool:
     return core.ledger.delivered_batches[r] > 0
 
 
-def batches(core: BridgeCore, dispatch: Quiesced, r: int) -> int:
-    """The bridge's size in batches (before the pool's remainder caps it)."""
+def owing(core: BridgeCore, dispatch: Quiesced, r: int) -> list[int]:
+    """The live ranks other than ``r`` short of their count that can still step: the
+    ranks the gate waits for."""
+    counts, steps = core.elche.counts, core.ledger.steps
+    return [
+        s
+        for s in range(core.ws)
+        if s != r and core.alive(s) and steps[s] < counts[s] and not dispatch.quiesced(s)
+    ]
+
+
+def batches(core: BridgeCore, dispatch: Quiesced, r: int, *, next_window: bool = False) -> int:
+    """The bridge's size in batches (before the pool's remainder caps it); with
+    ``next_window`` (the CPU plane) the rank's next window rides on it."""
     counts, steps = core.elche.counts, core.ledger.steps
     owed_ms = 0.0
-    for s in range(core.ws):
-        if s == r or not core.alive(s) or steps[s] >= counts[s] or dispatch.quiesced(s):
-            continue
+    for s in owing(core, dispatch, r):
         ms = ms_per_batch(core, s)
         if ms is not None:
             owed_ms = max(owed_ms, (counts[s] - steps[s]) * ms)
     mine = ms_per_batch(core, r)
     if mine is None or owed_ms <= 0.0:
-        return 1
-    return max(1, min(math.ceil(owed_ms / mine), counts[r]))
+        wait = 1
+    else:
+        wait = max(1, min(math.ceil(owed_ms / mine), counts[r]))
+    return wait + counts[r] if next_window else wait
 
 
 def ms_per_batch(core: BridgeCore, r: int) -> float | None:

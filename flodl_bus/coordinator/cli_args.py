@@ -205,6 +205,9 @@ def config_knobs(knobs: dict[str, Any]) -> dict[str, Any]:
         "speed_hints": knobs["speed_hints"],
         "stage_advisories": knobs["stage_advisories"],
         "lockstep": knobs["lockstep"],
+        # A bridge's steps after the rank's snapshot survive the round only where the
+        # ranks keep their round steps.
+        "cpu_bridges": knobs["bridges"] and knobs["overlap_rounds"],
     }
 
 

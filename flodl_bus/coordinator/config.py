@@ -36,6 +36,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "meta_then_guard": False,
     "plans_with_request": False,
     "epoch_overlap": False,
+    "cpu_bridges": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -175,6 +176,12 @@ class CoordinatorConfig:
     #: NCCL group keeps flodl's epoch barrier (a collective cannot mix epochs, §6 #17).
     #: Not a setting: off only to replay records made before it (issue 27)
     epoch_overlap: bool = True
+    #: cpu-cadence: a rank whose window is full trains a bridge chunk (``bridge.py``)
+    #: while a slower rank finishes its window; the steps it takes after its snapshot
+    #: stay on top of the round's consensus, so its ranks must keep round steps
+    #: (``--overlap-rounds``; ``--bridges false`` or ``--overlap-rounds false`` turn it
+    #: off). Off for records made before it (issue 27)
+    cpu_bridges: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

@@ -175,7 +175,8 @@ class PoolDispatch(Dispatch):
         self._advise_due = False
         self._live_sum_key = (-1, -1)
         self._live_sum = 0
-        #: NCCL cadence: a rank held idle by the reduce's wait is given more work
+        #: cadence: a rank held idle by the reduce's wait is given more work (cpu-cadence
+        #: with ``cpu_bridges``)
         self.bridges = bridge.applies(core.config)
         # The core's ``solo`` is not set yet: a world of one is read off the config.
         cfg = core.config
@@ -410,10 +411,17 @@ class PoolDispatch(Dispatch):
         if self.has_in_flight(r):
             return None
         budget = self._budget(r)
+        bridging = False
         # A world of one's windows close without a round: its budget never holds its
         # next epoch back (records made before the overlap waited for the window's close).
         if core.ledger.steps[r] >= budget and not (self._solo_epochs and self.overlaps):
-            return self._bridge(r, out, via_update)
+            if not self.overlaps:
+                return self._bridge(r, out, via_update)
+            # No epoch barrier (the CPU plane): a bridge is drawn as any chunk of r is,
+            # from the oldest epoch with work for it, the next one included.
+            if not self._bridge_wanted(r, via_update):
+                return None
+            bridging = True
         num_epochs = core.config.num_epochs
         epoch = self.rank_epoch[r]
         if self.overlaps:
@@ -437,6 +445,10 @@ class PoolDispatch(Dispatch):
             epoch = nxt
             if pool.remaining() == 0:
                 return None
+        if bridging:
+            size = bridge.batches(core, self, r, next_window=True)
+            batches = min(size, pool.remaining() // core.bs)
+            return self._take(r, pool, batches, out, via_update) if batches > 0 else None
         batches = self._chunk_batches(r, pool, budget)
         if batches <= 0:
             return self._bridge(r, out, via_update)
@@ -487,10 +499,19 @@ class PoolDispatch(Dispatch):
         if not self.bridges or via_update:
             return None
         pool = self.pools.get(self.rank_epoch[r])
-        if pool is None or pool.remaining() < core.bs or not bridge.wanted(core, r):
+        if pool is None or pool.remaining() < core.bs or not self._bridge_wanted(r, via_update):
             return None
         size = min(bridge.batches(core, self, r), pool.remaining() // core.bs)
         return self._take(r, pool, size, out, via_update)
+
+    def _bridge_wanted(self, r: int, via_update: bool) -> bool:
+        # Never on an Update: the round it rides has closed, and with it the window.
+        if not self.bridges or via_update or not bridge.wanted(self.core, r):
+            return False
+        # A cpu gate shut only by the round in flight opens as that round ends, and the
+        # next round's trigger hands r its chunk: a bridge then would only hold that
+        # chunk back behind a batch and a round trip.
+        return self.core.config.backend is Backend.NCCL or bool(bridge.owing(self.core, self, r))
 
     def _chunk_batches(self, r: int, pool: ChunkPool, budget: int) -> int:
         core = self.core

@@ -14,7 +14,7 @@ from torch import nn
 
 from flodl_bus.bench import slow
 from flodl_bus.bench.baselines import plain_loop
-from flodl_bus.bench.train import _to_target, main
+from flodl_bus.bench.train import _parser, _to_target, _up_command, main
 from flodl_bus.job import load_job
 
 
@@ -23,6 +23,15 @@ def test_time_to_target_is_the_end_of_the_first_epoch_whose_eval_reached_it() ->
     assert _to_target(evals, 0.9) == (2.0, 1)
     assert _to_target(evals, 0.99) is None
     assert _to_target(evals, None) is None
+
+
+def test_up_args_reach_every_bus_run_after_the_benchs_own_flags() -> None:
+    args = _parser().parse_args(["--up-args", "--bridges false --eval-every 2"])
+    cmd = _up_command(args, "j:job", "cpu-cadence", Path("runs/x"))
+    assert cmd[cmd.index("up") :][-4:] == ["--bridges", "false", "--eval-every", "2"]
+    assert "--bridges" not in _up_command(
+        _parser().parse_args([]), "j:job", "cpu-cadence", Path("x")
+    )
 
 
 def test_the_plain_loop_evaluates_on_the_cadence_and_reports_the_last_eval() -> None:

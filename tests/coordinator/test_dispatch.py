@@ -114,7 +114,11 @@ def test_dead_rank_partial_progress_is_not_redistributed() -> None:
 
 @pytest.mark.parametrize("with_request", [True, False])
 def test_progressive_death_forfeits_chunks_to_survivors(with_request: bool) -> None:
-    core, out = started("cpu-cadence", ws=3, total=300, plans_with_request=with_request)
+    # Bridges off: ranks 0 and 1 at their counts would each hold a bridge while rank 2
+    # is silent, and the reclaimed range would follow it instead of the round.
+    core, out = started(
+        "cpu-cadence", ws=3, total=300, plans_with_request=with_request, cpu_bridges=False
+    )
     first = plans(out)
     for r in (0, 1):
         feed(core, r, first[r].partition_size)
@@ -174,18 +178,82 @@ def test_nccl_cadence_bridges_a_full_window_by_the_slow_ranks_owed_wall_time() -
     assert core.ledger.steps == [2, 0]
 
 
-def test_no_bridge_once_the_gate_is_open_nor_outside_nccl_cadence() -> None:
-    core, _ = _calibrated("nccl-cadence")
+def test_a_cpu_cadence_rank_at_its_count_bridges_through_the_round_and_covers_each_epoch_once() -> (
+    None
+):
+    # issue 27: a cpu-cadence rank keeps the steps it takes after its snapshot on top of
+    # the consensus (--overlap-rounds), so a full window no longer has to idle
+    core, first = _calibrated("cpu-cadence", num_epochs=2)
+    handed = [(p.epoch, p.partition_offset, p.partition_size) for p in first.values()]
+    feed(core, 1, 7, ms=40.0)
+    feed(core, 0, 40)
+    out = core.handle(0, metrics(0, 0, 40), 0.0)
+    # rank 1 owes 3 batches of 40 ms: 120 ms of rank 0's 10 ms batches, then its next
+    # window (40) in the same plan
+    bridge = plans(out)[0]
+    assert bridge.partition_size == 12 + 40 and set(plans(out)) == {0}
+    handed.append((bridge.epoch, bridge.partition_offset, bridge.partition_size))
+    feed(core, 0, 5)  # bridging: past its count, the gate waits on rank 1 alone
+    assert core.gate() == (False, "rank 1 at 7/10 steps")
+    feed(core, 1, 3, ms=40.0)
+    out = core.handle(1, metrics(1, 0, 10), 0.1) + core.tick(0.1)
+    # the round goes out at rank 1's count, not at the bridge's end; behind it only rank
+    # 1's next chunk: rank 0 is still on its bridge (one chunk in flight)
+    assert types(out)[0] == "RequestParams" and set(plans(out)) == {1}
+    assert core.ledger.steps == [0, 0]
+    feed(core, 0, 47)  # the bridge's rest, after the trigger: the next window's
+    assert core.ledger.steps == [47, 0]
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 0.1)
+    assert msgs(core.tick(0.1), m.WireUpdate)
+    holding = {0: bridge, **plans(out)}
+    handed += [(p.epoch, p.partition_offset, p.partition_size) for p in plans(out).values()]
+    done = {0: 47, 1: 0}
+    now, bridges = 0.1, 0
+    for _ in range(10_000):  # every rank trains what it holds out, round by round
+        if not holding:
+            break
+        now += 0.01
+        outs: list[Any] = []
+        for r in sorted(holding):
+            plan = holding.pop(r)
+            feed(core, r, plan.partition_size - done.pop(r, 0), now=now, ms=10.0 + 30.0 * r)
+            full = core.ledger.steps[r] >= core.elche.counts[r]
+            reply = core.handle(r, metrics(r, plan.epoch, plan.partition_size), now)
+            bridges += full and r in plans(reply)  # sent past its window's count
+            outs += reply
+        outs += core.tick(now)
+        if msgs(outs, m.RequestParams):
+            for r in (0, 1):
+                core.handle(r, m.SyncAck(r, 0), now)
+            outs += core.tick(now)
+        got = plans(outs)
+        handed += [(p.epoch, p.partition_offset, p.partition_size) for p in got.values()]
+        holding.update(got)
+    assert core.last_aggregated == 1 and core.dispatch.coverage() == (2, [])
+    assert bridges > 0
+    for epoch in (0, 1):  # what was handed out tiles each epoch: no sample twice, none left
+        spans = sorted((off, size) for e, off, size in handed if e == epoch)
+        ends = [0] + [off + size for off, size in spans]
+        assert [off for off, _ in spans] == ends[:-1] and ends[-1] == 1000
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence"])
+def test_no_bridge_once_the_gate_is_open_nor_where_it_does_not_apply(mode: str) -> None:
+    core, _ = _calibrated(mode)
     feed(core, 1, 10, ms=40.0)
     feed(core, 0, 40)
     # every window is full: the reduce fires on this tick, nothing to bridge
     assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
     assert core.should_average()
-    core, _ = _calibrated("cpu-cadence")
-    feed(core, 1, 7, ms=40.0)
-    feed(core, 0, 40)
-    # a cpu rank training past its snapshot would have that work overwritten
-    assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
+    for kw in ({"cpu_bridges": False}, {"mode": "cpu-async"}):
+        core, _ = _calibrated(**({"mode": "cpu-cadence"} | kw))
+        feed(core, 1, 7, ms=40.0)
+        feed(core, 0, 40)
+        # a cpu rank whose round steps are not kept (records made before cpu bridges,
+        # --overlap-rounds false) would have its work after the snapshot overwritten;
+        # cpu-async overshoots its window instead
+        assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
 
 
 def test_a_bridge_never_crosses_the_epoch_barrier() -> None:

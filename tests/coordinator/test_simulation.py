@@ -142,3 +142,42 @@ def test_nccl_cadence_the_fast_rank_waits_at_most_a_batch_per_averaging() -> Non
     assert sum(len(rk.trained) for rk in bridged.ranks) == 8000
     assert len(fast.trained) > len(held.ranks[0].trained)
     assert bridged.t < held.t
+
+
+def _cpu_slowed_mid_run(bridges: bool) -> Cluster:
+    cfg = CoordinatorConfig(
+        mode="cpu-cadence",
+        world_size=2,
+        total_samples=4000,
+        batch_size=8,
+        num_epochs=3,
+        cpu_bridges=bridges,
+    )
+    cluster = Cluster(cfg, speeds=[2, 4])
+    # Rank 1 turns 2.5x slower mid-run: ElChe's counts lag its real speed for windows.
+    cluster.ranks[1].slows_at = (400, 10)
+    cluster.run()
+    return cluster
+
+
+def test_cpu_cadence_bridges_keep_the_fast_rank_training_and_every_batch_weighs_once() -> None:
+    bridged, held = _cpu_slowed_mid_run(True), _cpu_slowed_mid_run(False)
+    bs = bridged.cfg.batch_size
+    for cluster in (bridged, held):
+        trained = cluster.trained_by_epoch()
+        for e in range(cluster.cfg.num_epochs):
+            assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
+        batches = sum(len(v) for v in trained.values()) // bs
+        assert cluster.core.global_step == batches
+        for rk in cluster.ranks:
+            assert rk.dropped_plans == 0
+            # Each snapshot ships the steps since the last (subtract, never zero): over
+            # the run every batch a rank trained weighs in exactly one round, a bridge's
+            # before its snapshot in that round, after it in the next.
+            assert sum(weighed for weighed, _ in rk.rounds_seen) == len(rk.trained) // bs
+            assert rk.steps_since_avg == 0
+    # Held at its window's count, the fast rank waits out the slow one's rest, window
+    # after window until ElChe's trust ring has learnt the new speed; bridged, it trains
+    # on. Its idle ticks, up to its last batch:
+    idle = [c.ranks[0].last_batch_end - len(c.ranks[0].trained) // bs * 2 for c in (bridged, held)]
+    assert idle[0] * 3 < idle[1], idle

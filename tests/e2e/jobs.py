@@ -121,6 +121,22 @@ def _every_fifth_nan(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor])
 every_fifth_nan_job = dataclasses.replace(
     digits.job, name="digits-nan-fifth", loss_fn=_every_fifth_nan, on_nonfinite_loss="skip"
 )
+#: Seconds each of rank 1's steps sleeps in ``rank1_slowed_job`` (rank 0 is not slowed).
+RANK1_STEP_SLEEP = 0.01
+
+
+def _rank1_sleeps(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # A sleep, not busy work: the slow rank must not take the fast one's core on a
+    # loaded host (a CPU-bound slowdown slows both ranks there).
+    if _process_rank() == 1:
+        time.sleep(RANK1_STEP_SLEEP)
+    return classification_loss(model, batch)
+
+
+#: rank 1 several times slower than rank 0 at every step (heterogeneous ranks)
+rank1_slowed_job = dataclasses.replace(
+    digits.job, name="digits-rank1-slowed", loss_fn=_rank1_sleeps
+)
 #: rank 1 cannot build its optimizer
 builder_raises_job = dataclasses.replace(
     slow_job, name="builder-raises", build_optimizer=_rank1_optimizer
