@@ -27,6 +27,7 @@ from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import Link
 from flodl_bus.bus.foreign import FOLLOW_LIMIT_MS, StreamBlocked, repair_stream, writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
+from flodl_bus.bus.ingest import IngestPool
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.bus.publisher import _Publisher
 from flodl_bus.bus.reader import _CursorReader, _GroupReader
@@ -179,11 +180,14 @@ class RedisCoordinatorBus:
         clock: IdClock | None = None,
         lock: threading.RLock | None = None,
         wait_ms: int = 0,
+        ingest_procs: int = 0,
     ) -> None:
         """``shard``, ``clock``, ``lock``: one shard of a run on a Redis Cluster
         (``bus.sharded``), the shards sharing one id clock and one lock so that every
         rank's control keeps the send order. ``wait_ms`` > 0: each control write is
-        followed by ``WAIT 1 wait_ms`` (``bus.replication``)."""
+        followed by ``WAIT 1 wait_ms`` (``bus.replication``). ``ingest_procs`` > 0: the
+        upstream streams are read, verified and dead-lettered by that many reader
+        processes (``bus.ingest``); 0 reads them on the calling thread."""
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.client = client
         self.signing = keys
@@ -222,6 +226,18 @@ class RedisCoordinatorBus:
             where=where,
             dlq=self._dlq,
         )
+        self._ingest: IngestPool | None = None
+        if ingest_procs > 0:
+            self._ingest = IngestPool(
+                client,
+                ingest_procs,
+                group=COORDINATOR_GROUP,
+                consumer=COORDINATOR_GROUP,
+                config=self.config,
+                name="coordinator.ingest" if shard is None else f"coordinator.ingest.s{shard}",
+                where=where,
+                dlq=self._dlq,
+            )
         self._guard = (
             ReplicaGuard(client, self.keys.fence(shard), wait_ms, self._link)
             if wait_ms > 0
@@ -335,8 +351,9 @@ class RedisCoordinatorBus:
         """Each stream's newest verified id as this coordinator knows it."""
         with self._lock:
             tops = dict(self._tops)
+        ingest = self._ingest
         for up in list(self._ranks):
-            tops[up] = self._reader.cursor.last_id(up)
+            tops[up] = self._reader.cursor.last_id(up) if ingest is None else ingest.last_id(up)
         return tops
 
     def trim_now(self, now: float | None = None) -> dict[str, EntryId]:
@@ -378,7 +395,10 @@ class RedisCoordinatorBus:
         self._link.call(op)
         self._verifiers[up] = key
         self._ranks[up] = str(rank)
-        self._reader.add_stream(up)
+        if self._ingest is not None:
+            self._ingest.add_stream(up, key, str(rank))
+        else:
+            self._reader.add_stream(up)
 
     def send(self, rank: int, msg: ControlWire) -> None:
         self._write(self.keys.ctl(rank), str(rank), msg, self.signing.rank(rank))
@@ -562,6 +582,13 @@ class RedisCoordinatorBus:
         )
 
     def read_upstream(self, block_ms: int) -> list[Delivery]:
+        if self._ingest is not None:
+            # the readers dead-letter and repair foreign entries themselves
+            out = self._ingest.read(block_ms)
+            for d in out:
+                if type(d.msg) is Heartbeat:
+                    self._note_read(d.msg)
+            return out
         out = self._reader.read_parsed(block_ms, self._verifiers, wire.UPSTREAM, self._ranks)
         for d in out:
             if type(d.msg) is Heartbeat:
@@ -582,10 +609,21 @@ class RedisCoordinatorBus:
         return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
-        self._reader.queue_acks(deliveries)
+        if self._ingest is not None:
+            self._ingest.queue_acks(deliveries)
+        else:
+            self._reader.queue_acks(deliveries)
 
     def flush_acks(self) -> None:
-        self._reader.flush_acks()
+        if self._ingest is not None:
+            self._ingest.flush_acks()
+        else:
+            self._reader.flush_acks()
+
+    @property
+    def ingest(self) -> IngestPool | None:
+        """The reader processes of ``ingest_procs`` (None: ingest on the calling thread)."""
+        return self._ingest
 
     @property
     def reconnects(self) -> int:
@@ -595,6 +633,8 @@ class RedisCoordinatorBus:
         self._trim_stop.set()
         if self._trim_thread is not None:
             self._trim_thread.join(5.0)
+        if self._ingest is not None:
+            self._ingest.close()
         self._reader.close()
         self._link.close()
         gc.unfreeze()
