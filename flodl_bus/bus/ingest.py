@@ -273,6 +273,7 @@ class IngestPool:
         #: blobs that came while waiting for readers to start
         self._held: list[bytes] = []
         self._readers: list[_Proc] = [self._start(j) for j in range(procs)]
+        log.info("bus_ingest_started", reader=name, procs=procs, pids=self.pids)
 
     # ------------------------------------------------------------------ processes
 
