@@ -5,6 +5,7 @@ dies mid-stream."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -280,3 +281,22 @@ def test_ingest_procs_zero_keeps_the_in_thread_reader(url: str) -> None:
     _prefill(url, keys, [0], 3)
     assert _steps_by_rank(_drain(coord, 3)) == {0: [0, 1, 2]}
     coord.close()
+
+
+def test_the_benches_measure_each_ingest_procs_beside_the_in_thread_reader(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.bench import bus, path
+
+    argv = ["--redis-url", url, "--ranks", "", "--ingest-ranks", "2", "--ingest", "200"]
+    assert bus.main([*argv, "--publishes", "40", "--repeats", "1", "--ingest-procs", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"2 ranks +in-thread +pre-filled +\d+/s", out), out
+    assert re.search(r"2 ranks +1 procs +pre-filled +\d+/s .* \d\.\d\dx K=0", out), out
+    argv = ["--redis-url", url, "--ranks", "4", "--steps", "2", "--repeats", "1"]
+    assert path.main([*argv, "--ingest-procs", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert "ingest on the dispatching thread" in out and "ingest in 1 procs" in out, out
+    assert len(re.findall(r"^  ingest +[\d.]+ µs/msg .* cpu +[\d.]+ µs/msg", out, re.M)) == 2
+    assert bus.main(["--redis-url", url, "--ingest-procs", "-1"]) == 2
+    assert path.main(["--ingest-procs", "two"]) == 2
