@@ -174,6 +174,31 @@ def test_forged_and_replayed_entries_of_a_readers_share_go_to_the_dlq_and_the_re
     coord.close()
 
 
+def test_an_upstream_stream_wedged_at_the_largest_id_is_repaired_by_its_reader(
+    url: str,
+) -> None:
+    """A foreign entry at the largest id makes Redis refuse every later XADD; the reader
+    that owns the stream removes it (dlq first), and the rank's publisher goes on."""
+    keys = RunKeys("ingest-wedged")
+    coord = _coord(url, keys, [0, 1])
+    ranks = [RedisRankBus(connect(url), keys, r, RK(r), config=FAST) for r in (0, 1)]
+    admin = connect(url)
+    admin.xadd(keys.up(1), {"junk": "x"}, id="18446744073709551615-18446744073709551615")
+    for i in range(3):
+        for rank in ranks:
+            rank.publish(_batch(rank.rank, i))
+    got = _drain(coord, 6)
+    assert _steps_by_rank(got) == {0: [0, 1, 2], 1: [0, 1, 2]}
+    assert ranks[1].flush(10)
+    reasons = [f[b"reason"].decode() for _, f in admin.xrange(keys.dlq)]
+    assert sum(r.startswith("foreign: entry id beyond the horizon") for r in reasons) == 1
+    assert not admin.xinfo_stream(keys.up(1))["last-generated-id"].startswith(b"1844674407")
+    for rank in ranks:
+        rank.close()
+    admin.close()
+    coord.close()
+
+
 def _read_until_restarted(coord: RedisCoordinatorBus, restarts: int) -> list[Delivery]:
     """Read (acking nothing) until the pool restarted its dead reader."""
     pool = coord.ingest
