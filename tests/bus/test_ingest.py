@@ -325,3 +325,24 @@ def test_the_benches_measure_each_ingest_procs_beside_the_in_thread_reader(
     assert len(re.findall(r"^  ingest +[\d.]+ µs/msg .* cpu +[\d.]+ µs/msg", out, re.M)) == 2
     assert bus.main(["--redis-url", url, "--ingest-procs", "-1"]) == 2
     assert path.main(["--ingest-procs", "two"]) == 2
+
+
+def test_up_passes_ingest_procs_to_the_coordinator_and_both_refuse_a_negative_count() -> None:
+    from pathlib import Path
+
+    from flodl_bus.coordinator import cli_args
+    from flodl_bus.launch import up_args
+    from flodl_bus.options import ConfigError
+
+    args = up_args._parser().parse_args(["--ingest-procs", "2"])
+    coord = up_args.coordinator_argv(args, "r", Path("runs/r"))
+    assert coord[coord.index("--ingest-procs") + 1] == "2"
+    plain = up_args._parser().parse_args([])
+    assert "--ingest-procs" not in up_args.coordinator_argv(plain, "r", Path("runs/r"))
+    bad = up_args._parser().parse_args(["--ingest-procs", "-1"])
+    assert up_args.check_args(bad, ["--ingest-procs", "-1"]) == "--ingest-procs must be >= 0"
+    base = ["--run", "r", "--world-size", "2", "--job", "flodl_bus.examples.digits:job"]
+    assert cli_args._parser().parse_args(base).ingest_procs == 0
+    neg = cli_args._parser().parse_args([*base, "--ingest-procs", "-2"])
+    with pytest.raises(ConfigError, match="--ingest-procs must be >= 0"):
+        cli_args._check(neg)
