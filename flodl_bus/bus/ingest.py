@@ -428,13 +428,13 @@ class IngestPool:
 
     def _decode(self, blobs: list[bytes]) -> list[Delivery]:
         out: list[Delivery] = []
-        decode = wire.decode
+        decode = wire.decode_validated
         channel = self._spec.channel
         streams = self._streams
         for blob in blobs:
             names, ids, types, bodies, tops = pickle.loads(blob)
-            # The reader decoded each body already (a bad one went to the dlq there);
-            # decoding again here is what is cheaper than pickling the messages.
+            # The reader decoded and validated each body already (a bad one went to the
+            # dlq there); building it again here is cheaper than pickling the message.
             out += [
                 Delivery(name, eid, decode(body, channel, type_))
                 for name, eid, type_, body in zip(names, ids, types, bodies, strict=True)
