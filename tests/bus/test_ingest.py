@@ -17,6 +17,7 @@ import structlog
 from flodl_bus.bus import entries, ingest
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import connect
+from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.stream_ops import BusError
 from flodl_bus.bus.streams import COORDINATOR_GROUP, RedisCoordinatorBus, RedisRankBus
@@ -138,6 +139,30 @@ def test_a_rank_added_later_goes_to_a_reader(url: str) -> None:
     _prefill(url, keys, [0, 1, 2], 30)
     got = _drain(coord, 90)
     assert _steps_by_rank(got) == {r: list(range(30)) for r in range(3)}
+    coord.close()
+
+
+def test_heartbeats_read_by_a_reader_still_tell_the_trimmer_where_each_rank_read(
+    url: str,
+) -> None:
+    keys = RunKeys("ingest-heartbeat")
+    coord = _coord(url, keys, [0, 1])
+    coord.send(1, m.SetGlobalStep(global_step=1))
+    coord.broadcast(m.SetGlobalStep(global_step=2))
+    rank = RedisRankBus(connect(url), keys, 1, RK(1), config=FAST)
+    got: list[Delivery] = []
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        ds = rank.read_control(100)
+        rank.ack(ds)
+        got += ds
+    ctl, bcast = rank.control_read()
+    assert ctl is not None and bcast is not None
+    rank.publish(m.Heartbeat(rank=1, step_count=0, ctl_read=ctl, all_read=bcast))
+    assert [type(d.msg) for d in _drain(coord, 1)] == [m.Heartbeat]
+    holds = {h.group: h for h in coord.read_holds()[keys.ctl(1)]}
+    assert format_id(holds["rank1"].hold) == ctl
+    rank.close()
     coord.close()
 
 
