@@ -26,9 +26,16 @@ How DESIGN §3 is kept:
   each stream after the last entry the main process received (and its seq, so replay
   protection holds across the restart), acks the pending entries the main process had
   asked its predecessor to ack, and re-reads every other pending entry. Restarting is
-  what a user expects of one crashed helper; a reader that keeps dying
-  (``MAX_RESTARTS`` within ``RESTART_WINDOW_S``) is a fault that restarting will not
-  cure, and ``read`` raises ``BusError`` with the reason so the run stops in order.
+  what a user expects of one crashed helper. A reader that keeps dying
+  (``MAX_RESTARTS`` within ``RESTART_WINDOW_S``) is a fault restarting will not cure:
+  ``read`` raises ``IngestFailed`` with the reason, and the coordinator's bus goes on
+  reading on its own thread from where the readers were (``hand_over``), as with
+  ``--ingest-procs 0``: the run goes on, slower, and the log says why.
+
+The readers are spawned, not forked (the coordinator runs threads whose locks a fork
+would copy held), so a program that builds a coordinator bus with reader processes
+guards its entry point with ``if __name__ == "__main__":``, as ``multiprocessing``
+requires of every spawning program; ``flodl-bus coordinator`` does.
 """
 
 from __future__ import annotations
@@ -69,6 +76,16 @@ _LOCAL_KWARGS: Final = frozenset({"himport_registry"})
 # Spawned, not forked: the coordinator runs threads (trimmer, recorder, heartbeats) whose
 # locks a fork would copy held.
 _CTX: Final = mp.get_context("spawn")
+
+
+class IngestFailed(BusError):
+    """A reader process kept dying; the pool stops (``IngestPool.hand_over``).
+    ``deliveries``: what the read that found it dead received first, to dispatch (the
+    streams' positions are already past them)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.deliveries: list[Delivery] = []
 
 
 @dataclass(frozen=True)
@@ -320,7 +337,7 @@ class IngestPool:
             deaths_in_window=len(deaths),
         )
         if len(deaths) > MAX_RESTARTS:
-            raise BusError(
+            raise IngestFailed(
                 f"ingest reader {self._spec.name}.{j} died {len(deaths)} times within "
                 f"{RESTART_WINDOW_S:g} s (last exit code {code}): not restarting it again"
             )
@@ -421,9 +438,14 @@ class IngestPool:
                 dead.add(j)  # what it sent whole is taken; a torn last message is not
             if not r.proc.is_alive():
                 dead.add(j)
+        # Decoded before any restart: a successor starts after what its predecessor sent.
         out = self._decode(blobs)
         for j in sorted(dead):
-            self._restart(j)
+            try:
+                self._restart(j)
+            except IngestFailed as exc:
+                exc.deliveries = out
+                raise
         return out
 
     def _decode(self, blobs: list[bytes]) -> list[Delivery]:
@@ -444,6 +466,28 @@ class IngestPool:
                 s.last_id = eid
                 s.last_seq = seq
         return out
+
+    def hand_over(self, reader: _GroupReader) -> None:
+        """Close the pool and give every stream to ``reader`` (the in-thread one) from
+        where the main process got it: after the last entry and seq received, the
+        pending entries this process asked to ack acked, the acks it still owes queued.
+        Nothing is lost (what a reader read and did not send is pending, and re-read);
+        nothing comes twice (the cursor starts after what was received)."""
+        self.close()
+        for stream, s in self._streams.items():
+            reader.add_stream(stream)
+            if s.last_id:
+                reader.cursor.skip(stream, parse_id(s.last_id))
+                reader.seqs[stream] = s.last_seq
+            if s.acked:
+
+                def ack_old(retry: bool, st: str = stream, a: str = s.acked) -> None:
+                    _ack_through(reader, st, a)
+
+                reader.link.call(ack_old)
+        for acks in self._acks:
+            reader.queue_ack_ids(acks)
+        self._acks = [{} for _ in range(self.procs)]
 
     def close(self, timeout: float | None = None) -> None:
         """Flush the acks owed, ask every reader to stop (each acks what it holds and

@@ -27,7 +27,7 @@ from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import Link
 from flodl_bus.bus.foreign import FOLLOW_LIMIT_MS, StreamBlocked, repair_stream, writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
-from flodl_bus.bus.ingest import IngestPool
+from flodl_bus.bus.ingest import IngestFailed, IngestPool
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.bus.publisher import _Publisher
 from flodl_bus.bus.reader import _CursorReader, _GroupReader
@@ -584,7 +584,13 @@ class RedisCoordinatorBus:
     def read_upstream(self, block_ms: int) -> list[Delivery]:
         if self._ingest is not None:
             # the readers dead-letter and repair foreign entries themselves
-            out = self._ingest.read(block_ms)
+            try:
+                out = self._ingest.read(block_ms)
+            except IngestFailed as exc:
+                log.error("bus_ingest_in_thread", reason=str(exc), action="reading in-thread")
+                self._ingest.hand_over(self._reader)
+                self._ingest = None
+                out = exc.deliveries
             for d in out:
                 if type(d.msg) is Heartbeat:
                     self._note_read(d.msg)

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from multiprocessing.process import BaseProcess
 
 import pytest
 import structlog
@@ -19,7 +20,6 @@ from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.stream_ops import BusError
 from flodl_bus.bus.streams import COORDINATOR_GROUP, RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys
@@ -306,22 +306,47 @@ def test_a_reader_killed_mid_stream_is_restarted_and_nothing_is_lost_or_repeated
     coord.close()
 
 
-def test_a_reader_that_keeps_dying_stops_the_read_with_the_reason(
+def test_a_reader_that_keeps_dying_hands_the_ingest_to_the_coordinators_thread(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(ingest, "MAX_RESTARTS", 0)
     keys = RunKeys("ingest-dies")
-    coord = _coord(url, keys, [0, 1])
+    ranks = [0, 1]
+    n = 2000
+    coord = _coord(url, keys, ranks)
     pool = coord.ingest
     assert pool is not None
+    _prefill(url, keys, ranks, n)
+    got: list[Delivery] = []
+    while sum(d.stream == keys.up(1) for d in got) < 100:
+        ds = coord.read_upstream(100)
+        coord.ack(ds)
+        got += ds
     pid = pool.pids[1]
     assert pid is not None
-    os.kill(pid, signal.SIGKILL)
-    with pytest.raises(BusError, match=r"coordinator\.ingest\.1 died 1 times"):
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            coord.read_upstream(100)
+    with structlog.testing.capture_logs() as logs:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while coord.ingest is not None and time.monotonic() < deadline:
+            ds = coord.read_upstream(100)
+            coord.ack(ds)
+            got += ds
+    assert coord.ingest is None
+    (why,) = [e["reason"] for e in logs if e["event"] == "bus_ingest_in_thread"]
+    assert "coordinator.ingest.1 died 1 times" in why
+    assert not any(p.is_alive() for p in _children(pool))
+    got += _drain(coord, len(ranks) * n - len(got))
+    _prefill(url, keys, ranks, 10, first=n)
+    got += _drain(coord, 10 * len(ranks))
+    assert _steps_by_rank(got) == {r: list(range(n + 10)) for r in ranks}
+    assert coord.read_upstream(200) == []
+    coord.flush_acks()
+    assert _until_acked(url, keys, ranks) == 0
     coord.close()
+
+
+def _children(pool: ingest.IngestPool) -> list[BaseProcess]:
+    return [r.proc for r in pool._readers]
 
 
 def test_ingest_procs_zero_keeps_the_in_thread_reader(url: str) -> None:
