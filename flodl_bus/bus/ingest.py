@@ -321,6 +321,10 @@ class IngestPool:
     def _restart(self, j: int) -> None:
         old = self._readers[j]
         old.proc.join(5.0)
+        if old.proc.is_alive():
+            # its pipe broke but it lives on: two readers of one stream would split it
+            old.proc.kill()
+            old.proc.join(5.0)
         code = old.proc.exitcode
         old.data.close()
         old.cmd.close()
