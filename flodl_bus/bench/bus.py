@@ -172,12 +172,37 @@ def _ingest(coord: RedisCoordinatorBus, total: int, timeout: float = 120.0) -> f
     return time.perf_counter() - t0
 
 
-def measure_ingest_prefilled(url: str, ranks: int, total: int) -> float:
+def ingest_procs_list(text: str) -> list[int] | None:
+    """``--ingest-procs 0,2``; None (the one-line error printed) when it is not counts."""
+    try:
+        procs = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        procs = []
+    if not procs or min(procs) < 0:
+        print(f"--ingest-procs: expected counts >= 0 like 0,2, got {text!r}", file=sys.stderr)
+        return None
+    return procs
+
+
+def _coordinator(
+    url: str, keys: str | RunKeys, secret: bytes, ranks: int, procs: int
+) -> RedisCoordinatorBus:
+    coord = RedisCoordinatorBus(
+        connect(url), keys, fixed_keys(secret), ranks=range(ranks), ingest_procs=procs
+    )
+    # a reader process's start is not ingest: the timing begins once every one is up
+    if coord.ingest is not None and not coord.ingest.wait_ready(120):
+        raise RuntimeError("ingest bench: reader processes did not start within 120 s")
+    return coord
+
+
+def measure_ingest_prefilled(url: str, ranks: int, total: int, procs: int = 0) -> float:
+    """Messages a second; ``procs`` > 0: read by that many reader processes."""
     keys = RunKeys(f"bench-{uuid.uuid4().hex[:8]}")
     secret = os.urandom(32)  # the seed of fixed keys
     per_rank = total // ranks
     _prefill(url, keys, ranks, per_rank, secret)
-    coord = RedisCoordinatorBus(connect(url), keys, fixed_keys(secret), ranks=range(ranks))
+    coord = _coordinator(url, keys, secret, ranks, procs)
     elapsed = _ingest(coord, per_rank * ranks)
     coord.close()
     return per_rank * ranks / elapsed
@@ -193,13 +218,13 @@ def _publisher_proc(url: str, run: str, rank: int, secret: bytes, n: int, conn: 
     bus.close()
 
 
-def measure_ingest_concurrent(url: str, ranks: int, total: int) -> float:
+def measure_ingest_concurrent(url: str, ranks: int, total: int, procs: int = 0) -> float:
     run = f"bench-{uuid.uuid4().hex[:8]}"
     secret = os.urandom(32)  # the seed of fixed keys
     per_rank = total // ranks
-    coord = RedisCoordinatorBus(connect(url), run, fixed_keys(secret), ranks=range(ranks))
+    coord = _coordinator(url, run, secret, ranks, procs)
     ctx = mp.get_context("fork")
-    pipes, procs = [], []
+    pipes, publishers = [], []
     for r in range(ranks):
         parent, child = ctx.Pipe()
         p = ctx.Process(
@@ -207,13 +232,13 @@ def measure_ingest_concurrent(url: str, ranks: int, total: int) -> float:
         )
         p.start()
         pipes.append(parent)
-        procs.append(p)
+        publishers.append(p)
     for parent in pipes:
         parent.recv()
     for parent in pipes:
         parent.send("go")
     elapsed = _ingest(coord, per_rank * ranks)
-    for p in procs:
+    for p in publishers:
         p.join(30)
     coord.close()
     return per_rank * ranks / elapsed
@@ -257,9 +282,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ingest-ranks", default="8,32")
     ap.add_argument("--messages", type=int, default=2000, help="control messages per config")
     ap.add_argument("--ingest", type=int, default=100_000, help="upstream messages per config")
+    ap.add_argument(
+        "--ingest-procs",
+        default="0",
+        help="comma-separated reader process counts for ingest, each measured beside the "
+        "others in the same run (0: the coordinator's own thread; e.g. 0,2)",
+    )
     ap.add_argument("--publishes", type=int, default=20_000)
     ap.add_argument("--repeats", type=int, default=3, help="runs per figure (median taken)")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if ingest_procs_list(args.ingest_procs) is None:
+        return 2
 
     server = None
     url = args.redis_url
@@ -299,19 +332,29 @@ def _run(args: Any, url: str) -> int:
     print("  target (8 ranks): p50 <= 5x PING, p99 < 2000 µs")
     print()
     print("coordinator upstream ingest (read + verify + decode + ack), msgs/s")
+    procs_list = ingest_procs_list(args.ingest_procs)
+    assert procs_list is not None  # checked in main
     for ranks in [int(x) for x in args.ingest_ranks.split(",") if x]:
-        pre = statistics.median(
-            measure_ingest_prefilled(url, ranks, args.ingest) for _ in range(args.repeats)
-        )
-        conc = statistics.median(
-            measure_ingest_concurrent(url, ranks, args.ingest // 2)
-            for _ in range(max(1, args.repeats - 1))
-        )
-        print(
-            f"  {ranks:>3} ranks   pre-filled {pre:9.0f}/s ({1e9 / pre / rtt:5.3f} PING/msg)"
-            f"   with live publishers {conc:9.0f}/s"
-        )
-    print("  target: >= 100,000 msgs/s at 8 and 32 ranks (issue 27)")
+        # Interleaved: each repeat measures every K in turn, so a shared host's drift
+        # falls on all of them alike.
+        pre: dict[int, list[float]] = {k: [] for k in procs_list}
+        conc: dict[int, list[float]] = {k: [] for k in procs_list}
+        for i in range(args.repeats):
+            for k in procs_list:
+                pre[k].append(measure_ingest_prefilled(url, ranks, args.ingest, k))
+                if i < max(1, args.repeats - 1):
+                    conc[k].append(measure_ingest_concurrent(url, ranks, args.ingest // 2, k))
+        base = statistics.median(pre[procs_list[0]])
+        for k in procs_list:
+            p = statistics.median(pre[k])
+            c = statistics.median(conc[k])
+            where = "in-thread" if k == 0 else f"{k} procs"
+            ratio = "" if k == procs_list[0] else f"   {p / base:4.2f}x K={procs_list[0]}"
+            print(
+                f"  {ranks:>3} ranks {where:>9}   pre-filled {p:9.0f}/s "
+                f"({1e9 / p / rtt:5.3f} PING/msg)   with live publishers {c:9.0f}/s{ratio}"
+            )
+    print("  target: >= 100,000 msgs/s at 8 and 32 ranks, signed (issue 27)")
     print()
     bursts, paced_all = [], []
     for _ in range(args.repeats):

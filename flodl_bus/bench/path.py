@@ -26,11 +26,17 @@ Each stage's figure is the best of ``--repeats`` passes. References from the sam
 PING round trip, and the budget: with ``--step-ms`` steps, N ranks send 2N messages a
 step, so one thread keeps up only while a message costs less than step / 2N; ``cores``
 is the share of one core the path needs.
+
+``--ingest-procs 0,2``: every stage and the per-read cost again with the upstream read by
+that many reader processes (``bus.ingest``), the passes of each K interleaved; beside
+each wall figure, this process's CPU per message, which is what a host with cores to
+spare for the readers pays on the dispatching thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -40,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flodl_bus.bench.bus import measure_ping
+from flodl_bus.bench.bus import ingest_procs_list, measure_ping
 from flodl_bus.bench.scale import rank_counts
 from flodl_bus.bus import entries
 from flodl_bus.bus.connection import connect
@@ -87,6 +93,8 @@ class PathCosts:
     tick_us: float
     ping_us: float
     budget_us: float
+    #: this process's CPU per message of the ingest stage
+    ingest_cpu_us: float = math.nan
 
 
 def _prefill(url: str, keys: RunKeys, ranks: int, steps: int) -> int:
@@ -132,16 +140,23 @@ def _config(ranks: int, steps: int) -> CoordinatorConfig:
     )
 
 
+def _bus(url: str, keys: RunKeys, ranks: int, procs: int) -> RedisCoordinatorBus:
+    bus = RedisCoordinatorBus(
+        connect(url), keys, fixed_keys(SEED), ranks=range(ranks), config=QUIET, ingest_procs=procs
+    )
+    if bus.ingest is not None and not bus.ingest.wait_ready(120):
+        raise RuntimeError("bench path: ingest reader processes did not start within 120 s")
+    return bus
+
+
 def _run(
-    url: str, ranks: int, steps: int, stage: str, work: Path
+    url: str, ranks: int, steps: int, stage: str, work: Path, procs: int = 0
 ) -> tuple[float, int, float, float, float]:
     """(µs per message, messages, record bytes per message, ms the record process took
     to catch up after the last message, CPU µs of this process per message) of one
     pre-filled pass."""
     keys = RunKeys(f"path-{uuid.uuid4().hex[:8]}")
-    bus = RedisCoordinatorBus(
-        connect(url), keys, fixed_keys(SEED), ranks=range(ranks), config=QUIET
-    )
+    bus = _bus(url, keys, ranks, procs)
     for _ in range(3):
         bus.read_upstream(0)  # the first reads drain the (empty) pending lists: not timed
     total = _prefill(url, keys, ranks, steps)
@@ -212,12 +227,10 @@ def _sends(url: str, ranks: int) -> tuple[float, float]:
     return best_send, best_cast
 
 
-def _per_read(url: str, ranks: int, steps: int) -> tuple[float, float]:
-    """(µs of an XREADGROUP over every rank's stream that finds nothing, µs of a tick)."""
-    bus = RedisCoordinatorBus(
-        connect(url), RunKeys(f"path-{uuid.uuid4().hex[:8]}"), fixed_keys(SEED),
-        ranks=range(ranks), config=QUIET,
-    )  # fmt: skip
+def _per_read(url: str, ranks: int, steps: int, procs: int = 0) -> tuple[float, float]:
+    """(µs of an XREADGROUP over every rank's stream that finds nothing, µs of a tick).
+    With reader processes: of a ``read_upstream`` that finds nothing in their pipes."""
+    bus = _bus(url, RunKeys(f"path-{uuid.uuid4().hex[:8]}"), ranks, procs)
     for _ in range(3):
         bus.read_upstream(0)  # the first passes drain the (empty) pending lists
     read = float("inf")
@@ -244,59 +257,85 @@ def measure(
     url: str, ranks: int, steps: int, step_ms: float, work: Path, repeats: int = 3
 ) -> PathCosts:
     """Each stage's best of ``repeats`` passes (a shared host's noise only adds)."""
+    return measure_procs(url, ranks, steps, step_ms, work, repeats, [0])[0]
 
-    def best(stage: str) -> tuple[float, int, float, float, float]:
-        return min(_run(url, ranks, steps, stage, work) for _ in range(repeats))
 
-    ingest, n, _, _, _ = best("ingest")
-    core_runs = [_run(url, ranks, steps, "core", work) for _ in range(repeats)]
-    core = min(core_runs)[0]
-    core_cpu = min(r[4] for r in core_runs)
-    # alternated, so that a shared host's load falls on each alike
-    kinds = ("record", "thread", "shadow")
-    runs = [_run(url, ranks, steps, st, work) for _ in range(repeats) for st in kinds]
-    record, _, size, caught_up, _ = min(runs[0::3])
-    thread = min(runs[1::3])[0]
-    shadow, _, _, shadow_caught_up, _ = min(runs[2::3])
-    record_cpu = min(r[4] for r in runs[0::3])
-    thread_cpu = min(r[4] for r in runs[1::3])
-    shadow_cpu = min(r[4] for r in runs[2::3])
+def measure_procs(
+    url: str,
+    ranks: int,
+    steps: int,
+    step_ms: float,
+    work: Path,
+    repeats: int,
+    procs: Sequence[int],
+) -> list[PathCosts]:
+    """``measure`` for each ingest reader count in ``procs``. Every pass of every stage
+    and K is alternated, so that a shared host's load falls on each alike."""
+    kinds = ("ingest", "core", "record", "thread", "shadow")
+    runs: dict[tuple[str, int], list[tuple[float, int, float, float, float]]] = {}
+    for _ in range(repeats):
+        for k in procs:
+            for st in kinds:
+                runs.setdefault((st, k), []).append(_run(url, ranks, steps, st, work, k))
     send, cast = _sends(url, ranks)
-    read, tick = _per_read(url, ranks, steps)
-    return PathCosts(
-        ranks=ranks,
-        messages=n,
-        ingest_us=ingest,
-        core_us=core,
-        record_us=record,
-        thread_us=thread,
-        caught_up_ms=caught_up,
-        core_cpu_us=core_cpu,
-        record_cpu_us=record_cpu,
-        thread_cpu_us=thread_cpu,
-        shadow_us=shadow,
-        shadow_cpu_us=shadow_cpu,
-        shadow_caught_up_ms=shadow_caught_up,
-        send_us=send,
-        broadcast_us=cast,
-        record_bytes=size,
-        read_us=read,
-        tick_us=tick,
-        ping_us=_ping_us(url),
-        budget_us=step_ms * 1000 / (2 * ranks),
-    )
+    ping = _ping_us(url)
+    out = []
+    for k in procs:
+
+        def best(st: str, k: int = k) -> tuple[float, int, float, float, float]:
+            return min(runs[(st, k)])
+
+        def cpu(st: str, k: int = k) -> float:
+            return min(r[4] for r in runs[(st, k)])
+
+        read, tick = _per_read(url, ranks, steps, k)
+        record = best("record")
+        shadow = best("shadow")
+        out.append(
+            PathCosts(
+                ranks=ranks,
+                messages=best("ingest")[1],
+                ingest_us=best("ingest")[0],
+                core_us=best("core")[0],
+                record_us=record[0],
+                thread_us=best("thread")[0],
+                caught_up_ms=record[3],
+                core_cpu_us=cpu("core"),
+                record_cpu_us=cpu("record"),
+                thread_cpu_us=cpu("thread"),
+                shadow_us=shadow[0],
+                shadow_cpu_us=cpu("shadow"),
+                shadow_caught_up_ms=shadow[3],
+                send_us=send,
+                broadcast_us=cast,
+                record_bytes=record[2],
+                read_us=read,
+                tick_us=tick,
+                ping_us=ping,
+                budget_us=step_ms * 1000 / (2 * ranks),
+                ingest_cpu_us=cpu("ingest"),
+            )
+        )
+    return out
 
 
-def report(c: PathCosts, step_ms: float) -> str:
+def report(c: PathCosts, step_ms: float, procs: int = 0) -> str:
     def cores(us: float) -> str:
         return f"{us / c.budget_us:5.2f} cores"
 
+    def cpu(us: float) -> str:
+        return "" if math.isnan(us) else f"   cpu {us:6.1f} µs/msg"
+
+    where = "ingest on the dispatching thread" if procs == 0 else f"ingest in {procs} procs"
     return "\n".join(
         [
-            f"ranks {c.ranks} ({c.messages} messages): budget {c.budget_us:.1f} µs a message "
-            f"at {step_ms:g} ms steps (2 messages a rank a step); PING {c.ping_us:.1f} µs",
-            f"  ingest             {c.ingest_us:7.1f} µs/msg   {cores(c.ingest_us)}",
-            f"  ingest + core      {c.core_us:7.1f} µs/msg   {cores(c.core_us)}",
+            f"ranks {c.ranks} ({c.messages} messages), {where}: budget {c.budget_us:.1f} µs "
+            f"a message at {step_ms:g} ms steps (2 messages a rank a step); PING "
+            f"{c.ping_us:.1f} µs",
+            f"  ingest             {c.ingest_us:7.1f} µs/msg   {cores(c.ingest_us)}"
+            f"{cpu(c.ingest_cpu_us)}",
+            f"  ingest + core      {c.core_us:7.1f} µs/msg   {cores(c.core_us)}"
+            f"{cpu(c.core_cpu_us)}",
             f"  ingest+core+record {c.record_us:7.1f} µs/msg   {cores(c.record_us)}   "
             f"(record {c.record_us - c.core_us:+.1f} µs, {c.record_bytes:.0f} B/msg on disk; "
             f"record process caught up {c.caught_up_ms:.0f} ms after the last message)",
@@ -323,9 +362,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=50.0, help="step time of the budget")
     ap.add_argument("--repeats", type=int, default=3, help="passes per stage (best kept)")
     ap.add_argument("--redis-url", default=None, help="an existing server (default: start one)")
+    ap.add_argument(
+        "--ingest-procs",
+        default="0",
+        help="comma-separated ingest reader process counts, each measured in the same run "
+        "(0: the dispatching thread reads; e.g. 0,2)",
+    )
     args = ap.parse_args(argv)
     counts = rank_counts(args.ranks)
     if counts is None:
+        return 2
+    procs = ingest_procs_list(args.ingest_procs)
+    if procs is None:
         return 2
     if not counts or min(counts) < 1 or min(args.steps, args.repeats) < 1 or args.step_ms <= 0:
         print("--ranks, --steps, --repeats and --step-ms must be positive", file=sys.stderr)
@@ -338,8 +386,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="flodl-path-") as tmp:
             for n in counts:
-                costs = measure(url, n, args.steps, args.step_ms, Path(tmp), args.repeats)
-                print(report(costs, args.step_ms), flush=True)
+                costs = measure_procs(
+                    url, n, args.steps, args.step_ms, Path(tmp), args.repeats, procs
+                )
+                for k, c in zip(procs, costs, strict=True):
+                    print(report(c, args.step_ms, procs=k), flush=True)
     finally:
         if server is not None:
             server.stop()

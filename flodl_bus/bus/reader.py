@@ -113,6 +113,12 @@ class _GroupReader:
             for d in deliveries:
                 self._acks.setdefault(d.stream, []).append(d.entry_id)
 
+    def queue_ack_ids(self, acks: Mapping[str, Sequence[str]]) -> None:
+        """Like ``queue_acks``, for ids dispatched elsewhere (``bus.ingest``)."""
+        with self._ack_lock:
+            for stream, ids in acks.items():
+                self._acks.setdefault(stream, []).extend(ids)
+
     def _take_acks(self) -> dict[str, list[str]]:
         with self._ack_lock:
             acks, self._acks = self._acks, {}
@@ -206,6 +212,27 @@ class _GroupReader:
     ) -> list[Delivery]:
         """One read, verified and decoded; what fails goes to the dlq (``verifiers``
         and ``rank_fields``: stream -> its key, and the ``rank`` field its entries carry)."""
+        folded: list[Delivery] = []
+        out = [
+            Delivery(r.stream, format_id(r.entry_id), r.parsed.msg)  # type: ignore[attr-defined]
+            for r in self.read_checked(block_ms, verifiers, channel, rank_fields, folded)
+        ]
+        # A rank's entries come either on its own stream or in its host's fold, never
+        # both, so its order is kept with the folded ones after the direct ones.
+        return out + folded if folded else out
+
+    def read_checked(
+        self,
+        block_ms: int,
+        verifiers: Mapping[str, Verifier],
+        channel: str,
+        rank_fields: Mapping[str, str],
+        folded: list[Delivery] | None = None,
+    ) -> list[Received]:
+        """``read_parsed``'s accepted entries as read (``parsed``: an ``entries.Parsed``),
+        for a caller that hands on the verified fields rather than the message
+        (``bus.ingest``). A host agent's fold stream (``folds``) is unpacked into
+        ``folded``, its items as deliveries from their ranks' own streams."""
         parse = entries.parse
         seqs = self.seqs
         limit = writer_limit(_now_ms())
@@ -241,15 +268,17 @@ class _GroupReader:
             seqs[stream] = p.seq
             return p
 
-        out: list[Delivery] = []
+        out: list[Received] = []
         rejected: list[tuple[Received, str]] = []
         for r in self.read(block_ms, check):
             if r.rejected is not None:
                 rejected.append((r, r.rejected))
             elif type(r.parsed) is Unpacked:
-                unfold_into(r, r.parsed, out, rejected)
+                if folded is None:
+                    raise RuntimeError(f"{self.name}: fold stream {r.stream} read without folds")
+                unfold_into(r, r.parsed, folded, rejected)
             else:
-                out.append(Delivery(r.stream, format_id(r.entry_id), r.parsed.msg))  # type: ignore[attr-defined]
+                out.append(r)
         if rejected:
             self.dead_letter(rejected)
         return out

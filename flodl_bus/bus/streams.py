@@ -29,6 +29,7 @@ from flodl_bus.bus.connection import Link
 from flodl_bus.bus.fold import FoldRoutes, host_stream
 from flodl_bus.bus.foreign import FOLLOW_LIMIT_MS, StreamBlocked, repair_stream, writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, IdClock, format_id, parse_id
+from flodl_bus.bus.ingest import IngestFailed, IngestPool
 from flodl_bus.bus.keys import BROADCAST, RunKeys
 from flodl_bus.bus.lane import Lane
 from flodl_bus.bus.publisher import _Publisher
@@ -183,13 +184,16 @@ class RedisCoordinatorBus:
         lock: threading.RLock | None = None,
         wait_ms: int = 0,
         script: bool = True,
+        ingest_procs: int = 0,
     ) -> None:
         """``shard``, ``clock``, ``lock``: one shard of a run on a Redis Cluster
         (``bus.sharded``), the shards sharing one id clock and one lock so that every
         rank's control keeps the send order. ``wait_ms`` > 0: each control write is
         followed by ``WAIT 1 wait_ms`` (``bus.replication``). ``script``: ``send_batch``
         in one EVALSHA where the server and the user allow it (``bus.batch_script``);
-        False, or on a cluster shard, the WATCH/MULTI/EXEC transaction."""
+        False, or on a cluster shard, the WATCH/MULTI/EXEC transaction. ``ingest_procs``
+        > 0: the upstream streams are read, verified and dead-lettered by that many
+        reader processes (``bus.ingest``); 0 reads them on the calling thread."""
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.client = client
         self.signing = keys
@@ -230,6 +234,18 @@ class RedisCoordinatorBus:
         )
         #: host agents' fold streams (``add_fold``)
         self.folds = FoldRoutes(self._verifiers, self._reader.seqs)
+        self._ingest: IngestPool | None = None
+        if ingest_procs > 0:
+            self._ingest = IngestPool(
+                client,
+                ingest_procs,
+                group=COORDINATOR_GROUP,
+                consumer=COORDINATOR_GROUP,
+                config=self.config,
+                name="coordinator.ingest" if shard is None else f"coordinator.ingest.s{shard}",
+                where=where,
+                dlq=self._dlq,
+            )
         self._guard = (
             ReplicaGuard(client, self.keys.fence(shard), wait_ms, self._link)
             if wait_ms > 0
@@ -354,9 +370,11 @@ class RedisCoordinatorBus:
         """Each stream's newest verified id as this coordinator knows it."""
         with self._lock:
             tops = dict(self._tops)
+        ingest = self._ingest
         for up in [*self._ranks, *self.folds.hosts]:
-            if up not in self.folds.fold_of:  # a folded rank's own stream goes unread
-                tops[up] = self._reader.cursor.last_id(up)
+            if up in self.folds.fold_of:  # a folded rank's own stream goes unread
+                continue
+            tops[up] = self._reader.cursor.last_id(up) if ingest is None else ingest.last_id(up)
         return tops
 
     def trim_now(self, now: float | None = None) -> dict[str, EntryId]:
@@ -398,13 +416,20 @@ class RedisCoordinatorBus:
         self._link.call(op)
         self._verifiers[up] = key
         self._ranks[up] = str(rank)
-        if up not in self.folds.fold_of:
+        if up in self.folds.fold_of:
+            return
+        if self._ingest is not None:
+            self._ingest.add_stream(up, key, str(rank))
+        else:
             self._reader.add_stream(up)
 
     def add_fold(self, host: str, ranks: Iterable[int]) -> str:
         """Read ``ranks``' upstream from host agent ``host``'s fold stream instead of
         their own ``up:<r>`` (``bus.fold``); call before ``add_rank`` of those ranks.
         Returns the fold stream's key."""
+        if self._ingest is not None:
+            # The fold's unpacking and per-item checks live in this process's reader.
+            raise ValueError("host agents' fold streams are read in-thread: ingest_procs=0")
         ranks = list(ranks)
         shards = {self.keys.shard_of(r) for r in ranks}
         if len(shards) > 1:
@@ -609,6 +634,19 @@ class RedisCoordinatorBus:
         )
 
     def read_upstream(self, block_ms: int) -> list[Delivery]:
+        if self._ingest is not None:
+            # the readers dead-letter and repair foreign entries themselves
+            try:
+                out = self._ingest.read(block_ms)
+            except IngestFailed as exc:
+                log.error("bus_ingest_in_thread", reason=str(exc), action="reading in-thread")
+                self._ingest.hand_over(self._reader)
+                self._ingest = None
+                out = exc.deliveries
+            for d in out:
+                if type(d.msg) is Heartbeat:
+                    self._note_read(d.msg)
+            return out
         out = self._reader.read_parsed(block_ms, self._verifiers, wire.UPSTREAM, self._ranks)
         for d in out:
             if type(d.msg) is Heartbeat:
@@ -629,10 +667,21 @@ class RedisCoordinatorBus:
         return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
-        self._reader.queue_acks(self.folds.acks(deliveries))
+        if self._ingest is not None:
+            self._ingest.queue_acks(deliveries)
+        else:
+            self._reader.queue_acks(self.folds.acks(deliveries))
 
     def flush_acks(self) -> None:
-        self._reader.flush_acks()
+        if self._ingest is not None:
+            self._ingest.flush_acks()
+        else:
+            self._reader.flush_acks()
+
+    @property
+    def ingest(self) -> IngestPool | None:
+        """The reader processes of ``ingest_procs`` (None: ingest on the calling thread)."""
+        return self._ingest
 
     @property
     def reconnects(self) -> int:
@@ -642,6 +691,8 @@ class RedisCoordinatorBus:
         self._trim_stop.set()
         if self._trim_thread is not None:
             self._trim_thread.join(5.0)
+        if self._ingest is not None:
+            self._ingest.close()
         self._reader.close()
         self._link.close()
         with self._lock:

@@ -385,6 +385,13 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     if keys.shards:
         from flodl_bus.bus.sharded import ShardedCoordinatorBus
 
+        if args.ingest_procs:
+            log.warning(
+                "ingest_procs_ignored",
+                ingest_procs=args.ingest_procs,
+                why="a Redis Cluster run reads each shard's upstream on its own thread",
+            )
+
         bus = ShardedCoordinatorBus(
             [c for c, _ in owners[1:]],
             keys,
@@ -395,7 +402,12 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
         )
     else:
         bus = RedisCoordinatorBus(
-            client, keys, rank_keys, ranks=range(ws), where=redact_url(args.redis_url)
+            client,
+            keys,
+            rank_keys,
+            ranks=range(ws),
+            where=redact_url(args.redis_url),
+            ingest_procs=args.ingest_procs,
         )
 
     metrics = MetricsTable(run_dir / "metrics.csv", ws)

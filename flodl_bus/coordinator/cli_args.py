@@ -70,6 +70,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", help="resume from <STEM>.meta.json, training only uncovered samples")
     p.add_argument("--run-dir", help="record and metrics directory (default runs/<run>)")
     p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds (default 30)")
+    p.add_argument(
+        "--ingest-procs",
+        type=int,
+        default=0,
+        metavar="K",
+        help="read, verify and dead-letter the ranks' upstream in K reader processes, each "
+        "owning a fixed share of the ranks (default 0: on the coordinator's own thread); "
+        "for high rank counts on a host with cores to spare (`flodl-bus bench path "
+        "--ingest-procs`); a Redis Cluster run reads in-thread per shard",
+    )
     p.add_argument("--eval-every", type=int, help="evaluate every N epochs")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
     p.add_argument(
@@ -150,6 +160,7 @@ def _check(args: argparse.Namespace) -> None:
     _positive("--join-timeout", args.join_timeout, zero_ok=True)
     _positive("--epochs", args.epochs, zero_ok=True)
     _positive("--heartbeat-timeout", args.heartbeat_timeout)
+    _positive("--ingest-procs", args.ingest_procs, zero_ok=True)
     _positive("--eval-every", args.eval_every)
     _positive("--checkpoint-every", args.checkpoint_every)
     _positive("--exit-grace", args.exit_grace, zero_ok=True)

@@ -54,6 +54,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
     p.add_argument(
+        "--ingest-procs",
+        type=int,
+        default=0,
+        metavar="K",
+        help="the coordinator reads the ranks' upstream in K reader processes (default 0: "
+        "on its own thread; see `flodl-bus coordinator --help`)",
+    )
+    p.add_argument(
         "--device",
         default="auto",
         help="the workers' device: cpu, cuda, cuda:N or auto (default: cuda:<rank mod GPUs> "
@@ -135,6 +143,8 @@ def check_args(args: argparse.Namespace, given: Sequence[str]) -> str | None:
         return "--workers must be at least 1"
     if args.epochs is not None and args.epochs < 1:
         return "--epochs must be at least 1"
+    if args.ingest_procs < 0:
+        return "--ingest-procs must be >= 0"
     if args.tensorboard:
         from flodl_bus.coordinator.metrics import TensorBoardScalars
 
@@ -221,6 +231,8 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
         argv += ["--resume", args.resume]
     if args.tensorboard:
         argv += ["--tensorboard", args.tensorboard]
+    if args.ingest_procs:
+        argv += ["--ingest-procs", str(args.ingest_procs)]
     return argv
 
 

@@ -744,6 +744,20 @@ def decode(body: bytes, channel: str | None = None, expect: str | None = None) -
     return msg
 
 
+def decode_validated(body: bytes, channel: str, expect: str) -> Any:
+    """``decode(body, channel, expect)`` of a body that another process of the run
+    already decoded and validated so (``bus.ingest``'s readers hand the coordinator
+    verified bodies): the schema check is skipped where a fast decoder exists, which
+    halves the cost. Anything it cannot build goes through ``decode`` in full."""
+    fast = _FAST.get(expect)
+    if fast is not None and fast.channel == channel:
+        try:
+            return fast.build.decode(body)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            pass
+    return decode(body, channel, expect)
+
+
 def decode_control(body: bytes) -> m.ControlWire:
     return decode(body, CONTROL)  # type: ignore[no-any-return]
 

@@ -1,0 +1,524 @@
+"""The coordinator's upstream ingest spread over K reader processes (``--ingest-procs K``).
+
+One thread reading, authenticating and decoding every rank's upstream is the coordinator's
+limit at high rank counts (``bench path``). Here K processes each own a fixed subset of
+the ``up:<r>`` streams (round-robin in the order ranks are added) and run the same
+``_GroupReader`` the in-thread ingest uses: XREADGROUP, ``GroupCursor``, seq and replay
+checks, MAC verification, a full decode, dead-lettering with the reason, foreign-entry
+repair. What passes goes to the main process as one blob per read: the verified ``type``
+and ``body`` of each entry, not the decoded message (pickling message objects cost more
+than decoding them again: ~10 µs against ~3 µs a message). The main process decodes,
+hands the deliveries to the one ordered consumer (the sans-IO core, whose order is what
+is recorded, so replay stays exact), and acks through the owning reader.
+
+How DESIGN §3 is kept:
+
+* Per-rank order: a stream belongs to exactly one reader, which sends its entries in
+  read order over one pipe; the main process keeps that order within every blob and
+  across the blobs of a reader.
+* No loss: an entry is acked only after ``ack`` (the core dispatched it): the main
+  process sends the ids to the owning reader, which acks them on its next read.
+* No duplicate: each reader's cursor starts above the last entry the main process got
+  of its streams, so pending entries handed out before are not read again; a
+  ``GroupCursor`` drops redeliveries as in-thread.
+* A reader that dies (a crash, SIGKILL, OOM) is seen at once (its process sentinel is
+  part of every wait) and restarted from its pending entries: the new process starts
+  each stream after the last entry the main process received (and its seq, so replay
+  protection holds across the restart), acks the pending entries the main process had
+  asked its predecessor to ack, and re-reads every other pending entry. Restarting is
+  what a user expects of one crashed helper. A reader that keeps dying
+  (``MAX_RESTARTS`` within ``RESTART_WINDOW_S``) is a fault restarting will not cure:
+  ``read`` raises ``IngestFailed`` with the reason, and the coordinator's bus goes on
+  reading on its own thread from where the readers were (``hand_over``), as with
+  ``--ingest-procs 0``: the run goes on, slower, and the log says why.
+
+The readers are spawned, not forked (the coordinator runs threads whose locks a fork
+would copy held), so a program that builds a coordinator bus with reader processes
+guards its entry point with ``if __name__ == "__main__":``, as ``multiprocessing``
+requires of every spawning program; ``flodl-bus coordinator`` does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import multiprocessing as mp
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, Final
+
+import redis
+
+from flodl_bus.bus import entries
+from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.foreign import repair_stream
+from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
+from flodl_bus.bus.reader import _GroupReader
+from flodl_bus.bus.stream_ops import BusError, StreamsConfig, _now_ms, log
+from flodl_bus.protocol import wire
+from flodl_bus.protocol.signing import Verifier
+
+#: restarts of one reader within ``RESTART_WINDOW_S`` before the run is stopped
+MAX_RESTARTS: Final = 5
+RESTART_WINDOW_S: Final = 60.0
+#: a reader's XREADGROUP BLOCK (acks and a stop wait for the read in progress)
+_READ_BLOCK_MS: Final = 250
+#: blobs taken from one reader per ``read`` (the rest wait for the next one)
+_BLOBS_PER_READ: Final = 64
+#: kwargs of a connection pool that do not cross a process boundary (made afresh there)
+_LOCAL_KWARGS: Final = frozenset({"himport_registry"})
+# Spawned, not forked: the coordinator runs threads (trimmer, recorder, heartbeats) whose
+# locks a fork would copy held.
+_CTX: Final = mp.get_context("spawn")
+
+
+class IngestFailed(BusError):
+    """A reader process kept dying; the pool stops (``IngestPool.hand_over``).
+    ``deliveries``: what the read that found it dead received first, to dispatch (the
+    streams' positions are already past them)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.deliveries: list[Delivery] = []
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What a reader process needs to start (crosses the process boundary once)."""
+
+    connection_class: type
+    connection_kwargs: dict[str, Any]
+    group: str
+    consumer: str
+    config: StreamsConfig
+    name: str
+    where: str
+    dlq: str
+    channel: str
+
+
+@dataclass
+class _Stream:
+    verifier: Verifier
+    rank_field: str
+    reader: int
+    #: the last entry (id, seq) the main process received of this stream
+    last_id: str = ""
+    last_seq: int = 0
+    #: the last id the main process asked the owning reader to ack
+    acked: str = ""
+
+
+#: (stream, verifier, rank field, start after id, start after seq, ack pending through id)
+_StreamStart = tuple[str, Verifier, str, str, int, str]
+
+
+@dataclass
+class _Proc:
+    proc: BaseProcess
+    data: Connection
+    cmd: Connection
+
+
+def _ack_through(reader: _GroupReader, stream: str, last: str) -> None:
+    """Ack this consumer's pending entries of ``stream`` up to ``last``: a dead
+    predecessor was asked to ack them and may not have."""
+    client = reader.client
+    while True:
+        rows = client.xpending_range(
+            stream, reader.group, min="-", max=last, count=1000, consumername=reader.consumer
+        )
+        if not rows:
+            return
+        client.xack(stream, reader.group, *[r["message_id"] for r in rows])
+        if len(rows) < 1000:
+            return
+
+
+def _reader_main(spec: _Spec, data: Connection, cmd: Connection, start: list[_StreamStart]) -> None:
+    """A reader process: read its streams, send what verifies, ack what it is told."""
+    # Ctrl-C reaches the whole process group; the main process decides when readers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pool = redis.ConnectionPool(connection_class=spec.connection_class, **spec.connection_kwargs)
+    reader = _GroupReader(
+        redis.Redis(connection_pool=pool),
+        [],
+        group=spec.group,
+        consumer=spec.consumer,
+        ordered=False,
+        config=spec.config,
+        name=spec.name,
+        where=spec.where,
+        dlq=spec.dlq,
+    )
+    verifiers: dict[str, Verifier] = {}
+    rank_fields: dict[str, str] = {}
+    lock = threading.Lock()
+    added: list[_StreamStart] = list(start)
+    stop = threading.Event()
+    woken = threading.Event()
+
+    def commands() -> None:
+        try:
+            while True:
+                kind, arg = cmd.recv()
+                if kind == "ack":
+                    reader.queue_ack_ids(arg)
+                elif kind == "add":
+                    with lock:
+                        added.append(arg)
+                    woken.set()
+                else:
+                    break
+        except (EOFError, OSError):
+            pass  # the main process is gone: stop as if told to
+        stop.set()
+        woken.set()
+
+    threading.Thread(target=commands, name="flodl-bus-ingest-cmd", daemon=True).start()
+    # A short BLOCK: acks and a stop wait for the read in progress.
+    block_ms = min(spec.config.max_block_ms, _READ_BLOCK_MS)
+    hello = True
+    while not stop.is_set():
+        with lock:
+            new, added[:] = list(added), []
+        for stream, verifier, rank_field, after, seq, acked in new:
+            verifiers[stream] = verifier
+            rank_fields[stream] = rank_field
+            reader.add_stream(stream)
+            if after:
+                reader.cursor.skip(stream, parse_id(after))
+                reader.seqs[stream] = seq
+            if acked:
+
+                def ack_old(retry: bool, s: str = stream, a: str = acked) -> None:
+                    _ack_through(reader, s, a)
+
+                reader.link.call(ack_old)
+        if hello:
+            # an empty message: up, its streams' groups made and its pending acks done
+            def groups(retry: bool) -> None:
+                reader._ensure_groups()
+
+            reader.link.call(groups)
+            data.send_bytes(b"")
+            hello = False
+        if not reader.cursor.streams:
+            woken.wait(0.2)
+            woken.clear()
+            continue
+        got = reader.read_checked(block_ms, verifiers, spec.channel, rank_fields)
+        if reader.foreign:
+            # A rank's publisher waits on a stream wedged by a foreign entry; only the
+            # coordinator's credential may remove it, and this process holds it.
+            streams, reader.foreign = reader.foreign, set()
+            for stream in sorted(streams):
+                floor = reader.cursor.last_id(stream)
+
+                def repair(retry: bool, s: str = stream, f: EntryId = floor) -> None:
+                    repair_stream(
+                        reader.client, s, spec.dlq, floor=f, now_ms=_now_ms(), by="coordinator"
+                    )
+
+                reader.link.call(repair)
+        if not got:
+            continue
+        names: list[str] = []
+        ids: list[str] = []
+        types: list[str] = []
+        bodies: list[bytes] = []
+        tops: dict[str, tuple[str, int]] = {}
+        for r in got:
+            eid = format_id(r.entry_id)
+            p: entries.Parsed = r.parsed  # type: ignore[assignment]
+            names.append(r.stream)
+            ids.append(eid)
+            types.append(p.type)
+            bodies.append(r.fields[entries.F_BODY])  # type: ignore[index]
+            tops[r.stream] = (eid, p.seq)
+        try:
+            data.send_bytes(pickle.dumps((names, ids, types, bodies, tops), protocol=5))
+        except (BrokenPipeError, OSError):
+            break
+    reader.close()
+
+
+class IngestPool:
+    """The main process's side: K reader processes, their pipes, and the acks owed."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        procs: int,
+        *,
+        group: str,
+        consumer: str,
+        config: StreamsConfig,
+        name: str,
+        where: str,
+        dlq: str,
+        channel: str = wire.UPSTREAM,
+    ) -> None:
+        if procs < 1:
+            raise ValueError("an ingest pool needs at least one reader process")
+        cpool = client.connection_pool
+        # A bare ``object()`` is redis-py's "not given" marker, which pickling would
+        # turn into a value; left out, the other side takes its own default.
+        kwargs = {
+            k: v
+            for k, v in cpool.connection_kwargs.items()
+            if k not in _LOCAL_KWARGS and type(v) is not object
+        }
+        self._spec = _Spec(
+            cpool.connection_class, kwargs, group, consumer, config, name, where, dlq, channel
+        )
+        self.procs = procs
+        self._streams: dict[str, _Stream] = {}
+        self._members: list[list[str]] = [[] for _ in range(procs)]
+        self._acks: list[dict[str, list[str]]] = [{} for _ in range(procs)]
+        self._deaths: list[collections.deque[float]] = [collections.deque() for _ in range(procs)]
+        #: reader processes started again after one died
+        self.restarts = 0
+        self._closed = False
+        self._ready = [False] * procs
+        #: blobs that came while waiting for readers to start
+        self._held: list[bytes] = []
+        self._readers: list[_Proc] = [self._start(j) for j in range(procs)]
+        log.info("bus_ingest_started", reader=name, procs=procs, pids=self.pids)
+
+    # ------------------------------------------------------------------ processes
+
+    def _start(self, j: int) -> _Proc:
+        data_r, data_w = _CTX.Pipe(duplex=False)
+        cmd_r, cmd_w = _CTX.Pipe(duplex=False)
+        start: list[_StreamStart] = [self._start_of(s) for s in self._members[j]]
+        proc = _CTX.Process(
+            target=_reader_main,
+            args=(self._spec, data_w, cmd_r, start),
+            name=f"{self._spec.name}.{j}",
+            daemon=True,
+        )
+        self._ready[j] = False
+        proc.start()
+        data_w.close()
+        cmd_r.close()
+        return _Proc(proc, data_r, cmd_w)
+
+    def _start_of(self, stream: str) -> _StreamStart:
+        s = self._streams[stream]
+        return (stream, s.verifier, s.rank_field, s.last_id, s.last_seq, s.acked)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [r.proc.pid for r in self._readers]
+
+    def _restart(self, j: int) -> None:
+        old = self._readers[j]
+        old.proc.join(5.0)
+        if old.proc.is_alive():
+            # its pipe broke but it lives on: two readers of one stream would split it
+            old.proc.kill()
+            old.proc.join(5.0)
+        code = old.proc.exitcode
+        old.data.close()
+        old.cmd.close()
+        now = time.monotonic()
+        deaths = self._deaths[j]
+        deaths.append(now)
+        while deaths and deaths[0] < now - RESTART_WINDOW_S:
+            deaths.popleft()
+        log.error(
+            "bus_ingest_reader_died",
+            reader=f"{self._spec.name}.{j}",
+            exitcode=code,
+            streams=len(self._members[j]),
+            deaths_in_window=len(deaths),
+        )
+        if len(deaths) > MAX_RESTARTS:
+            raise IngestFailed(
+                f"ingest reader {self._spec.name}.{j} died {len(deaths)} times within "
+                f"{RESTART_WINDOW_S:g} s (last exit code {code}): not restarting it again"
+            )
+        self._readers[j] = self._start(j)
+        self.restarts += 1
+        log.warning("bus_ingest_reader_restarted", reader=f"{self._spec.name}.{j}")
+
+    # ------------------------------------------------------------------ streams
+
+    def add_stream(self, stream: str, verifier: Verifier, rank_field: str) -> None:
+        if stream in self._streams:
+            return
+        j = len(self._streams) % self.procs
+        self._streams[stream] = _Stream(verifier, rank_field, j)
+        self._members[j].append(stream)
+        self._send(j, ("add", self._start_of(stream)))
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every reader process is up (False: not within ``timeout``).
+        Nothing needs it (entries wait in Redis meanwhile); benches do not time a
+        process start, and tests know when a reader can be killed mid-stream."""
+        deadline = time.monotonic() + timeout
+        while not all(self._ready):
+            pending = [r.data for j, r in enumerate(self._readers) if not self._ready[j]]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for conn in wait(pending, timeout=left):
+                j = next(j for j, r in enumerate(self._readers) if r.data is conn)
+                try:
+                    blob = self._readers[j].data.recv_bytes()
+                except (EOFError, OSError):
+                    self._restart(j)
+                    continue
+                if blob:
+                    self._held.append(blob)
+                else:
+                    self._ready[j] = True
+        return True
+
+    def last_id(self, stream: str) -> EntryId:
+        s = self._streams.get(stream)
+        return parse_id(s.last_id) if s is not None and s.last_id else ZERO
+
+    def _send(self, j: int, msg: tuple[str, Any]) -> None:
+        # Dead: the next wait sees its sentinel and restarts it with every stream it owns.
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self._readers[j].cmd.send(msg)
+
+    # ------------------------------------------------------------------ acks
+
+    def queue_acks(self, deliveries: Sequence[Delivery]) -> None:
+        streams = self._streams
+        acks = self._acks
+        for d in deliveries:
+            acks[streams[d.stream].reader].setdefault(d.stream, []).append(d.entry_id)
+
+    def flush_acks(self) -> None:
+        """Hand the queued acks to their readers (each acks on its next read)."""
+        for j, acks in enumerate(self._acks):
+            if not acks:
+                continue
+            try:
+                self._readers[j].cmd.send(("ack", acks))
+            except (BrokenPipeError, OSError):
+                continue  # dead: kept for its successor
+            self._acks[j] = {}
+            for stream, ids in acks.items():
+                self._streams[stream].acked = ids[-1]
+
+    # ------------------------------------------------------------------ reads
+
+    def read(self, block_ms: int) -> list[Delivery]:
+        self.flush_acks()
+        readers = self._readers
+        by_handle: dict[Any, int] = {}
+        for j, r in enumerate(readers):
+            by_handle[r.data] = j
+            by_handle[r.proc.sentinel] = j
+        ready = wait(list(by_handle), timeout=max(0, block_ms) / 1000)
+        blobs, self._held = self._held, []
+        dead: set[int] = set()
+        for handle in ready:
+            j = by_handle[handle]
+            if j in dead:
+                continue
+            r = readers[j]
+            try:
+                for _ in range(_BLOBS_PER_READ):
+                    if not r.data.poll():
+                        break
+                    blob = r.data.recv_bytes()
+                    if blob:
+                        blobs.append(blob)
+                    else:
+                        self._ready[j] = True
+            except (EOFError, OSError):
+                dead.add(j)  # what it sent whole is taken; a torn last message is not
+            if not r.proc.is_alive():
+                dead.add(j)
+        # Decoded before any restart: a successor starts after what its predecessor sent.
+        out = self._decode(blobs)
+        for j in sorted(dead):
+            try:
+                self._restart(j)
+            except IngestFailed as exc:
+                exc.deliveries = out
+                raise
+        return out
+
+    def _decode(self, blobs: list[bytes]) -> list[Delivery]:
+        out: list[Delivery] = []
+        decode = wire.decode_validated
+        channel = self._spec.channel
+        streams = self._streams
+        for blob in blobs:
+            names, ids, types, bodies, tops = pickle.loads(blob)
+            # The reader decoded and validated each body already (a bad one went to the
+            # dlq there); building it again here is cheaper than pickling the message.
+            out += [
+                Delivery(name, eid, decode(body, channel, type_))
+                for name, eid, type_, body in zip(names, ids, types, bodies, strict=True)
+            ]
+            for name, (eid, seq) in tops.items():
+                s = streams[name]
+                s.last_id = eid
+                s.last_seq = seq
+        return out
+
+    def hand_over(self, reader: _GroupReader) -> None:
+        """Close the pool and give every stream to ``reader`` (the in-thread one) from
+        where the main process got it: after the last entry and seq received, the
+        pending entries this process asked to ack acked, the acks it still owes queued.
+        Nothing is lost (what a reader read and did not send is pending, and re-read);
+        nothing comes twice (the cursor starts after what was received)."""
+        self.close()
+        for stream, s in self._streams.items():
+            reader.add_stream(stream)
+            if s.last_id:
+                reader.cursor.skip(stream, parse_id(s.last_id))
+                reader.seqs[stream] = s.last_seq
+            if s.acked:
+
+                def ack_old(retry: bool, st: str = stream, a: str = s.acked) -> None:
+                    _ack_through(reader, st, a)
+
+                reader.link.call(ack_old)
+        for acks in self._acks:
+            reader.queue_ack_ids(acks)
+        self._acks = [{} for _ in range(self.procs)]
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush the acks owed, ask every reader to stop (each acks what it holds and
+        exits after its current read), and reap them."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush_acks()
+        for j in range(self.procs):
+            self._send(j, ("stop", None))
+        wait_s = self._spec.config.max_block_ms / 1000 + 5.0 if timeout is None else timeout
+        deadline = time.monotonic() + wait_s
+        live = list(self._readers)
+        while live and time.monotonic() < deadline:
+            # A reader may be blocked sending a blob: take (and drop) what it sends so it
+            # sees the stop. Dropped entries were never acked: they stay pending.
+            for r in live:
+                try:
+                    while r.data.poll():
+                        r.data.recv_bytes()
+                except (EOFError, OSError):
+                    pass
+            wait([r.proc.sentinel for r in live], timeout=0.05)
+            live = [r for r in live if r.proc.is_alive()]
+        for r in self._readers:
+            if r.proc.is_alive():
+                r.proc.kill()
+            r.proc.join(1.0)
+            r.data.close()
+            r.cmd.close()

@@ -1,0 +1,398 @@
+"""The coordinator's upstream read by reader processes (``bus.ingest``, ``--ingest-procs``)
+against a real redis-server: per-rank order, exactly once, the dlq, and a reader that
+dies mid-stream."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing.process import BaseProcess
+
+import pytest
+import structlog
+
+from flodl_bus.bus import entries, ingest
+from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.ids import format_id
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.streams import COORDINATOR_GROUP, RedisCoordinatorBus, RedisRankBus
+from flodl_bus.protocol import messages as m
+from flodl_bus.protocol.signing import fixed_keys
+from tests.bus.conftest import CK, FAST, RK
+
+pytestmark = pytest.mark.redis
+
+K = 2
+
+
+@pytest.fixture
+def url(redis_url: str) -> Iterator[str]:
+    admin = connect(redis_url)
+    admin.flushdb()
+    admin.close()
+    yield redis_url
+
+
+def _batch(rank: int, i: int) -> m.Batch:
+    return m.Batch(rank=rank, batch_ms=1.0, data_ms=0.1, step_count=i, batch_loss=0.5)
+
+
+def _coord(url: str, keys: RunKeys, ranks: Sequence[int]) -> RedisCoordinatorBus:
+    coord = RedisCoordinatorBus(connect(url), keys, CK, ranks=ranks, config=FAST, ingest_procs=K)
+    assert coord.ingest is not None and coord.ingest.wait_ready(60)
+    return coord
+
+
+def _prefill(url: str, keys: RunKeys, ranks: Sequence[int], n: int, first: int = 0) -> None:
+    """``n`` signed Batch entries per rank (steps first..first+n-1), rank-interleaved."""
+    client = connect(url)
+    pipe = client.pipeline(transaction=False)
+    ms = int(time.time() * 1000)
+    for i in range(first, first + n):
+        for r in ranks:
+            eid = f"{ms}-{i}"
+            f = entries.build(CK.rank(r), keys.up(r), eid, _batch(r, i), str(r), i + 1)
+            pipe.xadd(keys.up(r), f, id=eid)  # type: ignore[arg-type]
+    pipe.execute()
+    client.close()
+
+
+def _drain(
+    coord: RedisCoordinatorBus, n: int, timeout: float = 60.0, on_read: object = None
+) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        ds = coord.read_upstream(100)
+        coord.ack(ds)
+        got += ds
+        if callable(on_read):
+            on_read(got)
+    return got
+
+
+def _steps_by_rank(got: Sequence[Delivery]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for d in got:
+        assert isinstance(d.msg, m.Batch), d
+        out.setdefault(d.msg.rank, []).append(d.msg.step_count)
+    return out
+
+
+def _pending(url: str, keys: RunKeys, ranks: Sequence[int]) -> int:
+    client = connect(url)
+    try:
+        return sum(int(client.xpending(keys.up(r), COORDINATOR_GROUP)["pending"]) for r in ranks)
+    finally:
+        client.close()
+
+
+def _until_acked(url: str, keys: RunKeys, ranks: Sequence[int], timeout: float = 20.0) -> int:
+    """Acks ride on each reader's next read: wait for the last of them."""
+    deadline = time.monotonic() + timeout
+    left = _pending(url, keys, ranks)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = _pending(url, keys, ranks)
+    return left
+
+
+def test_live_publishers_reach_the_core_once_each_in_order_across_reader_processes(
+    url: str,
+) -> None:
+    keys = RunKeys("ingest-order")
+    ranks = range(6)
+    n = 400
+    coord = _coord(url, keys, ranks)
+    buses = [RedisRankBus(connect(url), keys, r, RK(r), config=FAST) for r in ranks]
+
+    def publish(bus: RedisRankBus) -> None:
+        for i in range(n):
+            bus.publish(_batch(bus.rank, i))
+
+    threads = [threading.Thread(target=publish, args=(b,)) for b in buses]
+    for t in threads:
+        t.start()
+    got = _drain(coord, n * len(ranks))
+    for t in threads:
+        t.join()
+    assert _steps_by_rank(got) == {r: list(range(n)) for r in ranks}
+    assert len({(d.stream, d.entry_id) for d in got}) == len(got)
+    assert coord.read_upstream(200) == []  # nothing comes twice
+    coord.flush_acks()
+    assert _until_acked(url, keys, ranks) == 0
+    for b in buses:
+        assert b.flush(10)
+        b.close()
+    coord.close()
+
+
+def test_a_rank_added_later_goes_to_a_reader(url: str) -> None:
+    keys = RunKeys("ingest-late")
+    coord = _coord(url, keys, [0, 1])
+    coord.add_rank(2)
+    _prefill(url, keys, [0, 1, 2], 30)
+    got = _drain(coord, 90)
+    assert _steps_by_rank(got) == {r: list(range(30)) for r in range(3)}
+    coord.close()
+
+
+def test_heartbeats_read_by_a_reader_still_tell_the_trimmer_where_each_rank_read(
+    url: str,
+) -> None:
+    keys = RunKeys("ingest-heartbeat")
+    coord = _coord(url, keys, [0, 1])
+    coord.send(1, m.SetGlobalStep(global_step=1))
+    coord.broadcast(m.SetGlobalStep(global_step=2))
+    rank = RedisRankBus(connect(url), keys, 1, RK(1), config=FAST)
+    got: list[Delivery] = []
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        ds = rank.read_control(100)
+        rank.ack(ds)
+        got += ds
+    ctl, bcast = rank.control_read()
+    assert ctl is not None and bcast is not None
+    rank.publish(m.Heartbeat(rank=1, step_count=0, ctl_read=ctl, all_read=bcast))
+    assert [type(d.msg) for d in _drain(coord, 1)] == [m.Heartbeat]
+    holds = {h.group: h for h in coord.read_holds()[keys.ctl(1)]}
+    assert format_id(holds["rank1"].hold) == ctl
+    rank.close()
+    coord.close()
+
+
+def test_forged_and_replayed_entries_of_a_readers_share_go_to_the_dlq_and_the_rest_flow(
+    url: str,
+) -> None:
+    keys = RunKeys("ingest-dlq")
+    ranks = [0, 1, 2, 3]
+    coord = _coord(url, keys, ranks)
+    _prefill(url, keys, ranks, 5)
+    assert _steps_by_rank(_drain(coord, 20)) == {r: list(range(5)) for r in ranks}
+    admin = connect(url)
+    ms = int(time.time() * 1000) + 1
+    stream = keys.up(1)  # reader 1's share (ranks go round-robin)
+    forged = entries.build(fixed_keys(bytes(32)).rank(1), stream, f"{ms}-0", _batch(1, 5), "1", 6)
+    replayed = entries.build(CK.rank(1), stream, f"{ms}-1", _batch(1, 2), "1", 3)
+    admin.xadd(stream, forged, id=f"{ms}-0")  # type: ignore[arg-type]
+    admin.xadd(stream, replayed, id=f"{ms}-1")  # type: ignore[arg-type]
+    _prefill(url, keys, ranks, 5, first=5)
+    got = _drain(coord, 20)
+    assert _steps_by_rank(got) == {r: list(range(5, 10)) for r in ranks}
+    dead = admin.xrange(keys.dlq)
+    assert [(f[b"stream"], f[b"entry"]) for _, f in dead] == [
+        (stream.encode(), f"{ms}-0".encode()),
+        (stream.encode(), f"{ms}-1".encode()),
+    ]
+    reasons = [f[b"reason"].decode() for _, f in dead]
+    assert reasons[0].startswith("authentication failed"), reasons
+    assert reasons[1].startswith(entries.REPLAYED), reasons
+    assert {f[b"by"] for _, f in dead} == {b"coordinator.ingest"}
+    coord.flush_acks()
+    assert _until_acked(url, keys, ranks) == 0  # the dead-lettered ones acked too
+    admin.close()
+    coord.close()
+
+
+def test_an_upstream_stream_wedged_at_the_largest_id_is_repaired_by_its_reader(
+    url: str,
+) -> None:
+    """A foreign entry at the largest id makes Redis refuse every later XADD; the reader
+    that owns the stream removes it (dlq first), and the rank's publisher goes on."""
+    keys = RunKeys("ingest-wedged")
+    coord = _coord(url, keys, [0, 1])
+    ranks = [RedisRankBus(connect(url), keys, r, RK(r), config=FAST) for r in (0, 1)]
+    admin = connect(url)
+    admin.xadd(keys.up(1), {"junk": "x"}, id="18446744073709551615-18446744073709551615")
+    for i in range(3):
+        for rank in ranks:
+            rank.publish(_batch(rank.rank, i))
+    got = _drain(coord, 6)
+    assert _steps_by_rank(got) == {0: [0, 1, 2], 1: [0, 1, 2]}
+    assert ranks[1].flush(10)
+    reasons = [f[b"reason"].decode() for _, f in admin.xrange(keys.dlq)]
+    assert sum(r.startswith("foreign: entry id beyond the horizon") for r in reasons) == 1
+    assert not admin.xinfo_stream(keys.up(1))["last-generated-id"].startswith(b"1844674407")
+    for rank in ranks:
+        rank.close()
+    admin.close()
+    coord.close()
+
+
+def _read_until_restarted(coord: RedisCoordinatorBus, restarts: int) -> list[Delivery]:
+    """Read (acking nothing) until the pool restarted its dead reader."""
+    pool = coord.ingest
+    assert pool is not None
+    got: list[Delivery] = []
+    deadline = time.monotonic() + 60
+    while pool.restarts < restarts and time.monotonic() < deadline:
+        got += coord.read_upstream(100)
+    assert pool.restarts == restarts
+    return got
+
+
+def test_a_reader_killed_mid_stream_is_restarted_and_nothing_is_lost_or_repeated(
+    url: str,
+) -> None:
+    keys = RunKeys("ingest-kill")
+    ranks = range(4)
+    n = 3000
+    total = n * len(ranks)
+    coord = _coord(url, keys, ranks)
+    pool = coord.ingest
+    assert pool is not None
+    _prefill(url, keys, ranks, n)
+    mine = keys.up(0)  # reader 0's share: ranks 0 and 2
+    got: list[Delivery] = []
+
+    def until_mine(at_least: int) -> list[Delivery]:
+        """Read and ack until a read holds reader 0's entries; that read is not acked."""
+        nonlocal got
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ds = coord.read_upstream(100)
+            got += ds
+            if sum(d.stream == mine for d in got) >= at_least and any(d.stream == mine for d in ds):
+                return ds
+            coord.ack(ds)
+        raise AssertionError("reader 0 sent nothing")
+
+    with structlog.testing.capture_logs() as logs:
+        # 1. Killed before it acted on acks it was sent: its successor acks them.
+        ds = until_mine(200)
+        victim = pool.pids[0]
+        assert victim is not None
+        os.kill(victim, signal.SIGSTOP)
+        coord.ack(ds)
+        coord.flush_acks()  # into the stopped reader's pipe, never acted on
+        os.kill(victim, signal.SIGKILL)
+        held = _read_until_restarted(coord, 1)
+        got += held
+        coord.ack(held)
+        # 2. Killed with entries the main process received and has not acked: its
+        # successor starts after them, and acks them once the core is done.
+        ds = until_mine(1000)
+        victim = pool.pids[0]
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        held = _read_until_restarted(coord, 2)
+        assert pool.wait_ready(120)
+        # Still nothing acked: a successor that read its pending entries from the start
+        # would hand out those of `ds` again here.
+        deadline = time.monotonic() + 60
+        while not any(d.stream == mine for d in held) and time.monotonic() < deadline:
+            held += coord.read_upstream(100)
+        got += held
+        coord.ack([*ds, *held])
+        got += _drain(coord, total - len(got))
+        _prefill(url, keys, ranks, 50, first=n)  # the new reader reads new entries too
+        got += _drain(coord, 50 * len(ranks))
+    assert len(got) == total + 50 * len(ranks)
+    assert [e["reader"] for e in logs if e["event"] == "bus_ingest_reader_died"] == [
+        "coordinator.ingest.0"
+    ] * 2
+    assert _steps_by_rank(got) == {r: list(range(n + 50)) for r in ranks}
+    assert coord.read_upstream(300) == []
+    coord.flush_acks()
+    assert _until_acked(url, keys, ranks) == 0
+    client = connect(url)
+    assert client.xlen(keys.dlq) == 0
+    client.close()
+    coord.close()
+
+
+def test_a_reader_that_keeps_dying_hands_the_ingest_to_the_coordinators_thread(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ingest, "MAX_RESTARTS", 0)
+    keys = RunKeys("ingest-dies")
+    ranks = [0, 1]
+    n = 2000
+    coord = _coord(url, keys, ranks)
+    pool = coord.ingest
+    assert pool is not None
+    _prefill(url, keys, ranks, n)
+    got: list[Delivery] = []
+    while sum(d.stream == keys.up(1) for d in got) < 100:
+        ds = coord.read_upstream(100)
+        coord.ack(ds)
+        got += ds
+    pid = pool.pids[1]
+    assert pid is not None
+    with structlog.testing.capture_logs() as logs:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while coord.ingest is not None and time.monotonic() < deadline:
+            ds = coord.read_upstream(100)
+            coord.ack(ds)
+            got += ds
+    assert coord.ingest is None
+    (why,) = [e["reason"] for e in logs if e["event"] == "bus_ingest_in_thread"]
+    assert "coordinator.ingest.1 died 1 times" in why
+    assert not any(p.is_alive() for p in _children(pool))
+    got += _drain(coord, len(ranks) * n - len(got))
+    _prefill(url, keys, ranks, 10, first=n)
+    got += _drain(coord, 10 * len(ranks))
+    assert _steps_by_rank(got) == {r: list(range(n + 10)) for r in ranks}
+    assert coord.read_upstream(200) == []
+    coord.flush_acks()
+    assert _until_acked(url, keys, ranks) == 0
+    coord.close()
+
+
+def _children(pool: ingest.IngestPool) -> list[BaseProcess]:
+    return [r.proc for r in pool._readers]
+
+
+def test_ingest_procs_zero_keeps_the_in_thread_reader(url: str) -> None:
+    keys = RunKeys("ingest-zero")
+    coord = RedisCoordinatorBus(connect(url), keys, CK, ranks=[0], config=FAST)
+    assert coord.ingest is None
+    _prefill(url, keys, [0], 3)
+    assert _steps_by_rank(_drain(coord, 3)) == {0: [0, 1, 2]}
+    coord.close()
+
+
+def test_the_benches_measure_each_ingest_procs_beside_the_in_thread_reader(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.bench import bus, path
+
+    argv = ["--redis-url", url, "--ranks", "", "--ingest-ranks", "2", "--ingest", "200"]
+    assert bus.main([*argv, "--publishes", "40", "--repeats", "1", "--ingest-procs", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"2 ranks +in-thread +pre-filled +\d+/s", out), out
+    assert re.search(r"2 ranks +1 procs +pre-filled +\d+/s .* \d\.\d\dx K=0", out), out
+    argv = ["--redis-url", url, "--ranks", "4", "--steps", "2", "--repeats", "1"]
+    assert path.main([*argv, "--ingest-procs", "0,1"]) == 0
+    out = capsys.readouterr().out
+    assert "ingest on the dispatching thread" in out and "ingest in 1 procs" in out, out
+    assert len(re.findall(r"^  ingest +[\d.]+ µs/msg .* cpu +[\d.]+ µs/msg", out, re.M)) == 2
+    assert bus.main(["--redis-url", url, "--ingest-procs", "-1"]) == 2
+    assert path.main(["--ingest-procs", "two"]) == 2
+
+
+def test_up_passes_ingest_procs_to_the_coordinator_and_both_refuse_a_negative_count() -> None:
+    from pathlib import Path
+
+    from flodl_bus.coordinator import cli_args
+    from flodl_bus.launch import up_args
+    from flodl_bus.options import ConfigError
+
+    args = up_args._parser().parse_args(["--ingest-procs", "2"])
+    coord = up_args.coordinator_argv(args, "r", Path("runs/r"))
+    assert coord[coord.index("--ingest-procs") + 1] == "2"
+    plain = up_args._parser().parse_args([])
+    assert "--ingest-procs" not in up_args.coordinator_argv(plain, "r", Path("runs/r"))
+    bad = up_args._parser().parse_args(["--ingest-procs", "-1"])
+    assert up_args.check_args(bad, ["--ingest-procs", "-1"]) == "--ingest-procs must be >= 0"
+    base = ["--run", "r", "--world-size", "2", "--job", "flodl_bus.examples.digits:job"]
+    assert cli_args._parser().parse_args(base).ingest_procs == 0
+    neg = cli_args._parser().parse_args([*base, "--ingest-procs", "-2"])
+    with pytest.raises(ConfigError, match="--ingest-procs must be >= 0"):
+        cli_args._check(neg)
