@@ -335,6 +335,7 @@ def run_one(
         *(["--no-record"] if args.no_record else []),
         *(["--profile", str(Path(args.profile).resolve())] if args.profile else []),
         "--ranks-per-host", str(per_host),
+        "--ingest-procs", str(args.ingest_procs),
     ]  # fmt: skip
     agents = Agents(url, run, work, n, per_host) if per_host > 1 else None
     started = time.monotonic()
@@ -647,6 +648,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="ranks a host agent speaks for (flodl_bus.agent); 1: no agent. A list "
         "(1,8) runs each per rank count, interleaved, each beside the first",
     )
+    ap.add_argument(
+        "--ingest-procs",
+        type=int,
+        default=0,
+        help="the coordinator's upstream read by this many reader processes (bus.ingest; "
+        "0: on its own thread)",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="repeat the interleaved runs")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--keep", default=None, help="copy every process's raw timings here")
@@ -681,6 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_host = rank_counts(args.ranks_per_host)
     if per_host is None or min(per_host) < 1:
         print("--ranks-per-host: expected positive numbers like 1,8", file=sys.stderr)
+        return 2
+    if args.ingest_procs < 0 or (args.ingest_procs and max(per_host) > 1):
+        print("--ingest-procs: 0 or more, and 0 with host agents", file=sys.stderr)
         return 2
     if max(per_host) > 1 and (args.cluster or args.rank_netns):
         print("--ranks-per-host above 1: one Redis on loopback only", file=sys.stderr)

@@ -39,6 +39,7 @@ from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.runtime import CoordinatorLoop, LoopOptions
+from flodl_bus.coordinator.shadow import ShadowRecorder
 from flodl_bus.params.port import SyncResult
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import (
@@ -54,6 +55,7 @@ from flodl_bus.protocol.messages import (
 )
 from flodl_bus.protocol.signing import fixed_keys, rank_keys_for
 from flodl_bus.record.dispatch import DispatchRecorder
+from flodl_bus.record.process import process_mode
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.inbox import Closed, Inbox
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
@@ -200,7 +202,11 @@ def run_coordinator(args: argparse.Namespace) -> int:
     else:
         client = connect(args.url, client_name="bench-coordinator")
         k = args.ranks_per_host
-        bus = TimedCoordinatorBus(client, keys, ck, ranks=range(n) if k == 1 else ())
+        bus = TimedCoordinatorBus(
+            client, keys, ck, ranks=range(n) if k == 1 else (), ingest_procs=args.ingest_procs
+        )
+        if bus.ingest is not None and not bus.ingest.wait_ready(args.timeout):
+            raise RuntimeError("bench scale: the ingest reader processes did not start")
         if k > 1:
             # each host agent's ranks come folded in its one stream (``flodl_bus.agent``)
             for j, ranks in enumerate(hosts(n, k)):
@@ -209,7 +215,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
                 bus.add_rank(r)
     rec = None
     if not args.no_record:
-        rec = DispatchRecorder(out, "coordinator")
+        # as the coordinator command records: the line built by a record process unless
+        # FLODL_RECORD_PROCESS says otherwise (``record.process``)
+        mode = process_mode()
+        rec = (
+            ShadowRecorder(out, config=config)
+            if mode == "shadow"
+            else DispatchRecorder(out, "coordinator", process=mode == "process")
+        )
         rec.header(
             run=args.run,
             bench="scale",
@@ -498,6 +511,7 @@ def role_main(argv: Sequence[str]) -> int:
     ap.add_argument("--no-record", action="store_true")
     ap.add_argument("--profile", default=None)
     ap.add_argument("--ranks-per-host", type=int, default=1)
+    ap.add_argument("--ingest-procs", type=int, default=0)
     args = ap.parse_args(argv)
     return run_coordinator(args) if args.role == "coordinator" else run_sim(args)
 
