@@ -11,7 +11,7 @@
 #
 # Dependencies as in cpu_suite.sh (.gpu/wheels on a host without internet).
 set -uo pipefail
-out=$1 old=$2 pairs=${3:-4}
+out=$(realpath -m "$1") old=$(realpath "$2") pairs=${3:-4}
 mkdir -p "$out"
 if [ -d .gpu/wheels ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -22,8 +22,11 @@ export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
 one() {  # one TAG TREE ARGS...: one bench run, its time and where it went
     local tag=$1 tree=$2
     shift 2
-    PYTHONPATH="/tmp/site:$tree" timeout 120 python3 -m flodl_bus.cli bench train --device cpu \
-        --repeats 1 "$@" > "$out/last.txt" 2>&1
+    # From the tree's own directory: `python3 -m` puts the working directory first on
+    # sys.path, ahead of PYTHONPATH, so a run started from this checkout would import this
+    # checkout whatever tree it names (every "old" run before 2026-12-02 did).
+    (cd "$tree" && PYTHONPATH="/tmp/site:$tree" timeout 120 python3 -m flodl_bus.cli bench \
+        train --device cpu --repeats 1 "$@") > "$out/last.txt" 2>&1
     { echo "=== $tag"; cat "$out/last.txt"; } >> "$out/runs.log"
     local t line
     t=$(grep "^  run 1/1 bus" "$out/last.txt" | sed 's/.*train *\([0-9.]*\) s.*/\1/')

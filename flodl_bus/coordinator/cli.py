@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ from flodl_bus.bus.connection import (
     describe_refusal,
     redact_url,
 )
+from flodl_bus.bus.ingest import auto_procs
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.coordinator.cli_args import (
     PROG,
@@ -385,7 +387,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     if keys.shards:
         from flodl_bus.bus.sharded import ShardedCoordinatorBus
 
-        if args.ingest_procs:
+        if args.ingest_procs:  # asked for (auto says nothing here)
             log.warning(
                 "ingest_procs_ignored",
                 ingest_procs=args.ingest_procs,
@@ -407,7 +409,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             rank_keys,
             ranks=range(ws),
             where=redact_url(args.redis_url),
-            ingest_procs=args.ingest_procs,
+            ingest_procs=_ingest_procs(args.ingest_procs, ws),
         )
 
     metrics = MetricsTable(run_dir / "metrics.csv", ws)
@@ -561,3 +563,17 @@ def publish_state(
         structlog.get_logger("flodl_bus.coordinator").warning(
             "state_not_published", error=repr(exc)[:200]
         )
+
+
+def _ingest_procs(asked: int | None, world_size: int) -> int:
+    """``--ingest-procs``: as asked, or ``auto``'s choice for this world and host."""
+    if asked is not None:
+        return asked
+    k = auto_procs(world_size, os.cpu_count())
+    if k:
+        import structlog
+
+        structlog.get_logger("flodl_bus.coordinator").info(
+            "ingest_procs_auto", ingest_procs=k, world_size=world_size
+        )
+    return k

@@ -15,6 +15,7 @@ from typing import Any
 
 from flodl_bus import settings
 from flodl_bus.bus.connection import add_url_argument
+from flodl_bus.bus.ingest import AUTO_MIN_CORES, AUTO_MIN_RANKS, AUTO_PROCS, procs_arg
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig, MaxFailure, Policy, parse_mode
 from flodl_bus.options import LOG_LEVELS, ConfigError, OneLineParser, log_level
@@ -72,13 +73,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-timeout", type=float, default=30.0, help="seconds (default 30)")
     p.add_argument(
         "--ingest-procs",
-        type=int,
-        default=0,
-        metavar="K",
+        type=ingest_procs_type,
+        default=None,
+        metavar="K|auto",
         help="read, verify and dead-letter the ranks' upstream in K reader processes, each "
-        "owning a fixed share of the ranks (default 0: on the coordinator's own thread); "
-        "for high rank counts on a host with cores to spare (`flodl-bus bench path "
-        "--ingest-procs`); a Redis Cluster run reads in-thread per shard",
+        "owning a fixed share of the ranks; 0: on the coordinator's own thread; default "
+        f"auto: {AUTO_PROCS} from {AUTO_MIN_RANKS} ranks on a host of {AUTO_MIN_CORES}+ "
+        "cores, else 0 (`flodl-bus bench path --ingest-procs`); a Redis Cluster run reads "
+        "in-thread per shard",
     )
     p.add_argument("--eval-every", type=int, help="evaluate every N epochs")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N epochs")
@@ -127,6 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def ingest_procs_type(text: str) -> int | None:
+    try:
+        return procs_arg(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+
+
 def _positive(name: str, value: int | float | None, *, zero_ok: bool = False) -> None:
     if value is None:
         return
@@ -160,7 +169,6 @@ def _check(args: argparse.Namespace) -> None:
     _positive("--join-timeout", args.join_timeout, zero_ok=True)
     _positive("--epochs", args.epochs, zero_ok=True)
     _positive("--heartbeat-timeout", args.heartbeat_timeout)
-    _positive("--ingest-procs", args.ingest_procs, zero_ok=True)
     _positive("--eval-every", args.eval_every)
     _positive("--checkpoint-every", args.checkpoint_every)
     _positive("--exit-grace", args.exit_grace, zero_ok=True)

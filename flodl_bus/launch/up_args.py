@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flodl_bus import settings
 from flodl_bus.bus.keys import InvalidRunId, RunKeys
+from flodl_bus.coordinator.cli_args import ingest_procs_type
 from flodl_bus.launch.jobref import DEFAULT_JOB, check_job_ref
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
 from flodl_bus.worker.options import ENV_WORKER_ARGV
@@ -55,11 +56,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=1, help="eval every N epochs (default 1)")
     p.add_argument(
         "--ingest-procs",
-        type=int,
-        default=0,
-        metavar="K",
-        help="the coordinator reads the ranks' upstream in K reader processes (default 0: "
-        "on its own thread; see `flodl-bus coordinator --help`)",
+        type=ingest_procs_type,
+        default=None,
+        metavar="K|auto",
+        help="the coordinator reads the ranks' upstream in K reader processes (0: on its "
+        "own thread; default auto: readers only for hundreds of ranks on a many-core host; "
+        "see `flodl-bus coordinator --help`)",
     )
     p.add_argument(
         "--device",
@@ -143,8 +145,6 @@ def check_args(args: argparse.Namespace, given: Sequence[str]) -> str | None:
         return "--workers must be at least 1"
     if args.epochs is not None and args.epochs < 1:
         return "--epochs must be at least 1"
-    if args.ingest_procs < 0:
-        return "--ingest-procs must be >= 0"
     if args.tensorboard:
         from flodl_bus.coordinator.metrics import TensorBoardScalars
 
@@ -231,7 +231,7 @@ def coordinator_argv(args: argparse.Namespace, run: str, run_dir: Path) -> list[
         argv += ["--resume", args.resume]
     if args.tensorboard:
         argv += ["--tensorboard", args.tensorboard]
-    if args.ingest_procs:
+    if args.ingest_procs is not None:
         argv += ["--ingest-procs", str(args.ingest_procs)]
     return argv
 

@@ -382,17 +382,29 @@ def test_up_passes_ingest_procs_to_the_coordinator_and_both_refuse_a_negative_co
 
     from flodl_bus.coordinator import cli_args
     from flodl_bus.launch import up_args
-    from flodl_bus.options import ConfigError
 
     args = up_args._parser().parse_args(["--ingest-procs", "2"])
     coord = up_args.coordinator_argv(args, "r", Path("runs/r"))
     assert coord[coord.index("--ingest-procs") + 1] == "2"
     plain = up_args._parser().parse_args([])
     assert "--ingest-procs" not in up_args.coordinator_argv(plain, "r", Path("runs/r"))
-    bad = up_args._parser().parse_args(["--ingest-procs", "-1"])
-    assert up_args.check_args(bad, ["--ingest-procs", "-1"]) == "--ingest-procs must be >= 0"
+    with pytest.raises(SystemExit):
+        up_args._parser().parse_args(["--ingest-procs", "-1"])
     base = ["--run", "r", "--world-size", "2", "--job", "flodl_bus.examples.digits:job"]
-    assert cli_args._parser().parse_args(base).ingest_procs == 0
-    neg = cli_args._parser().parse_args([*base, "--ingest-procs", "-2"])
-    with pytest.raises(ConfigError, match="--ingest-procs must be >= 0"):
-        cli_args._check(neg)
+    assert cli_args._parser().parse_args(base).ingest_procs is None  # auto
+    assert cli_args._parser().parse_args([*base, "--ingest-procs", "0"]).ingest_procs == 0
+    with pytest.raises(SystemExit):
+        cli_args._parser().parse_args([*base, "--ingest-procs", "-2"])
+
+
+def test_auto_ingest_procs_read_in_processes_only_for_hundreds_of_ranks_on_many_cores() -> None:
+    from flodl_bus.bus.ingest import AUTO_MIN_RANKS, AUTO_PROCS, auto_procs, procs_arg
+
+    assert auto_procs(AUTO_MIN_RANKS, 16) == AUTO_PROCS
+    assert auto_procs(AUTO_MIN_RANKS - 1, 16) == 0
+    assert auto_procs(4096, 2) == 0  # the readers would share the core thread's cores
+    assert auto_procs(4096, None) == 0
+    assert procs_arg("auto") is None and procs_arg("AUTO") is None and procs_arg("3") == 3
+    for bad in ("-1", "two", ""):
+        with pytest.raises(ValueError, match="expected 'auto' or a count >= 0"):
+            procs_arg(bad)
