@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,6 +59,7 @@ from flodl_bus.bench.scale_sizing import (
     redis_args,
 )
 from flodl_bus.bench.scale_stages import breakdown, stage_fields
+from flodl_bus.bench.scale_watch import RedisWatch, quantile, share
 from flodl_bus.bus import cluster
 from flodl_bus.bus.cluster_server import LocalCluster
 from flodl_bus.bus.connection import connect
@@ -147,113 +148,7 @@ def rank_counts(text: str) -> list[int] | None:
         return None
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def _share(samples: Sequence[Sequence[float]], a: float, b: float) -> float:
-    """Mean CPU share (cores) over [a, b] from (time, cpu seconds) samples."""
-
-    def at(t: float) -> float:
-        prev = samples[0]
-        for cur in samples:
-            if cur[0] >= t:
-                if cur[0] == prev[0]:
-                    return float(cur[1])
-                w = (t - prev[0]) / (cur[0] - prev[0])
-                return float(prev[1] + w * (cur[1] - prev[1]))
-            prev = cur
-        return float(samples[-1][1])
-
-    if not samples or b <= a:
-        return float("nan")
-    return (at(b) - at(a)) / (b - a)
-
-
-class _RedisWatch:
-    """INFO cpu/memory, PING round trips and the run's stream bytes, sampled. On a Redis
-    Cluster: INFO of every master (``nodes``), CPU per master, memory summed."""
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        keys: RunKeys,
-        ranks: int,
-        nodes: Sequence[redis.Redis] = (),
-        client_for: Callable[[str], redis.Redis] | None = None,
-    ) -> None:
-        self.client = client
-        self.keys = keys
-        self.ranks = ranks
-        self.nodes = list(nodes) or [client]
-        self.client_for = client_for or (lambda key: client)
-        #: (time, CPU seconds) of each node
-        self.node_cpu: list[list[tuple[float, float]]] = [[] for _ in self.nodes]
-        self.cpu: list[tuple[float, float]] = []
-        self.memory: list[tuple[float, int]] = []
-        #: samples lost to a Redis too busy to answer in time
-        self.missed = 0
-        #: most clients connected at once (every master summed)
-        self.peak_clients = 0
-        self.stream_bytes: list[tuple[float, int]] = []
-        self.pings: list[float] = []
-        #: (time, busy CPU seconds of the whole host) from /proc/stat
-        self.host: list[tuple[float, float]] = []
-
-    def sample(self) -> None:
-        # A Redis busy with thousands of ranks connecting may miss a sample's reply: the
-        # watch skips it rather than end the bench.
-        try:
-            self._sample()
-        except (redis.exceptions.TimeoutError, redis.exceptions.ConnectionError):
-            self.missed += 1
-
-    def _sample(self) -> None:
-        t = time.monotonic()
-        cpu, memory, clients = 0.0, 0, 0
-        for i, node in enumerate(self.nodes):
-            info: Any = node.info("all")
-            used = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-            self.node_cpu[i].append((t, used))
-            cpu += used
-            memory += int(info["used_memory"])
-            clients += int(info["connected_clients"])
-        self.peak_clients = max(self.peak_clients, clients)
-        self.cpu.append((t, cpu))
-        self.memory.append((t, memory))
-        for _ in range(5):
-            t0 = time.perf_counter()
-            self.client.ping()
-            self.pings.append((time.perf_counter() - t0) * 1000.0)
-        self.stream_bytes.append((t, self._stream_bytes()))
-        busy = _host_busy()
-        if busy is not None:
-            self.host.append((t, busy))
-
-    def _stream_bytes(self) -> int:
-        """Bytes of the run's streams per rank: a sample of ranks, plus ctl:all / N."""
-        picks = sorted({0, self.ranks // 2, self.ranks - 1, *range(0, self.ranks, 97)})
-        names = [k for r in picks for k in (self.keys.up(r), self.keys.ctl(r))]
-        got = [int(self.client_for(k).memory_usage(k) or 0) for k in names]  # type: ignore[arg-type]
-        bcast = sum(int(self.client_for(k).memory_usage(k) or 0) for k in self.keys.broadcasts)  # type: ignore[arg-type]
-        return int(sum(got) / len(picks) + bcast / self.ranks)
-
-
-def _host_busy() -> float | None:
-    """Busy CPU seconds of every core of the host since boot (None off Linux)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / (os.sysconf("SC_CLK_TCK") or 100)
-
-
-def _trained_an_epoch(watch: _RedisWatch, keys: RunKeys, args: argparse.Namespace) -> bool:
+def _trained_an_epoch(watch: RedisWatch, keys: RunKeys, args: argparse.Namespace) -> bool:
     """Whether the rank to cut off has published a whole epoch's steps (a Batch each; its
     LrUpdate goes once, with the first, as the LR is constant)."""
     key = keys.up(args.cut_rank)
@@ -350,7 +245,7 @@ def run_one(
             prefix = ["ip", "netns", "exec", ns]
             extra += ["--url", f"redis://{host}:{rank_port}/0"]
         children.append(_spawn("sim", common, extra, prefix))
-    watch = _RedisWatch(admin, keys, n, nodes, client_for)
+    watch = RedisWatch(admin, keys, n, nodes, client_for)
     deadline = started + args.timeout + 60
     cut_at: float | None = None
     try:
@@ -398,7 +293,7 @@ def _figures(
     wall: float,
     coord: dict[str, Any],
     sims: list[dict[str, Any]],
-    watch: _RedisWatch,
+    watch: RedisWatch,
     base_memory: int,
     cut_at: float | None = None,
     agents: Agents | None = None,
@@ -434,13 +329,13 @@ def _figures(
     if not ends:
         # No epoch completed (the coordinator fell behind): the window runs to its end.
         b = coord["cpu"][-1][0] if coord["cpu"] else b
-    coord_cpu = _share(coord["cpu"], a, b)
-    sim_shares = [_share(sim["cpu"], a, b) for sim in sims]
+    coord_cpu = share(coord["cpu"], a, b)
+    sim_shares = [share(sim["cpu"], a, b) for sim in sims]
     harness = sum(sim_shares)
     trained = [r.get("trained_s", float("nan")) / args.epochs for r in ranks]
-    redis_cpu = _share(watch.cpu, a, b)
-    busiest_cpu = max(_share(nc, a, b) for nc in watch.node_cpu)
-    host_cpu = _share(watch.host, a, b) if watch.host else float("nan")
+    redis_cpu = share(watch.cpu, a, b)
+    busiest_cpu = max(share(nc, a, b) for nc in watch.node_cpu)
+    host_cpu = share(watch.host, a, b) if watch.host else float("nan")
     mem = [m for t, m in watch.memory if a <= t <= b] or [m for _, m in watch.memory]
     # a short run may fall between two samples: then every sample taken while the run's
     # streams existed (before the ranks start there are none)
@@ -474,10 +369,10 @@ def _figures(
         overhead=epoch_s / ideal - 1.0,
         trained_s=statistics.median(trained) if trained else float("nan"),
         sim_process_cpu=max(sim_shares, default=float("nan")),
-        dispatch_p50_ms=_quantile(latencies, 0.5),
-        dispatch_p99_ms=_quantile(latencies, 0.99),
+        dispatch_p50_ms=quantile(latencies, 0.5),
+        dispatch_p99_ms=quantile(latencies, 0.99),
         dispatches_timed=len(latencies),
-        ping_p50_ms=_quantile(watch.pings, 0.5),
+        ping_p50_ms=quantile(watch.pings, 0.5),
         coordinator_cpu=coord_cpu,
         redis_cpu=redis_cpu,
         harness_cpu=harness,
@@ -507,7 +402,7 @@ def _figures(
         sim_bytes_per_rank=sum(s.get("peak_rss", 0) - s.get("base_rss", 0) for s in sims) / n,
         **stage_fields(coord.get("profile"), args.step_ms, n),
         ranks_per_host=per_host,
-        agents_cpu=_share(agents.cpu, a, b) if agents is not None else 0.0,
+        agents_cpu=share(agents.cpu, a, b) if agents is not None else 0.0,
         items_per_fold=agents.items_per_fold if agents is not None else 0.0,
     )
 

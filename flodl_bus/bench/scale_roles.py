@@ -292,6 +292,16 @@ class NoParams:
         return None
 
 
+def _noted(arrivals: list[tuple[str, str, str, float]], got: list[Delivery]) -> list[Delivery]:
+    """``got``, each delivery noted with its arrival time."""
+    if got:
+        t = time.monotonic()
+        note = arrivals.append
+        for d in got:
+            note((d.stream, d.entry_id, type(d.msg).__name__, t))
+    return got
+
+
 class TimedRankBus(RedisRankBus):
     """Notes (stream, entry id, type, monotonic arrival) of every control delivery."""
 
@@ -300,13 +310,7 @@ class TimedRankBus(RedisRankBus):
         super().__init__(*args, **kwargs)
 
     def read_control(self, block_ms: int) -> list[Delivery]:
-        got = super().read_control(block_ms)
-        if got:
-            t = time.monotonic()
-            note = self.arrivals.append
-            for d in got:
-                note((d.stream, d.entry_id, type(d.msg).__name__, t))
-        return got
+        return _noted(self.arrivals, super().read_control(block_ms))
 
 
 class TimedAgentRankBus(AgentRankBus):
@@ -317,13 +321,7 @@ class TimedAgentRankBus(AgentRankBus):
         super().__init__(*args, **kwargs)
 
     def read_control(self, block_ms: int) -> list[Delivery]:
-        got = super().read_control(block_ms)
-        if got:
-            t = time.monotonic()
-            note = self.arrivals.append
-            for d in got:
-                note((d.stream, d.entry_id, type(d.msg).__name__, t))
-        return got
+        return _noted(self.arrivals, super().read_control(block_ms))
 
 
 class SimRank:
