@@ -246,7 +246,13 @@ class RecordProcess:
                 while view:
                     view = view[os.write(self._fd, view) :]
             except OSError as exc:
-                self._fail(f"the record process is gone ({exc!r})")
+                # A broken pipe is usually seen before waitpid returns: name how the
+                # process ended (a signal, an exit code) when it says so within a second.
+                try:
+                    how = describe(self._proc.wait(timeout=1.0))
+                except subprocess.TimeoutExpired:
+                    how = "still running"
+                self._fail(f"the record process is gone ({exc!r}; {how})")
 
     def _gather(self) -> None:
         # One wake-up per GATHER_S, not one write per line: each write wakes the child,

@@ -81,8 +81,16 @@ def test_status_shows_a_live_run_then_its_end_and_the_run_keys_expire(
     rows = list(csv.DictReader((tmp_path / "runs" / run / "metrics.csv").open()))
     assert len(rows) == 6
     for row in rows:
-        assert float(row["rss_mib_r0"]) > 50 and float(row["rss_mib_r1"]) > 50
+        for r in (0, 1):
+            # A rank that trained nothing of an epoch (bridges and the CPU plane's open
+            # epochs can leave it all to its peer) sent no metrics of it: no figure.
+            if row[f"samples_r{r}"] != "0":
+                assert float(row[f"rss_mib_r{r}"]) > 50, row
+            else:
+                assert row[f"rss_mib_r{r}"] == "", row
         assert row["vram_mib_r0"] == row["gpu_util_r1"] == ""
+    assert any(row["samples_r0"] != "0" for row in rows)
+    assert any(row["samples_r1"] != "0" for row in rows)
 
     # the worker console said its rank, its progress and how it ended
     for r in (0, 1):
