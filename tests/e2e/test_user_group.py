@@ -96,9 +96,15 @@ def test_a_rank_killed_mid_run_the_survivors_default_group_is_reformed(
     run = new_run_id("user-group-dead")
     # A heartbeat timeout with room for three ranks and a coordinator on a loaded 2-core
     # host; the kill is still found by its events, not by waiting.
-    mode = "cpu-cadence"
+    # The job runs a collective at each survivor's first step after the re-form, so every
+    # survivor must step: the lockstep schedule gives every live rank a batch a window. A
+    # cadence run may leave a survivor without work while its peer waits in the job's
+    # collective holding its chunk (a deadlock of the job's making: a job that calls
+    # collectives from its step needs a schedule where every rank steps).
+    mode = "cpu-sync"
     coord = cluster.coordinator(run, "--mode", mode, "--world-size", "3", "--epochs", "6",
-                                "--heartbeat-timeout", "5", job=USER_GROUP_JOB)  # fmt: skip
+                                "--heartbeat-timeout", "5", "--lockstep", "true",
+                                job=USER_GROUP_JOB)  # fmt: skip
     workers = [
         cluster.worker(
             run, f"rank{r}", "--rank", str(r), "--world-size", "3", "--mode", mode, env=env
