@@ -31,10 +31,8 @@ as an in-thread record loses its last ``record.chain.FLUSH_S``. ``flush`` return
 the child has put every earlier line on disk (``record.chain``'s block), ``close`` once
 it exited having closed the record. The pipe
 holds up to ``PIPE_BYTES``; a child that falls further behind blocks the writer (back
-pressure, never a drop), for at most ``STALL_S`` without taking a byte: a child alive but
-hung (stopped, deadlocked) is then a failure, as a dead one is. Stop signals do not
-reach the child (it ignores them and ends at the end of its input), so a Ctrl-C stops
-the coordinator in order and the record
+pressure, never a drop). Stop signals do not reach the child (it ignores them and ends
+at the end of its input), so a Ctrl-C stops the coordinator in order and the record
 with it. A child that dies anyway (killed, crashed) is noticed at once by a watcher
 thread (and by the next write's broken pipe): ``failure`` says why, the coordinator
 loop stops the run in order and exits ``FAILED``, and the record is left as a kill
@@ -83,9 +81,6 @@ BATCH_ITEMS: Final = 64
 GATHER_S: Final = 0.02
 #: the pipe's capacity (Linux caps it at ``/proc/sys/fs/pipe-max-size``, 1 MiB by default)
 PIPE_BYTES: Final = 1 << 20
-#: how long a full pipe may take nothing before the child counts as hung: the run stops
-#: in order (``failure``) instead of the dispatching thread waiting on it for ever
-STALL_S: Final = 30.0
 _F_SETPIPE_SZ: Final = 1031
 
 # what one pipe item is (its first element)
@@ -173,8 +168,6 @@ class RecordProcess:
             import fcntl
 
             fcntl.fcntl(self._fd, _F_SETPIPE_SZ, PIPE_BYTES)
-        # Writes wait in select with a bound (``STALL_S``), never in a blocking write.
-        os.set_blocking(self._fd, False)
         line = self._read_line(START_S)
         if not line.startswith(b"ready "):
             self._proc.kill()
@@ -251,17 +244,7 @@ class RecordProcess:
             try:
                 view = memoryview(data)
                 while view:
-                    try:
-                        view = view[os.write(self._fd, view) :]
-                    except BlockingIOError:
-                        _, ready, _ = select.select([], [self._fd], [], STALL_S)
-                        if not ready:
-                            self._fail(
-                                f"the record process took nothing for {STALL_S:.0f} s "
-                                "(hung: killed)"
-                            )
-                            self._proc.kill()
-                            return
+                    view = view[os.write(self._fd, view) :]
             except OSError as exc:
                 # A broken pipe is usually seen before waitpid returns: name how the
                 # process ended (a signal, an exit code) when it says so within a second.
