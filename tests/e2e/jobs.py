@@ -122,7 +122,7 @@ every_fifth_nan_job = dataclasses.replace(
     digits.job, name="digits-nan-fifth", loss_fn=_every_fifth_nan, on_nonfinite_loss="skip"
 )
 #: Seconds each of rank 1's steps sleeps in ``rank1_slowed_job`` (rank 0 is not slowed).
-RANK1_STEP_SLEEP = 0.01
+RANK1_STEP_SLEEP = 0.03
 
 
 def _rank1_sleeps(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
