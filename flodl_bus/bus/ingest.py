@@ -52,11 +52,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -107,8 +108,22 @@ def procs_arg(text: str) -> int | None:
 MAX_RESTARTS: Final = 5
 RESTART_WINDOW_S: Final = 60.0
 #: a ready reader that neither turns its read loop nor sends anything for this long is
-#: hung (``IngestPool.stall_s`` is this unless a caller set another)
+#: hung (``IngestPool.stall_s`` is this unless ``FLODL_INGEST_STALL_S`` or a caller set
+#: another: the end-to-end test does not wait 30 s)
 STALL_S: Final = 30.0
+ENV_STALL: Final = "FLODL_INGEST_STALL_S"
+
+
+def stall_s(env: Mapping[str, str] | None = None) -> float:
+    """``STALL_S``, or ``FLODL_INGEST_STALL_S`` when that is a positive number."""
+    raw = (os.environ if env is None else env).get(ENV_STALL, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return STALL_S
+    return value if value > 0 else STALL_S
+
+
 #: a reader's XREADGROUP BLOCK (acks and a stop wait for the read in progress)
 _READ_BLOCK_MS: Final = 250
 #: blobs taken from one reader per ``read`` (the rest wait for the next one)
@@ -338,7 +353,7 @@ class IngestPool:
             console_level(),
         )  # fmt: skip
         #: how long a ready reader may make no turn and send nothing before it is hung
-        self.stall_s = STALL_S
+        self.stall_s = stall_s()
         self.procs = procs
         self._streams: dict[str, _Stream] = {}
         self._members: list[list[str]] = [[] for _ in range(procs)]

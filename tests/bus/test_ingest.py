@@ -200,6 +200,33 @@ def test_forged_and_replayed_entries_of_a_readers_share_go_to_the_dlq_and_the_re
     coord.close()
 
 
+@pytest.mark.parametrize("level", ["error", "critical"])
+def test_reader_processes_log_at_the_coordinators_console_level_on_stderr(
+    url: str, level: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.record import log as record_log
+
+    # the level ``--log-level`` gave ``configure_console`` in a coordinator
+    monkeypatch.setattr(record_log, "_level", level)
+    keys = RunKeys(f"ingest-log-{level}")
+    coord = _coord(url, keys, [0, 1])
+    ms = int(time.time() * 1000) + 1
+    forged = entries.build(
+        fixed_keys(bytes(32)).rank(1), keys.up(1), f"{ms}-0", _batch(1, 0), "1", 1
+    )
+    admin = connect(url)
+    admin.xadd(keys.up(1), forged, id=f"{ms}-0")  # type: ignore[arg-type]
+    _prefill(url, keys, [0, 1], 3, first=1)
+    assert len(_drain(coord, 6)) == 6
+    # the dead-lettering is logged (an error) before its entry's successors are sent
+    assert admin.xlen(keys.dlq) == 1
+    admin.close()
+    coord.close()  # the readers exited: their output is all there
+    out, err = capfd.readouterr()
+    assert "bus_dead_letter" not in out  # never on stdout
+    assert ("bus_dead_letter" in err) == (level == "error"), err
+
+
 def test_an_upstream_stream_wedged_at_the_largest_id_is_repaired_by_its_reader(
     url: str,
 ) -> None:
