@@ -178,6 +178,13 @@ class RecordProcess:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
+            # The environment as an array of our own, never the process's ``environ``:
+            # the child is made by vfork and reads the environment during its exec,
+            # while another thread may change it (a setenv reallocates the array and
+            # frees the old one); the exec then fails with EFAULT ("Bad address") and
+            # the record falls back to the thread. Seen under load with a rank training
+            # on a thread of the same process (test_runtime_record_process).
+            env=dict(os.environ),
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._fd = self._proc.stdin.fileno()
