@@ -7,7 +7,8 @@ compose, Kubernetes) reads the same outcome from any of them:
 0    finished: the run trained every epoch (and, for ``up --require-target``,
      reached the job's target)
 1    failed: the job raised, a process crashed or was killed, ``up``'s target
-     missed; the log names the cause
+     missed, the coordinator's record process or a reader process hung; the log
+     names the cause
 2    bad configuration or input, refused before anything ran (one line names
      the fix)
 3    stopped in order by the protocol before the run finished: the coordinator

@@ -17,6 +17,16 @@ class BusLost(RuntimeError):
     grace): the rank stops in order, as when it loses the coordinator."""
 
 
+class IngestHung(RuntimeError):
+    """A reader process (``--ingest-procs``) alive but hung: it went ``ingest.STALL_S``
+    without coming round its read loop. The coordinator stops the run in order and exits
+    ``FAILED``. ``deliveries``: what the read that found it received first, to dispatch."""
+
+    def __init__(self, reason: str, deliveries: Sequence[Delivery] = ()) -> None:
+        super().__init__(reason)
+        self.deliveries = list(deliveries)
+
+
 class Delivery(NamedTuple):
     """One decoded entry as it left the stream (a tuple: the coordinator builds one per
     upstream message, and a frozen dataclass costs several times as much to make)."""

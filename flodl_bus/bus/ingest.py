@@ -31,6 +31,15 @@ How DESIGN §3 is kept:
   ``read`` raises ``IngestFailed`` with the reason, and the coordinator's bus goes on
   reading on its own thread from where the readers were (``hand_over``), as with
   ``--ingest-procs 0``: the run goes on, slower, and the log says why.
+* A reader alive but hung (stopped, deadlocked) would leave its ranks unheard while the
+  rest of the run goes on: each reader counts its turns of the read loop (at least one
+  every ``_READ_BLOCK_MS`` plus a Redis round trip) in memory the main process reads;
+  one that makes no turn and sends nothing for ``STALL_S`` is killed (its successor
+  starts as a dead one's does, so the ranks' last words are still heard) and ``read``
+  raises ``IngestHung`` naming it and its ranks: the coordinator stops the run in order
+  and exits ``FAILED``. A hung helper is a fault to look at, not one to restart past.
+
+Reader processes log at the coordinator's console level (``--log-level``).
 
 The readers are spawned, not forked (the coordinator runs threads whose locks a fork
 would copy held), so a program that builds a coordinator bus with reader processes
@@ -43,11 +52,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -56,7 +66,7 @@ from typing import Any, Final
 import redis
 
 from flodl_bus.bus import entries
-from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.api import Delivery, IngestHung
 from flodl_bus.bus.foreign import repair_stream
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.reader import _GroupReader
@@ -97,6 +107,23 @@ def procs_arg(text: str) -> int | None:
 
 MAX_RESTARTS: Final = 5
 RESTART_WINDOW_S: Final = 60.0
+#: a ready reader that neither turns its read loop nor sends anything for this long is
+#: hung (``IngestPool.stall_s`` is this unless ``FLODL_INGEST_STALL_S`` or a caller set
+#: another: the end-to-end test does not wait 30 s)
+STALL_S: Final = 30.0
+ENV_STALL: Final = "FLODL_INGEST_STALL_S"
+
+
+def stall_s(env: Mapping[str, str] | None = None) -> float:
+    """``STALL_S``, or ``FLODL_INGEST_STALL_S`` when that is a positive number."""
+    raw = (os.environ if env is None else env).get(ENV_STALL, "")
+    try:
+        value = float(raw)
+    except ValueError:
+        return STALL_S
+    return value if value > 0 else STALL_S
+
+
 #: a reader's XREADGROUP BLOCK (acks and a stop wait for the read in progress)
 _READ_BLOCK_MS: Final = 250
 #: blobs taken from one reader per ``read`` (the rest wait for the next one)
@@ -131,6 +158,8 @@ class _Spec:
     where: str
     dlq: str
     channel: str
+    #: the console level of the main process (None: leave structlog's default)
+    log_level: str | None = None
 
 
 @dataclass
@@ -154,6 +183,11 @@ class _Proc:
     proc: BaseProcess
     data: Connection
     cmd: Connection
+    #: the reader's count of read-loop turns (shared memory; only the reader writes it)
+    turns: Any
+    #: the count last seen, and when the reader was last seen alive (a turn, a blob)
+    seen: int = 0
+    alive_at: float = 0.0
 
 
 def _ack_through(reader: _GroupReader, stream: str, last: str) -> None:
@@ -171,10 +205,16 @@ def _ack_through(reader: _GroupReader, stream: str, last: str) -> None:
             return
 
 
-def _reader_main(spec: _Spec, data: Connection, cmd: Connection, start: list[_StreamStart]) -> None:
+def _reader_main(
+    spec: _Spec, data: Connection, cmd: Connection, start: list[_StreamStart], turns: Any
+) -> None:
     """A reader process: read its streams, send what verifies, ack what it is told."""
     # Ctrl-C reaches the whole process group; the main process decides when readers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.log_level is not None:
+        from flodl_bus.record.log import configure_console
+
+        configure_console(spec.log_level)
     pool = redis.ConnectionPool(connection_class=spec.connection_class, **spec.connection_kwargs)
     reader = _GroupReader(
         redis.Redis(connection_pool=pool),
@@ -216,6 +256,7 @@ def _reader_main(spec: _Spec, data: Connection, cmd: Connection, start: list[_St
     block_ms = min(spec.config.max_block_ms, _READ_BLOCK_MS)
     hello = True
     while not stop.is_set():
+        turns.value += 1  # alive: the main process tells a hung reader by this
         with lock:
             new, added[:] = list(added), []
         for stream, verifier, rank_field, after, seq, acked in new:
@@ -305,9 +346,14 @@ class IngestPool:
             for k, v in cpool.connection_kwargs.items()
             if k not in _LOCAL_KWARGS and type(v) is not object
         }
+        from flodl_bus.record.log import console_level
+
         self._spec = _Spec(
-            cpool.connection_class, kwargs, group, consumer, config, name, where, dlq, channel
-        )
+            cpool.connection_class, kwargs, group, consumer, config, name, where, dlq, channel,
+            console_level(),
+        )  # fmt: skip
+        #: how long a ready reader may make no turn and send nothing before it is hung
+        self.stall_s = stall_s()
         self.procs = procs
         self._streams: dict[str, _Stream] = {}
         self._members: list[list[str]] = [[] for _ in range(procs)]
@@ -328,9 +374,10 @@ class IngestPool:
         data_r, data_w = _CTX.Pipe(duplex=False)
         cmd_r, cmd_w = _CTX.Pipe(duplex=False)
         start: list[_StreamStart] = [self._start_of(s) for s in self._members[j]]
+        turns = _CTX.RawValue("Q", 0)
         proc = _CTX.Process(
             target=_reader_main,
-            args=(self._spec, data_w, cmd_r, start),
+            args=(self._spec, data_w, cmd_r, start, turns),
             name=f"{self._spec.name}.{j}",
             daemon=True,
         )
@@ -338,7 +385,7 @@ class IngestPool:
         proc.start()
         data_w.close()
         cmd_r.close()
-        return _Proc(proc, data_r, cmd_w)
+        return _Proc(proc, data_r, cmd_w, turns, 0, time.monotonic())
 
     def _start_of(self, stream: str) -> _StreamStart:
         s = self._streams[stream]
@@ -472,15 +519,48 @@ class IngestPool:
                 dead.add(j)  # what it sent whole is taken; a torn last message is not
             if not r.proc.is_alive():
                 dead.add(j)
+        hung = self._hung(ready, by_handle, dead)
         # Decoded before any restart: a successor starts after what its predecessor sent.
         out = self._decode(blobs)
-        for j in sorted(dead):
+        for j in sorted(dead | set(hung)):
             try:
                 self._restart(j)
             except IngestFailed as exc:
                 exc.deliveries = out
                 raise
+        if hung:
+            raise IngestHung("; ".join(hung.values()), out)
         return out
+
+    def _hung(
+        self, ready: Sequence[Any], by_handle: dict[Any, int], dead: set[int]
+    ) -> dict[int, str]:
+        """The ready readers, alive, that made no turn and sent nothing for ``stall_s``
+        (killed here: a stopped process would outlive the run), each with why."""
+        now = time.monotonic()
+        heard = {by_handle[h] for h in ready}
+        hung: dict[int, str] = {}
+        for j, r in enumerate(self._readers):
+            turns = r.turns.value
+            if turns != r.seen or j in heard or not self._ready[j]:
+                r.seen = turns
+                r.alive_at = now
+            elif j not in dead and now - r.alive_at >= self.stall_s:
+                ranks = [s.rsplit(":", 1)[-1] for s in self._members[j]]
+                hung[j] = (
+                    f"ingest reader {self._spec.name}.{j} (pid {r.proc.pid}, ranks "
+                    f"{', '.join(ranks)}) made no turn of its read loop for "
+                    f"{now - r.alive_at:.0f} s: hung (killed)"
+                )
+                log.error(
+                    "bus_ingest_reader_hung",
+                    reader=f"{self._spec.name}.{j}",
+                    pid=r.proc.pid,
+                    ranks=ranks,
+                    stalled_s=round(now - r.alive_at, 1),
+                )
+                r.proc.kill()
+        return hung
 
     def _decode(self, blobs: list[bytes]) -> list[Delivery]:
         out: list[Delivery] = []

@@ -23,7 +23,7 @@ from typing import Final, get_args
 import redis
 
 from flodl_bus.bus import entries
-from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.api import Delivery, IngestHung
 from flodl_bus.bus.batch_script import BatchScript, named_user, write_batch
 from flodl_bus.bus.connection import Link
 from flodl_bus.bus.fold import FoldRoutes, host_stream
@@ -638,6 +638,12 @@ class RedisCoordinatorBus:
             # the readers dead-letter and repair foreign entries themselves
             try:
                 out = self._ingest.read(block_ms)
+            except IngestHung as exc:
+                # the read's deliveries ride on the exception: their heartbeats still count
+                for d in exc.deliveries:
+                    if type(d.msg) is Heartbeat:
+                        self._note_read(d.msg)
+                raise
             except IngestFailed as exc:
                 log.error("bus_ingest_in_thread", reason=str(exc), action="reading in-thread")
                 self._ingest.hand_over(self._reader)

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 import structlog
 
-from flodl_bus.bus.api import CoordinatorBus, Delivery
+from flodl_bus.bus.api import CoordinatorBus, Delivery, IngestHung
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.join_desk import (
@@ -164,6 +164,9 @@ class CoordinatorLoop:
         self.profile = LoopProfile()
         #: why the record stopped being written (its process died): the run stops
         self.record_lost: str | None = None
+        #: why the upstream stopped being read (a reader process hung): the run stops
+        self.ingest_hung: str | None = None
+        self._ingest_stopped = False
 
     # ------------------------------------------------------------------ public
 
@@ -196,13 +199,15 @@ class CoordinatorLoop:
         while True:
             if self.record_lost is None and self.rec is not None and self.rec.failure:
                 self._stop_for_record(self.rec.failure)
+            if self.ingest_hung is not None and not self._ingest_stopped:
+                self._stop_for_ingest(self.ingest_hung)
             if self.stop.is_set() and not interrupted and self.finished is None:
                 interrupted = True
                 self._interrupt()
             if self._done():
                 break
             t0, u0 = pc(), tt()
-            deliveries = self.bus.read_upstream(self.options.block_ms)
+            deliveries = self._read_upstream()
             prof.add_read(pc() - t0, tt() - u0, bool(deliveries))
             if deliveries:
                 self._dispatch_all(deliveries)
@@ -231,7 +236,7 @@ class CoordinatorLoop:
             self.rec.flush()
         if core.refused is not None:
             return CONFIG
-        if self.record_lost is not None:
+        if self.record_lost is not None or self.ingest_hung is not None:
             return FAILED
         if interrupted:
             return EXIT_INTERRUPTED
@@ -266,7 +271,7 @@ class CoordinatorLoop:
                 # hatch; the core's own heartbeats only start with ``core.start``.
                 next_beat = self.clock() + self.core.config.coord_heartbeat_every
                 self.bus.broadcast(CoordHeartbeat())
-            got = self.bus.read_upstream(self.options.block_ms)
+            got = self._read_upstream()
             for d in got:
                 r = self.rank_of(d.stream)
                 if r is not None and 0 <= r < ws:
@@ -676,6 +681,29 @@ class CoordinatorLoop:
             why=why,
             detail="the record ends at its last line on disk (no end line: replay reports "
             "it incomplete); broadcasting Shutdown, exit 1",
+        )
+        if self.finished is None:
+            self._interrupt()
+
+    def _read_upstream(self) -> Sequence[Delivery]:
+        try:
+            return self.bus.read_upstream(self.options.block_ms)
+        except IngestHung as exc:
+            # Stopped at the loop's next turn (not here: this may be before the start);
+            # the reader was replaced, so the stop still hears its ranks.
+            if self.ingest_hung is None:
+                self.ingest_hung = str(exc)
+            return exc.deliveries
+
+    def _stop_for_ingest(self, why: str) -> None:
+        """A reader process hung (``bus.ingest``): its ranks went unheard for a while,
+        a fault to look at, so the run stops in order now and the coordinator exits
+        ``FAILED``, as when its record is lost."""
+        self._ingest_stopped = True
+        log.error(
+            "run_stopped_ingest_hung",
+            why=why,
+            detail="broadcasting Shutdown, exit 1",
         )
         if self.finished is None:
             self._interrupt()

@@ -54,11 +54,20 @@ class _Stderr:
         sys.stderr.flush()
 
 
+#: the level ``configure_console`` set, for processes this one starts (None: not set)
+_level: str | None = None
+
+
+def console_level() -> str | None:
+    """The level the console was configured at in this process (None: never)."""
+    return _level
+
+
 def configure_console(level: str = "info", *, cache: bool = True) -> None:
     """Human-readable structured logs on stderr. Idempotent; cheap when filtered out.
     ``cache=False`` is for a test session: a logger cached on its first use escapes a
     later ``structlog.testing.capture_logs``."""
-    global _configured
+    global _configured, _level
     with _lock:
         if _configured:
             return
@@ -75,6 +84,7 @@ def configure_console(level: str = "info", *, cache: bool = True) -> None:
             cache_logger_on_first_use=cache,
         )
         _configured = True
+        _level = level
 
 
 #: What orjson cannot write itself (messages, effects, other dataclasses) is turned into

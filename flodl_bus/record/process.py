@@ -24,17 +24,23 @@ Calls are queued and go down the pipe ``BATCH_ITEMS`` at a time, or at most ``GA
 after they were made (a gatherer thread): a write per call woke the child per call.
 ``events.jsonl`` therefore lags the core by about that much.
 
-Ordering and loss: one queue and one pipe, both under one lock, read by one loop: lines
-keep the order of the calls. A coordinator killed loses the calls of its last
+Ordering and loss: one queue, one pipe, one writer at a time (the pipe's lock, taken
+before a batch leaves the queue), read by one loop: lines keep the order of the calls.
+A coordinator killed loses the calls of its last
 ``GATHER_S`` (the child writes everything it got, then stops at the end of its input),
 as an in-thread record loses its last ``record.chain.FLUSH_S``. ``flush`` returns once
 the child has put every earlier line on disk (``record.chain``'s block), ``close`` once
-it exited having closed the record. The pipe
-holds up to ``PIPE_BYTES``; a child that falls further behind blocks the writer (back
-pressure, never a drop). Stop signals do not reach the child (it ignores them and ends
-at the end of its input), so a Ctrl-C stops the coordinator in order and the record
-with it. A child that dies anyway (killed, crashed) is noticed at once by a watcher
-thread (and by the next write's broken pipe): ``failure`` says why, the coordinator
+it exited having closed the record. The pipe holds up to ``PIPE_BYTES``; a child that
+falls further behind holds the writer back (back pressure, never a drop), for at most
+``STALL_S`` without taking a byte: a child alive but hung (stopped, deadlocked) is then
+killed and counts as a failure, as a dead one does, instead of the dispatching thread
+waiting on it for ever. The write end stays blocking (a non-blocking flag would sit on
+the open file description, shared with any process forked while it is open): each write
+is sized so that it cannot block, after a ``poll`` for room bounded by ``STALL_S``
+(``_write_all``). Stop signals do not reach the child (it ignores them and ends at the
+end of its input), so a Ctrl-C stops the coordinator in order and the record with it. A
+child that dies anyway (killed, crashed) is noticed at once by a watcher thread (and by
+the next write's broken pipe): ``failure`` says why, the coordinator
 loop stops the run in order and exits ``FAILED``, and the record is left as a kill
 leaves it, without its ``end`` line, which ``flodl-bus replay`` reports as incomplete
 up to its last verified line. Nothing is written on after a failure: the lines the
@@ -46,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import operator
 import os
@@ -54,7 +61,9 @@ import select
 import signal
 import subprocess
 import sys
+import termios
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, get_args
@@ -81,7 +90,11 @@ BATCH_ITEMS: Final = 64
 GATHER_S: Final = 0.02
 #: the pipe's capacity (Linux caps it at ``/proc/sys/fs/pipe-max-size``, 1 MiB by default)
 PIPE_BYTES: Final = 1 << 20
+#: how long the pipe may stay full with the child taking nothing before the child counts
+#: as hung (``RecordProcess.stall_s`` is this unless a caller set another)
+STALL_S: Final = 30.0
 _F_SETPIPE_SZ: Final = 1031
+_F_GETPIPE_SZ: Final = 1032
 
 # what one pipe item is (its first element)
 HEADER, DISPATCH, CORE, EVENT, PORT, END, FLUSH, CLOSE = range(8)
@@ -153,21 +166,37 @@ class RecordProcess:
         self._pipe_closed = False
         #: items not yet written down the pipe, in call order
         self._buf: list[tuple[Any, ...]] = []
+        #: the queue's lock, never held across a write: ``send`` does not wait on the pipe
         self._lock = threading.Lock()
+        #: one writer at a time, the batches in the order they were taken off the queue
+        self._pipe_lock = threading.Lock()
         self._flush_lock = threading.Lock()
+        #: the longest the pipe may stay full before the child counts as hung
+        self.stall_s = STALL_S
         self._proc = subprocess.Popen(
             [sys.executable, "-m", module, json.dumps(dict(spec))],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,
+            # The environment as an array of our own, never the process's ``environ``:
+            # the child is made by vfork and reads the environment during its exec,
+            # while another thread may change it (a setenv reallocates the array and
+            # frees the old one); the exec then fails with EFAULT ("Bad address") and
+            # the record falls back to the thread. Seen under load with a rank training
+            # on a thread of the same process (test_runtime_record_process).
+            env=dict(os.environ),
         )
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._fd = self._proc.stdin.fileno()
         self._reply = self._proc.stdout.fileno()
         with contextlib.suppress(OSError):  # not Linux, or above the host's maximum
-            import fcntl
-
             fcntl.fcntl(self._fd, _F_SETPIPE_SZ, PIPE_BYTES)
+        #: the pipe's capacity where the host says it (Linux), else 0: see ``_empty_room``
+        self._capacity = 0
+        with contextlib.suppress(OSError):
+            self._capacity = fcntl.fcntl(self._fd, _F_GETPIPE_SZ)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLOUT)
         line = self._read_line(START_S)
         if not line.startswith(b"ready "):
             self._proc.kill()
@@ -233,18 +262,27 @@ class RecordProcess:
             self._write()
 
     def _write(self) -> None:
-        with self._lock:
-            buf = self._buf
-            if not buf:
-                return
-            self._buf = []
+        # The pipe lock first, then the batch: batches reach the pipe in the order they
+        # left the queue, and an item queued meanwhile waits for the next writer.
+        with self._pipe_lock:
+            with self._lock:
+                buf = self._buf
+                if not buf:
+                    return
+                self._buf = []
             if self.failure is not None or self._pipe_closed:
                 return
             data = pickle.dumps(buf, protocol=5)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view) :]
+                if not self._write_all(memoryview(data)):
+                    self._fail(
+                        f"the record process took nothing for {self.stall_s:g} s with "
+                        "the pipe full (hung: killed)"
+                    )
+                    # Killed, not left stopped or deadlocked: ``close`` must not wait on
+                    # it, and a stopped process would outlive the run.
+                    with contextlib.suppress(OSError):
+                        self._proc.kill()
             except OSError as exc:
                 # A broken pipe is usually seen before waitpid returns: name how the
                 # process ended (a signal, an exit code) when it says so within a second.
@@ -253,6 +291,37 @@ class RecordProcess:
                 except subprocess.TimeoutExpired:
                     how = "still running"
                 self._fail(f"the record process is gone ({exc!r}; {how})")
+
+    def _empty_room(self) -> int:
+        """The pipe's capacity when it is empty (every slot free), else 0."""
+        if not self._capacity:
+            return 0
+        queued = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
+        return self._capacity if int.from_bytes(queued, sys.byteorder) == 0 else 0
+
+    def _write_all(self, view: memoryview) -> bool:
+        """Write ``view`` whole; False when the pipe stayed full for ``stall_s``.
+
+        No write can block: an empty pipe takes up to its capacity; else ``poll`` waits
+        for room (bounded by what is left of ``stall_s`` since the child last took
+        something) and the write is at most ``PIPE_BUF``, which the one free slot that
+        ``poll`` promises always holds (slots partly filled by earlier writes make the
+        byte count ``FIONREAD`` gives no promise). Only this thread writes (the pipe lock)
+        and only the child reads, so room found can only grow until the write. A broken pipe raises
+        (``OSError``), from the write ``poll`` let through."""
+        since = time.monotonic()
+        while view:
+            room = self._empty_room()
+            if not room:
+                left = since + self.stall_s - time.monotonic()
+                if not self._poll.poll(max(0, int(left * 1000) + 1)):
+                    if time.monotonic() - since >= self.stall_s:
+                        return False
+                    continue
+                room = select.PIPE_BUF
+            view = view[os.write(self._fd, view[:room]) :]
+            since = time.monotonic()
+        return True
 
     def _gather(self) -> None:
         # One wake-up per GATHER_S, not one write per line: each write wakes the child,
@@ -280,7 +349,7 @@ class RecordProcess:
         self._gatherer.join()
         self.send((CLOSE,))
         self._write()
-        with self._lock:
+        with self._pipe_lock:
             self._pipe_closed = True
             # Through its file object, never os.close: the object would close the fd
             # number again when collected, by then another file's.

@@ -1,9 +1,10 @@
 """The coordinator's upstream read by reader processes (``bus.ingest``, ``--ingest-procs``)
-against a real redis-server: per-rank order, exactly once, the dlq, and a reader that
-dies mid-stream."""
+against a real redis-server: per-rank order, exactly once, the dlq, a reader that dies
+mid-stream, and one that hangs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ import pytest
 import structlog
 
 from flodl_bus.bus import entries, ingest
-from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.api import Delivery, IngestHung
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.keys import RunKeys
@@ -199,6 +200,33 @@ def test_forged_and_replayed_entries_of_a_readers_share_go_to_the_dlq_and_the_re
     coord.close()
 
 
+@pytest.mark.parametrize("level", ["error", "critical"])
+def test_reader_processes_log_at_the_coordinators_console_level_on_stderr(
+    url: str, level: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from flodl_bus.record import log as record_log
+
+    # the level ``--log-level`` gave ``configure_console`` in a coordinator
+    monkeypatch.setattr(record_log, "_level", level)
+    keys = RunKeys(f"ingest-log-{level}")
+    coord = _coord(url, keys, [0, 1])
+    ms = int(time.time() * 1000) + 1
+    forged = entries.build(
+        fixed_keys(bytes(32)).rank(1), keys.up(1), f"{ms}-0", _batch(1, 0), "1", 1
+    )
+    admin = connect(url)
+    admin.xadd(keys.up(1), forged, id=f"{ms}-0")  # type: ignore[arg-type]
+    _prefill(url, keys, [0, 1], 3, first=1)
+    assert len(_drain(coord, 6)) == 6
+    # the dead-lettering is logged (an error) before its entry's successors are sent
+    assert admin.xlen(keys.dlq) == 1
+    admin.close()
+    coord.close()  # the readers exited: their output is all there
+    out, err = capfd.readouterr()
+    assert "bus_dead_letter" not in out  # never on stdout
+    assert ("bus_dead_letter" in err) == (level == "error"), err
+
+
 def test_an_upstream_stream_wedged_at_the_largest_id_is_repaired_by_its_reader(
     url: str,
 ) -> None:
@@ -342,6 +370,47 @@ def test_a_reader_that_keeps_dying_hands_the_ingest_to_the_coordinators_thread(
     assert coord.read_upstream(200) == []
     coord.flush_acks()
     assert _until_acked(url, keys, ranks) == 0
+    coord.close()
+
+
+def test_a_hung_reader_is_killed_and_named_with_its_ranks_and_its_successor_reads_on(
+    url: str,
+) -> None:
+    keys = RunKeys("ingest-hung")
+    ranks = range(4)
+    coord = _coord(url, keys, ranks)
+    pool = coord.ingest
+    assert pool is not None
+    pool.stall_s = 1.0
+    _prefill(url, keys, ranks, 20)
+    got = _drain(coord, 80)
+    # idle readers still turn their loop: twice stall_s with nothing to read is no stall
+    idle_until = time.monotonic() + 2 * pool.stall_s
+    while time.monotonic() < idle_until:
+        assert coord.read_upstream(100) == []
+    victim = pool.pids[0]  # reader 0's share: ranks 0 and 2
+    assert victim is not None
+    with structlog.testing.capture_logs() as logs:
+        os.kill(victim, signal.SIGSTOP)  # alive, reading nothing
+        try:
+            deadline = time.monotonic() + 60
+            with pytest.raises(IngestHung) as hung:
+                while time.monotonic() < deadline:
+                    got += coord.read_upstream(100)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGCONT)
+    why = str(hung.value)
+    assert f"coordinator.ingest.0 (pid {victim}, ranks 0, 2)" in why and "hung" in why
+    (e,) = [e for e in logs if e["event"] == "bus_ingest_reader_hung"]
+    assert e["ranks"] == ["0", "2"] and e["pid"] == victim
+    # killed (a stopped process would outlive the run) and replaced: its ranks are
+    # still heard, so a run stopping in order gets their last words
+    assert pool.restarts == 1 and pool.pids[0] != victim
+    assert not any(p.pid == victim and p.is_alive() for p in _children(pool))
+    _prefill(url, keys, ranks, 10, first=20)
+    got += _drain(coord, 40)
+    assert _steps_by_rank(got) == {r: list(range(30)) for r in ranks}
     coord.close()
 
 

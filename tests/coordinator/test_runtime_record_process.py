@@ -1,9 +1,11 @@
 """The coordinator loop recorded by a record process (``record.process``): a real rank
 (``run_rank`` training digits) on the in-memory bus, as in ``test_runtime``; and the
-record process killed mid-run, which stops the run in order with exit 1."""
+record process killed mid-run, or hung (stopped) with the pipe full, either of which
+stops the run in order with exit 1."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -94,3 +96,48 @@ def test_a_killed_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Pa
     assert not st.ended and rec.flushed <= st.lines < rec.lines
     with pytest.raises(chain.IncompleteRecord):
         chain.check(rec.path)
+
+
+class HangingRecorder(DispatchRecorder):
+    """Stops its record process (SIGSTOP: alive, taking nothing) at the ``at``-th
+    dispatch and records on until the pipe is full for ``stall_s``: the record process
+    then counts as hung, and the loop's next turn finds ``failure`` set."""
+
+    at = 20
+
+    def dispatch(self, **kw: Any) -> None:
+        super().dispatch(**kw)
+        self.at -= 1
+        if self.at == 0:
+            assert self.remote is not None
+            self.remote.stall_s = 1.0
+            self.flush()  # every line so far on disk: the cut is after them
+            self.flushed = self.lines
+            os.kill(self.remote.pid, signal.SIGSTOP)
+            # well past the pipe's capacity, as a long run's lines would come
+            while not self.remote.dead.is_set():
+                self.event("membership", pad="x" * 10_000)
+
+
+def test_a_hung_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Path) -> None:
+    core = Coordinator(config("cpu-cadence", epochs=3))
+    hub = MemoryHub(1)
+    world = start_rank(hub)
+    rec = HangingRecorder(tmp_path, "coordinator", process=True)
+    pid = rec.remote.pid if rec.remote is not None else 0
+    loop = CoordinatorLoop(
+        core, MemoryCoordinatorBus(hub), recorder=rec, options=LoopOptions(exit_grace=30.0)
+    )
+    try:
+        code = loop.run()
+    finally:
+        rec.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    world.thread.join(60)
+    assert code == FAILED
+    assert loop.record_lost is not None and "took nothing for 1 s" in loop.record_lost
+    assert not world.thread.is_alive() and world.result == [0]
+    assert core.last_aggregated < 2 and core.live.exited[0]
+    st = chain.check(rec.path, allow_incomplete=True)
+    assert not st.ended and rec.flushed <= st.lines < rec.lines

@@ -4,10 +4,14 @@ noticed at once, its record cut at a verified line."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import signal
 import sys
+import termios
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -179,6 +183,75 @@ def test_a_killed_record_process_is_noticed_at_once_and_its_record_verifies_to_i
     assert st.lines == 51 and not st.ended
     with pytest.raises(chain.IncompleteRecord):
         chain.check(rec.path)
+
+
+def test_a_hung_record_process_is_killed_and_a_failure_once_the_pipe_stays_full_stall_s(
+    tmp_path: Path,
+) -> None:
+    rec = DispatchRecorder(tmp_path, "coordinator", process=True)
+    remote = rec.remote
+    assert remote is not None
+    remote.stall_s = 1.0
+    rec.header(run="hung")
+    rec.flush()
+    os.kill(remote.pid, signal.SIGSTOP)  # alive, taking nothing
+    try:
+        # well past the pipe's capacity: a writer must give up within stall_s, not block
+        for k in range(400):
+            rec.event("membership", k=k, pad="x" * 10_000)
+            if remote.dead.is_set():
+                break
+        assert remote.dead.wait(30), "a full pipe blocked the writer past stall_s"
+        assert rec.failure is not None and "took nothing for 1 s" in rec.failure
+        rec.event("membership", k=-1)
+        rec.flush()  # after a failure: returns at once, waits on no reply
+        with structlog.testing.capture_logs() as logs:
+            rec.close()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(remote.pid, signal.SIGCONT)
+    # the stall killed the child: the close found it gone and had nothing to kill
+    assert "record_process_hung" not in [e["event"] for e in logs]
+    st = chain.check(rec.path, allow_incomplete=True)
+    assert st.lines >= 1 and not st.ended
+
+
+def test_a_full_pipe_whose_child_resumes_within_stall_s_is_back_pressure_not_a_failure(
+    tmp_path: Path,
+) -> None:
+    rec = DispatchRecorder(tmp_path, "coordinator", process=True)
+    remote = rec.remote
+    assert remote is not None
+    remote.stall_s = 20.0  # far above the child's resume on a loaded host
+    rec.header(run="paused")
+    rec.flush()
+    os.kill(remote.pid, signal.SIGSTOP)
+    n = 300  # about 3 MB: three pipes' worth
+
+    def send() -> None:
+        for k in range(n):
+            rec.event("membership", k=k, pad="x" * 10_000)
+
+    sender = threading.Thread(target=send)
+    try:
+        sender.start()
+        # the pipe full (less than one batch of room left): the writers now wait on it
+        fd = remote._fd
+        full = remote._capacity - 64 * 1024
+        while sender.is_alive():
+            queued = fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0")
+            if int.from_bytes(queued, sys.byteorder) >= full:
+                break
+        assert sender.is_alive(), "the sender never waited on a full pipe"
+    finally:
+        os.kill(remote.pid, signal.SIGCONT)
+    sender.join(60)
+    assert not sender.is_alive()
+    rec.event("end", dispatches=0)
+    rec.close()
+    assert rec.failure is None
+    st = chain.check(rec.path)
+    assert st.ended and st.lines == 1 + n + 1
 
 
 def test_stop_signals_leave_the_record_process_to_its_coordinator(tmp_path: Path) -> None:
