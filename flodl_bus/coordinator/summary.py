@@ -185,6 +185,11 @@ class Summarizer:
             return self._incremental(reuse, last)
         return self._rebase(reuse)
 
+    def rebuild(self, reuse: Mapping[str, Any]) -> dict[str, Any]:
+        """What ``build(reuse)`` cost before the tracking: every list read whole and
+        compared with ``reuse``'s (``bench record``'s reference; the result is the same)."""
+        return self._rebase(reuse)
+
     def changes(
         self, after: Mapping[str, Any], before: Mapping[str, Any]
     ) -> dict[str, list[int] | None] | None:
