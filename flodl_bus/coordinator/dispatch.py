@@ -243,8 +243,7 @@ class PoolDispatch(Dispatch):
         # One pool (an epoch's steady state): its own tracked counts. Two (an epoch's
         # tail under overlap) or none: their sum, compared whole by the summary.
         if len(self.pools) == 1:
-            for p in self.pools.values():
-                return p.in_flight_view()
+            return next(iter(self.pools.values())).in_flight_view()
         return self.in_flight_all()
 
     def remaining(self) -> dict[int, int]:

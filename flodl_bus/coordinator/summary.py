@@ -268,7 +268,12 @@ class Summarizer:
                     # Only the written entries can differ: patch a copy of the last
                     # list there, and keep the last one if none did.
                     was = last[key]
-                    at = sorted(i for i in src.marks if was[i] != src[i])
+                    marks = src.marks
+                    if len(marks) == 1:  # a message's usual write: its own rank's entry
+                        (i,) = marks
+                        at = [i] if was[i] != src[i] else []
+                    else:
+                        at = sorted(i for i in marks if was[i] != src[i])
                     if at:
                         now = was.copy()
                         for i in at:
