@@ -99,7 +99,7 @@ class ChunkPool:
 
     def in_flight_all(self) -> list[int]:
         """``in_flight`` of every rank, in rank order."""
-        return list(self._in_flight)
+        return self._in_flight.copy()
 
     def in_flight_view(self) -> list[int]:
         """What ``in_flight_all`` copies, itself (tracked; for the state summary, which

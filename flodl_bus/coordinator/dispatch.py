@@ -234,7 +234,7 @@ class PoolDispatch(Dispatch):
         return max(self.rank_epoch)
 
     def rank_epochs(self) -> list[int]:
-        return list(self.rank_epoch)
+        return self.rank_epoch.copy()
 
     def rank_epochs_view(self) -> list[int]:
         return self.rank_epoch

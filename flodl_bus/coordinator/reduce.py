@@ -383,7 +383,7 @@ class NcclReduce(Reduce):
         return self.unacked == 0
 
     def acks(self) -> list[bool]:
-        return list(self.acked)
+        return self.acked.copy()
 
     def ack_flags(self) -> list[bool]:
         return self.acked
@@ -503,7 +503,7 @@ class CpuReduce(Reduce):
         return self.started_at is not None
 
     def acks(self) -> list[bool]:
-        return list(self.acked)
+        return self.acked.copy()
 
     def ack_flags(self) -> list[bool]:
         return self.acked

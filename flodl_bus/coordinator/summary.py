@@ -162,15 +162,15 @@ class Summarizer:
         core = self.core
         reduce, dispatch, live = core.reduce, core.dispatch, core.live
         return {
-            "steps": list(core.ledger.steps),
-            "last_step_count": list(reduce.last_step_count),
+            "steps": core.ledger.steps.copy(),
+            "last_step_count": reduce.last_step_count.copy(),
             "acks": reduce.acks(),
             "rank_epoch": dispatch.rank_epochs(),
             "in_flight": dispatch.in_flight_all(),
             "dead": self.flagged(live.dead),
             "exited": self.flagged(live.exited),
             "throttled": self.flagged(reduce.throttled),
-            "counts": list(core.elche.counts),
+            "counts": core.elche.counts.copy(),
         }
 
     # ------------------------------------------------------------------ building
@@ -239,7 +239,7 @@ class Summarizer:
         changes: dict[str, list[int] | None] = {}
         for key, copied, src in zip(KEYS, COPIED, sources, strict=True):
             was = reuse.get(key)
-            now = list(src) if copied else self.flagged(src)
+            now = src.copy() if copied else self.flagged(src)
             if was is not None and was == now:
                 lists[key] = was
             else:
@@ -285,7 +285,7 @@ class Summarizer:
                 touched.append(src)
             was = last[key]
             # Replaced, not tracked, or changed as a whole: read whole and compare.
-            now = list(src) if copied else self.flagged(src)
+            now = src.copy() if copied else self.flagged(src)
             if now != was:
                 changed[key] = now
                 changes[key] = None
