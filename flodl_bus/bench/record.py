@@ -34,6 +34,7 @@ from pathlib import Path
 
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.effects import Out, Send
 from flodl_bus.params.port import SyncResult
 from flodl_bus.protocol.messages import (
     AveragedParams,
@@ -44,10 +45,12 @@ from flodl_bus.protocol.messages import (
     ExtendPartition,
     Heartbeat,
     LrUpdate,
+    MetricsMsg,
     SetGlobalStep,
     StartEpoch,
+    UpstreamMsg,
 )
-from flodl_bus.record import chain
+from flodl_bus.record import chain, states
 from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.replay import load_run, replay
 from flodl_bus.worker.control import WorkerControl
@@ -234,6 +237,72 @@ def bench_coordinator(n: int, run_dir: Path) -> tuple[float, float, float]:
     return _median_us(plain_ns), _median_us(rec_ns), _median_us(summary_ns)
 
 
+def _summary_run(ranks: int, incremental: bool) -> tuple[list[int], list[int]]:
+    """(ns of each message's state summary, ns of its delta) over a ``ranks``-rank
+    nccl-cadence run driven as ``CoordinatorLoop`` drives it: every rank trains its plans
+    batch by batch (a ``Batch`` and an ``LrUpdate`` each, a ``MetricsMsg`` at a plan's
+    end), rounds acked by the next ``Batch``, one tick per pass over the ranks. With
+    ``incremental`` False, each summary reads every list whole and the delta scans them
+    (what both cost before the state was tracked): the reference."""
+    cfg = CoordinatorConfig(
+        mode="nccl-cadence", world_size=ranks, total_samples=ranks * 24, batch_size=1,
+        num_epochs=2,
+    )  # fmt: skip
+    core = Coordinator(cfg)
+    now = 100.0
+    state = core.state_summary()
+    left = [0] * ranks
+    step = [0] * ranks
+    summary_ns: list[int] = []
+    delta_ns: list[int] = []
+    clock = time.perf_counter_ns
+
+    def call(outs: list[Out], hint: int | None) -> None:
+        nonlocal state
+        t0 = clock()
+        after = core.state_summary(state) if incremental else core.summarizer.rebuild(state)
+        t1 = clock()
+        if incremental:
+            states.delta(state, after, hint, core.summary_changes(after, state))
+        else:
+            states.delta(state, after, hint)
+        t2 = clock()
+        if hint is not None:
+            summary_ns.append(t1 - t0)
+            delta_ns.append(t2 - t1)
+        state = after
+        for o in outs:
+            if isinstance(o, Send) and isinstance(o.msg, StartEpoch):
+                left[o.rank] = o.msg.plan.partition_size
+
+    call(core.start(now), None)
+    while not core.finished and len(summary_ns) < 200_000:
+        for r in range(ranks):
+            msgs: list[UpstreamMsg] = []
+            if left[r]:
+                left[r] -= 1
+                step[r] += 1
+                msgs = [Batch(r, 5.0 + r % 3, 0.1, step[r], 0.5), LrUpdate(r, 0.1)]
+                if not left[r]:
+                    epoch = core.dispatch.rank_epochs()[r]
+                    msgs.append(MetricsMsg(r, epoch, 0.5, 1, 1.0, 1, 1.0, 1.0, 0.0))
+            for msg in msgs:
+                now += 0.0001
+                call(core.handle(r, msg, now), r)
+        now += 0.0001
+        call(core.tick(now), None)
+    return summary_ns, delta_ns
+
+
+def bench_summary(ranks: int) -> list[tuple[float, float]]:
+    """(mean, median) µs per message at ``ranks`` ranks of: the state summary, its delta,
+    the summary read whole, the delta scanned (the mean counts a round's messages, the
+    slow ones; the median is a typical ``Batch``)."""
+    ours = _summary_run(ranks, incremental=True)
+    ref = _summary_run(ranks, incremental=False)
+    return [(statistics.fmean(ns) / 1000.0, _median_us(ns)) for ns in (*ours, *ref)]
+
+
 def replay_rate(run_dir: Path, transport: str = "fakeredis") -> list[tuple[str, int, float]]:
     out = []
     for key, rec in load_run(run_dir).items():
@@ -304,6 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=5000,
         help="peak memory of replays of N and 4N recorded dispatches (0: skip)",
     )
+    p.add_argument(
+        "--summary-ranks",
+        default="64,1024",
+        help="world sizes of the per-message state summary and delta figures ('': skip)",
+    )
     args = p.parse_args(argv)
 
     from flodl_bus.record.log import configure_console
@@ -334,6 +408,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"the record line {rh - sh:5.2f} us"
     )
     print(f"  target: <= {TARGET_RECORD_US:.0f} us per dispatch")
+    summary_ranks = [int(n) for n in args.summary_ranks.split(",") if n.strip()]
+    if summary_ranks:
+        print(
+            f"coordinator state summary + its delta per message, nccl-cadence, mean / median "
+            f"(median of {args.repeats} runs), beside the same read whole (every list "
+            "rebuilt and compared, as before tracking) and the budget of a whole message "
+            "at 50 ms steps (step / 2N)"
+        )
+    for n in summary_ranks:
+        rows = [bench_summary(n) for _ in range(args.repeats)]
+        (sm, s50), (dm, d50), (wsm, ws50), (wdm, wd50) = (
+            (statistics.median(r[k][0] for r in rows), statistics.median(r[k][1] for r in rows))
+            for k in range(4)
+        )
+        print(
+            f"  {n:5d} ranks: {sm:6.2f} + {dm:5.2f} = {sm + dm:6.2f} us / "
+            f"{s50:6.2f} + {d50:5.2f} us   (read whole {wsm:6.2f} + {wdm:5.2f} = "
+            f"{wsm + wdm:6.2f} us / {ws50:6.2f} + {wd50:5.2f} us; budget {50_000 / (2 * n):.1f} us)"
+        )
     print("replay speed, one core (fresh core, verify + compare), by transport")
     for k, (key, n, _rate) in enumerate(rates[0]):
         rate = statistics.median(r[k][2] for r in rates)

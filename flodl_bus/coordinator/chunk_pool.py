@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flodl_bus.coordinator.numeric import ordered_sum
+from flodl_bus.coordinator.tracked import Tracked
 
 Range = tuple[int, int]
 
@@ -45,7 +46,7 @@ class ChunkPool:
         self.completed = [0] * len(spans)
         # Samples outstanding per rank, kept with the queues: the state summary reads it
         # for every rank on every dispatch, and summing the queues made that O(chunks).
-        self._in_flight = [0] * len(spans)
+        self._in_flight = Tracked([0] * len(spans))
         self.total = sum(size for _, size in spans) + sum(s for _, s in self._reclaimed)
         # Kept incrementally: dispatch asks for it per rank, and a sum over spans would
         # make every reduce quadratic in the world size.
@@ -98,7 +99,12 @@ class ChunkPool:
 
     def in_flight_all(self) -> list[int]:
         """``in_flight`` of every rank, in rank order."""
-        return list(self._in_flight)
+        return self._in_flight.copy()
+
+    def in_flight_view(self) -> list[int]:
+        """What ``in_flight_all`` copies, itself (tracked; for the state summary, which
+        never writes it)."""
+        return self._in_flight
 
     def has_in_flight(self, rank: int) -> bool:
         return bool(self._outstanding[rank])

@@ -44,6 +44,7 @@ from flodl_bus.coordinator.reduce import (
     SoloReduce,
 )
 from flodl_bus.coordinator.roles import Roles
+from flodl_bus.coordinator.summary import Summarizer
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
     FINAL_EVAL_SCHEDULE,
@@ -93,8 +94,6 @@ class Coordinator:
         cfg = config
         self.config = cfg
         self.ws = ws = cfg.world_size
-        #: what a per-rank flag list equals when no rank is flagged (one C comparison)
-        self._no_flags = [False] * ws
         self.policy = cfg.policy
         self.bs = cfg.batch_size
         self.elche = ElChe(
@@ -165,6 +164,7 @@ class Coordinator:
             and cfg.policy is Policy.CADENCE
             and isinstance(self.dispatch, PoolDispatch)
         )
+        self.summarizer = Summarizer(self)
 
     @classmethod
     def from_meta(cls, config: CoordinatorConfig, meta: Mapping[str, Any]) -> Coordinator:
@@ -347,50 +347,16 @@ class Coordinator:
         """The decision-relevant state (the record's ``before``/``after``). ``reuse``: an
         earlier summary (never changed since) whose per-rank lists are handed back where
         they still hold, so an unchanged list is neither copied nor compared again by
-        the recorder (``record.states``): at 1,024 ranks these lists are most of a
-        summary's cost, and one message changes one or two of them."""
-        open_, why = self.gate()
-        live, reduce = self.live, self.reduce
-        old = reuse if reuse is not None else {}
+        the recorder (``record.states``); from the previous summary built so, only the
+        entries written since are read (``coordinator.summary``)."""
+        return self.summarizer.build(reuse)
 
-        def kept(key: str, now: list[Any], fresh: bool = False) -> list[Any]:
-            was = old.get(key)
-            if was is not None and was == now:
-                return was  # type: ignore[no-any-return]
-            return now if fresh else list(now)
-
-        summary = {
-            "phase": self.phase,
-            "version": self.version,
-            "global_step": self.global_step,
-            "avg_count": self.avg_count,
-            "steps": kept("steps", self.ledger.steps),
-            "last_step_count": kept("last_step_count", reduce.last_step_count),
-            "acks": kept("acks", reduce.acks(), fresh=True),
-            "cpu_pending": reduce.in_flight,
-            "rank_epoch": kept("rank_epoch", self.dispatch.rank_epochs(), fresh=True),
-            "in_flight": kept("in_flight", self.dispatch.in_flight_all(), fresh=True),
-            # C-speed scans, as these run for every rank on every dispatch
-            "dead": self._flagged(live.dead),
-            "exited": self._flagged(live.exited),
-            "throttled": self._flagged(reduce.throttled),
-            "anchor": self.elche.anchor,
-            "counts": kept("counts", self.elche.counts),
-            "last_aggregated": self.last_aggregated,
-            "pools": self.dispatch.remaining(),
-            "gate": {"open": open_, "why": why},
-        }
-        if reduce.wait_since is not None:
-            # A tick that starts the wait changes nothing else: this makes the recorder
-            # keep it, so a replay's ceiling counts from the same instant. Absent when
-            # not waiting, as in records made before the wait existed.
-            summary["window_wait_since"] = reduce.wait_since
-        return summary
-
-    def _flagged(self, flags: list[bool]) -> list[int]:
-        """The ranks whose flag is set, in order; none (the usual answer) at the cost of
-        one list comparison."""
-        return [] if flags == self._no_flags else list(compress(range(self.ws), flags))
+    def summary_changes(
+        self, after: Mapping[str, Any], before: Mapping[str, Any]
+    ) -> dict[str, list[int] | None] | None:
+        """Where ``after``'s lists differ from ``before``'s, if ``after`` was built from
+        ``before`` (``Summarizer.changes``), for the recorder's delta."""
+        return self.summarizer.changes(after, before)
 
     # ================================================================= upstream
     def _on_exiting(self, r: int, out: list[Out]) -> None:

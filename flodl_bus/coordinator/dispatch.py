@@ -24,6 +24,7 @@ from flodl_bus.coordinator.chunk_pool import (
 from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
 from flodl_bus.coordinator.effects import Out, Send
 from flodl_bus.coordinator.liveness import Liveness
+from flodl_bus.coordinator.tracked import Tracked
 from flodl_bus.protocol.messages import (
     EpochPlan,
     MetricsMsg,
@@ -99,6 +100,15 @@ class Dispatch:
     def rank_epochs(self) -> list[int]:
         raise NotImplementedError
 
+    def rank_epochs_view(self) -> list[int]:
+        """What ``rank_epochs`` copies, itself where it is kept (a ``Tracked`` list the
+        state summary reads, never writes), else a fresh list."""
+        return self.rank_epochs()
+
+    def in_flight_view(self) -> list[int]:
+        """``in_flight_all``, as ``rank_epochs_view`` is ``rank_epochs``."""
+        return self.in_flight_all()
+
     def remaining(self) -> dict[int, int]:
         """Epoch -> samples not yet handed out, for the state summary."""
         return {}
@@ -168,7 +178,7 @@ class PoolDispatch(Dispatch):
         super().__init__(core)
         self.pools: dict[int, ChunkPool] = {}
         self.final_windows: dict[int, FinalWindow] = {}
-        self.rank_epoch = [core.start_epoch] * core.ws
+        self.rank_epoch = Tracked([core.start_epoch] * core.ws)
         #: ranks whose plan could not be sent: offered again on the next tick
         self.redispatch: list[int] = []
         #: a pool opened since the last advisories went out
@@ -195,7 +205,7 @@ class PoolDispatch(Dispatch):
         self._advise(out)
 
     def resume_at(self, epoch: int) -> None:
-        self.rank_epoch = [epoch] * self.core.ws
+        self.rank_epoch = Tracked([epoch] * self.core.ws)
 
     def has_in_flight(self, r: int) -> bool:
         return any(p.has_in_flight(r) for p in self.pools.values())
@@ -224,7 +234,17 @@ class PoolDispatch(Dispatch):
         return max(self.rank_epoch)
 
     def rank_epochs(self) -> list[int]:
-        return list(self.rank_epoch)
+        return self.rank_epoch.copy()
+
+    def rank_epochs_view(self) -> list[int]:
+        return self.rank_epoch
+
+    def in_flight_view(self) -> list[int]:
+        # One pool (an epoch's steady state): its own tracked counts. Two (an epoch's
+        # tail under overlap) or none: their sum, compared whole by the summary.
+        if len(self.pools) == 1:
+            return next(iter(self.pools.values())).in_flight_view()
+        return self.in_flight_all()
 
     def remaining(self) -> dict[int, int]:
         return {e: p.remaining() for e, p in sorted(self.pools.items())}

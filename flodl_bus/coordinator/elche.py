@@ -16,6 +16,7 @@ from typing import Any
 
 from flodl_bus.coordinator.guard import Verdict, VerdictKind
 from flodl_bus.coordinator.numeric import ordered_sum
+from flodl_bus.coordinator.tracked import Tracked
 
 MAX_SPEED_RATIO = 64.0
 TRUST_WINDOW = 5
@@ -111,7 +112,7 @@ class ElChe:
         self.growth = growth
         #: bumped whenever ``counts`` is replaced, so callers can cache sums over it
         self.generation = 0
-        self._counts = [self.anchor] * world_size
+        self._counts: list[int] = Tracked([self.anchor] * world_size)
         self.calibrations = 0
         self.anchor_rank: int | None = None
         self.pending_anchor: int | None = None
@@ -129,10 +130,10 @@ class ElChe:
             # Before any measurement, a hinted faster rank starts with a larger window,
             # as a measured one would (the first calibration replaces it).
             slowest = min(speed_hints)
-            self._counts = [
+            self._counts = Tracked(
                 max(1, _round_half_up(self.anchor * min(s / slowest, MAX_SPEED_RATIO)))
                 for s in speed_hints
-            ]
+            )
             if flodl_election:
                 # The user named the slow rank (flodl's with_speed_ratio): it anchors
                 # until the Stable phase may elect another from measurements.
@@ -153,7 +154,9 @@ class ElChe:
 
     @counts.setter
     def counts(self, value: list[int]) -> None:
-        self._counts = value
+        # Tracked, as every per-rank list the state summary shows (its copy: the
+        # caller's list stays the caller's).
+        self._counts = Tracked(value)
         self.generation += 1
 
     @property

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from flodl_bus.coordinator.tracked import Tracked
+
 __all__ = ["Ledger"]
 
 
@@ -25,7 +27,8 @@ class Ledger:
     )
 
     def __init__(self, world_size: int) -> None:
-        self.steps = [0] * world_size
+        #: tracked: the state summary reads only the entries written since it last looked
+        self.steps = Tracked([0] * world_size)
         self.wall_ms = [0.0] * world_size
         self.delivered_ms = [0.0] * world_size
         self.delivered_batches = [0] * world_size

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from itertools import compress
 
 from flodl_bus.coordinator.config import MaxFailure
+from flodl_bus.coordinator.tracked import Tracked
 from flodl_bus.protocol.messages import SaveReason
 
 
@@ -34,9 +35,9 @@ class Liveness:
         ws = world_size
         self.last_heartbeat = [0.0] * ws
         #: said Exiting (a clean leave)
-        self.exited = [False] * ws
+        self.exited = Tracked([False] * ws)
         #: declared dead (silent, reported, or left mid-run): never resurrected
-        self.dead = [False] * ws
+        self.dead = Tracked([False] * ws)
         self.active_count = ws
         #: neither exited nor dead
         self.alive = [True] * ws

@@ -22,6 +22,7 @@ from flodl_bus.coordinator.elche import WindowReport
 from flodl_bus.coordinator.guard import Verdict, VerdictKind, merge
 from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.coordinator.liveness import Liveness
+from flodl_bus.coordinator.tracked import Tracked
 from flodl_bus.coordinator.views import Controllers
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
@@ -104,12 +105,14 @@ class Reduce:
     def __init__(self, core: ReduceCore) -> None:
         self.core = core
         ws = core.ws
-        self.last_step_count = [0] * ws
+        # Tracked (as every per-rank list the state summary shows): the summary reads
+        # only the entries written since it last looked.
+        self.last_step_count = Tracked([0] * ws)
         self.divergence: list[float | None] = [None] * ws
         self.pre_norm: list[float | None] = [None] * ws
         self.post_norm: float | None = None
         self.upload_ms: list[float | None] = [None] * ws
-        self.throttled = [False] * ws
+        self.throttled = Tracked([False] * ws)
         #: when the open gate started waiting for the window to complete (NCCL cadence)
         self.wait_since: float | None = None
 
@@ -133,6 +136,10 @@ class Reduce:
 
     def acks(self) -> list[bool]:
         raise NotImplementedError
+
+    def ack_flags(self) -> list[bool]:
+        """What ``acks`` copies, itself (read, never written, by the state summary)."""
+        return self.acks()
 
     def on_batch(self, r: int, step_count: int, now: float) -> None:
         if step_count > self.last_step_count[r]:
@@ -303,7 +310,7 @@ class Reduce:
             elche.stage_slack(slack)
 
     def after_window(self, now: float, out: list[Out]) -> None:
-        self.throttled = [False] * self.core.ws
+        self.throttled = Tracked([False] * self.core.ws)
         self.divergence = [None] * self.core.ws
         self.pre_norm = [None] * self.core.ws
         self.post_norm = None
@@ -351,7 +358,7 @@ class NcclReduce(Reduce):
         ws = core.ws
         #: each rank's step when SyncNow went out; a later step is its ack
         self.sync_step = [0] * ws
-        self.acked = [True] * ws
+        self.acked = Tracked([True] * ws)
         self._all_acked = [True] * ws
         #: live ranks whose ack is missing (a counter: a per-ack scan is O(ws) per ack)
         self.unacked = 0
@@ -376,7 +383,10 @@ class NcclReduce(Reduce):
         return self.unacked == 0
 
     def acks(self) -> list[bool]:
-        return list(self.acked)
+        return self.acked.copy()
+
+    def ack_flags(self) -> list[bool]:
+        return self.acked
 
     def on_batch(self, r: int, step_count: int, now: float) -> None:
         super().on_batch(r, step_count, now)
@@ -452,7 +462,7 @@ class NcclReduce(Reduce):
     def trigger(self, now: float, closed: Ledger, armed: ArmedSave | None, out: list[Out]) -> None:
         core = self.core
         self.sync_step = list(self.last_step_count)
-        self.acked = [not a for a in core.alive_mask()]
+        self.acked = Tracked([not a for a in core.alive_mask()])
         self.unacked = core.live.active_count
         self.armed = True
         self.started_at = now
@@ -481,7 +491,7 @@ class CpuReduce(Reduce):
     def __init__(self, core: ReduceCore) -> None:
         super().__init__(core)
         self.started_at: float | None = None
-        self.acked = [False] * core.ws
+        self.acked = Tracked([False] * core.ws)
         #: the window the open cycle closes, and the save armed with it
         self._closing: Ledger | None = None
         self._armed: ArmedSave | None = None
@@ -493,7 +503,10 @@ class CpuReduce(Reduce):
         return self.started_at is not None
 
     def acks(self) -> list[bool]:
-        return list(self.acked)
+        return self.acked.copy()
+
+    def ack_flags(self) -> list[bool]:
+        return self.acked
 
     def on_sync_ack(self, r: int, msg: SyncAck, now: float) -> None:
         super().on_sync_ack(r, msg, now)
@@ -531,10 +544,10 @@ class CpuReduce(Reduce):
             # an Update dispatched before its Throttle leaves the rank throttled with
             # nothing left to release it.
             out.append(Broadcast(Throttle()))
-            self.throttled = [True] * core.ws
+            self.throttled = Tracked([True] * core.ws)
         out.append(Broadcast(RequestParams()))
         self.started_at = now
-        self.acked = [False] * core.ws
+        self.acked = Tracked([False] * core.ws)
         self.upload_ms = [None] * core.ws
         self._closing = closed
         self._armed = armed

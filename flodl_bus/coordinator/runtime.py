@@ -318,15 +318,17 @@ class CoordinatorLoop:
             self.dispatches += 1
             if rec is not None:
                 assert before is not None
+                after = self._state_after()
                 rec.dispatch(
                     stream=d.stream,
                     entry_id=d.entry_id,
                     msg=d.msg,
                     now=now,
                     before=before,
-                    after=self._state_after(),
+                    after=after,
                     out=outs,
                     sender=rank,
+                    changes=core.summary_changes(after, before),
                 )
             t3, sent = pc(), prof.send
             self._apply(outs, now)

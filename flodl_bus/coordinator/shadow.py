@@ -89,12 +89,13 @@ class ShadowRecorder(DispatchRecorder):
         after: Mapping[str, Any],
         out: Sequence[object],
         sender: int | None = None,
+        changes: Mapping[str, Sequence[int] | None] | None = None,
         **extra: Any,
     ) -> None:
         if self._remote is None:
             super().dispatch(
                 stream=stream, entry_id=entry_id, msg=msg, now=now, before=before,
-                after=after, out=out, sender=sender, **extra,
+                after=after, out=out, sender=sender, changes=changes, **extra,
             )  # fmt: skip
             return
         k, values = process.pack_msg(msg, record_value)
@@ -171,6 +172,7 @@ class _Shadow:
                 after=after,
                 out=outs,
                 sender=sender,
+                changes=core.summary_changes(after, before),
             )
         elif op == CALL:
             self._call(rec, core, *item[1:])

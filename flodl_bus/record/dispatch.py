@@ -354,10 +354,14 @@ class DispatchRecorder:
         after: Mapping[str, Any],
         out: Sequence[object],
         sender: int | None = None,
+        changes: Mapping[str, Sequence[int] | None] | None = None,
         **extra: Any,
     ) -> None:
+        """One upstream message's line. ``changes``: where ``after``'s lists differ from
+        ``before``'s when one was built from the other (``Coordinator.summary_changes``),
+        so the delta need not look for it; never recorded itself."""
         i = next(self._counter)
-        st = self._states(before, after, sender)
+        st = self._states(before, after, sender, changes)
         if self._remote is not None:
             k, values = process.pack_msg(msg, record_value)
             self._send(
@@ -402,7 +406,11 @@ class DispatchRecorder:
             self._observe("dispatch", i, now, before, after, out, msg, sender)
 
     def _states(
-        self, before: Mapping[str, Any], after: Mapping[str, Any], hint: int | None
+        self,
+        before: Mapping[str, Any],
+        after: Mapping[str, Any],
+        hint: int | None,
+        changes: Mapping[str, Sequence[int] | None] | None = None,
     ) -> dict[str, Any]:
         """``before`` and ``after`` as the line holds them: whole, or (``deltas``) what
         changed since the last recorded ``after`` when ``before`` is that state, as it
@@ -412,7 +420,8 @@ class DispatchRecorder:
             return {"before": before, "after": after}
         self._state = after
         if last is not None and (before is last or before == last):
-            return states.delta(last, after, hint)
+            # ``changes`` is ``after`` against ``before``, which equals ``last``.
+            return states.delta(last, after, hint, changes)
         return {"before": before, "after": after}
 
     def event(self, name: str, **fields: Any) -> None:

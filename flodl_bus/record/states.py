@@ -28,7 +28,7 @@ verification.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress, count
 from operator import ne
 from typing import Any, Final
@@ -62,11 +62,16 @@ def _changed_at(prev: list[Any], cur: list[Any], hint: int | None) -> list[int]:
 
 
 def delta(
-    prev: Mapping[str, Any], cur: Mapping[str, Any], hint: int | None = None
+    prev: Mapping[str, Any],
+    cur: Mapping[str, Any],
+    hint: int | None = None,
+    known: Mapping[str, Sequence[int] | None] | None = None,
 ) -> dict[str, Any]:
     """The fields of a line that take ``prev`` to ``cur``: ``changed``, and
     ``patched``/``removed`` where there are any. ``hint``: the rank the call was about,
-    where a change most likely is."""
+    where a change most likely is. ``known``: where lists of ``cur`` differ from
+    ``prev``'s, from whoever built one from the other (``Coordinator.summary_changes``):
+    a key with its indexes, in order, is not scanned; any other is compared as usual."""
     changed: dict[str, Any] = {}
     patched: dict[str, list[Any]] = {}
     for k, v in cur.items():
@@ -77,7 +82,8 @@ def delta(
         if p is v:
             continue  # a list the summary handed back unchanged (``state_summary(reuse)``)
         if type(v) is list and type(p) is list and len(v) == len(p) >= PATCH_MIN:
-            at = _changed_at(p, v, hint)
+            told = known.get(k) if known is not None else None
+            at = _changed_at(p, v, hint) if told is None else [i for i in told if p[i] != v[i]]
             if not at:
                 continue
             if len(at) <= PATCH_SHARE * len(v):
