@@ -21,6 +21,7 @@ from flodl_bus.bus.api import Delivery, IngestHung
 from flodl_bus.bus.connection import connect
 from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.server import RedisServer
 from flodl_bus.bus.streams import COORDINATOR_GROUP, RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys
@@ -477,3 +478,33 @@ def test_auto_ingest_procs_read_in_processes_only_for_hundreds_of_ranks_on_many_
     for bad in ("-1", "two", ""):
         with pytest.raises(ValueError, match="expected 'auto' or a count >= 0"):
             procs_arg(bad)
+
+
+def test_a_redis_outage_longer_than_the_stall_bound_is_weather_not_a_hung_reader() -> None:
+    # The readers' loop turns through an outage (each read gives up at its deadline and
+    # goes round again), so an outage of several stall bounds kills and replaces nobody,
+    # and every entry written before and after it is read once, in order.
+    with RedisServer(appendonly=True) as server:
+        keys = RunKeys("ingest-outage")
+        ranks = range(4)
+        coord = _coord(server.url, keys, ranks)
+        pool = coord.ingest
+        assert pool is not None
+        pool.stall_s = 1.0
+        _prefill(server.url, keys, ranks, 10)
+        got = _drain(coord, 40)
+        assert server.proc is not None
+        server.proc.kill()
+        server.proc.wait()
+        server.stop()
+        outage_until = time.monotonic() + 4 * pool.stall_s
+        while time.monotonic() < outage_until:  # the fault itself, read through
+            ds = coord.read_upstream(100)
+            coord.ack(ds)
+            got += ds
+        server.start()
+        _prefill(server.url, keys, ranks, 10, first=10)
+        got += _drain(coord, 40)
+        assert pool.restarts == 0
+        assert _steps_by_rank(got) == {r: list(range(20)) for r in ranks}
+        coord.close()
