@@ -57,7 +57,7 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -158,8 +158,9 @@ class _Spec:
     where: str
     dlq: str
     channel: str
-    #: the console level of the main process (None: leave structlog's default)
-    log_level: str | None = None
+    #: run first in the reader process: the caller's logging set up there (a picklable
+    #: callable; the bus imports no logging setup of its own, which lives above it)
+    child_setup: Callable[[], None] | None = None
 
 
 @dataclass
@@ -211,10 +212,8 @@ def _reader_main(
     """A reader process: read its streams, send what verifies, ack what it is told."""
     # Ctrl-C reaches the whole process group; the main process decides when readers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if spec.log_level is not None:
-        from flodl_bus.record.log import configure_console
-
-        configure_console(spec.log_level)
+    if spec.child_setup is not None:
+        spec.child_setup()
     pool = redis.ConnectionPool(connection_class=spec.connection_class, **spec.connection_kwargs)
     reader = _GroupReader(
         redis.Redis(connection_pool=pool),
@@ -335,7 +334,10 @@ class IngestPool:
         where: str,
         dlq: str,
         channel: str = wire.UPSTREAM,
+        child_setup: Callable[[], None] | None = None,
     ) -> None:
+        """``child_setup``: run first in each reader process (the coordinator's console
+        logging at its ``--log-level``)."""
         if procs < 1:
             raise ValueError("an ingest pool needs at least one reader process")
         cpool = client.connection_pool
@@ -346,11 +348,9 @@ class IngestPool:
             for k, v in cpool.connection_kwargs.items()
             if k not in _LOCAL_KWARGS and type(v) is not object
         }
-        from flodl_bus.record.log import console_level
-
         self._spec = _Spec(
             cpool.connection_class, kwargs, group, consumer, config, name, where, dlq, channel,
-            console_level(),
+            child_setup,
         )  # fmt: skip
         #: how long a ready reader may make no turn and send nothing before it is hung
         self.stall_s = stall_s()

@@ -185,6 +185,7 @@ class RedisCoordinatorBus:
         wait_ms: int = 0,
         script: bool = True,
         ingest_procs: int = 0,
+        ingest_setup: Callable[[], None] | None = None,
     ) -> None:
         """``shard``, ``clock``, ``lock``: one shard of a run on a Redis Cluster
         (``bus.sharded``), the shards sharing one id clock and one lock so that every
@@ -193,7 +194,8 @@ class RedisCoordinatorBus:
         in one EVALSHA where the server and the user allow it (``bus.batch_script``);
         False, or on a cluster shard, the WATCH/MULTI/EXEC transaction. ``ingest_procs``
         > 0: the upstream streams are read, verified and dead-lettered by that many
-        reader processes (``bus.ingest``); 0 reads them on the calling thread."""
+        reader processes (``bus.ingest``), each running ``ingest_setup`` first (its
+        logging); 0 reads them on the calling thread."""
         self.keys = run if isinstance(run, RunKeys) else RunKeys(run)
         self.client = client
         self.signing = keys
@@ -245,6 +247,7 @@ class RedisCoordinatorBus:
                 name="coordinator.ingest" if shard is None else f"coordinator.ingest.s{shard}",
                 where=where,
                 dlq=self._dlq,
+                child_setup=ingest_setup,
             )
         self._guard = (
             ReplicaGuard(client, self.keys.fence(shard), wait_ms, self._link)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -410,6 +411,8 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
             ranks=range(ws),
             where=redact_url(args.redis_url),
             ingest_procs=_ingest_procs(args.ingest_procs, ws),
+            # the reader processes log as this process does (``--log-level``)
+            ingest_setup=functools.partial(configure_console, args.log_level),
         )
 
     metrics = MetricsTable(run_dir / "metrics.csv", ws)

@@ -5,12 +5,13 @@ mid-stream, and one that hangs."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 
 import pytest
@@ -44,8 +45,12 @@ def _batch(rank: int, i: int) -> m.Batch:
     return m.Batch(rank=rank, batch_ms=1.0, data_ms=0.1, step_count=i, batch_loss=0.5)
 
 
-def _coord(url: str, keys: RunKeys, ranks: Sequence[int]) -> RedisCoordinatorBus:
-    coord = RedisCoordinatorBus(connect(url), keys, CK, ranks=ranks, config=FAST, ingest_procs=K)
+def _coord(
+    url: str, keys: RunKeys, ranks: Sequence[int], ingest_setup: Callable[[], None] | None = None
+) -> RedisCoordinatorBus:
+    coord = RedisCoordinatorBus(
+        connect(url), keys, CK, ranks=ranks, config=FAST, ingest_procs=K, ingest_setup=ingest_setup
+    )
     assert coord.ingest is not None and coord.ingest.wait_ready(60)
     return coord
 
@@ -203,14 +208,14 @@ def test_forged_and_replayed_entries_of_a_readers_share_go_to_the_dlq_and_the_re
 
 @pytest.mark.parametrize("level", ["error", "critical"])
 def test_reader_processes_log_at_the_coordinators_console_level_on_stderr(
-    url: str, level: str, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    url: str, level: str, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    from flodl_bus.record import log as record_log
+    from flodl_bus.record.log import configure_console
 
-    # the level ``--log-level`` gave ``configure_console`` in a coordinator
-    monkeypatch.setattr(record_log, "_level", level)
     keys = RunKeys(f"ingest-log-{level}")
-    coord = _coord(url, keys, [0, 1])
+    # what a coordinator run with ``--log-level LEVEL`` hands its bus
+    setup = functools.partial(configure_console, level)
+    coord = _coord(url, keys, [0, 1], ingest_setup=setup)
     ms = int(time.time() * 1000) + 1
     forged = entries.build(
         fixed_keys(bytes(32)).rank(1), keys.up(1), f"{ms}-0", _batch(1, 0), "1", 1
