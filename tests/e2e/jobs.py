@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -226,29 +227,44 @@ default_group_job = dataclasses.replace(
 GROUP_DIR_ENV = "FLODL_TEST_GROUP_DIR"
 
 
-def _sum_of_ranks(where: str) -> None:
+def _sum_of_ranks(where: str, wait: bool = True) -> None:
     # Every rank adds its group rank + 1: on a world of W the sum is W(W+1)/2, so a
-    # wrong world or a rank counted twice shows in the number.
+    # wrong world or a rank counted twice shows in the number. ``wait=False`` posts the
+    # collective and writes its line at a later step, once it completed.
     import torch.distributed as dist
 
     from flodl_bus.job import process_group
 
     info = process_group()
     seen = torch.ones(1) * (dist.get_rank() + 1)
-    dist.all_reduce(seen)
-    line = {
+    line: dict[str, Any] = {
         "where": where,
         "bus_rank": int(os.environ["RANK"]),
         "rank": dist.get_rank(),
         "world": dist.get_world_size(),
         "backend": str(dist.get_backend()),
-        "sum": float(seen),
+        "sum": None,
         "generation": None if info is None else info.generation,
         "info_world": None if info is None else info.world_size,
     }
-    path = os.path.join(os.environ[GROUP_DIR_ENV], f"rank{os.environ['RANK']}.jsonl")
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    work = dist.all_reduce(seen, async_op=not wait)
+    _posted.append((work, seen, line))
+    _write_completed()
+
+
+#: collectives posted and not yet written: (work or None, tensor, line)
+_posted: list[tuple[Any, torch.Tensor, dict[str, Any]]] = []
+
+
+def _write_completed() -> None:
+    while _posted and (_posted[0][0] is None or _posted[0][0].is_completed()):
+        work, seen, line = _posted.pop(0)
+        if work is not None:
+            work.wait()
+        line["sum"] = float(seen)
+        path = os.path.join(os.environ[GROUP_DIR_ENV], f"rank{os.environ['RANK']}.jsonl")
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 def _model_on_the_default_group() -> nn.Module:
@@ -265,12 +281,16 @@ def _loss_after_a_reform(
 ) -> torch.Tensor:
     from flodl_bus.job import process_group
 
-    # One collective per new generation of the group, at the next step of each
-    # survivor: the re-formed group must work over the survivors alone.
+    # One collective per new generation of the group, posted at the next step of each
+    # survivor: the re-formed group must work over the survivors alone. Posted, not
+    # waited for: a survivor may see the new generation a window before its peer does
+    # (the re-form reaches each rank's group on its own time), and one blocked in the
+    # collective would never report the batch its peer's next plan waits for.
     info = process_group()
     if info is not None and info.generation != _generation_seen[0]:
         _generation_seen[0] = info.generation
-        _sum_of_ranks("after_reform")
+        _sum_of_ranks("after_reform", wait=False)
+    _write_completed()
     return _slow_loss(model, batch)
 
 
