@@ -21,6 +21,7 @@ from flodl_bus.exits import FAILED
 from flodl_bus.record import chain, states
 from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.record.log import read_records
+from flodl_bus.record.process import RecordProcess
 from flodl_bus.record.telemetry import EVENTS_FILE, derive
 from tests.coordinator.test_runtime import config, start_rank
 
@@ -56,9 +57,9 @@ def test_a_run_recorded_by_a_record_process_is_whole_chained_and_its_events_live
     assert live == list(derive(raw)) and any(e["kind"] == "CpuAvgEnd" for e in live)
 
 
-class KillingRecorder(DispatchRecorder):
-    """Kills its record process at the ``at``-th dispatch, and returns once the watcher
-    saw it die (the loop's next turn then finds ``failure`` set)."""
+class CuttingRecorder(DispatchRecorder):
+    """At the ``at``-th dispatch, puts every line so far on disk, then ``cut``s its
+    record process; the loop's next turn finds ``failure`` set."""
 
     at = 20
 
@@ -69,61 +70,39 @@ class KillingRecorder(DispatchRecorder):
             assert self.remote is not None
             self.flush()  # every line so far on disk: the cut is after them
             self.flushed = self.lines
-            os.kill(self.remote.pid, signal.SIGKILL)
-            assert self.remote.dead.wait(30)
+            self.cut(self.remote)
+
+    def cut(self, remote: RecordProcess) -> None:
+        raise NotImplementedError
 
 
-def test_a_killed_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Path) -> None:
+class KillingRecorder(CuttingRecorder):
+    """Kills its record process and returns once the watcher saw it die."""
+
+    def cut(self, remote: RecordProcess) -> None:
+        os.kill(remote.pid, signal.SIGKILL)
+        assert remote.dead.wait(30)
+
+
+class HangingRecorder(CuttingRecorder):
+    """Stops its record process (SIGSTOP: alive, taking nothing) and records on until
+    the pipe is full for ``stall_s``: the record process then counts as hung."""
+
+    def cut(self, remote: RecordProcess) -> None:
+        remote.stall_s = 1.0
+        os.kill(remote.pid, signal.SIGSTOP)
+        # well past the pipe's capacity, as a long run's lines would come
+        while not remote.dead.is_set():
+            self.event("membership", pad="x" * 10_000)
+
+
+def _run_cut(
+    rec: CuttingRecorder,
+) -> tuple[int, CoordinatorLoop, Coordinator, Any]:
+    """A one-rank cpu-cadence run recorded by ``rec``, until the loop returns."""
     core = Coordinator(config("cpu-cadence", epochs=3))
     hub = MemoryHub(1)
     world = start_rank(hub)
-    rec = KillingRecorder(tmp_path, "coordinator", process=True)
-    loop = CoordinatorLoop(
-        core, MemoryCoordinatorBus(hub), recorder=rec, options=LoopOptions(exit_grace=30.0)
-    )
-    try:
-        code = loop.run()
-    finally:
-        rec.close()
-    world.thread.join(60)
-    assert code == FAILED
-    assert loop.record_lost is not None and "SIGKILL" in loop.record_lost
-    # stopped in order: the rank was told to shut down and left before the run's end
-    assert not world.thread.is_alive() and world.result == [0]
-    assert core.last_aggregated < 2 and core.live.exited[0]
-    # the record verifies up to its cut and says it was cut (no end line)
-    st = chain.check(rec.path, allow_incomplete=True)
-    assert not st.ended and rec.flushed <= st.lines < rec.lines
-    with pytest.raises(chain.IncompleteRecord):
-        chain.check(rec.path)
-
-
-class HangingRecorder(DispatchRecorder):
-    """Stops its record process (SIGSTOP: alive, taking nothing) at the ``at``-th
-    dispatch and records on until the pipe is full for ``stall_s``: the record process
-    then counts as hung, and the loop's next turn finds ``failure`` set."""
-
-    at = 20
-
-    def dispatch(self, **kw: Any) -> None:
-        super().dispatch(**kw)
-        self.at -= 1
-        if self.at == 0:
-            assert self.remote is not None
-            self.remote.stall_s = 1.0
-            self.flush()  # every line so far on disk: the cut is after them
-            self.flushed = self.lines
-            os.kill(self.remote.pid, signal.SIGSTOP)
-            # well past the pipe's capacity, as a long run's lines would come
-            while not self.remote.dead.is_set():
-                self.event("membership", pad="x" * 10_000)
-
-
-def test_a_hung_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Path) -> None:
-    core = Coordinator(config("cpu-cadence", epochs=3))
-    hub = MemoryHub(1)
-    world = start_rank(hub)
-    rec = HangingRecorder(tmp_path, "coordinator", process=True)
     pid = rec.remote.pid if rec.remote is not None else 0
     loop = CoordinatorLoop(
         core, MemoryCoordinatorBus(hub), recorder=rec, options=LoopOptions(exit_grace=30.0)
@@ -133,11 +112,33 @@ def test_a_hung_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Path
     finally:
         rec.close()
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)  # a stopped process would outlive the test
     world.thread.join(60)
-    assert code == FAILED
-    assert loop.record_lost is not None and "took nothing for 1 s" in loop.record_lost
+    return code, loop, core, world
+
+
+def _assert_stopped_in_order(rec: CuttingRecorder, core: Coordinator, world: Any) -> None:
+    # stopped in order: the rank was told to shut down and left before the run's end
     assert not world.thread.is_alive() and world.result == [0]
     assert core.last_aggregated < 2 and core.live.exited[0]
+    # the record verifies up to its cut and says it was cut (no end line)
     st = chain.check(rec.path, allow_incomplete=True)
     assert not st.ended and rec.flushed <= st.lines < rec.lines
+
+
+def test_a_killed_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Path) -> None:
+    rec = KillingRecorder(tmp_path, "coordinator", process=True)
+    code, loop, core, world = _run_cut(rec)
+    assert code == FAILED
+    assert loop.record_lost is not None and "SIGKILL" in loop.record_lost
+    _assert_stopped_in_order(rec, core, world)
+    with pytest.raises(chain.IncompleteRecord):
+        chain.check(rec.path)
+
+
+def test_a_hung_record_process_stops_the_run_in_order_with_exit_1(tmp_path: Path) -> None:
+    rec = HangingRecorder(tmp_path, "coordinator", process=True)
+    code, loop, core, world = _run_cut(rec)
+    assert code == FAILED
+    assert loop.record_lost is not None and "took nothing for 1 s" in loop.record_lost
+    _assert_stopped_in_order(rec, core, world)
