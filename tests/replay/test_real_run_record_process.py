@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,14 @@ def test_the_coordinators_record_process_record_replays_identically(
         assert result.identical, f"{key}: {result.summary()}"
 
 
+def _verified_lines(path: Path) -> int:
+    """Lines of a record being written that verify so far (0 before there are any)."""
+    try:
+        return chain.check(path, allow_incomplete=True).lines
+    except (OSError, ValueError):  # not there yet, or a block half written
+        return 0
+
+
 def test_killing_the_record_process_stops_the_real_run_in_order_with_exit_1(
     redis_url: str, tmp_path: Path
 ) -> None:
@@ -50,6 +59,14 @@ def test_killing_the_record_process_stops_the_real_run_in_order_with_exit_1(
         pid = re.search(rb"record_process_started[^\n]*?pid=(\d+)", log.read_bytes())
         assert pid is not None
         _wait_for_line(log, b"epoch_aggregated", coord, 120)
+        # The child puts its lines on disk in blocks: kill it once more than ten are
+        # there, so the cut record has something to verify (a loaded CI host killed it
+        # with nine written).
+        path = tmp_path / "run" / "coordinator.jsonl.zst"
+        deadline = time.monotonic() + 120
+        while _verified_lines(path) <= 10:
+            assert coord.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
         os.kill(int(pid[1]), signal.SIGKILL)
         killed.append(int(pid[1]))
 
