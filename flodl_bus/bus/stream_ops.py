@@ -44,8 +44,8 @@ class BusError(RuntimeError):
 #: round waits on its step reports, only the coordinator's view of its progress does.
 #: Each write wakes a chain of threads and processes (the publisher, Redis, the
 #: coordinator's reader and its record); at the 5 ms default a world of one on digits
-#: woke the publisher about 500 times a second, each wake a thread that may take a core
-#: from the rank's intra-op threads.
+#: wrote about 130 times a second (some 500 wake-ups of the publisher's thread), each
+#: wake-up a thread that may take a core from the rank's intra-op threads.
 SOLO_PUBLISH_LINGER_S: Final = 0.05
 
 
