@@ -40,15 +40,6 @@ class BusError(RuntimeError):
     pass
 
 
-#: The linger of a world of one's publisher (``rank_streams_config``): no peer and no
-#: round waits on its step reports, only the coordinator's view of its progress does.
-#: Each write wakes a chain of threads and processes (the publisher, Redis, the
-#: coordinator's reader and its record); at the 5 ms default a world of one on digits
-#: wrote about 130 times a second (some 500 wake-ups of the publisher's thread), each
-#: wake-up a thread that may take a core from the rank's intra-op threads.
-SOLO_PUBLISH_LINGER_S: Final = 0.05
-
-
 @dataclass(frozen=True, slots=True)
 class StreamsConfig:
     #: ``MAXLEN ~`` of every stream (see rule 5 above for the bound it implies).
@@ -151,12 +142,3 @@ def ensure_group(client: redis.Redis, stream: str, group: str, start: str = "0")
     except redis.exceptions.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
-
-
-def rank_streams_config(world_size: int) -> StreamsConfig:
-    """A rank's bus settings for its world: a world of one lingers longer
-    (``SOLO_PUBLISH_LINGER_S``); a rank with peers keeps the default, since a step's
-    report can close a window the round waits on."""
-    if world_size == 1:
-        return StreamsConfig(publish_linger_s=SOLO_PUBLISH_LINGER_S)
-    return StreamsConfig()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from flodl_bus.bus.stream_ops import SOLO_PUBLISH_LINGER_S, StreamsConfig, rank_streams_config
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from tests.bus.conftest import CK, FAST, RK, Backend
@@ -94,13 +93,3 @@ def test_with_no_linger_every_report_is_written_as_it_comes(backend: Backend) ->
     finally:
         rank.close()
         coord.close()
-
-
-def test_a_world_of_one_lingers_ten_times_longer_and_a_rank_with_peers_keeps_the_default() -> None:
-    # Nothing waits on a lone rank's step reports; a peer's round waits on every Batch
-    # (the coordinator's gate counts them), so only a world of one may hold them longer.
-    default = StreamsConfig()
-    assert rank_streams_config(1).publish_linger_s == SOLO_PUBLISH_LINGER_S
-    assert 10 * default.publish_linger_s <= SOLO_PUBLISH_LINGER_S
-    for world in (2, 8):
-        assert rank_streams_config(world) == default
