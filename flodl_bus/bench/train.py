@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import shlex
@@ -38,9 +39,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from flodl_bus.bench import breakdown
+from flodl_bus.bench import breakdown, rounds
 from flodl_bus.bench.breakdown import mean_of, run_breakdowns
 from flodl_bus.bench.idle import describe, idle_of_run
+from flodl_bus.bench.rounds import RoundPhases, rounds_of_run
 from flodl_bus.job import load_job
 from flodl_bus.record.dispatch import fresh_run_dir
 from flodl_bus.record.log import read_records
@@ -128,9 +130,11 @@ def _bus(
     wall = rows[-1]["at"] - first
     idle = idle_of_run(run_dir, args.workers) if args.workers > 1 else None
     ranks = run_breakdowns(run_dir, args.workers)
+    phases = rounds_of_run(run_dir)
     return {
         "parts": None if ranks is None else mean_of(ranks),
         "idle": None if idle is None else describe(idle, wall),
+        "round_phases": None if phases is None else dataclasses.asdict(phases),
         "wall": wall,
         # every rank's batches: the run's samples, whatever its epochs
         "samples": summary["batches"] * load_job(args.job).batch_size,
@@ -161,6 +165,22 @@ def _shares(run_dir: Path, workers: int) -> dict[str, list[float] | None]:
         planned.append(statistics.median(vals) if vals else float("nan"))
     shares = [t / total if total else float("nan") for t in trained]
     return {"shares": shares, "planned_shares": planned}
+
+
+def _round_phases(per_run: Sequence[dict[str, Any] | None]) -> RoundPhases | None:
+    """The runs' round phases, each the median over the runs."""
+    got = [p for p in per_run if p is not None]
+    if not got:
+        return None
+    snaps = [p["snapshots_s"] for p in got if p["snapshots_s"] is not None]
+    closes = [p["close_s"] for p in got if p["close_s"] is not None]
+    return RoundPhases(
+        rounds=int(statistics.median(p["rounds"] for p in got)),
+        round_s=statistics.median(p["round_s"] for p in got),
+        snapshots_s=statistics.median(snaps) if snaps else None,
+        reduce_s=statistics.median(p["reduce_s"] for p in got),
+        close_s=statistics.median(closes) if closes else None,
+    )
 
 
 def _parts(per_run: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
@@ -370,6 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(breakdown.describe(names[c], parts, plain_parts))
         elif parts is not None and c == "plain" and len(runs) == 1:
             print(breakdown.describe(names[c], parts, None))
+    phased = {c: _round_phases([r.get("round_phases") for r in rs]) for c, rs in runs.items()}
+    if any(p is not None for p in phased.values()):
+        print("\nhow long a round takes, and where (bench.rounds):")
+    for c, phases in phased.items():
+        if phases is not None:
+            print(rounds.describe(names[c], phases))
     for c, rs in runs.items():
         if rs and rs[0].get("idle"):
             print(f"  {names[c]}, run 1: " + "\n".join(rs[0]["idle"]))

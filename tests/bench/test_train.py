@@ -127,6 +127,12 @@ def test_bench_train_runs_plain_bus_and_ddp_and_prints_medians(
         assert m["wall"] > 0 and 0.5 < m["metric"] <= 1.0, name
     # DDP all-reduces once per step; the bus averages far less often
     assert got["medians"]["ddp"]["rounds"] > got["medians"]["bus nccl-cadence"]["rounds"] > 0
+    # the bus's rounds, from its coordinator's record: NCCL's have no snapshot phase
+    phases = got["runs"]["bus nccl-cadence"][0]["round_phases"]
+    assert phases["rounds"] >= 1 and phases["snapshots_s"] is None
+    assert 0 < phases["reduce_s"] == phases["round_s"] and phases["close_s"] is None
+    assert any(line.startswith("bus nccl-cadence x2") and "rounds of" in line
+               for line in text.splitlines()), text  # fmt: skip
     # every contender says where its time went, and the parts add up to the whole
     assert "where a rank's time goes" in text
     for name, runs in got["runs"].items():
