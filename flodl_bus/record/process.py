@@ -222,10 +222,16 @@ class RecordProcess:
 
     def _read_line(self, timeout: float) -> bytes:
         """One reply line of the child, b"" when it sent none within ``timeout``."""
+        # poll, not select: a coordinator holding a thousand ranks' sockets and pipes
+        # hands the child descriptors above select's FD_SETSIZE (1024), where select
+        # raises instead of waiting.
+        reply = select.poll()
+        reply.register(self._reply, select.POLLIN)
+        deadline = time.monotonic() + timeout
         buf = b""
         while not buf.endswith(b"\n"):
-            ready, _, _ = select.select([self._reply], [], [], timeout)
-            if not ready:
+            left = deadline - time.monotonic()
+            if left <= 0 or not reply.poll(left * 1000.0):
                 return b""
             chunk = os.read(self._reply, 1)
             if not chunk:

@@ -289,3 +289,37 @@ def test_a_record_process_that_cannot_start_leaves_the_record_on_the_thread(
     rec.event("end", dispatches=0)
     rec.close()
     assert chain.check(rec.path).ended
+
+
+def test_a_record_process_started_above_a_thousand_open_descriptors_records_and_flushes(
+    tmp_path: Path,
+) -> None:
+    # A coordinator of many ranks holds sockets and pipes by the thousand: the child's
+    # pipes then land above select's FD_SETSIZE (1024), where select raises.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this host allows {hard} open files")
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE,
+            (1200 if hard == resource.RLIM_INFINITY else min(hard, 4096), hard),
+        )
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert max(held) >= 1024
+        rec = DispatchRecorder(tmp_path, "coordinator", process=True)
+        assert rec.in_process and rec.remote is not None  # a child, not the thread
+        rec.header(run="many-fds")
+        for k in range(50):
+            rec.event("membership", k=k)
+        rec.flush()  # waits on the child's reply line
+        assert chain.check(rec.path, allow_incomplete=True).lines == 51
+        rec.event("end", dispatches=0)
+        rec.close()
+        assert chain.check(rec.path).ended
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
