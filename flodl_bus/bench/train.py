@@ -21,6 +21,10 @@ slower per step (extra GPU work, or CPU work on a CPU; ``bench.slow``); the slow
 run really had is measured on that rank and printed, with the share of the batches each
 bus rank trained (beside the share ElChe's counts planned) and the ideal time of a run
 that shares work by speed (the plain loop's time over 1 + 1/F).
+
+Below the table: where each contender's rank time went (``bench.breakdown``, from the
+ranks' records) and how long each bus contender's averaging rounds took and where
+(``bench.rounds``, from the coordinator's record).
 """
 
 from __future__ import annotations
