@@ -79,6 +79,7 @@ class _Rounds:
 def round_phases(records: Iterable[Mapping[str, Any]]) -> RoundPhases | None:
     """The phases of every round a coordinator's record holds (None: no round closed)."""
     world = 0
+    dead: set[int] = set()
     r = _Rounds()
     for rec in records:
         if rec.get("event") == "run":
@@ -88,13 +89,16 @@ def round_phases(records: Iterable[Mapping[str, Any]]) -> RoundPhases | None:
         if now is None or rec.get("event") not in ("dispatch", "tick", "start"):
             continue
         now = float(now)
+        changed = rec.get("changed")
+        if isinstance(changed, Mapping) and isinstance(changed.get("dead"), list):
+            dead = {int(d) for d in changed["dead"]}
         msg = rec.get("msg")
         kind = _type(msg)
         if r.opened is not None and kind == "SnapshotReady":
             r.snap = now
         elif r.opened is not None and kind == "SyncAck" and isinstance(msg, Mapping):
             r.acked[int(msg.get("rank", -1))] = now
-            if r.nccl and world and len(r.acked) >= world:
+            if r.nccl and world and len(r.acked.keys() - dead) >= world - len(dead):
                 r.close(now, at_ack=True)
         sent = {_type(o.get("msg")) for o in rec.get("out") or () if isinstance(o, Mapping)}
         if r.opened is not None and not r.nccl and "Update" in sent:

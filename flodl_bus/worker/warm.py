@@ -3,9 +3,9 @@
 The first optimizer a process builds imports ``torch._dynamo`` (about 1.2-1.7 s on a
 2-core machine, 3-4 s on the 16-core H200 host under gVisor). A rank builds its optimizer
 after the world has formed and its first plan is out, so that import ran while the run's
-clock was going, and it did not take the same time on every rank: on the host one rank of
-two started training 0.4-0.7 s after the other, which trained the epochs it was allowed
-ahead alone and then idled until its peer arrived (issue 27). Paid before the Hello, the
+clock was going, and it did not take the same time on every rank: on the host the two
+ranks of a run started training 0.15-1.3 s apart, and the first trained the epochs it was
+allowed ahead alone, then idled until its peer arrived (issue 27). Paid before the Hello, the
 import delays the world's formation instead, which waits for every rank anyway, and the
 ranks start their first plan together, as DDP's ranks leave its first barrier.
 """

@@ -21,7 +21,9 @@ def _sent(now: float, *kinds: str, event: str = "tick") -> dict[str, Any]:
     }
 
 
-def _cpu_round(t: float, snaps: tuple[float, float], acks: tuple[float, float], close: float):
+def _cpu_round(
+    t: float, snaps: tuple[float, float], acks: tuple[float, float], close: float
+) -> list[dict[str, Any]]:
     return [
         _sent(t, "RequestParams", "StartEpoch"),
         _read(t + 0.0005, "Batch", 0),  # a step's report mid-round changes nothing
@@ -55,11 +57,13 @@ def test_an_nccl_round_closes_at_its_last_ack_and_one_a_death_left_open_is_dropp
         _read(1.006, "SyncAck", 1),  # the last ack closes it: no Update follows on NCCL
         _sent(1.5, "SyncNow"),  # rank 1 died inside this one: the next round drops it
         _read(1.503, "SyncAck", 0),
-        _sent(2.0, "SyncNow"),  # and the run ended inside this one
-        _read(2.003, "SyncAck", 0),
+        {"event": "tick", "now": 1.9, "changed": {"dead": [1]}, "out": []},
+        _sent(2.0, "SyncNow"),  # the survivor's ack alone closes the next one
+        _read(2.002, "SyncAck", 0),
+        _sent(3.0, "SyncNow"),  # and the run ended inside this one
     ]
     p = round_phases(recs)
-    assert p is not None and p.rounds == 1
+    assert p is not None and p.rounds == 2
     assert p.snapshots_s is None and p.close_s is None
-    assert p.round_s == pytest.approx(0.006) and p.reduce_s == pytest.approx(0.006)
+    assert p.round_s == pytest.approx(0.004) and p.reduce_s == pytest.approx(0.004)
     assert round_phases([_sent(0.0, "StartEpoch"), _read(0.1, "SyncAck", 0)]) is None
