@@ -73,7 +73,7 @@ from flodl_bus.worker.options import (
 )
 from flodl_bus.worker.rank import ParamsFactory, RankOptions, UserGroupFactory, run_rank
 from flodl_bus.worker.runtime import RuntimeConfig
-from flodl_bus.worker.warm import warm_optimizer_imports
+from flodl_bus.worker.warm import start_warming
 
 if TYPE_CHECKING:
     from flodl_bus.params.user_group import UserGroup
@@ -366,6 +366,8 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
     from flodl_bus.protocol.signing import RankKeys, RankKx
     from flodl_bus.record.log import configure_console
 
+    # Beside the join's waits: it must be done before the Hello below (worker.warm).
+    warmed = start_warming()
     try:
         check(args)
         _check_data_env()
@@ -426,7 +428,7 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
         splits = knobs["epoch_splits"]
         epochs = args.epochs if args.epochs is not None else _meta_int(meta, "epochs")
         # Before the Hello: the world forms once every rank is ready to train (warm.py).
-        warm_optimizer_imports()
+        warmed()
         hello = Hello(
             worker_id=worker_id,
             host=socket.gethostname(),

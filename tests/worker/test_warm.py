@@ -20,7 +20,8 @@ print(json.dumps(sorted(m for m in set(sys.modules) - before if m.startswith("to
 
 def _loaded_by_first_optimizer(warm: bool) -> list[str]:
     """The torch modules a job's first optimizer imports, in a fresh interpreter."""
-    warm_up = "from flodl_bus.worker.warm import warm_optimizer_imports; warm_optimizer_imports()"
+    # as a rank's join does it: on a thread, waited for before the Hello
+    warm_up = "from flodl_bus.worker.warm import start_warming; start_warming()()"
     code = _PROBE.format(warm=warm_up if warm else "")
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
