@@ -20,6 +20,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
+from typing import Final
+
+import structlog
+
+#: The longest a rank waits for the warm-up before its Hello (it takes seconds): past
+#: it the rank says Hello anyway and its optimizer finishes the import, as before.
+WARM_BOUND_S: Final = 120.0
 
 
 def warm_optimizer_imports() -> None:
@@ -30,12 +37,25 @@ def warm_optimizer_imports() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
-def start_warming() -> Callable[[], None]:
-    """Run ``warm_optimizer_imports`` on a thread now; the callable returned waits for it
-    (a failure there is the job's optimizer's to report, when the rank builds it)."""
+def start_warming(bound_s: float = WARM_BOUND_S) -> Callable[[], bool]:
+    """Run ``warm_optimizer_imports`` on a thread now; the callable returned waits for it,
+    at most ``bound_s``, and says whether it finished (a failure there is the job's
+    optimizer's to report, when the rank builds it)."""
     thread = threading.Thread(target=_warm_quietly, name="flodl-warm-imports", daemon=True)
     thread.start()
-    return thread.join
+
+    def wait() -> bool:
+        thread.join(bound_s)
+        if thread.is_alive():
+            structlog.get_logger("flodl_bus.worker").warning(
+                "warm_imports_unfinished",
+                waited_s=bound_s,
+                detail="saying Hello anyway: the job's optimizer finishes the import",
+            )
+            return False
+        return True
+
+    return wait
 
 
 def _warm_quietly() -> None:

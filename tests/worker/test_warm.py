@@ -37,3 +37,21 @@ def test_a_warmed_rank_imports_nothing_when_its_job_builds_its_optimizer() -> No
     # The import the warm-up exists for (torch 2.x: the dynamo stack, seconds of a core).
     assert any(m.startswith("torch._dynamo") for m in cold), cold
     assert _loaded_by_first_optimizer(warm=True) == []
+
+
+def test_the_wait_for_the_warm_up_is_bounded_and_says_when_it_gave_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from flodl_bus.worker import warm
+
+    release = threading.Event()
+    # an import that never ends (a wedged file system): the Hello must not wait for it
+    monkeypatch.setattr(warm, "warm_optimizer_imports", lambda: release.wait(60))
+    try:
+        assert warm.start_warming(bound_s=0.2)() is False
+    finally:
+        release.set()
+    monkeypatch.setattr(warm, "warm_optimizer_imports", lambda: None)
+    assert warm.start_warming(bound_s=30.0)() is True
