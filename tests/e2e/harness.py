@@ -8,26 +8,29 @@ Everything a test asserts comes from what the processes left behind: exit codes,
 from __future__ import annotations
 
 import contextlib
-import csv
 import os
 import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flodl_bus.record.log import read_records
+from flodl_bus.replay import coverage
+from flodl_bus.replay.coverage import coordinator_records, emitted, metrics_rows
+
+# What the e2e tests read off a run, where they import it from (``replay.coverage``).
+Range = coverage.Range
+epoch_samples = coverage.epoch_samples
+sent_plans = coverage.sent_plans
+tiles = coverage.tiles
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = "flodl_bus.examples.digits:job"
 SLOW = "tests.e2e.jobs:slow_job"
-
-Range = tuple[int, int]
 
 
 def new_run_id(prefix: str) -> str:
@@ -171,18 +174,6 @@ def wait_for(predicate: Any, timeout: float, what: str, cluster: Cluster) -> Non
 # ------------------------------------------------------------------- what a run left
 
 
-def metrics_rows(run_dir: Path) -> list[dict[str, str]]:
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def epoch_samples(row: dict[str, str], world_size: int) -> list[int]:
-    return [int(row[f"samples_r{r}"] or 0) for r in range(world_size)]
-
-
 def final_metric(run_dir: Path) -> float:
     rows = [r for r in metrics_rows(run_dir) if r["eval_metric"]]
     assert rows, f"no eval metric in {run_dir / 'metrics.csv'}"
@@ -190,36 +181,7 @@ def final_metric(run_dir: Path) -> float:
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
-    return read_records(run_dir / "coordinator.jsonl")
-
-
-def _emitted(recs: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for rec in recs:
-        if rec.get("event") in ("dispatch", "tick", "start", "send_failed"):
-            yield from rec.get("out", ())
-
-
-def sent_plans(recs: Sequence[dict[str, Any]]) -> dict[int, dict[int, list[Range]]]:
-    """epoch -> rank -> every range the coordinator sent that rank to train (plans,
-    plans riding an Update, and extensions of the rank's current plan)."""
-    out: dict[int, dict[int, list[Range]]] = defaultdict(lambda: defaultdict(list))
-    current: dict[int, int] = {}
-    for o in _emitted(recs):
-        if o.get("kind") != "Send":
-            continue
-        rank, msg = int(o["rank"]), o["msg"]
-        plan = None
-        if msg["type"] == "StartEpoch":
-            plan = msg["plan"]
-        elif msg["type"] == "Update" and msg.get("next_plan"):
-            plan = msg["next_plan"]
-        elif msg["type"] == "ExtendPartition":
-            epoch = current[rank]
-            out[epoch][rank].append((msg["partition_offset"], msg["partition_size"]))
-        if plan is not None:
-            current[rank] = plan["epoch"]
-            out[plan["epoch"]][rank].append((plan["partition_offset"], plan["partition_size"]))
-    return out
+    return coordinator_records(run_dir)
 
 
 def received(recs: Sequence[dict[str, Any]], msg_type: str) -> list[dict[str, Any]]:
@@ -227,41 +189,15 @@ def received(recs: Sequence[dict[str, Any]], msg_type: str) -> list[dict[str, An
 
 
 def alerts(recs: Sequence[dict[str, Any]], event: str) -> list[dict[str, Any]]:
-    return [o for o in _emitted(recs) if o.get("kind") == "Alert" and o.get("event") == event]
-
-
-def tiles(ranges: Sequence[Range], space: Sequence[Range]) -> bool:
-    """True when ``ranges`` cover exactly the positions of ``space``, each once."""
-    got: list[int] = []
-    for off, size in ranges:
-        got += range(off, off + size)
-    want: list[int] = []
-    for off, size in space:
-        want += range(off, off + size)
-    return sorted(got) == sorted(want) and len(set(got)) == len(got)
+    return [o for o in emitted(recs) if o.get("kind") == "Alert" and o.get("event") == event]
 
 
 def assert_each_sample_once(run_dir: Path, ranks: int, epochs: int, why: str = "") -> None:
     """Every sample of each batch-aligned epoch trained exactly once: the ranks' own
     counts add up to the epoch, and what each rank was sent tiles the epoch, each rank
-    having trained exactly what it was sent."""
-    from flodl_bus.coordinator.config import CoordinatorConfig
-
-    recs = records(run_dir)
-    cfg = CoordinatorConfig(
-        **{k: v for k, v in header(recs)["config"].items() if k != "max_failure"}
-    )
-    epoch_size = cfg.epoch_batches(0) * cfg.batch_size
-    rows = metrics_rows(run_dir)
-    assert [int(r["epoch"]) for r in rows] == list(range(epochs)), why
-    plans = sent_plans(recs)
-    for row in rows:
-        e = int(row["epoch"])
-        trained = epoch_samples(row, ranks)
-        assert sum(trained) == epoch_size, (e, trained)
-        per_rank = plans[e]
-        assert tiles([rng for r in per_rank for rng in per_rank[r]], [(0, epoch_size)]), e
-        assert trained == [sum(s for _, s in per_rank.get(r, [])) for r in range(ranks)], e
+    having trained exactly what it was sent (``replay.coverage``)."""
+    found = coverage.problems(run_dir, ranks, epochs)
+    assert not found, (why, found)
 
 
 def header(recs: Sequence[dict[str, Any]]) -> dict[str, Any]:
