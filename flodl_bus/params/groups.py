@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import threading
 import time
 import weakref
@@ -73,10 +74,8 @@ def backend_for(device: torch.device) -> str:
 def _tcp_store_via(store: Store, rank: int, world_size: int, timeout: timedelta) -> Store:
     """A C++ ``TCPStore`` for one session, its address published through ``store``."""
     if rank == 0:
-        host = os.environ.get(ENV_BIND_HOST) or _routable_host()
-        tcp = dist.TCPStore(  # type: ignore[attr-defined]
-            "0.0.0.0", 0, world_size, True, timeout=timeout, wait_for_workers=False
-        )
+        host = os.environ.get(ENV_BIND_HOST) or routable_host()
+        tcp = serve_tcp_store(host, world_size, timeout)
         store.set("nccl_bootstrap", f"{host}:{tcp.port}")
         return tcp  # type: ignore[no-any-return]
     addr = store.get("nccl_bootstrap").decode()
@@ -84,14 +83,41 @@ def _tcp_store_via(store: Store, rank: int, world_size: int, timeout: timedelta)
     return dist.TCPStore(host, int(port), world_size, False, timeout=timeout)  # type: ignore[attr-defined,no-any-return]
 
 
-def _routable_host() -> str:
+def routable_host() -> str:
     """This host's address as its peers would dial it (loopback for a lone host)."""
-    import socket
-
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def serve_tcp_store(host: str, world_size: int, timeout: timedelta) -> Any:
+    """Rank 0's C++ ``TCPStore``, listening on ``host`` alone.
+
+    Given an address, torch's store server still listens on every address of the host
+    (``::``, dual-stack; torch 2.13): anything that reached the host could write into a
+    rendezvous, or take the port. The socket is bound here, on the address the peers
+    are told to dial, and handed to the store (``master_listen_fd``), which owns and
+    closes it from then on."""
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind(address)
+        sock.listen(max(128, world_size))
+        tcp = dist.TCPStore(  # type: ignore[attr-defined]
+            host,
+            sock.getsockname()[1],
+            world_size,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return tcp
 
 
 def form_process_group(

@@ -31,7 +31,14 @@ import torch.distributed as dist
 
 from flodl_bus.bus.store import RedisStore
 from flodl_bus.job import GroupInfo, bind_process_group
-from flodl_bus.params.groups import INITIAL_UID, backend_for, session_prefix, store_base
+from flodl_bus.params.groups import (
+    INITIAL_UID,
+    backend_for,
+    routable_host,
+    serve_tcp_store,
+    session_prefix,
+    store_base,
+)
 from flodl_bus.params.hosts import ENV_BIND_HOST
 
 log = structlog.get_logger("flodl_bus.params")
@@ -202,10 +209,8 @@ class UserGroup:
         redis_store = RedisStore(self._redis, prefix, timeout)
         if rank == 0:
             # Listen only where the peers are told to dial (loopback on one host).
-            host = os.environ.get(ENV_BIND_HOST) or _host_address()
-            tcp = dist.TCPStore(  # type: ignore[attr-defined]
-                host, 0, world_size, True, timeout=timeout, wait_for_workers=False
-            )
+            host = os.environ.get(ENV_BIND_HOST) or routable_host()
+            tcp = serve_tcp_store(host, world_size, timeout)
             redis_store.set(ADDRESS_KEY, f"{host}:{tcp.port}")
             return tcp, host, int(tcp.port)
         addr = redis_store.get(ADDRESS_KEY).decode()
@@ -226,13 +231,3 @@ class UserGroup:
                     "user_group_not_destroyed", bus_rank=self.bus_rank, error=repr(exc)[:200]
                 )
         self._store = None
-
-
-def _host_address() -> str:
-    """This host's address as its peers would dial it (loopback for a lone host)."""
-    import socket
-
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
