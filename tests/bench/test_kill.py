@@ -22,13 +22,16 @@ def test_console_log_fields_are_read_back_per_event(tmp_path: Path) -> None:
     assert [e["mono"] for e in _events(log, "rank_declared_dead")] == ["569.527", "570.5"]
 
 
-def test_three_cpu_ranks_one_killed_report_detection_reform_and_first_collective(
+def test_three_cpu_ranks_one_killed_report_detection_reform_first_collective_and_checks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The slow job sleeps in every step: the epochs after the kill last at least a few
     # seconds of wall time however loaded the machine is, so the kill (issued once
-    # metrics.csv shows the first epoch) always lands before the run's end.
+    # metrics.csv shows the first epoch) always lands before the run's end. Rank 0 is
+    # made slower on top (bench.slow), and an undisturbed run of the same world comes
+    # first for the final eval.
     argv = ["--workers", "3", "--epochs", "5", "--job", "tests.e2e.jobs:slow_job"]
+    argv += ["--slow-rank", "0", "--slow-factor", "2", "--reference"]
     assert main([*argv, "--run-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     seconds = {what: float(s) for what, s in re.findall(r"kill -> (.+?)\s{2,}(\d+\.\d+) s", out)}
@@ -49,3 +52,16 @@ def test_three_cpu_ranks_one_killed_report_detection_reform_and_first_collective
     )
     assert "exit codes: coordinator 0, rank0 0, rank1 0, rank2 -9" in out
     assert "epochs in metrics.csv: 5 of 5" in out
+    assert "rank 0 2x slower" in out
+    assert re.search(r"sockets before the kill: \d+ TCP endpoints .*, all on loopback", out), out
+    assert "every sample of every epoch trained exactly once" in out
+    # Five epochs of shares; the last ones went to the two survivors alone.
+    shares = re.findall(r"epoch +(\d+) +([\d.]+) / ([\d.]+) / ([\d.]+) +\((.+?)\)", out)
+    assert [int(e) for e, *_ in shares] == list(range(5)), out
+    assert shares[0][4] == "rank 2 sent work" and shares[-1][4] == "survivors only"
+    assert float(shares[-1][3]) == 0.0
+    assert all(abs(sum(float(x) for x in row[1:4]) - 1.0) < 0.002 for row in shares)
+    assert re.search(r"final eval 0\.\d+; undisturbed run 0\.\d+ \([+-]\d+\.\d+ points\)", out)
+    assert "replay of the records on the CPU (flodl-bus replay --allow-incomplete): exit 0" in out
+    assert re.search(r"rank:2: identical \(\d+ dispatches\), up to line \d+", out), out
+    assert "run ended: completed" in out
