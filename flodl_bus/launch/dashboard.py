@@ -192,7 +192,12 @@ class Observer:
                     with self.cond:
                         self.trouble = None
                         self.cond.notify_all()
-            except REFUSALS as exc:
+            except (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.TimeoutError,
+                OSError,
+                *REFUSALS,
+            ) as exc:
                 with self.cond:
                     self.trouble = f"Redis unreachable ({type(exc).__name__}); retrying"
                     self.cond.notify_all()

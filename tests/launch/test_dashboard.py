@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -192,6 +193,39 @@ def test_the_observer_reads_every_stream_from_its_start_and_writes_nothing() -> 
     assert {k: client.xlen(k) for k in before} == before
     for k in before:
         assert client.xinfo_groups(k) == []  # no consumer group taken or made
+
+
+def test_redis_going_away_is_said_on_the_page_and_the_observer_reads_on_when_it_is_back() -> None:
+    # A real server, stopped under the observer (as Ctrl-C stops up's embedded Redis
+    # while the dashboard still reads): the thread used to die with a traceback.
+    import redis
+
+    from flodl_bus.bus.server import RedisServer
+
+    server = RedisServer().start()
+    port = server.port
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=5)
+    keys = RunKeys("gone")
+    client.hset(keys.meta, mapping={"status": "running", "world_size": "1"})
+    observer = Observer(client, "gone")
+    stop = threading.Event()
+    reader = threading.Thread(target=observer.run, args=(stop,), daemon=True)
+    reader.start()
+    try:
+        server.stop()
+        with observer.cond:
+            assert observer.cond.wait_for(lambda: observer.trouble is not None, timeout=30)
+        assert observer.snapshot()["trouble"].startswith("Redis unreachable (ConnectionError")
+        assert reader.is_alive()
+        server = RedisServer(port=port).start()  # back, empty: the trouble clears
+        with observer.cond:
+            assert observer.cond.wait_for(lambda: observer.trouble is None, timeout=30)
+        assert reader.is_alive()
+    finally:
+        stop.set()
+        reader.join(timeout=10)
+        server.stop()
+    assert not reader.is_alive()
 
 
 # ------------------------------------------------------------------ the HTTP server
