@@ -3,9 +3,16 @@
 #
 #   scripts/gpu_suite.sh [OUT_DIR [PART...]]   (default: ./gpu-suite-<date>, every part)
 #
-# Parts (two GPUs): gpu allreduce allreduce-eager train-cifar train-cifar-slow train-wide; one GPU:
-# gpu train-cifar-1 train-wide-1. Naming parts lets a lent host with a per-call time limit
-# run the suite in several calls into one OUT_DIR.
+# Parts (two GPUs or more): gpu allreduce allreduce-eager train-cifar train-cifar-slow
+# train-wide train-wide-diloco kill; kill-sync kill-slow need four GPUs; one GPU: gpu
+# train-cifar-1 train-wide-1. Naming parts lets a lent host with a per-call time limit run
+# the suite in several calls into one OUT_DIR.
+#
+# kill (issue 33; bench kill): SIGKILL the last rank mid-epoch, with one rank per GPU (4 on
+# a host of four or more, else 2: the lone survivor's SingleSurvivor stop). Each prints the
+# recovery's times, every TCP socket of the run off loopback (none expected: the check
+# that the groups formed on loopback), coverage, shares per epoch, the final eval beside
+# an undisturbed run, and the replay of the records on the CPU.
 #
 # A host without internet can take the Python dependencies as wheels and a redis-server
 # from .gpu/ (see BENCHMARKS.md, "GPU suite"): .gpu/wheels/*.whl are installed into
@@ -30,6 +37,9 @@ fi
 
 repeats=3
 [ "${SUITE:-full}" = quick ] && repeats=1
+# The runs' records and logs stay off OUT_DIR (a lent host returns a few files): they
+# come back as one archive, runs.tgz, at the end.
+runs=$(mktemp -d /tmp/gpu-suite-runs-XXXXXX)
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 bench() { python3 -m flodl_bus.cli bench "$@"; }
 step() {  # step NAME CMD...: run, keep its output, go on after a failure
@@ -58,12 +68,30 @@ if [ "$gpus" -ge 2 ]; then
         --epochs 8 --modes nccl-cadence --ddp --slow-rank 1 --slow-factor 2 \
         --repeats "$repeats" --json "$out/train-cifar-slow.json"
     step train-wide bench train --job flodl_bus.examples.cifar_wide:job --workers 2 \
-        --modes nccl-cadence,nccl-sync --ddp --no-plain --repeats 1 --json "$out/train-wide.json"
+        --modes nccl-cadence,nccl-sync,cpu-async --ddp --no-plain --repeats 1 \
+        --json "$out/train-wide.json"
+    step train-wide-diloco bench train --job flodl_bus.examples.cifar_wide:job --workers 2 \
+        --modes nccl-cadence,cpu-async --no-plain --repeats 1 --up-args="--outer nesterov" \
+        --json "$out/train-wide-diloco.json"
+    kill_ranks=2
+    [ "$gpus" -ge 4 ] && kill_ranks=4
+    step kill bench kill --job flodl_bus.examples.cifar_resnet:job --workers "$kill_ranks" \
+        --mode nccl-cadence --epochs 6 --after 2 --reference --run-dir "$runs/kill"
+    if [ "$gpus" -ge 4 ]; then
+        step kill-sync bench kill --job flodl_bus.examples.cifar_resnet:job --workers 4 \
+            --mode nccl-sync --epochs 6 --after 2 --reference --run-dir "$runs/kill-sync"
+        step kill-slow bench kill --job flodl_bus.examples.cifar_resnet:job --workers 4 \
+            --mode nccl-cadence --epochs 6 --after 2 --slow-rank 1 --slow-factor 2 \
+            --reference --run-dir "$runs/kill-slow"
+    fi
 else
     # One GPU: one rank under the bus against the plain loop (no DDP, no all-reduce).
     step train-cifar-1 bench train --job flodl_bus.examples.cifar_resnet:job --workers 1 \
         --epochs 8 --modes nccl-cadence --repeats "$repeats" --json "$out/train-cifar-1.json"
     step train-wide-1 bench train --job flodl_bus.examples.cifar_wide:job --workers 1 \
         --epochs 6 --modes nccl-cadence --repeats 1 --json "$out/train-wide-1.json"
+fi
+if [ -n "$(ls -A "$runs")" ]; then
+    tar czf "$out/runs.tgz" -C "$runs" . && echo "records and logs of the runs: $out/runs.tgz"
 fi
 echo "results in $out"
