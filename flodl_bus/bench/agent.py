@@ -12,6 +12,11 @@ agent's ticks hold):
   MAC, decode; folded: unpack and one MAC per item);
 * ``empty read``: one XREADGROUP that finds nothing (N streams, or N/K).
 
+``--ingest-procs 0,2,4``: the ingest again with the streams read by that many reader
+processes (``bus.ingest``; they unpack and check folded items as the coordinator's
+thread does), with this process's CPU per message beside the wall time: what the
+dispatching thread is left with.
+
 Passes alternate (direct, folded, direct, ...) and each figure is the best of
 ``--repeats``. Reference from the same run: a PING round trip; the budget per message
 of ``bench path`` (with ``--step-ms`` steps N ranks send 2N messages a step).
@@ -68,40 +73,48 @@ def _prefill_folded(url: str, keys: RunKeys, ranks: int, steps: int, k: int, per
     return n
 
 
-def _bus(url: str, ranks: int, k: int) -> tuple[RedisCoordinatorBus, RunKeys]:
+def _bus(url: str, ranks: int, k: int, procs: int = 0) -> tuple[RedisCoordinatorBus, RunKeys]:
     keys = RunKeys(f"agent-{uuid.uuid4().hex[:8]}")
-    bus = RedisCoordinatorBus(connect(url), keys, fixed_keys(SEED), config=QUIET)
+    bus = RedisCoordinatorBus(
+        connect(url), keys, fixed_keys(SEED), config=QUIET, ingest_procs=procs
+    )
     if k > 1:
         for j, group in enumerate(hosts(ranks, k)):
             bus.add_fold(f"h{j}", group)
     for r in range(ranks):
         bus.add_rank(r)
+    if bus.ingest is not None and not bus.ingest.wait_ready(120):
+        raise RuntimeError("bench agent: the ingest reader processes did not start")
     for _ in range(3):
         bus.read_upstream(0)  # the first reads drain the (empty) pending lists: not timed
     return bus, keys
 
 
-def _ingest(url: str, ranks: int, steps: int, k: int, per_entry: int = 0) -> float:
-    """µs per message of one pre-filled pass."""
-    bus, keys = _bus(url, ranks, k)
+def _ingest(
+    url: str, ranks: int, steps: int, k: int, per_entry: int = 0, procs: int = 0
+) -> tuple[float, float]:
+    """(µs per message, this process's CPU µs per message) of one pre-filled pass."""
+    bus, keys = _bus(url, ranks, k, procs)
     if k > 1:
         total = _prefill_folded(url, keys, ranks, steps, k, per_entry or 2 * k)
     else:
         total = _prefill(url, keys, ranks, steps)
     got = 0
+    c0 = time.process_time()
     t0 = time.perf_counter()
     while got < total:
-        ds = bus.read_upstream(200)
+        ds = bus.read_upstream(200 if procs == 0 else 2000)
         if not ds:
             raise RuntimeError(f"bench agent: stalled at {got}/{total} messages")
         got += len(ds)
         bus.ack(ds)
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     if got != total:
         raise RuntimeError(f"bench agent: {got} messages delivered of {total}")
     bus.flush_acks()
     bus.close()
-    return elapsed * 1e6 / got
+    return elapsed * 1e6 / got, cpu * 1e6 / got
 
 
 def _empty_read(url: str, ranks: int, k: int) -> float:
@@ -116,6 +129,15 @@ def _empty_read(url: str, ranks: int, k: int) -> float:
     return best
 
 
+def _counts(text: str) -> list[int] | None:
+    """``0,2,4`` as counts (zero allowed: the coordinator's own thread)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        return None
+    return out if out and min(out) >= 0 else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flodl-bus bench agent", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="64,256,1024", help="comma-separated world sizes")
@@ -127,6 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="messages a folded entry holds (default: a whole step of its host's ranks; "
         "bench scale says how many a live agent folds)",
     )
+    ap.add_argument(
+        "--ingest-procs",
+        default="0",
+        help="reader processes of the coordinator's ingest, comma-separated counts to "
+        "compare (0: its own thread)",
+    )
     ap.add_argument("--steps", type=int, default=8, help="pre-filled steps per rank")
     ap.add_argument("--step-ms", type=float, default=50.0, help="step time of the budget")
     ap.add_argument("--repeats", type=int, default=3, help="passes per figure (best kept)")
@@ -136,6 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if counts is None:
         return 2
     k = args.ranks_per_host
+    procs = _counts(args.ingest_procs)
+    if procs is None:
+        print("--ingest-procs: counts like 0,2,4", file=sys.stderr)
+        return 2
     if k < 2 or args.steps < 1 or args.repeats < 1 or not counts or min(counts) < 1:
         print("--ranks-per-host must be 2 or more; --ranks, --steps, --repeats positive",
               file=sys.stderr)  # fmt: skip
@@ -148,19 +180,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         ping = _ping_us(url)
         for n in counts:
-            direct = folded = float("inf")
-            for _ in range(args.repeats):
-                direct = min(direct, _ingest(url, n, args.steps, 1))
-                folded = min(folded, _ingest(url, n, args.steps, k, args.fold_items))
-            read1, readk = _empty_read(url, n, 1), _empty_read(url, n, k)
             budget = args.step_ms * 1000 / (2 * n)
             print(
                 f"ranks {n}, {k} a host agent ({-(-n // k)} fold streams, "
                 f"{args.fold_items or 'a step of its ranks,'} messages an entry), "
                 f"{args.steps} steps pre-filled; PING {ping:.1f} us, budget {budget:.1f} us/msg "
-                f"(step {args.step_ms:g} ms)\n"
-                f"  ingest per message   direct {direct:7.1f} us   folded {folded:7.1f} us "
-                f"({folded / direct:.2f}x)\n"
+                f"(step {args.step_ms:g} ms)",
+                flush=True,
+            )
+            for j in procs:
+                inf = (float("inf"), float("inf"))
+                direct, folded = inf, inf
+                for _ in range(args.repeats):  # passes alternate: direct, folded, ...
+                    direct = min(direct, _ingest(url, n, args.steps, 1, procs=j))
+                    folded = min(folded, _ingest(url, n, args.steps, k, args.fold_items, j))
+                where = "on the coordinator's thread" if j == 0 else f"{j} reader processes"
+                print(
+                    f"  ingest per message   direct {direct[0]:7.1f} us   folded "
+                    f"{folded[0]:7.1f} us ({folded[0] / direct[0]:.2f}x)   this process's CPU "
+                    f"{direct[1]:.1f} -> {folded[1]:.1f} us  ({where})",
+                    flush=True,
+                )
+            read1, readk = _empty_read(url, n, 1), _empty_read(url, n, k)
+            print(
                 f"  empty read           direct {read1:7.1f} us   folded {readk:7.1f} us "
                 f"({readk / read1:.2f}x)",
                 flush=True,

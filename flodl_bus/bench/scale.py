@@ -585,8 +585,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if per_host is None or min(per_host) < 1:
         print("--ranks-per-host: expected positive numbers like 1,8", file=sys.stderr)
         return 2
-    if args.ingest_procs < 0 or (args.ingest_procs and max(per_host) > 1):
-        print("--ingest-procs: 0 or more, and 0 with host agents", file=sys.stderr)
+    if args.ingest_procs < 0:
+        print("--ingest-procs: 0 or more", file=sys.stderr)
         return 2
     if max(per_host) > 1 and (args.cluster or args.rank_netns):
         print("--ranks-per-host above 1: one Redis on loopback only", file=sys.stderr)

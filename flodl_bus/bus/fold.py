@@ -183,18 +183,27 @@ def fold_entry_of(synthetic: EntryId) -> EntryId:
     return (synthetic[0], synthetic[1] // FOLD_SLOTS)
 
 
+def good_items(r: Received, unpacked: Unpacked, rejected: list[tuple[Received, str]]) -> list[Item]:
+    """A verified folded entry's items that passed; each refused one goes to
+    ``rejected`` as a dlq entry of its own (with the folded entry's id, which the dlq
+    write acks)."""
+    good: list[Item] = []
+    for k, item in enumerate(unpacked.items):
+        if item.reason is None:
+            good.append(item)
+        else:
+            why = f"folded item {k} ({item.stream or 'no rank stream'}): {item.reason}"
+            rejected.append((Received(r.stream, r.entry_id, item.fields), why))
+    return good
+
+
 def unfold_into(
     r: Received, unpacked: Unpacked, out: list[Delivery], rejected: list[tuple[Received, str]]
 ) -> None:
     """A verified folded entry's items: each good one a delivery as from its rank's own
-    stream, each refused one a dlq entry of its own (with the folded entry's id, which
-    the dlq write acks)."""
-    for k, item in enumerate(unpacked.items):
-        if item.reason is None:
-            out.append(Delivery(item.stream, format_id(item.entry_id), item.msg))
-        else:
-            why = f"folded item {k} ({item.stream or 'no rank stream'}): {item.reason}"
-            rejected.append((Received(r.stream, r.entry_id, item.fields), why))
+    stream, each refused one a dlq entry of its own (``good_items``)."""
+    for item in good_items(r, unpacked, rejected):
+        out.append(Delivery(item.stream, format_id(item.entry_id), item.msg))
 
 
 class FoldRoutes:

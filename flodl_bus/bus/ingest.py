@@ -58,7 +58,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, Final
@@ -67,6 +67,7 @@ import redis
 
 from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery, IngestHung
+from flodl_bus.bus.fold import FoldRoutes, Item, fold_entry_of
 from flodl_bus.bus.foreign import repair_stream
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.reader import _GroupReader
@@ -165,7 +166,7 @@ class _Spec:
 
 @dataclass
 class _Stream:
-    verifier: Verifier
+    verifier: Verifier | None
     rank_field: str
     reader: int
     #: the last entry (id, seq) the main process received of this stream
@@ -173,10 +174,17 @@ class _Stream:
     last_seq: int = 0
     #: the last id the main process asked the owning reader to ack
     acked: str = ""
+    #: a host agent's fold stream (``bus.fold``): rank -> (its ``up:<r>``, its key)
+    fold: dict[int, tuple[str, Verifier]] | None = None
+    #: ... and the last seq the main process received of each of those ranks
+    item_seqs: dict[str, int] = field(default_factory=dict)
 
 
-#: (stream, verifier, rank field, start after id, start after seq, ack pending through id)
-_StreamStart = tuple[str, Verifier, str, str, int, str]
+#: rank -> (its ``up:<r>``, its key, start after seq): the ranks a fold stream carries
+_FoldStart = dict[int, tuple[str, Verifier, int]]
+#: (stream, verifier, rank field, start after id, start after seq, ack pending through
+#: id, the fold's ranks or None)
+_StreamStart = tuple[str, Verifier | None, str, str, int, str, _FoldStart | None]
 
 
 @dataclass
@@ -228,6 +236,10 @@ def _reader_main(
     )
     verifiers: dict[str, Verifier] = {}
     rank_fields: dict[str, str] = {}
+    # Host agents' fold streams: each item is checked with its rank's key and seq, as
+    # the coordinator's own reader does (``bus.fold``).
+    fold_keys: dict[str, Verifier] = {}
+    routes = FoldRoutes(fold_keys, reader.seqs)
     lock = threading.Lock()
     added: list[_StreamStart] = list(start)
     stop = threading.Event()
@@ -258,13 +270,23 @@ def _reader_main(
         turns.value += 1  # alive: the main process tells a hung reader by this
         with lock:
             new, added[:] = list(added), []
-        for stream, verifier, rank_field, after, seq, acked in new:
-            verifiers[stream] = verifier
-            rank_fields[stream] = rank_field
+        for stream, verifier, rank_field, after, seq, acked, fold in new:
+            if fold is None:
+                assert verifier is not None
+                verifiers[stream] = verifier
+                rank_fields[stream] = rank_field
+            else:
+                for _rank, (up, key, item_seq) in fold.items():
+                    fold_keys[up] = key
+                    if item_seq:
+                        reader.seqs[up] = item_seq
+                routes.add(stream, {r: up for r, (up, _, _) in fold.items()})
+                reader.folds[stream] = routes.check
             reader.add_stream(stream)
             if after:
                 reader.cursor.skip(stream, parse_id(after))
-                reader.seqs[stream] = seq
+                if fold is None:
+                    reader.seqs[stream] = seq
             if acked:
 
                 def ack_old(retry: bool, s: str = stream, a: str = acked) -> None:
@@ -283,7 +305,8 @@ def _reader_main(
             woken.wait(0.2)
             woken.clear()
             continue
-        got = reader.read_checked(block_ms, verifiers, spec.channel, rank_fields)
+        items: list[Item] = []
+        got = reader.read_checked(block_ms, verifiers, spec.channel, rank_fields, items=items)
         if reader.foreign:
             # A rank's publisher waits on a stream wedged by a foreign entry; only the
             # coordinator's credential may remove it, and this process holds it.
@@ -297,7 +320,7 @@ def _reader_main(
                     )
 
                 reader.link.call(repair)
-        if not got:
+        if not got and not items:
             continue
         names: list[str] = []
         ids: list[str] = []
@@ -312,8 +335,22 @@ def _reader_main(
             types.append(p.type)
             bodies.append(r.fields[entries.F_BODY])  # type: ignore[index]
             tops[r.stream] = (eid, p.seq)
+        # A folded item goes as from its rank's own stream, under its synthetic id; the
+        # fold stream's top is its entry, and each rank's seq travels beside it.
+        item_seqs: dict[str, int] = {}
+        for it in items:
+            names.append(it.stream)
+            ids.append(format_id(it.entry_id))
+            types.append(it.fields[entries.F_TYPE].decode())
+            bodies.append(it.fields[entries.F_BODY])
+            item_seqs[it.stream] = int(it.fields[entries.F_SEQ])
+        for stream in reader.folds:
+            top = reader.cursor.last_id(stream)
+            if top != ZERO and routes.hosts.get(stream):
+                tops[stream] = (format_id(top), 0)
         try:
-            data.send_bytes(pickle.dumps((names, ids, types, bodies, tops), protocol=5))
+            blob = pickle.dumps((names, ids, types, bodies, tops, item_seqs), protocol=5)
+            data.send_bytes(blob)
         except (BrokenPipeError, OSError):
             break
     reader.close()
@@ -356,6 +393,8 @@ class IngestPool:
         self.stall_s = stall_s()
         self.procs = procs
         self._streams: dict[str, _Stream] = {}
+        #: a folded rank's ``up:<r>`` -> the fold stream that carries it
+        self._fold_of: dict[str, str] = {}
         self._members: list[list[str]] = [[] for _ in range(procs)]
         self._acks: list[dict[str, list[str]]] = [{} for _ in range(procs)]
         self._deaths: list[collections.deque[float]] = [collections.deque() for _ in range(procs)]
@@ -389,7 +428,10 @@ class IngestPool:
 
     def _start_of(self, stream: str) -> _StreamStart:
         s = self._streams[stream]
-        return (stream, s.verifier, s.rank_field, s.last_id, s.last_seq, s.acked)
+        fold: _FoldStart | None = None
+        if s.fold is not None:
+            fold = {r: (up, key, s.item_seqs.get(up, 0)) for r, (up, key) in s.fold.items()}
+        return (stream, s.verifier, s.rank_field, s.last_id, s.last_seq, s.acked, fold)
 
     @property
     def pids(self) -> list[int | None]:
@@ -429,12 +471,28 @@ class IngestPool:
     # ------------------------------------------------------------------ streams
 
     def add_stream(self, stream: str, verifier: Verifier, rank_field: str) -> None:
+        self._add(stream, _Stream(verifier, rank_field, len(self._streams) % self.procs))
+
+    def add_fold(self, stream: str, ranks: Mapping[int, tuple[str, Verifier]]) -> None:
+        """A host agent's fold stream (``bus.fold``), carrying ``ranks`` (rank -> its
+        ``up:<r>`` and key): its reader checks every item with its rank's key and seq,
+        and hands each on as from the rank's own stream."""
+        fold = dict(ranks)
+        self._add(stream, _Stream(None, "host", len(self._streams) % self.procs, fold=fold))
+        for up, _key in fold.values():
+            self._fold_of[up] = stream
+
+    def _add(self, stream: str, s: _Stream) -> None:
         if stream in self._streams:
             return
-        j = len(self._streams) % self.procs
-        self._streams[stream] = _Stream(verifier, rank_field, j)
-        self._members[j].append(stream)
-        self._send(j, ("add", self._start_of(stream)))
+        self._streams[stream] = s
+        self._members[s.reader].append(stream)
+        self._send(s.reader, ("add", self._start_of(stream)))
+
+    @property
+    def folds(self) -> list[str]:
+        """The fold streams read here."""
+        return [name for name, s in self._streams.items() if s.fold is not None]
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every reader process is up (False: not within ``timeout``).
@@ -473,8 +531,16 @@ class IngestPool:
     def queue_acks(self, deliveries: Sequence[Delivery]) -> None:
         streams = self._streams
         acks = self._acks
+        fold_of = self._fold_of
         for d in deliveries:
-            acks[streams[d.stream].reader].setdefault(d.stream, []).append(d.entry_id)
+            stream, eid = d.stream, d.entry_id
+            host = fold_of.get(stream)
+            if host is not None:
+                # A folded item is acked as its folded entry, on the fold stream.
+                stream, eid = host, format_id(fold_entry_of(parse_id(eid)))
+            ids = acks[streams[stream].reader].setdefault(stream, [])
+            if not ids or ids[-1] != eid:
+                ids.append(eid)
 
     def flush_acks(self) -> None:
         """Hand the queued acks to their readers (each acks on its next read)."""
@@ -568,7 +634,7 @@ class IngestPool:
         channel = self._spec.channel
         streams = self._streams
         for blob in blobs:
-            names, ids, types, bodies, tops = pickle.loads(blob)
+            names, ids, types, bodies, tops, item_seqs = pickle.loads(blob)
             # The reader decoded and validated each body already (a bad one went to the
             # dlq there); building it again here is cheaper than pickling the message.
             out += [
@@ -579,11 +645,14 @@ class IngestPool:
                 s = streams[name]
                 s.last_id = eid
                 s.last_seq = seq
+            for up, seq in item_seqs.items():
+                streams[self._fold_of[up]].item_seqs[up] = seq
         return out
 
     def hand_over(self, reader: _GroupReader) -> None:
-        """Close the pool and give every stream to ``reader`` (the in-thread one) from
-        where the main process got it: after the last entry and seq received, the
+        """Close the pool and give every stream to ``reader`` (the in-thread one; a fold
+        stream's unpacker is the caller's to set, ``folds``) from where the main process
+        got it: after the last entry and seq received, the
         pending entries this process asked to ack acked, the acks it still owes queued.
         Nothing is lost (what a reader read and did not send is pending, and re-read);
         nothing comes twice (the cursor starts after what was received)."""
@@ -592,7 +661,10 @@ class IngestPool:
             reader.add_stream(stream)
             if s.last_id:
                 reader.cursor.skip(stream, parse_id(s.last_id))
-                reader.seqs[stream] = s.last_seq
+                if s.fold is None:
+                    reader.seqs[stream] = s.last_seq
+            # A fold stream's ranks' seqs: the caller gives ``reader`` its unpacker.
+            reader.seqs.update(s.item_seqs)
             if s.acked:
 
                 def ack_old(retry: bool, st: str = stream, a: str = s.acked) -> None:

@@ -29,7 +29,7 @@ from flodl_bus.bus import entries
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.connection import BusClosed, BusUnavailable, Link
 from flodl_bus.bus.cursor import Check, GroupCursor, Received
-from flodl_bus.bus.fold import Unpacked, unfold_into
+from flodl_bus.bus.fold import Item, Unpacked, good_items, unfold_into
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.lane import Lane
@@ -228,11 +228,13 @@ class _GroupReader:
         channel: str,
         rank_fields: Mapping[str, str],
         folded: list[Delivery] | None = None,
+        items: list[Item] | None = None,
     ) -> list[Received]:
         """``read_parsed``'s accepted entries as read (``parsed``: an ``entries.Parsed``),
         for a caller that hands on the verified fields rather than the message
         (``bus.ingest``). A host agent's fold stream (``folds``) is unpacked into
-        ``folded``, its items as deliveries from their ranks' own streams."""
+        ``folded``, its items as deliveries from their ranks' own streams, or into
+        ``items`` as they were verified (a reader process hands on their fields too)."""
         parse = entries.parse
         seqs = self.seqs
         limit = writer_limit(_now_ms())
@@ -274,9 +276,12 @@ class _GroupReader:
             if r.rejected is not None:
                 rejected.append((r, r.rejected))
             elif type(r.parsed) is Unpacked:
-                if folded is None:
+                if items is not None:
+                    items += good_items(r, r.parsed, rejected)
+                elif folded is not None:
+                    unfold_into(r, r.parsed, folded, rejected)
+                else:
                     raise RuntimeError(f"{self.name}: fold stream {r.stream} read without folds")
-                unfold_into(r, r.parsed, folded, rejected)
             else:
                 out.append(r)
         if rejected:

@@ -430,15 +430,18 @@ class RedisCoordinatorBus:
         """Read ``ranks``' upstream from host agent ``host``'s fold stream instead of
         their own ``up:<r>`` (``bus.fold``); call before ``add_rank`` of those ranks.
         Returns the fold stream's key."""
-        if self._ingest is not None:
-            # The fold's unpacking and per-item checks live in this process's reader.
-            raise ValueError("host agents' fold streams are read in-thread: ingest_procs=0")
         ranks = list(ranks)
         shards = {self.keys.shard_of(r) for r in ranks}
         if len(shards) > 1:
             raise ValueError(f"host {host}: ranks {ranks} live on several shards")
         stream = host_stream(self.keys.shard_prefix(shards.pop() if ranks else None), host)
         self.folds.add(stream, {r: self.keys.up(r) for r in ranks})
+        if self._ingest is not None:
+            # A reader process unpacks the fold and checks each item with its rank's key.
+            self._ingest.add_fold(
+                stream, {r: (self.keys.up(r), self.signing.rank(r)) for r in ranks}
+            )
+            return stream
         self._reader.folds[stream] = self.folds.check
         self._reader.add_stream(stream)
         return stream
@@ -650,6 +653,8 @@ class RedisCoordinatorBus:
             except IngestFailed as exc:
                 log.error("bus_ingest_in_thread", reason=str(exc), action="reading in-thread")
                 self._ingest.hand_over(self._reader)
+                for stream in self.folds.hosts:
+                    self._reader.folds[stream] = self.folds.check
                 self._ingest = None
                 out = exc.deliveries
             for d in out:

@@ -15,13 +15,16 @@ import pytest
 from flodl_bus.bench.scale import main
 
 
+@pytest.mark.parametrize("ingest_procs", [0, 1])
 def test_bench_scale_through_host_agents_trains_every_step_and_its_record_replays(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], ingest_procs: int
 ) -> None:
+    # With a reader process the folds are unpacked and checked there (``bus.ingest``).
     out = tmp_path / "scale.json"
     keep = tmp_path / "keep"
     argv = ["--ranks", "4", "--ranks-per-host", "2", "--steps", "3", "--epochs", "1"]
     argv += ["--step-ms", "10", "--procs", "1", "--timeout", "60"]
+    argv += ["--ingest-procs", str(ingest_procs)]
     assert main([*argv, "--json", str(out), "--keep", str(keep)]) == 0
     (got,) = json.loads(out.read_text())
     assert got["ranks_per_host"] == 2
@@ -53,8 +56,10 @@ def test_bench_agent_prints_the_folded_cost_beside_the_direct_one(
 
     assert BENCHES["agent"][0] == "flodl_bus.bench.agent:main"
     argv = ["--ranks", "16", "--ranks-per-host", "4", "--steps", "2", "--repeats", "1"]
-    assert agent_main(argv) == 0
+    assert agent_main([*argv, "--ingest-procs", "0,1"]) == 0
     out = capsys.readouterr().out
     assert "ingest per message   direct" in out and "folded" in out
+    assert "(on the coordinator's thread)" in out and "(1 reader processes)" in out
     assert "empty read" in out and "4 fold streams" in out
     assert agent_main(["--ranks-per-host", "1"]) == 2
+    assert agent_main([*argv, "--ingest-procs", "-1"]) == 2
