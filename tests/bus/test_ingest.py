@@ -11,8 +11,9 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import pytest
 import structlog
@@ -340,6 +341,28 @@ def test_a_reader_killed_mid_stream_is_restarted_and_nothing_is_lost_or_repeated
     coord.close()
 
 
+def kill_until_in_thread(
+    coord: RedisCoordinatorBus, j: int
+) -> tuple[list[Delivery], list[MutableMapping[str, Any]]]:
+    """SIGKILL reader ``j`` (one that may not be restarted again) and read, acking,
+    until the coordinator's thread reads in the pool's place: what was read, and the
+    logs meanwhile."""
+    pool = coord.ingest
+    assert pool is not None
+    pid = pool.pids[j]
+    assert pid is not None
+    got: list[Delivery] = []
+    with structlog.testing.capture_logs() as logs:
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while coord.ingest is not None and time.monotonic() < deadline:
+            ds = coord.read_upstream(100)
+            coord.ack(ds)
+            got += ds
+    assert coord.ingest is None
+    return got, logs
+
+
 def test_a_reader_that_keeps_dying_hands_the_ingest_to_the_coordinators_thread(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -356,16 +379,8 @@ def test_a_reader_that_keeps_dying_hands_the_ingest_to_the_coordinators_thread(
         ds = coord.read_upstream(100)
         coord.ack(ds)
         got += ds
-    pid = pool.pids[1]
-    assert pid is not None
-    with structlog.testing.capture_logs() as logs:
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while coord.ingest is not None and time.monotonic() < deadline:
-            ds = coord.read_upstream(100)
-            coord.ack(ds)
-            got += ds
-    assert coord.ingest is None
+    read, logs = kill_until_in_thread(coord, 1)
+    got += read
     (why,) = [e["reason"] for e in logs if e["event"] == "bus_ingest_in_thread"]
     assert "coordinator.ingest.1 died 1 times" in why
     assert not any(p.is_alive() for p in _children(pool))

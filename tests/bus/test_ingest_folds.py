@@ -23,6 +23,8 @@ from flodl_bus.bus.streams import COORDINATOR_GROUP, RedisCoordinatorBus
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys
 from tests.bus.conftest import CK, FAST
+from tests.bus.test_ingest import kill_until_in_thread
+from tests.bus.test_streams import collect_up
 
 pytestmark = pytest.mark.redis
 
@@ -87,14 +89,8 @@ class Agent:
         pipe.execute()
 
 
-def _drain(coord: RedisCoordinatorBus, n: int, timeout: float = 60.0) -> list[Delivery]:
-    got: list[Delivery] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < deadline:
-        ds = coord.read_upstream(100)
-        coord.ack(ds)
-        got += ds
-    return got
+def _drain(coord: RedisCoordinatorBus, n: int) -> list[Delivery]:
+    return collect_up(coord, n, timeout=60.0)
 
 
 def _steps_by_rank(got: Sequence[Delivery], keys: RunKeys) -> dict[int, list[int]]:
@@ -242,16 +238,8 @@ def test_a_reader_that_keeps_dying_hands_its_folds_and_their_seqs_to_the_coordin
     # handed over tell it an old item is a replay.
     coord.flush_acks()
     assert _fold_pending(url, keys) == 0
-    pid = pool.pids[1]
-    assert pid is not None
-    with structlog.testing.capture_logs() as logs:
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while coord.ingest is not None and time.monotonic() < deadline:
-            ds = coord.read_upstream(100)
-            coord.ack(ds)
-            got += ds
-    assert coord.ingest is None
+    read, logs = kill_until_in_thread(coord, 1)
+    got += read
     assert [e["event"] for e in logs if e["event"] == "bus_ingest_in_thread"]
     # In-thread now: new steps and a replay of an item the readers delivered.
     a = agents["h1"]
