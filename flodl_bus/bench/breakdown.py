@@ -18,6 +18,12 @@ time, from its first plan to its last step, splits into:
 
 The parts add up to the training time. Records made before steps were dated have no
 breakdown (None).
+
+Beside the parts, the steps' own profile (``step_profile``, which the plain loop and DDP
+report too): the median step, and the tail: what the settled steps longer than
+``SETTLED`` x the median took beyond the median. A rank whose median step is the plain
+loop's but whose compute is not loses its time to a few stalled steps (its threads, or
+other processes on its cores), not to a dearer step.
 """
 
 from __future__ import annotations
@@ -52,13 +58,32 @@ class Breakdown:
     rest: float
     steps: int
     plans: int
+    #: the median step (compute and data), ms
+    step_ms: float = 0.0
+    #: seconds the settled steps over ``SETTLED`` x the median took beyond it
+    tail: float = 0.0
 
     def parts(self) -> dict[str, float]:
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("total", "steps", "plans")
+            if f.name not in ("total", "steps", "plans", *PROFILE)
         }
+
+
+#: what ``step_profile`` adds beside the parts (not a part: the tail is in ``compute``)
+PROFILE: Final = ("step_ms", "tail")
+
+
+def step_profile(lengths: Sequence[float]) -> dict[str, float]:
+    """The median step (ms) and the tail (s) of steps ``lengths`` (seconds, in order)."""
+    if not lengths:
+        return {}
+    median = statistics.median(lengths)
+    bound = SETTLED * median
+    settled = _settled_at(lengths, median)
+    tail = sum(x - median for x in lengths[settled:] if x > bound)
+    return {"step_ms": median * 1e3, "tail": tail}
 
 
 def _type(msg: Any) -> str | None:
@@ -170,6 +195,7 @@ def rank_breakdown(records: Iterable[Mapping[str, Any]]) -> Breakdown | None:
         rest=rest,
         steps=len(steps),
         plans=len(plans),
+        **step_profile(lengths),
     )
 
 
@@ -189,7 +215,7 @@ def run_breakdowns(run_dir: Path, world: int) -> list[Breakdown] | None:
 
 def mean_of(breakdowns: Sequence[Breakdown]) -> dict[str, float]:
     """The ranks' mean of each part, and of the total (seconds)."""
-    keys = ["total", *breakdowns[0].parts()]
+    keys = ["total", *breakdowns[0].parts(), *PROFILE]
     return {k: statistics.fmean(getattr(b, k) for b in breakdowns) for k in keys}
 
 
@@ -203,14 +229,21 @@ def describe(name: str, parts: Mapping[str, float], plain: Mapping[str, float] |
     total = parts["total"]
     cells = [f"{name:<24}{total:7.2f} s"]
     for k, v in parts.items():
-        if k == "total":
+        if k == "total" or k in PROFILE:
             continue
         share = v / total if total > 0 else 0.0
         cells.append(f"{k} {v:.2f} ({share:.0%})")
-    line = "  ".join(cells)
+    line = "  ".join(cells) + _profile(parts)
     if plain is not None:
         line += (
             f"\n{'':<24}plain loop: compute {plain['compute']:.2f} s, data {plain['data']:.2f} s,"
             f" eval {plain['eval']:.2f} s, rest {plain['rest']:.2f} s of {plain['total']:.2f} s"
+            + _profile(plain)
         )
     return line
+
+
+def _profile(parts: Mapping[str, float]) -> str:
+    if "step_ms" not in parts:
+        return ""
+    return f"; median step {parts['step_ms']:.3f} ms, tail {parts.get('tail', 0.0):.2f} s"

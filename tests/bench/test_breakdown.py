@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from flodl_bus.bench.breakdown import SETTLE, rank_breakdown
+from flodl_bus.bench.breakdown import SETTLE, describe, rank_breakdown, step_profile
 
 
 def _step(now: float, batch_ms: float, data_ms: float = 0.0) -> dict[str, Any]:
@@ -72,3 +72,34 @@ def test_slow_first_steps_are_warm_up_beyond_the_settled_rate() -> None:
 def test_a_record_without_dated_steps_has_no_breakdown() -> None:
     recs = [_plan(0.0, 0), {"event": "step", "args": [0.5, 1.0, 0.0, 0.01]}]
     assert rank_breakdown(recs) is None
+
+
+def test_a_few_stalled_steps_are_the_tail_not_a_dearer_median_step() -> None:
+    recs: list[dict[str, Any]] = [_plan(0.0, 0)]
+    recs += _run(0.0, 3 * SETTLE, 0.001)
+    recs += _run(0.060, 1, 0.005)  # one step stalled 4 ms
+    recs += _run(0.065, 3 * SETTLE, 0.001)
+    b = rank_breakdown(recs)
+    assert b is not None
+    assert b.step_ms == pytest.approx(1.0)
+    assert b.tail == pytest.approx(0.004)
+    assert sum(b.parts().values()) == pytest.approx(b.total)  # the tail is in compute
+    assert "tail" not in b.parts() and "step_ms" not in b.parts()
+
+
+def test_the_profile_leaves_warm_up_out_of_the_tail_and_reads_the_same_for_a_baseline() -> None:
+    lengths = [0.010] * 5 + [0.001] * (2 * SETTLE) + [0.0016, 0.0014]
+    got = step_profile(lengths)
+    assert got["step_ms"] == pytest.approx(1.0)
+    assert got["tail"] == pytest.approx(0.0006)  # 1.6 ms is over 1.5x; 1.4 ms is not
+    assert step_profile([]) == {}
+
+
+def test_the_line_names_the_median_step_and_the_tail_beside_the_plain_loops() -> None:
+    bus = {"total": 1.0, "compute": 0.8, "rest": 0.2, "step_ms": 0.22, "tail": 0.036}
+    plain = {"total": 0.5, "compute": 0.45, "data": 0.03, "eval": 0.01, "rest": 0.01}
+    plain |= {"step_ms": 0.215, "tail": 0.002}
+    line = describe("bus x1", bus, plain)
+    assert "compute 0.80 (80%)" in line and "step_ms" not in line
+    assert "median step 0.220 ms, tail 0.04 s" in line
+    assert line.endswith("of 0.50 s; median step 0.215 ms, tail 0.00 s")
