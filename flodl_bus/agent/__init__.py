@@ -117,4 +117,9 @@ an entry (``--fold-items 2``, what live agents fold at 64 ranks) ingest per mess
 no better: 1,024 ranks 20.1 -> 26.6 us and 31.9 -> 34.0 us (1.06-1.32x; each item
 still costs its MAC and decode, and the unpacking adds), while the empty read keeps its
 0.14-0.33x. Measure a real 1,024-rank run before turning it on by default.
+
+Reader processes (``--ingest-procs``) read fold streams too: the reader that owns one
+unpacks it and checks each item with its rank's key and seq, so agents and readers
+combine (``bench scale --ranks-per-host 8 --ingest-procs 4``); on two cores the
+dispatching thread is then left 1.6-1.7 us a folded message (BENCHMARKS.md).
 """
