@@ -5,9 +5,14 @@ their ``MetricsMsg``) and the coordinator's record (every range it sent a rank: 
 a plan riding an ``Update``, an ``ExtendPartition``). An epoch is covered once when the
 ranks' counts add up to the epoch, and, where no dead rank was sent part of it, the
 ranges sent tile the epoch (each position once) and each rank trained exactly what it
-was sent. An epoch a rank died in cannot tile: the dead rank's unfinished range was
-sent again to the survivors; its counts must still add up (nothing lost, nothing
-counted twice), and the dead rank cannot have trained more than it was sent.
+was sent. An epoch a rank died in cannot tile: what the dead rank had not trained was
+sent again to the survivors. There the survivors' ranges must not overlap, each
+survivor must have trained what it was sent, and everything they were not sent must be
+what the dead rank trained before it died, by the coordinator's own count: the ``Batch``
+messages it heard from that rank, plan by plan (flodl's rule: without progressive
+dispatch, a dead rank's processed batches stay its own and the remainder goes to the
+survivors; with it, the chunk it was in is forfeited whole and served again). The dead
+rank never reported that epoch, so its part is not in ``metrics.csv``.
 
 ``tests/e2e`` assert with these; ``bench kill`` prints them.
 """
@@ -44,10 +49,14 @@ def coordinator_records(run_dir: Path) -> list[dict[str, Any]]:
     return read_records(run_dir / "coordinator.jsonl")
 
 
+#: the record events whose ``out`` holds what the coordinator's core returned
+_EMITTING = frozenset({"dispatch", "tick", "start", "send_failed"})
+
+
 def emitted(recs: Sequence[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
     """Every output the coordinator's core returned, in order."""
     for rec in recs:
-        if rec.get("event") in ("dispatch", "tick", "start", "send_failed"):
+        if rec.get("event") in _EMITTING:
             yield from rec.get("out", ())
 
 
@@ -98,25 +107,99 @@ def problems(
     if found != list(range(epochs)):
         return [f"metrics.csv holds epochs {found}, not 0..{epochs - 1}"]
     plans = sent_plans(recs)
+    credited = {r: dead_credit(recs, r, cfg.batch_size, cfg.is_progressive) for r in dead}
     out: list[str] = []
     for row in rows:
         e = int(row["epoch"])
         size = cfg.epoch_batches(e) * cfg.batch_size
         trained = epoch_samples(row, world_size)
+        per_rank = plans.get(e, {})
+        if any(r in per_rank for r in dead):
+            out += _death_epoch(e, size, per_rank, trained, dead, credited)
+            continue
         if sum(trained) != size:
             out.append(f"epoch {e}: the ranks trained {sum(trained)} samples of {size} {trained}")
-        per_rank = plans.get(e, {})
         sent = [sum(s for _, s in per_rank.get(r, [])) for r in range(world_size)]
-        if any(r in per_rank for r in dead):
-            over = [r for r in dead if trained[r] > sent[r]]
-            if over:
-                out.append(f"epoch {e}: dead rank(s) {over} trained more than they were sent")
-            continue
         if not tiles([rng for r in per_rank for rng in per_rank[r]], [(0, size)]):
             out.append(f"epoch {e}: the ranges sent do not cover the epoch exactly once")
         if trained != sent:
             out.append(f"epoch {e}: trained {trained}, sent {sent}")
     return out
+
+
+def _positions(ranges: Sequence[Range]) -> list[int]:
+    out: list[int] = []
+    for off, size in ranges:
+        out += range(off, off + size)
+    return out
+
+
+def _death_epoch(
+    e: int,
+    size: int,
+    per_rank: Mapping[int, Sequence[Range]],
+    trained: Sequence[int],
+    dead: Collection[int],
+    credited: Mapping[int, Mapping[int, int]],
+) -> list[str]:
+    """The checks of an epoch a rank of ``dead`` was sent part of (``problems``)."""
+    out: list[str] = []
+    survivors = [r for r in per_rank if r not in dead]
+    theirs = _positions([rng for r in survivors for rng in per_rank[r]])
+    if len(set(theirs)) != len(theirs):
+        out.append(f"epoch {e}: the survivors were sent some samples twice")
+    dead_ranges = [rng for r in dead for rng in per_rank.get(r, ())]
+    if set(theirs) | set(_positions(dead_ranges)) != set(range(size)):
+        out.append(f"epoch {e}: the ranges sent do not cover the epoch")
+    for r in survivors:
+        if trained[r] != sum(n for _, n in per_rank[r]):
+            out.append(f"epoch {e}: survivor {r} trained {trained[r]} of what it was sent")
+    kept = size - len(set(theirs))
+    heard = sum(credited[r].get(e, 0) for r in dead)
+    for r in dead:
+        if trained[r] > credited[r].get(e, 0):
+            out.append(f"epoch {e}: dead rank {r} reported {trained[r]}, more than it trained")
+    if kept != heard:
+        out.append(
+            f"epoch {e}: the survivors were not sent {kept} samples, but the dead rank(s) "
+            f"{sorted(dead)} trained {heard} of them"
+        )
+    return out
+
+
+def dead_credit(
+    recs: Sequence[Mapping[str, Any]], rank: int, batch_size: int, progressive: bool
+) -> dict[int, int]:
+    """epoch -> samples a rank that died keeps as trained, by the coordinator's count
+    of its ``Batch`` messages, filled into the plans it was sent in order: every batch
+    of a plan it finished; of the plan it died in, every batch processed unless the
+    dispatch is progressive (then that chunk is forfeited and served again)."""
+    plans: list[list[int]] = []  # [epoch, batches planned, batches heard]
+    at = 0
+    for rec in recs:
+        if rec.get("event") == "dispatch":
+            msg = rec.get("msg") or {}
+            if msg.get("type") == "Batch" and msg.get("rank") == rank:
+                while at < len(plans) and plans[at][2] >= plans[at][1]:
+                    at += 1
+                if at < len(plans):
+                    plans[at][2] += 1
+        for o in rec.get("out", ()) if rec.get("event") in _EMITTING else ():
+            if o.get("kind") != "Send" or int(o.get("rank", -1)) != rank:
+                continue
+            msg = o["msg"]
+            plan = msg.get("plan") if msg["type"] == "StartEpoch" else None
+            if msg["type"] == "Update" and msg.get("next_plan"):
+                plan = msg["next_plan"]
+            if plan is not None:
+                plans.append([plan["epoch"], plan["partition_size"] // batch_size, 0])
+            elif msg["type"] == "ExtendPartition" and plans:
+                plans[-1][1] += msg["partition_size"] // batch_size
+    out: dict[int, int] = defaultdict(int)
+    for epoch, planned, heard in plans:
+        if heard >= planned or not progressive:
+            out[epoch] += min(heard, planned) * batch_size
+    return dict(out)
 
 
 def shares(row: Mapping[str, str], world_size: int) -> list[float]:

@@ -65,3 +65,17 @@ def test_three_cpu_ranks_one_killed_report_detection_reform_first_collective_and
     assert "replay of the records on the CPU (flodl-bus replay --allow-incomplete): exit 0" in out
     assert re.search(r"rank:2: identical \(\d+ dispatches\), up to line \d+", out), out
     assert "run ended: completed" in out
+
+
+def test_a_killed_rank_of_a_sync_world_keeps_the_batches_it_trained_and_coverage_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without progressive dispatch the dead rank's processed batches stay its own (flodl's
+    # rule) and only its remainder goes to the survivors: metrics.csv, which holds what
+    # ranks reported, falls short by those batches, and the coverage check must take the
+    # coordinator's count of them instead.
+    argv = ["--workers", "3", "--epochs", "5", "--job", "tests.e2e.jobs:slow_job"]
+    assert main([*argv, "--mode", "nccl-sync", "--no-replay", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "every sample of every epoch trained exactly once" in out, out
+    assert "replay of the records" not in out

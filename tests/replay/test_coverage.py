@@ -25,14 +25,23 @@ def _plan(rank: int, epoch: int, offset: int, size: int) -> dict[str, Any]:
     return {"kind": "Send", "rank": rank, "msg": {"type": "StartEpoch", "plan": plan}}
 
 
-def _run(tmp_path: Path, sends: Sequence[dict[str, Any]], trained: Sequence[Sequence[int]]) -> Path:
+def _run(
+    tmp_path: Path,
+    sends: Sequence[dict[str, Any]],
+    trained: Sequence[Sequence[int]],
+    mode: str = "cpu-cadence",
+) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = CoordinatorConfig(
-        mode="cpu-cadence", world_size=3, total_samples=SIZE, batch_size=BATCH, num_epochs=2
+        mode=mode, world_size=3, total_samples=SIZE, batch_size=BATCH, num_epochs=2
     )
     rec = Recorder(tmp_path / "coordinator.jsonl")
     rec.record("run", role="coordinator", config=dataclasses.asdict(cfg))
     for out in sends:
-        rec.record("dispatch", out=[out])
+        if out.get("kind") == "heard":  # a Batch the coordinator read from a rank
+            rec.record("dispatch", msg={"type": "Batch", "rank": out["rank"]}, out=[])
+        else:
+            rec.record("dispatch", out=[out])
     rec.close()
     with (tmp_path / "metrics.csv").open("w", newline="") as f:
         w = csv.writer(f)
@@ -71,17 +80,59 @@ def test_samples_lost_or_counted_twice_are_named_with_their_epoch(tmp_path: Path
     assert "epoch 1: the ranks trained 110 samples of 100 [50, 60, 0]" in found
 
 
-def test_an_epoch_a_rank_died_in_is_judged_by_its_counts(tmp_path: Path) -> None:
-    # Rank 2 died with 30 samples sent and 10 trained; its other 20 went to rank 1 again.
-    sends = [*_whole_epochs()[:3], _plan(1, 0, 80, 20), *_whole_epochs()[3:]]
-    run = _run(tmp_path, sends, [[40, 50, 10], [50, 50, 0]])
+def _heard(rank: int, n: int) -> list[dict[str, Any]]:
+    return [{"kind": "heard", "rank": rank}] * n
+
+
+def _death(resent: int, heard: int, cfg: str = "cpu-sync") -> list[dict[str, Any]]:
+    """Rank 2 is sent 70..100, is heard train ``heard`` batches, dies; 100 - resent..100
+    goes to rank 1 again."""
+    return [
+        *_whole_epochs()[:3],
+        *_heard(2, heard),
+        _plan(1, 0, 100 - resent, resent),
+        *_whole_epochs()[3:],
+    ]
+
+
+def test_an_epoch_a_rank_died_in_keeps_what_the_coordinator_heard_it_train(
+    tmp_path: Path,
+) -> None:
+    # Without progressive dispatch (cpu-sync): rank 2 trained one batch of its three
+    # and never reported; its other two went to rank 1. metrics.csv's counts fall short
+    # by the dead rank's batch, which the coordinator heard and kept as trained.
+    run = _run(tmp_path, _death(20, 1), [[40, 50, 0], [50, 50, 0]], "cpu-sync")
     assert problems(run, 3, 2, dead=[2]) == []
+    # A dead rank that reported more than it was heard train is caught.
+    liar = _run(tmp_path / "b", _death(20, 1), [[40, 50, 20], [50, 50, 0]], "cpu-sync")
+    assert "epoch 0: dead rank 2 reported 20, more than it trained" in problems(
+        liar, 3, 2, dead=[2]
+    )
     # Without knowing of the death the re-sent range is an overlap.
     assert problems(run, 3, 2) != []
-    # A dead rank credited with more than it was sent is caught.
-    run2 = _run(tmp_path / "b", sends, [[40, 20, 40], [50, 50, 0]])
-    assert problems(run2, 3, 2, dead=[2]) == [
-        "epoch 0: dead rank(s) [2] trained more than they were sent"
+
+
+def test_a_dead_ranks_batch_neither_heard_nor_sent_again_is_a_loss(tmp_path: Path) -> None:
+    run = _run(tmp_path, _death(10, 1), [[40, 40, 0], [50, 50, 0]], "cpu-sync")
+    # Rank 1 was sent 90..100 only: 80..90 is neither re-sent nor heard trained.
+    assert problems(run, 3, 2, dead=[2]) == [
+        "epoch 0: the survivors were not sent 20 samples, but the dead rank(s) [2] "
+        "trained 10 of them"
+    ]
+
+
+def test_with_progressive_dispatch_a_dead_ranks_chunk_in_flight_is_not_its_own(
+    tmp_path: Path,
+) -> None:
+    # cpu-cadence: the chunk rank 2 died in is forfeited whole and served again, so the
+    # batch it was heard train there is not kept: the whole chunk went to rank 1.
+    good = _run(tmp_path / "a", _death(30, 1), [[40, 60, 0], [50, 50, 0]], "cpu-cadence")
+    assert problems(good, 3, 2, dead=[2]) == []
+    # Served again only in part: the batch heard does not make up for the rest.
+    short = _run(tmp_path / "b", _death(20, 1), [[40, 50, 0], [50, 50, 0]], "cpu-cadence")
+    assert problems(short, 3, 2, dead=[2]) == [
+        "epoch 0: the survivors were not sent 10 samples, but the dead rank(s) [2] "
+        "trained 0 of them"
     ]
 
 
