@@ -80,11 +80,18 @@ def sock() -> Iterator[str]:
 
 
 @pytest.fixture
-def coord(real_redis: redis.Redis, redis_url: str) -> Iterator[RedisCoordinatorBus]:
-    bus = RedisCoordinatorBus(connect(redis_url), KEYS, CK, config=FAST)
+def coord(
+    real_redis: redis.Redis, redis_url: str, request: pytest.FixtureRequest
+) -> Iterator[RedisCoordinatorBus]:
+    """The coordinator's bus, reading the fold on its own thread, or (``indirect``
+    parameter 1) in a reader process (``bus.ingest``)."""
+    procs = getattr(request, "param", 0)
+    bus = RedisCoordinatorBus(connect(redis_url), KEYS, CK, config=FAST, ingest_procs=procs)
     bus.add_fold("h0", RANKS)
     for r in RANKS:
         bus.add_rank(r)
+    if bus.ingest is not None:
+        assert bus.ingest.wait_ready(60)
     yield bus
     bus.close()
 
@@ -208,6 +215,7 @@ def _dlq_reasons(client: redis.Redis) -> list[str]:
     return [f[b"reason"].decode() for _, f in client.xrange(KEYS.dlq)]  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("coord", [0, 1], indirect=True, ids=["in-thread", "reader-process"])
 def test_upstream_fold_keeps_order_and_applies_once_across_an_agent_kill(
     coord: RedisCoordinatorBus, real_redis: redis.Redis, redis_url: str, sock: str
 ) -> None:
