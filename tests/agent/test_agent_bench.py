@@ -27,7 +27,7 @@ def test_bench_scale_through_host_agents_trains_every_step_and_its_record_replay
     argv += ["--ingest-procs", str(ingest_procs)]
     assert main([*argv, "--json", str(out), "--keep", str(keep)]) == 0
     (got,) = json.loads(out.read_text())
-    assert got["ranks_per_host"] == 2
+    assert got["ranks_per_host"] == 2 and got["ingest_procs"] == ingest_procs
     assert got["ranks_clean"] == 4 and got["declared_dead"] == 0
     assert got["steps_done"] == 4 * 3
     # Measured, though a 3-step run can take less than the clock's 10 ms tick in each
