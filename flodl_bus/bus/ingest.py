@@ -39,6 +39,13 @@ How DESIGN §3 is kept:
   raises ``IngestHung`` naming it and its ranks: the coordinator stops the run in order
   and exits ``FAILED``. A hung helper is a fault to look at, not one to restart past.
 
+A host agent's fold stream (``bus.fold``) is one stream like the others, owned by one
+reader: that reader unpacks each entry and checks every item with its rank's key and
+seq, and sends the items on as from the ranks' own ``up:<r>`` (synthetic ids), each
+rank's last seq beside them; an item's ack is its folded entry's. A successor, or the
+coordinator's thread after ``hand_over``, starts with those seqs, so an item folded
+again is still a replay.
+
 Reader processes log at the coordinator's console level (``--log-level``).
 
 The readers are spawned, not forked (the coordinator runs threads whose locks a fork
@@ -489,11 +496,6 @@ class IngestPool:
         self._members[s.reader].append(stream)
         self._send(s.reader, ("add", self._start_of(stream)))
 
-    @property
-    def folds(self) -> list[str]:
-        """The fold streams read here."""
-        return [name for name, s in self._streams.items() if s.fold is not None]
-
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every reader process is up (False: not within ``timeout``).
         Nothing needs it (entries wait in Redis meanwhile); benches do not time a
@@ -651,8 +653,8 @@ class IngestPool:
 
     def hand_over(self, reader: _GroupReader) -> None:
         """Close the pool and give every stream to ``reader`` (the in-thread one; a fold
-        stream's unpacker is the caller's to set, ``folds``) from where the main process
-        got it: after the last entry and seq received, the
+        stream's unpacker is the caller's to set) from where the main process got it:
+        after the last entry and seq received (a fold's: each of its ranks' seqs), the
         pending entries this process asked to ack acked, the acks it still owes queued.
         Nothing is lost (what a reader read and did not send is pending, and re-read);
         nothing comes twice (the cursor starts after what was received)."""
