@@ -16,7 +16,8 @@ floor: a silent rank is only declared dead after it):
 then the exit codes, and what the run left, read off its files:
 
 - whether every sample of every epoch was trained exactly once (``replay.coverage``:
-  ``metrics.csv`` and the coordinator's record; the epoch of the death by its counts);
+  ``metrics.csv`` and the coordinator's record; in an epoch a rank died in, by what the
+  coordinator heard it train);
 - each rank's share of every epoch's samples, before and after the death (with
   ``--slow-rank R --slow-factor F`` one rank is made F times slower, as in ``bench
   train``: the shares ElChe gave it before, and the survivors' after);
