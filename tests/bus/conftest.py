@@ -71,3 +71,12 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield Backend("redis-server", lambda: connect(url), admin, url)
     finally:
         admin.close()
+
+
+@pytest.fixture
+def url(redis_url: str) -> Iterator[str]:
+    """The test server's URL, its keys flushed (the ingest tests count what is left)."""
+    admin = connect(redis_url)
+    admin.flushdb()
+    admin.close()
+    yield redis_url

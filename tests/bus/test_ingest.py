@@ -11,7 +11,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -32,14 +32,6 @@ from tests.bus.conftest import CK, FAST, RK
 pytestmark = pytest.mark.redis
 
 K = 2
-
-
-@pytest.fixture
-def url(redis_url: str) -> Iterator[str]:
-    admin = connect(redis_url)
-    admin.flushdb()
-    admin.close()
-    yield redis_url
 
 
 def _batch(rank: int, i: int) -> m.Batch:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -31,14 +31,6 @@ pytestmark = pytest.mark.redis
 K = 2
 HOSTS = {"h0": [0, 1, 2], "h1": [3, 4, 5]}
 RANKS = [r for ranks in HOSTS.values() for r in ranks]
-
-
-@pytest.fixture
-def url(redis_url: str) -> Iterator[str]:
-    admin = connect(redis_url)
-    admin.flushdb()
-    admin.close()
-    yield redis_url
 
 
 def _coord(url: str, keys: RunKeys, procs: int = K) -> RedisCoordinatorBus:
