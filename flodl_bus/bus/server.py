@@ -92,7 +92,13 @@ class RedisServer:
         appendonly: bool = False,
         extra_args: Sequence[str] = (),
         directory: str | None = None,
+        own_session: bool = False,
     ) -> None:
+        """``own_session``: the server runs in a session of its own, out of reach of
+        the signals a terminal sends the caller's process group (Ctrl-C, a hang-up):
+        the caller stops it, last (``flodl-bus up``, whose run needs it to stop in
+        order)."""
+        self.own_session = own_session
         self.binary = find_server_binary()
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -126,7 +132,12 @@ class RedisServer:
             os.path.join(self.directory, "redis.log"),
             *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=self.own_session,
+        )
         deadline = time.monotonic() + timeout
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
         try:

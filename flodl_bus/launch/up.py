@@ -183,7 +183,10 @@ class Launcher:
             from flodl_bus.bus.server import RedisServer, RedisServerError
 
             try:
-                self.server = RedisServer().start()
+                # Its own session: a Ctrl-C at the terminal reaches this process's
+                # group, and Redis must outlive the in-order stop that follows (the
+                # coordinator's Shutdown, the ranks' saves go through it).
+                self.server = RedisServer(own_session=True).start()
             except RedisServerError as exc:
                 self.start_error = str(exc)
                 print(f"flodl-bus up: {exc}", file=sys.stderr)

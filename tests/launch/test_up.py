@@ -59,7 +59,11 @@ def mark() -> Iterator[str]:
             os.kill(pid, signal.SIGKILL)
 
 
-def _up(tmp_path: Path, mark: str, *args: str, path: str | None = None) -> subprocess.Popen[str]:
+def _up(
+    tmp_path: Path, mark: str, *args: str, path: str | None = None, group: bool = False
+) -> subprocess.Popen[str]:
+    """``group``: up leads a process group of its own, as a terminal's foreground job
+    does, so a test can send the whole group a Ctrl-C (``os.killpg``)."""
     env = {**os.environ, MARK: mark}
     if path is not None:
         env["PATH"] = path
@@ -71,6 +75,7 @@ def _up(tmp_path: Path, mark: str, *args: str, path: str | None = None) -> subpr
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=group,
     )
 
 
@@ -130,7 +135,9 @@ def test_ctrl_c_mid_run_stops_every_process_closes_the_record_and_leaves_a_resum
 ) -> None:
     stem = tmp_path / "ckpt" / "run"
     stem.parent.mkdir()
-    proc = _up(tmp_path, mark, "--run", "intr", "--epochs", "400", "--save-path", str(stem))
+    proc = _up(
+        tmp_path, mark, "--run", "intr", "--epochs", "400", "--save-path", str(stem), group=True
+    )
     run_dir = tmp_path / "runs" / "intr"
     deadline = time.monotonic() + 90
     # Interrupt once training is under way (three epochs aggregated).
@@ -142,13 +149,17 @@ def test_ctrl_c_mid_run_stops_every_process_closes_the_record_and_leaves_a_resum
             break
         time.sleep(0.1)
     sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    # A terminal's Ctrl-C: SIGINT to every process of up's group, the embedded Redis's
+    # too unless it runs in a session of its own. It must outlive the in-order stop.
+    os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     stopped_after = time.monotonic() - sent
     assert proc.returncode == 130, out
     assert stopped_after < 15, f"stopping took {stopped_after:.1f}s"
     assert marked_pids(mark) == []
     _records_closed(run_dir)
+    for log in sorted(run_dir.glob("*.log")):
+        assert "redis_unreachable" not in log.read_text(), f"{log.name}: Redis died first"
     summary = _summary(run_dir)
     assert summary["interrupted"] is True
     assert "interrupted" in out
