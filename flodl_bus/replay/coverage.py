@@ -83,13 +83,8 @@ def sent_plans(recs: Sequence[Mapping[str, Any]]) -> dict[int, dict[int, list[Ra
 
 def tiles(ranges: Sequence[Range], space: Sequence[Range]) -> bool:
     """True when ``ranges`` cover exactly the positions of ``space``, each once."""
-    got: list[int] = []
-    for off, size in ranges:
-        got += range(off, off + size)
-    want: list[int] = []
-    for off, size in space:
-        want += range(off, off + size)
-    return sorted(got) == sorted(want) and len(set(got)) == len(got)
+    got = _positions(ranges)
+    return sorted(got) == sorted(_positions(space)) and len(set(got)) == len(got)
 
 
 def problems(
@@ -97,7 +92,8 @@ def problems(
 ) -> list[str]:
     """What breaks "every sample of every epoch trained exactly once" (empty: nothing).
 
-    ``dead``: ranks that died during the run (their epochs are checked by counts)."""
+    ``dead``: ranks that died during the run (an epoch one of them was sent part of is
+    checked as the module says: by what the coordinator heard it train)."""
     recs = coordinator_records(run_dir)
     if not recs or recs[0].get("event") != "run":
         return [f"{run_dir / 'coordinator.jsonl'}: no record with a run header"]
