@@ -73,10 +73,11 @@ if [ "$gpus" -ge 2 ]; then
     step train-wide-diloco bench train --job flodl_bus.examples.cifar_wide:job --workers 2 \
         --modes nccl-cadence,cpu-async --no-plain --repeats 1 --up-args="--outer nesterov" \
         --json "$out/train-wide-diloco.json"
-    kill_ranks=2
-    [ "$gpus" -ge 4 ] && kill_ranks=4
+    # Two GPUs: the lone survivor stops (SingleSurvivor), so no final eval to compare.
+    kill_ranks=2 reference=""
+    [ "$gpus" -ge 4 ] && kill_ranks=4 reference="--reference"
     step kill bench kill --job flodl_bus.examples.cifar_resnet:job --workers "$kill_ranks" \
-        --mode nccl-cadence --epochs 6 --after 2 --reference --run-dir "$runs/kill"
+        --mode nccl-cadence --epochs 6 --after 2 $reference --run-dir "$runs/kill"
     if [ "$gpus" -ge 4 ]; then
         step kill-sync bench kill --job flodl_bus.examples.cifar_resnet:job --workers 4 \
             --mode nccl-sync --epochs 6 --after 2 --reference --run-dir "$runs/kill-sync"
