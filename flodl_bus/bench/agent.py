@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from flodl_bus.bench.bus import ingest_procs_list
 from flodl_bus.bench.path import QUIET, SEED, _ping_us, _prefill
 from flodl_bus.bench.scale import rank_counts
 from flodl_bus.bench.scale_agents import hosts
@@ -129,15 +130,6 @@ def _empty_read(url: str, ranks: int, k: int) -> float:
     return best
 
 
-def _counts(text: str) -> list[int] | None:
-    """``0,2,4`` as counts (zero allowed: the coordinator's own thread)."""
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        return None
-    return out if out and min(out) >= 0 else None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="flodl-bus bench agent", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", default="64,256,1024", help="comma-separated world sizes")
@@ -164,9 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if counts is None:
         return 2
     k = args.ranks_per_host
-    procs = _counts(args.ingest_procs)
+    procs = ingest_procs_list(args.ingest_procs)
     if procs is None:
-        print("--ingest-procs: counts like 0,2,4", file=sys.stderr)
         return 2
     if k < 2 or args.steps < 1 or args.repeats < 1 or not counts or min(counts) < 1:
         print("--ranks-per-host must be 2 or more; --ranks, --steps, --repeats positive",

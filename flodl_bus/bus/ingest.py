@@ -353,7 +353,7 @@ def _reader_main(
             item_seqs[it.stream] = int(it.fields[entries.F_SEQ])
         for stream in reader.folds:
             top = reader.cursor.last_id(stream)
-            if top != ZERO and routes.hosts.get(stream):
+            if top != ZERO:
                 tops[stream] = (format_id(top), 0)
         try:
             blob = pickle.dumps((names, ids, types, bodies, tops, item_seqs), protocol=5)
