@@ -34,7 +34,7 @@ from typing import Any
 import redis
 
 from flodl_bus.bus import entries
-from flodl_bus.bus.connection import MAX_BLOCK_MS, REFUSALS, add_url_argument
+from flodl_bus.bus.connection import MAX_BLOCK_MS, REFUSALS, RETRYABLE, add_url_argument
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import BROADCAST, RunKeys
@@ -192,12 +192,7 @@ class Observer:
                     with self.cond:
                         self.trouble = None
                         self.cond.notify_all()
-            except (
-                redis.exceptions.ConnectionError,
-                redis.exceptions.TimeoutError,
-                OSError,
-                *REFUSALS,
-            ) as exc:
+            except (*RETRYABLE, OSError, *REFUSALS) as exc:
                 with self.cond:
                     self.trouble = f"Redis unreachable ({type(exc).__name__}); retrying"
                     self.cond.notify_all()
