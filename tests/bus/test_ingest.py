@@ -48,11 +48,14 @@ def _coord(
     return coord
 
 
-def _prefill(url: str, keys: RunKeys, ranks: Sequence[int], n: int, first: int = 0) -> None:
-    """``n`` signed Batch entries per rank (steps first..first+n-1), rank-interleaved."""
+def _prefill(
+    url: str, keys: RunKeys, ranks: Sequence[int], n: int, first: int = 0, after_ms: int = 0
+) -> None:
+    """``n`` signed Batch entries per rank (steps first..first+n-1), rank-interleaved;
+    their ids above ``after_ms`` (entries a test wrote there by hand)."""
     client = connect(url)
     pipe = client.pipeline(transaction=False)
-    ms = int(time.time() * 1000)
+    ms = max(int(time.time() * 1000), after_ms + 1)
     for i in range(first, first + n):
         for r in ranks:
             eid = f"{ms}-{i}"
@@ -181,7 +184,7 @@ def test_forged_and_replayed_entries_of_a_readers_share_go_to_the_dlq_and_the_re
     replayed = entries.build(CK.rank(1), stream, f"{ms}-1", _batch(1, 2), "1", 3)
     admin.xadd(stream, forged, id=f"{ms}-0")  # type: ignore[arg-type]
     admin.xadd(stream, replayed, id=f"{ms}-1")  # type: ignore[arg-type]
-    _prefill(url, keys, ranks, 5, first=5)
+    _prefill(url, keys, ranks, 5, first=5, after_ms=ms)
     got = _drain(coord, 20)
     assert _steps_by_rank(got) == {r: list(range(5, 10)) for r in ranks}
     dead = admin.xrange(keys.dlq)
