@@ -6,7 +6,8 @@
 #
 # Parts: one (a world of one against the plain loop, the default thread share),
 # threads (the same at 1, 2, 4 and 8 threads), two (digits on 2 ranks: cadence, sync,
-# async, DDP), slow (rank 1 made 2x slower), charrnn. Dependencies as in gpu_suite.sh
+# async, DDP), slow (rank 1 made 2x slower), charrnn, policies (a world of one under
+# other thread policies: 14 and 8 threads, OMP_WAIT_POLICY=PASSIVE; bench worker). Dependencies as in gpu_suite.sh
 # (.gpu/wheels, .gpu/bin on a host without internet). REPEATS=N (default 3) runs of each.
 set -uo pipefail
 
@@ -44,6 +45,15 @@ threads() {
             --run-dir "/tmp/cpu-suite-threads-$t"
     done
 }
+policies() {
+    for p in FLODL_NUM_THREADS=14 FLODL_NUM_THREADS=8 OMP_WAIT_POLICY=PASSIVE; do
+        echo "--- $p"
+        env "$p" python3 -m flodl_bus.cli bench train --device cpu --workers 1 \
+            --modes cpu-cadence --epochs 30 --repeats "$repeats" --run-dir "/tmp/cpu-suite-$p"
+    done
+    echo "--- bench worker"
+    python3 -m flodl_bus.cli bench worker --repeats "$repeats"
+}
 step one train --workers 1 --modes cpu-cadence --epochs 30 --repeats "$repeats"
 step threads threads
 step two train --workers 2 --modes cpu-cadence,cpu-sync,cpu-async --ddp --epochs 30 \
@@ -52,4 +62,5 @@ step slow train --workers 2 --modes cpu-cadence --ddp --epochs 30 --slow-rank 1 
     --slow-factor 2 --repeats "$repeats"
 step charrnn train --job flodl_bus.examples.charrnn:job --workers 2 --modes cpu-cadence \
     --ddp --repeats 1
+step policies policies
 echo "results in $out"

@@ -161,12 +161,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration")
     p.add_argument("--redis-url", help="use this Redis (default: start a local redis-server)")
     p.add_argument("--no-redis", action="store_true", help="in-process bus only")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch threads of the training step (default 1)"
+    )
     args = p.parse_args(argv)
     if args.steps < 10 * PARAM_NORM_EVERY or args.repeats < 1:
         print("flodl-bus bench worker: use --steps >= 100 and --repeats >= 1", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # steadier step times on a shared machine
+    torch.set_num_threads(max(1, args.threads))  # 1: steadier step times on a shared machine
     try:
         return _run(args)
     finally:

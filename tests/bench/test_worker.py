@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from flodl_bus.bench.worker import main
 
@@ -10,9 +11,11 @@ from flodl_bus.bench.worker import main
 def test_the_worker_bench_prints_the_bus_cost_next_to_a_plain_step(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["--steps", "100", "--repeats", "1", "--no-redis"]) == 0
+    before = torch.get_num_threads()
+    assert main(["--steps", "100", "--repeats", "1", "--no-redis", "--threads", "2"]) == 0
     out = capsys.readouterr().out
     assert "plain PyTorch step" in out and "[memory] bus block per step" in out
+    assert torch.get_num_threads() == before  # the caller's count is given back
 
 
 def test_the_worker_bench_refuses_too_few_steps() -> None:
