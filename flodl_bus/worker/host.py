@@ -65,6 +65,16 @@ def set_rank_env(rank: int, world_size: int, env: MutableMapping[str, str] | Non
     env.update(rank_env(rank, world_size, env))
 
 
+def torch_threads(env: Mapping[str, str], cores: int) -> int:
+    """What a rank passes to ``torch.set_num_threads``: its share (``thread_share``), or
+    the launcher's ``OMP_NUM_THREADS`` where it split the cores itself."""
+    share = thread_share(env, cores)
+    if share is not None:
+        return share
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    return int(omp) if omp.isdigit() and int(omp) > 0 else max(1, cores)
+
+
 def thread_share(env: Mapping[str, str], cores: int) -> int | None:
     """torch threads for this rank, or None to leave them as the launcher set them."""
     given = env.get("FLODL_NUM_THREADS", "").strip()

@@ -26,7 +26,7 @@ from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.hooks import JobHooks, bind_intent_sink, unbind_intent_sink
-from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
+from flodl_bus.worker.host import set_rank_env, torch_threads, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
@@ -197,9 +197,7 @@ class RankSession:
         job, bus, options, rank = self.job, self.bus, self.options, self.rank
         # Before any of the job's code runs: it may read them (torchrun's convention).
         set_rank_env(rank, options.world_size)
-        threads = options.threads or thread_share(os.environ, usable_cores())
-        if threads is not None:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(options.threads or torch_threads(os.environ, usable_cores()))
         feed_options = options.feed if options.feed is not None else FeedOptions.from_env()
         torch.manual_seed(job.seed)
         device = torch.device(options.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_bus.worker.host import rank_env, set_rank_env, thread_share
+from flodl_bus.worker.host import rank_env, set_rank_env, thread_share, torch_threads
 
 
 def test_a_rank_on_one_host_is_its_own_local_rank() -> None:
@@ -54,6 +54,15 @@ def test_each_rank_takes_its_share_of_the_cores() -> None:
 def test_an_explicit_count_wins_and_a_launchers_omp_setting_is_left_alone() -> None:
     assert thread_share({"FLODL_NUM_THREADS": "3", "OMP_NUM_THREADS": "1"}, 16) == 3
     assert thread_share({"OMP_NUM_THREADS": "2", "LOCAL_WORLD_SIZE": "4"}, 16) is None
+
+
+def test_a_rank_sets_torchs_threads_itself_even_where_the_launcher_split_the_cores() -> None:
+    # The count goes to torch.set_num_threads in every case: left to OMP_NUM_THREADS
+    # alone, torch sizes its pool from MKL's own count instead (capped at the cores).
+    assert torch_threads({"OMP_NUM_THREADS": "3", "LOCAL_WORLD_SIZE": "4"}, 2) == 3
+    assert torch_threads({"LOCAL_WORLD_SIZE": "2"}, 16) == 7
+    assert torch_threads({"FLODL_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}, 16) == 5
+    assert torch_threads({"OMP_NUM_THREADS": "junk"}, 6) == 6
 
 
 @pytest.mark.parametrize(

@@ -253,7 +253,9 @@ def test_a_rank_process_trains_through_throttle_sync_extend_checkpoint_and_shutd
     assert 0.0 < metrics.avg_loss < 3.0
 
 
+@pytest.mark.parametrize("launcher_threads", [None, 3], ids=["own-share", "launchers-omp"])
 def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_torch_dataset(
+    launcher_threads: int | None,
     redis_url: str,
     client: redis.Redis,
     run_id: str,
@@ -264,6 +266,10 @@ def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_to
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
     # The launcher says two ranks share this host: this one takes half of the cores.
     env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", FLODL_TEST_SEEN=str(seen_path))
+    if launcher_threads is not None:
+        # torch is told the launcher's count: from the environment alone it took MKL's
+        # (at most the cores), and its pool churned threads on a large host (issue 27).
+        env["OMP_NUM_THREADS"] = str(launcher_threads)
     env["FLODL_DATA_WORKERS"] = "2"
     secret = new_secret()
     coord = scripted(secret)
@@ -286,7 +292,7 @@ def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_to
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
         "LOCAL_WORLD_SIZE": "2",
-        "threads": str(max(1, cores // 2)),
+        "threads": str(launcher_threads or max(1, cores // 2)),
     }
     assert isinstance(metrics, MetricsMsg)
     assert (metrics.batches_processed, metrics.samples_processed) == (20, 20 * BS)
