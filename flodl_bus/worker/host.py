@@ -6,10 +6,12 @@ when it sets them (several hosts), else the world is taken as one host (``flodl-
 or workers started by hand on one machine).
 
 Each rank takes its share of the host's cores for torch's threads, so ranks on one host do
-not fight over them: ``FLODL_NUM_THREADS`` when set; else nothing is changed when the
-launcher set ``OMP_NUM_THREADS`` (it split the cores already); else the usable cores,
+not fight over them: ``FLODL_NUM_THREADS`` when set; else the launcher's
+``OMP_NUM_THREADS`` when it set one (it split the cores already); else the usable cores,
 less ``CONTROL_CORES`` on a host of ``RESERVE_FROM`` cores or more, divided by
-``LOCAL_WORLD_SIZE``.
+``LOCAL_WORLD_SIZE``. The count always goes to ``torch.set_num_threads`` (``torch_threads``):
+left to ``OMP_NUM_THREADS`` alone, torch sizes its pool by MKL's own count (capped at the
+cores), not the configuration the baselines, which call it, train with.
 
 Why a core is kept: intra-op threads wait for each other at the end of every parallel
 region, spinning. When they fill every core, whatever else must run (the coordinator,
