@@ -314,13 +314,20 @@ class Launcher:
         return None
 
     def _after_first_step(self) -> None:
-        header = self._coordinator_header()
+        header = self._read_header()
         if header is not None and self.progress is not None:
             self.progress.set_total(run_batches(header))
-        if header is not None:
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                self.view.set_epochs(int(header["config"]["num_epochs"]))
-            self._header = header
+
+    def _read_header(self) -> dict[str, Any] | None:
+        """The coordinator's record header, read once it is on disk: the view learns the
+        run's last epoch from it, whose row waits for the rounds after it."""
+        if self._header is None:
+            header = self._coordinator_header()
+            if header is not None:
+                with contextlib.suppress(KeyError, TypeError, ValueError):
+                    self.view.set_epochs(int(header["config"]["num_epochs"]))
+                self._header = header
+        return self._header
 
     def _coordinator_header(self) -> dict[str, Any] | None:
         try:
@@ -471,6 +478,11 @@ class Launcher:
                 self.record.record("first_step", after_s=t)
                 progress.write(f"  first training step after {t:.2f}s")
                 self._after_first_step()
+            elif first_step_logged and self._header is None:
+                # The record's writer gathers lines: its header may reach the disk after
+                # the first step. Without it the last epoch's row went out at its
+                # aggregate, short of the final averaging's rounds (seen once in CI).
+                self._read_header()
             progress.update(view)
             self._show_rows(final=False)
             self._note_exits()
@@ -508,6 +520,7 @@ class Launcher:
         if self.progress is not None:
             self.progress.update(self.view)
             self.progress.close()
+            self._read_header()
             self._show_rows(final=True)
         if self.dashboard is not None:
             self.dashboard.close()
