@@ -7,8 +7,9 @@
 # Parts: one (a world of one against the plain loop, the default thread share),
 # threads (the same at 1, 2, 4 and 8 threads), two (digits on 2 ranks: cadence, sync,
 # async, DDP), slow (rank 1 made 2x slower), charrnn, policies (a world of one under
-# other thread policies: 14 and 8 threads, OMP_WAIT_POLICY=PASSIVE; bench worker). Dependencies as in gpu_suite.sh
-# (.gpu/wheels, .gpu/bin on a host without internet). REPEATS=N (default 3) runs of each.
+# other thread policies: 14 and 8 threads, OMP_WAIT_POLICY=PASSIVE; bench worker).
+# Dependencies as in gpu_suite.sh (.gpu/wheels, .gpu/bin on a host without internet).
+# REPEATS=N (default 3) runs of each.
 set -uo pipefail
 
 out="${1:-cpu-suite-$(date -u +%Y%m%dT%H%M%S)}"

@@ -268,7 +268,7 @@ def test_a_rank_process_sees_torchruns_variables_takes_its_cores_and_trains_a_to
     env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", FLODL_TEST_SEEN=str(seen_path))
     if launcher_threads is not None:
         # torch is told the launcher's count: from the environment alone it took MKL's
-        # (at most the cores), and its pool churned threads on a large host (issue 27).
+        # own (at most the cores), not the count the baselines give torch (issue 27).
         env["OMP_NUM_THREADS"] = str(launcher_threads)
     env["FLODL_DATA_WORKERS"] = "2"
     secret = new_secret()
