@@ -104,13 +104,21 @@ class AgentRankBus:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.connect(self.path)
-                break
+                # The hello is part of the attempt: a connection the dying agent's
+                # listener still took is closed under it (a broken pipe), and that must
+                # be retried like a refused connect, not end the receiving thread.
+                self._hello(sock)
+                return
             except OSError as exc:
                 sock.close()
                 if time.monotonic() >= deadline:
                     raise BusLost(f"host agent at {self.path} unreachable: {exc}") from None
                 self._stop.wait(delay)
                 delay = min(delay * 2, 0.2)
+
+    def _hello(self, sock: socket.socket) -> None:
+        """Say where this rank has read, send every unacked upstream frame again, in
+        order, and make ``sock`` the connection."""
         with self._send_lock:
             frames.send(
                 sock,
