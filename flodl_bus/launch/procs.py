@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flodl_bus.worker.host import thread_share, usable_cores
+from flodl_bus.worker.host import launcher_threads, thread_share, usable_cores
 
 
 @dataclass(frozen=True)
@@ -138,8 +138,7 @@ def threads_per_worker(
     env = {} if env is None else env
     share = thread_share({**env, "LOCAL_WORLD_SIZE": str(max(1, workers))}, cores)
     if share is None:  # the caller's OMP_NUM_THREADS
-        omp = env.get("OMP_NUM_THREADS", "").strip()
-        return int(omp) if omp.isdigit() and int(omp) > 0 else 1
+        return launcher_threads(env) or 1
     return share
 
 

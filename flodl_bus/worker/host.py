@@ -73,8 +73,13 @@ def torch_threads(env: Mapping[str, str], cores: int) -> int:
     share = thread_share(env, cores)
     if share is not None:
         return share
+    return launcher_threads(env) or max(1, cores)
+
+
+def launcher_threads(env: Mapping[str, str]) -> int | None:
+    """The launcher's ``OMP_NUM_THREADS``, or None when it set no usable count."""
     omp = env.get("OMP_NUM_THREADS", "").strip()
-    return int(omp) if omp.isdigit() and int(omp) > 0 else max(1, cores)
+    return int(omp) if omp.isdigit() and int(omp) > 0 else None
 
 
 def thread_share(env: Mapping[str, str], cores: int) -> int | None:
