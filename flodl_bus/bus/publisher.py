@@ -97,6 +97,8 @@ class _Publisher:
         self._blocked_since: float | None = None
         #: the publisher thread's own connection (redis-py's ``Connection``; untyped there)
         self._conn: Any = None
+        #: the stream's top read under the watch that connection holds (``_commit``)
+        self._armed: EntryId | None = None
         self._thread = threading.Thread(
             target=self._run, name=f"flodl-bus-publisher-{rank}", daemon=True
         )
@@ -131,7 +133,7 @@ class _Publisher:
         self.link.close()
         self._thread.join(1.0)
         if self._conn is not None and not self._thread.is_alive():
-            self.client.connection_pool.release(self._conn)
+            self._conn.disconnect()
             self._conn = None
 
     def _run(self) -> None:
@@ -225,30 +227,33 @@ class _Publisher:
         behind it (which would break the rank's send order). Ids are chosen after the
         stream's top is read under WATCH, so the XADDs cannot be refused.
 
-        Two round trips on a connection of our own, the commands packed and the replies
-        read raw (WATCH + XINFO, then MULTI, the XADDs, EXEC): redis-py's transaction
-        pipeline did the same in three, with most of the publisher's time on the GIL
-        spent building its objects (``bench worker``). Any error leaves the connection
-        mid-transaction, so it is dropped and ``Link`` retries on a fresh one."""
+        One round trip a batch, on a connection of our own, the commands packed and the
+        replies read raw: after its EXEC every transaction arms the next one (WATCH and
+        the top, in the same write), so a batch sends MULTI, its XADDs, EXEC and the next
+        WATCH + XINFO, and reads their replies once. The watch is held between batches:
+        whatever writes or trims the stream meanwhile makes the next EXEC answer nil,
+        and that batch is renumbered above the top read after it. Neither the
+        coordinator's XREADGROUP nor its XACK fires the watch (only a change to the
+        stream does). Every round trip is a GIL hand-over the training thread pays for
+        (issue 27): the transaction took two a batch, redis-py's pipeline three. Any
+        error leaves the connection mid-transaction, so it is dropped and ``Link``
+        retries on a fresh one, which is armed first."""
         if retry and self._tried is not None and landed(self.client, self.stream, *self._tried):
             return  # the lost reply was of a transaction that ran
         conn = self._connection()
         stream = self.stream
+        arm = (("WATCH", stream), ("XINFO", "STREAM", stream))
         try:
+            top = self._armed
+            self._armed = None
+            if top is None:
+                conn.send_packed_command(conn.pack_commands(arm))
+                top = self._read_arm(conn)
             while True:
-                conn.send_packed_command(
-                    conn.pack_commands([("WATCH", stream), ("XINFO", "STREAM", stream)])
-                )
-                conn.read_response()
-                try:
-                    top = _top_of(conn.read_response())
-                except redis.exceptions.ResponseError as exc:
-                    if "no such key" not in str(exc).lower():
-                        raise
-                    top = ZERO
                 if not self._follow(top):
-                    conn.send_packed_command(conn.pack_command("UNWATCH"))
+                    conn.send_packed_command(conn.pack_commands((("UNWATCH",), *arm)))
                     conn.read_response()
+                    top = self._read_arm(conn)
                     continue
                 now = _now_ms()
                 maxlen = str(self.config.maxlen)
@@ -262,25 +267,48 @@ class _Publisher:
                     for k, v in fields.items():
                         args += (k, v)
                     commands.append(tuple(args))
-                commands.append(("EXEC",))
+                commands += (("EXEC",), *arm)
                 conn.send_packed_command(conn.pack_commands(commands))
                 # MULTI's OK, then QUEUED per XADD: a command refused while queuing (OOM)
                 # raises here, EXEC refused whole (EXECABORT) raises below: both are
                 # weather to ``Link``, and nothing of the batch ran.
                 for _ in range(len(batch) + 1):
                     conn.read_response()
-                if conn.read_response() is not None:
+                done = conn.read_response() is not None
+                # The next WATCH was queued behind EXEC: read it in either case, so the
+                # connection is armed with the top as it stands after this EXEC.
+                top = self._read_arm(conn)
+                if done:
+                    self._armed = top
                     return
-                # EXEC answered nil: the stream was written between WATCH and EXEC
-                # (nothing of ours landed). Read the top again and renumber.
+                # EXEC answered nil: the stream was written or trimmed since the watch
+                # (nothing of ours landed). Renumber above the top read after it.
         except BaseException:
+            self._armed = None
             conn.disconnect()
             raise
 
+    @staticmethod
+    def _read_arm(conn: Any) -> EntryId:
+        """The replies of WATCH and XINFO STREAM: the stream's top (ZERO: no stream)."""
+        conn.read_response()
+        try:
+            return _top_of(conn.read_response())
+        except redis.exceptions.ResponseError as exc:
+            if "no such key" not in str(exc).lower():
+                raise
+            return ZERO
+
     def _connection(self) -> Any:
-        """The publisher thread's own connection (WATCH state is per connection)."""
+        """The publisher thread's own connection (WATCH state is per connection).
+
+        Made by the pool but never lent to it: ``pool.disconnect()`` from another
+        thread (the reader's ``Link`` after a MOVED) would drop the socket that holds
+        the armed watch, and redis-py reconnects on the next send without a word, so an
+        EXEC would run unwatched. Only this thread closes it (``_commit`` after any
+        error, which disarms; ``close`` once the thread is gone)."""
         if self._conn is None:
-            self._conn = self.client.connection_pool.get_connection()
+            self._conn = self.client.connection_pool.make_connection()
         return self._conn
 
     def _follow(self, top: EntryId) -> bool:

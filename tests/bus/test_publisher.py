@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from flodl_bus.bus.api import Delivery
+from flodl_bus.bus.ids import parse_id
+from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from tests.bus.conftest import CK, FAST, RK, Backend
@@ -90,6 +93,94 @@ def test_with_no_linger_every_report_is_written_as_it_comes(backend: Backend) ->
         rank.publish(_batch(1))
         got = collect_up(coord, 1, timeout=20.0)
         assert [d.msg.step_count for d in got if isinstance(d.msg, m.Batch)] == [1]
+    finally:
+        rank.close()
+        coord.close()
+
+
+def _urgent_batch(rank: RedisRankBus, first: int, n: int) -> None:
+    """``n`` step reports and a plan's end: one transaction, written at once."""
+    for i in range(first, first + n):
+        rank.publish(_batch(i))
+    rank.publish(_metrics())
+    assert rank.flush(10.0)
+
+
+def _steps(got: list[Delivery]) -> list[int]:
+    return [d.msg.step_count for d in got if isinstance(d.msg, m.Batch)]
+
+
+def test_a_foreign_entry_between_two_batches_lifts_the_next_one_whole_above_it(
+    backend: Backend,
+) -> None:
+    """Between batches the publisher's connection holds the next batch's WATCH and the
+    top it read: an entry written meanwhile must abort that EXEC, and the batch goes
+    whole, in order, above the foreign top. The reader's ``Link`` disconnecting the
+    client's pool (after a MOVED) in between must not drop that watch: redis-py would
+    reconnect without it, and the XADDs under the foreign top would be refused one by
+    one inside an EXEC that still answers."""
+    client = backend.make()
+    rank = RedisRankBus(client, "armed-foreign", 0, RK(0), config=LONG)
+    coord = RedisCoordinatorBus(backend.make(), "armed-foreign", CK, ranks=[0], config=FAST)
+    up = RunKeys("armed-foreign").up(0)
+    try:
+        _urgent_batch(rank, 1, 3)
+        assert _steps(collect_up(coord, 4)) == [1, 2, 3]
+        client.connection_pool.disconnect()
+        ahead = f"{int(time.time() * 1000) + 3000}-0"
+        backend.admin.xadd(up, {"junk": "x"}, id=ahead)
+        _urgent_batch(rank, 4, 3)
+        assert _steps(collect_up(coord, 4)) == [4, 5, 6]
+        ids = [parse_id(raw) for raw, _ in backend.admin.xrange(up)]
+        foreign = ids.index(parse_id(ahead))
+        assert len(ids) == 9 and foreign == 4, ids  # 4 entries of ours below, 4 above
+        assert ids == sorted(ids)
+    finally:
+        rank.close()
+        coord.close()
+
+
+def test_a_trim_between_two_batches_costs_a_renumbering_not_an_entry(backend: Backend) -> None:
+    """The coordinator's trim pass changes the stream under the armed watch: the next
+    EXEC answers nil and the batch is written again above the top read after it."""
+    rank, coord = _pair(backend, "armed-trim")
+    up = RunKeys("armed-trim").up(0)
+    try:
+        _urgent_batch(rank, 1, 2)
+        got = collect_up(coord, 3)
+        assert _steps(got) == [1, 2]
+        last = backend.admin.xrevrange(up, count=1)[0][0]
+        assert backend.admin.xtrim(up, minid=last, approximate=False) == 2
+        _urgent_batch(rank, 3, 2)
+        assert _steps(collect_up(coord, 3)) == [3, 4]
+        assert len(backend.admin.xrange(up)) == 4
+    finally:
+        rank.close()
+        coord.close()
+
+
+def test_once_armed_a_batch_costs_the_publisher_one_write_to_redis(backend: Backend) -> None:
+    """Every round trip wakes the publisher and hands it the GIL, which the training
+    thread pays for (issue 27): after the first batch, which arms the connection, a
+    batch is one packed write (its MULTI, XADDs and EXEC, and the next batch's WATCH and
+    top)."""
+    rank, coord = _pair(backend, "armed-writes")
+    try:
+        _urgent_batch(rank, 1, 2)
+        publisher = rank._publisher
+        conn = publisher._conn
+        sends: list[int] = []
+        original = conn.send_packed_command
+
+        def counted(command: object, check_health: bool = True) -> None:
+            sends.append(1)
+            original(command, check_health)
+
+        conn.send_packed_command = counted
+        for first in range(3, 3 + 5 * 2, 2):
+            _urgent_batch(rank, first, 2)
+        assert len(sends) == 5
+        assert _steps(collect_up(coord, 18)) == list(range(1, 13))
     finally:
         rank.close()
         coord.close()
