@@ -32,7 +32,9 @@ F_RANK: Final = b"rank"
 F_SEQ: Final = b"seq"
 F_BODY: Final = b"body"
 F_MAC: Final = b"mac"
-FIELDS: Final = frozenset((F_TYPE, F_RANK, F_SEQ, F_BODY, F_MAC))
+#: an entry's fields in the order ``sign`` gives them (and redis-cli shows them)
+FIELD_ORDER: Final = (F_TYPE, F_RANK, F_SEQ, F_BODY, F_MAC)
+FIELDS: Final = frozenset(FIELD_ORDER)
 
 MAX_BODY_BYTES: Final = wire.MAX_BODY_BYTES
 #: A join message (Hello, Assign, Reject) is a few short strings: a worker id, a host, a
