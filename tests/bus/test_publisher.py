@@ -127,7 +127,7 @@ def test_a_foreign_entry_between_two_batches_lifts_the_next_one_whole_above_it(
         _urgent_batch(rank, 1, 3)
         assert _steps(collect_up(coord, 4)) == [1, 2, 3]
         client.connection_pool.disconnect()
-        ahead = f"{int(time.time() * 1000) + 3000}-0"
+        ahead = f"{int(time.time() * 1000) + 60_000}-0"  # ahead of any id of ours in the test
         backend.admin.xadd(up, {"junk": "x"}, id=ahead)
         _urgent_batch(rank, 4, 3)
         assert _steps(collect_up(coord, 4)) == [4, 5, 6]
