@@ -37,6 +37,8 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "plans_with_request": False,
     "epoch_overlap": False,
     "cpu_bridges": False,
+    "partition_tail_holds_gate": False,
+    "final_round_saves_graceful": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -182,6 +184,14 @@ class CoordinatorConfig:
     #: (``--overlap-rounds``; ``--bridges false`` or ``--overlap-rounds false`` turn it
     #: off). Off for records made before it (issue 27)
     cpu_bridges: bool = True
+    #: a fixed partition (sync modes) spares a rank done with its share at the gate
+    #: only where the tail cannot go on without a round (lockstep, a throttled rank):
+    #: the tail then trains without rounds of a few steps each, as flodl's (issue 27).
+    #: Not a setting: off only to replay records made before it
+    partition_tail_holds_gate: bool = True
+    #: the end of a run's last round is saved as the graceful shutdown's save (its
+    #: meta's reason), not as a mid-run checkpoint. Off for records made before it
+    final_round_saves_graceful: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

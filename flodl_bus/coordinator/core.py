@@ -332,7 +332,7 @@ class Coordinator:
             need = 1 if sync else counts[r]
             if s >= need:
                 continue
-            if self.dispatch.quiesced(r):
+            if self.dispatch.spares_gate(r):
                 continue
             return False, f"rank {r} at {s}/{need} steps"
         if max(compress(steps, alive), default=0) <= 0:
@@ -482,8 +482,12 @@ class Coordinator:
             # A world of one closes its last window too (no round: its global step).
             if (len(alive) >= 2 or self.solo) and trailing:
                 # Final consensus reduce, while idle ranks still service control.
+                # Its consensus is saved by ``checkpoints.final`` once it closed, as a
+                # graceful shutdown's (not as a mid-run checkpoint) whether or not the
+                # end had a window left to close.
                 if self.reduce.settled() and self.reduce.window_ready(now, self.ledger):
-                    self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled
+                    if not self.config.final_round_saves_graceful:
+                        self.checkpoints.due = self.checkpoints.due or self.checkpoints.enabled
                     self._trigger(now, out)
                 return
             if self.config.final_eval and self.alive(self.roles.eval):

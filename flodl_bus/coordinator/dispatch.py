@@ -94,6 +94,11 @@ class Dispatch:
         """Nothing in flight and nothing this rank could be given in its epoch (§4.5)."""
         raise NotImplementedError
 
+    def spares_gate(self, r: int) -> bool:
+        """Rank ``r``, short of its window's steps, does not hold the gate shut: it is
+        quiesced (an idle tail rank cannot block, §4.5)."""
+        return self.quiesced(r)
+
     def current_epoch(self) -> int:
         raise NotImplementedError
 

@@ -35,6 +35,8 @@ class _Reduce(Protocol):
 
     @property
     def in_flight(self) -> bool: ...
+    @property
+    def throttled(self) -> Sequence[bool]: ...
     def window_waits(self, window: Ledger) -> bool: ...
 
 
@@ -76,9 +78,24 @@ class PartitionDispatch(Dispatch):
         return [sum(s for _, s in sent) if sent else 0 for sent in self.sent]
 
     def quiesced(self, r: int) -> bool:
-        # flodl applies this to pools only: a rank that finished its epoch share would
-        # otherwise hold the gate, and any Throttle, until the epoch ends.
         return not self.sent[r] and not self.queued[r]
+
+    def spares_gate(self, r: int) -> bool:
+        # flodl spares quiesced ranks under pools only: a rank done with its epoch share
+        # holds the gate until the epoch ends, and the ranks still working finish their
+        # tail without rounds. Each such round would average their few steps with a
+        # model that took none, and hold them (a sync round throttles) for 5-6 ms: at an
+        # epoch's end of cpu-sync digits, three or four rounds of 0-4 steps (issue 27).
+        # Spared where the tail cannot go on without a round: lockstep withholds the
+        # next batch until the window is averaged, and a throttled rank waits for the
+        # Update that releases it.
+        if not self.quiesced(r):
+            return False
+        core = self.core
+        if core.config.lockstep or not core.config.partition_tail_holds_gate:
+            return True
+        throttled = core.reduce.throttled
+        return any(throttled[s] for s in range(core.ws) if core.alive(s))
 
     def current_epoch(self) -> int:
         return max(self.epoch, 0)

@@ -106,6 +106,50 @@ def test_quiesced_zero_step_tail_rank_does_not_block_reduce() -> None:
     assert core.should_average()
 
 
+def _round(core: Coordinator, now: float) -> None:
+    """One cpu round: the trigger, every rank's bridge ack, the Update."""
+    assert types(core.tick(now))[-2:] == ["Throttle", "RequestParams"]
+    for r in range(core.ws):
+        core.handle(r, m.SyncAck(r, 0), now)
+    assert msgs(core.tick(now), m.WireUpdate)
+
+
+def test_fixed_partition_rank_done_with_its_share_holds_the_gate_for_the_tail() -> None:
+    # flodl's non-progressive gate: the rank still working trains its tail without
+    # rounds that would average its few steps with a model that took none.
+    core, out = started("cpu-sync", total=20, num_epochs=2)
+    assert plans(out) == {0: m.EpochPlan(0, 0, 10), 1: m.EpochPlan(0, 10, 10)}
+    feed(core, 0, 10)
+    core.handle(0, metrics(0, 0, 10), 0.0)
+    feed(core, 1, 1)
+    _round(core, 0.01)
+    assert core.dispatch.quiesced(0)
+    feed(core, 1, 3)
+    assert core.gate() == (False, "rank 0 at 0/1 steps")
+    assert not msgs(core.tick(0.02), m.RequestParams)
+    feed(core, 1, 6)
+    out = core.handle(1, metrics(1, 0, 10), 0.03)
+    out += core.tick(0.03)
+    assert not msgs(out, m.RequestParams)
+    assert set(plans(out)) == {0, 1}  # the next epoch, the tail's 9 steps not averaged yet
+    feed(core, 0, 1)
+    assert core.ledger.steps == [1, 9]
+    assert core.should_average()
+
+
+def test_fixed_partition_spares_a_done_rank_when_a_throttled_rank_waits_for_a_round() -> None:
+    core, _ = started("cpu-sync", total=20, max_batch_diff=0)
+    feed(core, 0, 10)  # its share trained; its end-of-share report is still on the way
+    feed(core, 1, 1)
+    _round(core, 0.01)
+    feed(core, 1, 2)
+    held = core.tick(0.02)
+    assert [o.rank for o in msgs(held, m.Throttle)] == [1]
+    core.handle(0, metrics(0, 0, 10), 0.03)
+    # rank 1 waits for the Update that releases it: rank 0's empty window cannot hold it
+    assert core.should_average(), core.gate()
+
+
 def test_slot_zero_final_window_rank_does_not_block_the_gate() -> None:
     # the gate's rule alone: a bridge would feed rank 2
     core = make("nccl-cadence", ws=3, total=18, anchor=1, bridge_idle=False)
