@@ -211,7 +211,9 @@ KNOBS: tuple[Knob, ...] = (
         False,
         "deterministic schedule (sync modes): every rank gets one batch per window and "
         "the next only after that window's average, so two runs, or a run and its "
-        "resume, train bit for bit alike; slower (a round trip per step)",
+        "resume, train bit for bit alike; slower (a round trip per step); the ranks "
+        "then keep their thread share instead of sizing it to the work",
+        True,
         metavar="BOOL",
     ),
     Knob(

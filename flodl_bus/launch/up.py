@@ -80,6 +80,7 @@ from flodl_bus.record.chain import raw_lines
 from flodl_bus.record.dispatch import fresh_run_dir
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
+from flodl_bus.worker.host import ENV_TUNE, tunes_threads
 
 #: how long ranks may take to exit on their own once the coordinator is done
 WORKER_EXIT_GRACE_S = 10.0
@@ -252,6 +253,9 @@ class Launcher:
         # handed it between now and rank 0's bind (EADDRINUSE under load).
         base_env.setdefault("MASTER_PORT", str(free_fixed_port()))
         threads = threads_per_worker(args.workers, env=os.environ)
+        # The split above is a default unless the caller asked for a count: each rank
+        # then sizes its threads to the work from it (``worker.threads``).
+        tune = {ENV_TUNE: "1" if tunes_threads(os.environ) else "0"}
         # The supervisor pipe: only the coordinator inherits its read end (pipes are
         # not inheritable by default; pass_fds makes this one so for that child alone).
         read_end, self._supervisor_w = os.pipe()
@@ -278,6 +282,7 @@ class Launcher:
                     worker_argv(args, self.run, r, self.run_dir),
                     {
                         **thread_env(base_env, threads),
+                        **tune,
                         **worker_env(args, self.run, r, self.run_dir),
                         # Every rank of ``up`` is on this host, rank r of the workers: a
                         # LOCAL_* inherited from the caller's environment (a shell under

@@ -64,7 +64,7 @@ from flodl_bus.protocol.messages import (
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 from flodl_bus.worker.device_spec import hello_spec_score
 from flodl_bus.worker.feed import FeedOptions
-from flodl_bus.worker.host import rank_env, thread_share
+from flodl_bus.worker.host import rank_env, thread_share, tunes_threads
 from flodl_bus.worker.options import (
     DEFAULT_JOB,
     DEFAULT_MODE,
@@ -199,6 +199,7 @@ def _check_data_env() -> None:
         FeedOptions.from_env()
         rank_env(0, 1, os.environ)
         thread_share(os.environ, 1)
+        tunes_threads(os.environ)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -520,6 +521,8 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
         # meanwhile would be overwritten
         plans_wait_for_update=mode == "cpu-cadence" and not _overlaps_rounds(mode, knobs),
         user_group=user_group,
+        # lockstep promises a repeatable run: its threads are not chosen by timing
+        tune_threads=not knobs["lockstep"],
     )
     return Joined(job=job, bus=bus, options=options, factory=factory, client=client)
 

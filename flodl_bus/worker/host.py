@@ -19,6 +19,11 @@ Redis, a rank's reader and publisher, the launcher) takes a core from one of the
 every region then waits for that thread to be scheduled again: on a 16-core host a world
 of one ran its first steps at 44 ms instead of 2 (issue 27). The control plane's work is
 small but it must find a core when it wakes.
+
+The share is where a rank starts: at the default (no ``FLODL_NUM_THREADS``, no launcher's
+``OMP_NUM_THREADS``, or a launcher that says its split is only the default with
+``FLODL_TUNE_THREADS=1``, as ``up`` does) a CPU rank then sizes its threads to the work
+over its first steps (``worker.threads``); ``FLODL_TUNE_THREADS=0`` keeps the share.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Final
 
+#: ``1``: the rank sizes its threads to the work (``worker.threads``) although a launcher
+#: set ``OMP_NUM_THREADS`` (its default split); ``0``: never; unset: only at the default
+ENV_TUNE: Final = "FLODL_TUNE_THREADS"
 #: Cores left to the control plane (see the module's docstring) ...
 CONTROL_CORES: Final = 1
 #: ... on hosts with at least this many: on fewer, the ranks need every core they have.
@@ -96,3 +104,17 @@ def thread_share(env: Mapping[str, str], cores: int) -> int | None:
         raise ValueError(f"LOCAL_WORLD_SIZE={local_world!r}: use a count of ranks of 1 or more")
     usable = cores - CONTROL_CORES if cores >= RESERVE_FROM else cores
     return max(1, usable // int(local_world))
+
+
+def tunes_threads(env: Mapping[str, str]) -> bool:
+    """Whether a rank sizes its threads to the work (``worker.threads``): never with
+    ``FLODL_NUM_THREADS`` (a count asked for is kept); else as ``FLODL_TUNE_THREADS``
+    says; else only where no launcher set ``OMP_NUM_THREADS``."""
+    if env.get("FLODL_NUM_THREADS", "").strip():
+        return False
+    flag = env.get(ENV_TUNE, "").strip()
+    if flag:
+        if flag not in ("0", "1"):
+            raise ValueError(f"{ENV_TUNE}={flag!r}: use 1 (size threads to the work) or 0")
+        return flag == "1"
+    return not env.get("OMP_NUM_THREADS", "").strip()

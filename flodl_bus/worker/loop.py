@@ -37,6 +37,7 @@ from flodl_bus.worker.control import Dispatched, WorkerControl, acts_at_teardown
 from flodl_bus.worker.feed import Feed, FeedOptions, make_feed
 from flodl_bus.worker.inbox import Closed, Inbox
 from flodl_bus.worker.resources import sample as sample_resources
+from flodl_bus.worker.threads import ThreadTuner
 
 _log = structlog.get_logger("flodl_bus.worker")
 
@@ -126,6 +127,8 @@ class RankLoop:
         observer: CoreObserver | None = None,
         failure_of: Callable[[], str | None] | None = None,
         on_dispatched: Callable[[ControlMsg], None] | None = None,
+        threads: ThreadTuner | None = None,
+        on_threads: Callable[[ThreadTuner], None] | None = None,
     ) -> None:
         self.job = job
         self.control = control
@@ -164,6 +167,11 @@ class RankLoop:
         #: told of every control message after the core took it (the job's result
         #: hooks, ``worker.hooks``)
         self.on_dispatched = on_dispatched
+        #: sizes torch's threads over the first steps (``worker.threads``); None once
+        #: settled, or where the count is the one asked for
+        self.threads = threads if threads is None or not threads.done else None
+        #: told once the count is settled
+        self.on_threads = on_threads
         #: why the rank leaves mid-run (an ``Exiting`` reason, see ``protocol.leaving``);
         #: None while nothing failed
         self.failure: str | None = None
@@ -315,6 +323,8 @@ class RankLoop:
         """One batch of the plan is trained: tell the core, send its Batch (and LR), then
         service what control came meanwhile. True means stop."""
         tally.add(loss_value, data_ms, compute_ms)
+        if self.threads is not None:
+            self._size_threads(self.threads, compute_ms + data_ms)
         control, obs, publish = self.control, self.observer, self.publish
         if obs is not None:
             obs.before()
@@ -325,6 +335,18 @@ class RankLoop:
         if lr_msg is not None:
             publish(lr_msg)
         return self.handle_control()
+
+    def _size_threads(self, tuner: ThreadTuner, step_ms: float) -> None:
+        count = tuner.observe(step_ms)
+        if count is not None:
+            torch.set_num_threads(count)
+        if tuner.done:
+            self.threads = None
+            _log.info(
+                "torch_threads_sized", rank=self.rank, chosen=tuner.chosen, medians=tuner.medians
+            )
+            if self.on_threads is not None:
+                self.on_threads(tuner)
 
     def close_plan(self, tally: PlanTally) -> None:
         """The plan is trained: its MetricsMsg, which tells the coordinator it is done."""

@@ -26,7 +26,7 @@ from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.hooks import JobHooks, bind_intent_sink, unbind_intent_sink
-from flodl_bus.worker.host import set_rank_env, torch_threads, usable_cores
+from flodl_bus.worker.host import set_rank_env, torch_threads, tunes_threads, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
@@ -39,6 +39,7 @@ from flodl_bus.worker.model_port import (
 from flodl_bus.worker.ports import ModelPort
 from flodl_bus.worker.resume import restore_model, restore_rank_state, save_rank_state
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig, heartbeats_meanwhile
+from flodl_bus.worker.threads import ThreadTuner
 
 #: Builds the param plane for a rank: (model, inject into the control queue, publish).
 ParamsFactory = Callable[
@@ -83,6 +84,9 @@ class RankOptions:
     feed: FeedOptions | None = None
     #: torch threads of this rank; None: its share of the host (``worker.host``)
     threads: int | None = None
+    #: a CPU rank at its default share sizes its threads to the work over its first
+    #: steps (``worker.threads``); False keeps the share (lockstep: a repeatable run)
+    tune_threads: bool = True
     #: the save stem this run resumes from: the rank loads the consensus from
     #: ``<stem>.model.pt`` and its optimizer, outer optimizer and random state from
     #: ``<stem>.rank<r>.state.pt``; one that does not fit exits ``CONFIG``
@@ -114,6 +118,10 @@ def _checkpoint_fn(job: Job, save_path: str | None) -> CheckpointFn | None:
     if user_fn is not None:
         return lambda version, model: call_job("checkpoint_fn", user_fn, version, model)
     return checkpoint_to(save_path) if save_path else None
+
+
+def _threads_said(rank: int, announce: Callable[[str], None]) -> Callable[[ThreadTuner], None]:
+    return lambda tuner: announce(f"rank {rank}: {tuner.describe()}")
 
 
 def run_rank(
@@ -197,7 +205,8 @@ class RankSession:
         job, bus, options, rank = self.job, self.bus, self.options, self.rank
         # Before any of the job's code runs: it may read them (torchrun's convention).
         set_rank_env(rank, options.world_size)
-        torch.set_num_threads(options.threads or torch_threads(os.environ, usable_cores()))
+        threads = options.threads or torch_threads(os.environ, usable_cores())
+        torch.set_num_threads(threads)
         feed_options = options.feed if options.feed is not None else FeedOptions.from_env()
         torch.manual_seed(job.seed)
         device = torch.device(options.device)
@@ -321,6 +330,8 @@ class RankSession:
             # The cpu averaging thread's failure (no caller to raise to); read at teardown.
             failure_of=lambda: getattr(params, "failure", None),
             on_dispatched=hooks.dispatched if hooks.wanted else None,
+            threads=self._thread_tuner(threads, device),
+            on_threads=None if options.announce is None else _threads_said(rank, options.announce),
         )
         runtime = RankRuntime(
             bus=bus,
@@ -345,6 +356,21 @@ class RankSession:
         # The job's request_eval/request_checkpoint, called on this (the training) thread.
         bind_intent_sink(rank, bus.publish)
         return None
+
+    def _thread_tuner(self, share: int, device: torch.device) -> ThreadTuner | None:
+        """A CPU rank at its default share sizes its threads to the work; a count asked
+        for (``threads``, ``FLODL_NUM_THREADS``, a launcher's own split) is kept, and so
+        is a lockstep run's (its steps must not depend on timing)."""
+        options = self.options
+        if (
+            options.threads is not None
+            or not options.tune_threads
+            or device.type != "cpu"
+            or not tunes_threads(os.environ)
+            or share <= 1
+        ):
+            return None
+        return ThreadTuner(share)
 
     def _explained(self, exc: JobError) -> JobError:
         """A job that makes the default group itself, beside the one the bus made: the

@@ -31,6 +31,25 @@ def test_bad_configuration_exits_2_naming_the_fix_and_starts_nothing(
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        ("FLODL_NUM_THREADS", "many", "FLODL_NUM_THREADS='many': use a thread count"),
+        ("FLODL_TUNE_THREADS", "yes", "FLODL_TUNE_THREADS='yes': use 1"),
+    ],
+)
+def test_a_thread_setting_every_rank_would_refuse_exits_2_in_one_line_and_starts_nothing(
+    var: str, value: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(var, value)
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_job_reference_is_checked_without_importing_it() -> None:
     assert check_job_ref("flodl_bus.examples.charrnn:job") is None
     assert check_job_ref("flodl_bus.nothing_here:job") is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flodl_bus.worker.host import rank_env, set_rank_env, thread_share, torch_threads
+from flodl_bus.worker.host import rank_env, set_rank_env, thread_share, torch_threads, tunes_threads
 
 
 def test_a_rank_on_one_host_is_its_own_local_rank() -> None:
@@ -63,6 +63,22 @@ def test_a_rank_sets_torchs_threads_itself_even_where_the_launcher_split_the_cor
     assert torch_threads({"LOCAL_WORLD_SIZE": "2"}, 16) == 7
     assert torch_threads({"FLODL_NUM_THREADS": "5", "OMP_NUM_THREADS": "3"}, 16) == 5
     assert torch_threads({"OMP_NUM_THREADS": "junk"}, 6) == 6
+
+
+def test_only_a_default_share_is_sized_to_the_work() -> None:
+    assert tunes_threads({}) is True
+    assert tunes_threads({"LOCAL_WORLD_SIZE": "2"}) is True
+    # a count asked for is kept, whatever else says
+    assert tunes_threads({"FLODL_NUM_THREADS": "4", "FLODL_TUNE_THREADS": "1"}) is False
+    # a launcher's own split is kept, unless it says the split is its default (``up``)
+    assert tunes_threads({"OMP_NUM_THREADS": "3"}) is False
+    assert tunes_threads({"OMP_NUM_THREADS": "3", "FLODL_TUNE_THREADS": "1"}) is True
+    assert tunes_threads({"FLODL_TUNE_THREADS": "0"}) is False
+
+
+def test_a_bad_tuning_flag_is_refused_naming_it_and_its_values() -> None:
+    with pytest.raises(ValueError, match=r"FLODL_TUNE_THREADS='yes': use 1 .* or 0"):
+        tunes_threads({"FLODL_TUNE_THREADS": "yes"})
 
 
 @pytest.mark.parametrize(

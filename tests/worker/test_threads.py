@@ -1,0 +1,86 @@
+"""Sizing a rank's threads to the work (``worker.threads``): the sweep, the pick, and a
+real loop that ends its sweep at the count it kept."""
+
+from __future__ import annotations
+
+import torch
+
+from flodl_bus.protocol.messages import EpochPlan
+from flodl_bus.worker.threads import TIE, ThreadTuner, candidates, pick
+from tests.worker.test_loop import BS, make_rig
+
+
+def test_candidates_run_from_the_share_down_by_powers_of_two() -> None:
+    assert candidates(15) == [15, 8, 4, 2, 1]
+    assert candidates(8) == [8, 4, 2, 1]
+    assert candidates(7) == [7, 4, 2, 1]
+    assert candidates(2) == [2, 1]
+    assert candidates(1) == [1]
+
+
+def _sweep(tuner: ThreadTuner, ms_at: dict[int, float]) -> list[int]:
+    """Feeds the tuner the step time of whatever count it runs at; the counts it set."""
+    set_to: list[int] = []
+    while not tuner.done:
+        nxt = tuner.observe(ms_at[tuner.current])
+        if nxt is not None:
+            set_to.append(nxt)
+    return set_to
+
+
+def test_the_sweep_times_every_candidate_after_the_warm_up_and_keeps_the_fastest() -> None:
+    tuner = ThreadTuner(15, warm_steps=4, settle_steps=2, timed_steps=3)
+    ms_at = {15: 1.5, 8: 2.1, 4: 1.0, 2: 1.2, 1: 1.4}
+    assert _sweep(tuner, ms_at) == [8, 4, 2, 1, 4]
+    assert tuner.chosen == 4
+    assert tuner.medians == ms_at
+    assert "torch threads 4" in tuner.describe()
+    assert tuner.observe(9.9) is None  # settled: nothing more to set
+
+
+def test_a_count_timed_is_its_steps_median_so_one_stalled_step_does_not_rank_it() -> None:
+    tuner = ThreadTuner(2, warm_steps=0, settle_steps=0, timed_steps=3)
+    for ms in (0.5, 40.0, 0.5):  # 2 threads, one step stalled by a round
+        tuner.observe(ms)
+    for ms in (0.6, 0.6, 0.6):
+        tuner.observe(ms)
+    assert tuner.medians == {2: 0.5, 1: 0.6}
+    assert tuner.chosen == 2
+
+
+def test_warm_up_steps_are_never_timed() -> None:
+    tuner = ThreadTuner(2, warm_steps=5, settle_steps=0, timed_steps=2)
+    for _ in range(5):
+        assert tuner.observe(100.0) is None
+    assert tuner.medians == {}
+    tuner.observe(1.0)
+    assert tuner.observe(1.0) == 1
+    assert tuner.medians == {2: 1.0}
+
+
+def test_the_pick_takes_the_fewest_threads_within_the_tie_of_the_fastest() -> None:
+    assert pick({15: 1.00, 8: 1.00 * (1 + TIE / 2), 4: 1.5}) == 8
+    assert pick({15: 1.00, 8: 1.00 * (1 + 2 * TIE)}) == 15
+    assert pick({2: 0.9, 1: 0.9}) == 1
+
+
+def test_a_share_of_one_thread_has_nothing_to_size() -> None:
+    tuner = ThreadTuner(1)
+    assert tuner.done and tuner.chosen == 1
+    assert tuner.observe(1.0) is None
+
+
+def test_a_loop_with_a_tuner_trains_through_the_sweep_and_keeps_the_count_it_chose() -> None:
+    before = torch.get_num_threads()
+    said: list[ThreadTuner] = []
+    tuner = ThreadTuner(2, warm_steps=2, settle_steps=1, timed_steps=3)
+    rig = make_rig(threads=tuner, on_threads=said.append)
+    try:
+        assert rig.loop.run_epoch_plan(EpochPlan(0, 0, 12 * BS)) is False
+        assert tuner.done and set(tuner.medians) == {2, 1}
+        assert torch.get_num_threads() == tuner.chosen
+        assert said == [tuner]  # told once
+        assert rig.loop.threads is None
+        assert rig.control.local_step == 12  # every step of the sweep trained
+    finally:
+        torch.set_num_threads(before)
