@@ -34,6 +34,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -147,7 +148,28 @@ def _bus(
         "collectives": summary["syncs"],
         "evals": evals,
         **_shares(run_dir, args.workers),
+        "threads": _threads_kept(run_dir, args.workers),
     }
+
+
+#: a rank's console line once it sized its threads (``worker.threads``)
+_SIZED = re.compile(r"rank (\d+): torch threads (\d+) \(sized to the work")
+
+
+def _threads_kept(run_dir: Path, workers: int) -> list[int | None] | None:
+    """Per rank, the thread count it kept after sizing them to the work (its log); None
+    where no rank sized them (a count asked for, a GPU, lockstep)."""
+    kept: list[int | None] = [None] * workers
+    for log in run_dir.rglob("rank*.log"):
+        for m in _SIZED.finditer(log.read_text(errors="replace")):
+            rank = int(m.group(1))
+            if rank < workers:
+                kept[rank] = int(m.group(2))
+    return kept if any(k is not None for k in kept) else None
+
+
+def _counts(kept: list[int | None]) -> str:
+    return "/".join("-" if k is None else str(k) for k in kept)
 
 
 def _shares(run_dir: Path, workers: int) -> dict[str, list[float] | None]:
@@ -323,7 +345,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(
                 f"  run {rep + 1}/{args.repeats} {c:<18} train {r['wall']:7.2f} s  "
                 f"to target {'-' if tt is None else f'{tt[0]:.2f} s (epoch {tt[1]})'}  "
-                f"metric {r['metric']}",
+                f"metric {r['metric']}"
+                + (f"  threads {_counts(r['threads'])}" if r.get("threads") else ""),
                 flush=True,
             )
 

@@ -179,3 +179,20 @@ def test_a_second_bench_in_the_same_run_dir_reports_its_own_runs_not_the_earlier
         steps.append(json.loads(out.read_text())["runs"]["bus cpu-cadence"][0]["steps"])
     capsys.readouterr()
     assert steps[1] == 2 * steps[0] > 0
+
+
+def test_the_thread_count_each_rank_kept_is_read_from_what_it_said(tmp_path: Path) -> None:
+    from flodl_bus.bench.train import _threads_kept
+    from flodl_bus.worker.rank import _threads_said
+    from flodl_bus.worker.threads import ThreadTuner
+
+    tuner = ThreadTuner(2, warm_steps=0, settle_steps=0, timed_steps=1)
+    tuner.observe(2.0)
+    tuner.observe(1.0)
+    said: list[str] = []
+    _threads_said(1, said.append)(tuner)
+    (tmp_path / "rank1.log").write_text(f"flodl-bus worker: {said[0]}\n")
+    (tmp_path / "rank0.log").write_text("flodl-bus worker: rank 0: lr 0.001\n")
+    assert _threads_kept(tmp_path, 2) == [None, 1]
+    (tmp_path / "rank1.log").unlink()
+    assert _threads_kept(tmp_path, 2) is None
