@@ -9,7 +9,9 @@ took 13 ms at 7 threads each against 4 ms at 5 (issue 27). The right count depen
 model, the batch and the host, so the rank measures it: the first steps run at each
 candidate count in turn, and the rank keeps the one whose steps were fastest, the
 smallest of those within ``TIE`` of it (fewer threads leave more of the host to the
-control plane and the other ranks).
+control plane and the other ranks). A count ``STOP`` times slower than the best so far
+ends the sweep early: a model whose ops do split slows at each halving, and its long
+steps should not be spent at counts that are slower still.
 
 ``ThreadTuner`` is the decision alone (sans-IO): it is fed each step's time and says which
 count to set next; the training loop calls ``torch.set_num_threads``. The steps it times
@@ -38,6 +40,9 @@ SETTLE_STEPS: Final = 3
 TIMED_STEPS: Final = 8
 #: a count within this share of the fastest one counts as fast as it
 TIE: Final = 0.03
+#: a count this many times slower than the fastest so far ends the sweep: a model whose
+#: ops do split (compute-bound) slows at every halving, and its steps may be long
+STOP: Final = 1.5
 
 
 def candidates(share: int) -> list[int]:
@@ -101,14 +106,15 @@ class ThreadTuner:
         self._times.append(step_ms)
         if len(self._times) < self.timed_steps:
             return None
-        self.medians[self._order[self._at]] = statistics.median(self._times)
+        timed = self._order[self._at]
+        self.medians[timed] = median = statistics.median(self._times)
         self._times = []
         self._at += 1
-        if self._at < len(self._order):
+        if self._at < len(self._order) and median <= STOP * min(self.medians.values()):
             self._skip = self.settle_steps
             return self._order[self._at]
         self.chosen = pick(self.medians)
-        return self.chosen if self.chosen != self._order[-1] else None
+        return self.chosen if self.chosen != timed else None
 
     def describe(self) -> str:
         """One line for the rank's console: what was timed and what was kept."""

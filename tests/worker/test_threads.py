@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flodl_bus.protocol.messages import EpochPlan
-from flodl_bus.worker.threads import TIE, ThreadTuner, candidates, pick
+from flodl_bus.worker.threads import STOP, TIE, ThreadTuner, candidates, pick
 from tests.worker.test_loop import BS, make_rig
 
 
@@ -30,12 +30,21 @@ def _sweep(tuner: ThreadTuner, ms_at: dict[int, float]) -> list[int]:
 
 def test_the_sweep_times_every_candidate_after_the_warm_up_and_keeps_the_fastest() -> None:
     tuner = ThreadTuner(15, warm_steps=4, settle_steps=2, timed_steps=3)
-    ms_at = {15: 1.5, 8: 2.1, 4: 1.0, 2: 1.2, 1: 1.4}
+    ms_at = {15: 1.5, 8: 2.1, 4: 1.0, 2: 1.2, 1: 1.4}  # 8 slower, within STOP of 15
+    assert ms_at[8] <= STOP * ms_at[15]
     assert _sweep(tuner, ms_at) == [8, 4, 2, 1, 4]
     assert tuner.chosen == 4
     assert tuner.medians == ms_at
     assert "torch threads 4" in tuner.describe()
     assert tuner.observe(9.9) is None  # settled: nothing more to set
+
+
+def test_a_count_much_slower_than_the_best_ends_the_sweep_for_a_compute_bound_model() -> None:
+    tuner = ThreadTuner(15, warm_steps=0, settle_steps=0, timed_steps=2)
+    # each halving doubles the step: 4, 2 and 1 threads are never tried
+    assert _sweep(tuner, {15: 10.0, 8: 19.0, 4: 38.0, 2: 76.0, 1: 152.0}) == [8, 15]
+    assert tuner.medians == {15: 10.0, 8: 19.0}
+    assert tuner.chosen == 15
 
 
 def test_a_count_timed_is_its_steps_median_so_one_stalled_step_does_not_rank_it() -> None:
