@@ -218,7 +218,7 @@ def test_reader_processes_log_at_the_coordinators_console_level_on_stderr(
     )
     admin = connect(url)
     admin.xadd(keys.up(1), forged, id=f"{ms}-0")  # type: ignore[arg-type]
-    _prefill(url, keys, [0, 1], 3, first=1)
+    _prefill(url, keys, [0, 1], 3, first=1, after_ms=ms)
     assert len(_drain(coord, 6)) == 6
     # the dead-lettering is logged (an error) before its entry's successors are sent
     assert admin.xlen(keys.dlq) == 1
