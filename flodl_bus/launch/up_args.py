@@ -21,7 +21,7 @@ from flodl_bus.bus.keys import InvalidRunId, RunKeys
 from flodl_bus.coordinator.cli_args import ingest_procs_type
 from flodl_bus.launch.jobref import DEFAULT_JOB, check_job_ref
 from flodl_bus.options import LOG_LEVELS, OneLineParser, log_level
-from flodl_bus.worker.host import thread_share, tunes_threads
+from flodl_bus.worker.host import check_thread_env
 from flodl_bus.worker.options import ENV_WORKER_ARGV
 
 MODES = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
@@ -148,8 +148,7 @@ def check_args(args: argparse.Namespace, given: Sequence[str]) -> str | None:
     try:
         # What every rank would refuse (a thread count or policy it cannot read): said
         # once here, not as each rank's failure after everything started.
-        thread_share(os.environ, 1)
-        tunes_threads(os.environ)
+        check_thread_env(os.environ)
     except ValueError as exc:
         return str(exc)
     if args.epochs is not None and args.epochs < 1:

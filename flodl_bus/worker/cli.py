@@ -64,7 +64,7 @@ from flodl_bus.protocol.messages import (
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 from flodl_bus.worker.device_spec import hello_spec_score
 from flodl_bus.worker.feed import FeedOptions
-from flodl_bus.worker.host import rank_env, thread_share, tunes_threads
+from flodl_bus.worker.host import check_thread_env, rank_env
 from flodl_bus.worker.options import (
     DEFAULT_JOB,
     DEFAULT_MODE,
@@ -198,8 +198,7 @@ def _check_data_env() -> None:
     try:
         FeedOptions.from_env()
         rank_env(0, 1, os.environ)
-        thread_share(os.environ, 1)
-        tunes_threads(os.environ)
+        check_thread_env(os.environ)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

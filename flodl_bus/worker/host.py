@@ -118,3 +118,10 @@ def tunes_threads(env: Mapping[str, str]) -> bool:
             raise ValueError(f"{ENV_TUNE}={flag!r}: use 1 (size threads to the work) or 0")
         return flag == "1"
     return not env.get("OMP_NUM_THREADS", "").strip()
+
+
+def check_thread_env(env: Mapping[str, str]) -> None:
+    """Raise ``ValueError`` naming a thread setting a rank could not read (a launcher
+    says it once, before anything starts)."""
+    thread_share(env, 1)
+    tunes_threads(env)

@@ -169,7 +169,7 @@ class RankLoop:
         self.on_dispatched = on_dispatched
         #: sizes torch's threads over the first steps (``worker.threads``); None once
         #: settled, or where the count is the one asked for
-        self.threads = threads if threads is None or not threads.done else None
+        self.threads = threads if threads is not None and not threads.done else None
         #: told once the count is settled
         self.on_threads = on_threads
         #: why the rank leaves mid-run (an ``Exiting`` reason, see ``protocol.leaving``);

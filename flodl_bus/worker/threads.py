@@ -4,7 +4,7 @@ A rank's default share of the host's cores (``worker.host.thread_share``) is rig
 model whose ops are large enough to split, and wrong for one whose ops are not: a small
 model's parallel regions are a few microseconds of work each, their threads spin at
 every region's end, and on a 16-core host a world of one trained digits at 15 threads in
-1.50 s against 1.07 s at 4 (the plain loop 0.78 s at 15), two ranks' averaging rounds
+1.48 s against 1.04 s at 4 (the plain loop 0.78 s at 15), two ranks' averaging rounds
 took 13 ms at 7 threads each against 4 ms at 5 (issue 27). The right count depends on the
 model, the batch and the host, so the rank measures it: the first steps run at each
 candidate count in turn, and the rank keeps the one whose steps were fastest, the
@@ -28,7 +28,6 @@ repeatable bit for bit pins its threads (``FLODL_NUM_THREADS``, a launcher's
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -48,15 +47,8 @@ STOP: Final = 1.5
 def candidates(share: int) -> list[int]:
     """The counts tried, from the share down: the share, then the powers of two below it
     (15 -> 15, 8, 4, 2, 1)."""
-    out = [share]
-    p = 1
-    while p * 2 < share:
-        p *= 2
-    while p >= 1:
-        if p < share:
-            out.append(p)
-        p //= 2
-    return out
+    below = [1 << k for k in range(share.bit_length()) if 1 << k < share]
+    return [share, *reversed(below)]
 
 
 @dataclass
@@ -125,5 +117,4 @@ class ThreadTuner:
 def pick(medians: dict[int, float]) -> int:
     """The smallest count whose median is within ``TIE`` of the fastest."""
     best = min(medians.values())
-    near: Sequence[int] = [n for n, ms in medians.items() if ms <= best * (1.0 + TIE)]
-    return min(near)
+    return min(n for n, ms in medians.items() if ms <= best * (1.0 + TIE))

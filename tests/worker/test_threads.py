@@ -3,8 +3,13 @@ real loop that ends its sweep at the count it kept."""
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+from typing import Any
 
+import torch
+from torch import nn
+
+from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import EpochPlan
 from flodl_bus.worker.threads import STOP, TIE, ThreadTuner, candidates, pick
 from tests.worker.test_loop import BS, make_rig
@@ -81,12 +86,24 @@ def test_a_share_of_one_thread_has_nothing_to_size() -> None:
 
 def test_a_loop_with_a_tuner_trains_through_the_sweep_and_keeps_the_count_it_chose() -> None:
     before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the share the rank set before its first step
     said: list[ThreadTuner] = []
+    seen: list[int] = []  # the count each step's loss ran at
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return digits.job.loss_fn(model, batch)
+
     tuner = ThreadTuner(2, warm_steps=2, settle_steps=1, timed_steps=3)
-    rig = make_rig(threads=tuner, on_threads=said.append)
+    rig = make_rig(dataclasses.replace(digits.job, loss_fn=loss_fn), threads=tuner,
+                   on_threads=said.append)  # fmt: skip
     try:
         assert rig.loop.run_epoch_plan(EpochPlan(0, 0, 12 * BS)) is False
         assert tuner.done and set(tuner.medians) == {2, 1}
+        # the sweep really ran at each count: 2 for the warm-up and its timed steps, 1 for
+        # the rest of the sweep, then the count kept
+        assert seen[:5] == [2] * 5 and seen[5:9] == [1] * 4
+        assert seen[9:] == [tuner.chosen] * 3
         assert torch.get_num_threads() == tuner.chosen
         assert said == [tuner]  # told once
         assert rig.loop.threads is None
