@@ -82,6 +82,7 @@ def sample_messages() -> dict[str, object]:
         m.Checkpoint(version=9, target_rank=0),
         m.ExecuteEvalCallback(schedule_id=4, epoch=3, target_rank=1, adopt_consensus=True),
         m.ArmConsensusEval(schedule_id=4, epoch=3, target_rank=1),
+        m.ArmEpochEval(schedule_id=4, epoch=3, target_rank=1),
         m.SetEpochCallbackRole(rank=0),
         m.Shutdown(),
         m.EpochAggregated(metrics=metrics),

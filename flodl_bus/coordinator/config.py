@@ -39,6 +39,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "cpu_bridges": False,
     "partition_tail_holds_gate": False,
     "final_round_saves_graceful": False,
+    "solo_plans_ahead": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -192,6 +193,12 @@ class CoordinatorConfig:
     #: the end of a run's last round is saved as the graceful shutdown's save (its
     #: meta's reason), not as a mid-run checkpoint. Off for records made before it
     final_round_saves_graceful: bool = True
+    #: a world of one holds its next epoch's plan while it trains the current one, and
+    #: the eval that epoch's start owes is armed to run before its first step
+    #: (``ArmEpochEval``): an epoch's end is no trip through Redis (issue 27). An epoch
+    #: whose start takes a checkpoint is planned when it starts, as before. Not a
+    #: setting: off only to replay records made before it
+    solo_plans_ahead: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

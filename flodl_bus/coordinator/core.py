@@ -48,6 +48,7 @@ from flodl_bus.coordinator.summary import Summarizer
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import (
     FINAL_EVAL_SCHEDULE,
+    ArmEpochEval,
     Batch,
     Checkpoint,
     CheckpointResult,
@@ -214,7 +215,7 @@ class Coordinator:
             return out
         if isinstance(msg, Batch):
             self.ledger.record_batch(rank, msg.batch_ms, msg.data_ms, msg.batch_loss)
-            self.dispatch.on_batch(rank)
+            self.dispatch.on_batch(rank, now, out)
             self.reduce.on_batch(rank, msg.step_count, now)
         elif isinstance(msg, Heartbeat):
             pass
@@ -436,8 +437,10 @@ class Coordinator:
             self.dispatch.prefetch(now, out)
 
     # ----------------------------------------------------------------- epoch hooks
-    def epoch_hooks(self, epoch: int, out: list[Out]) -> None:
-        """Once per epoch, before its first plan: role broadcast, callbacks (§4.10.7)."""
+    def epoch_hooks(self, epoch: int, out: list[Out], *, armed: bool = False) -> None:
+        """Once per epoch, before its first plan: role broadcast, callbacks (§4.10.7).
+        ``armed``: the plan goes out before the epoch starts (``hooks_armable``), so its
+        eval is armed to run at that start rather than on receipt."""
         roles = self.roles
         if roles.dirty:
             out.append(Broadcast(SetEpochCallbackRole(roles.epoch_callback)))
@@ -448,16 +451,30 @@ class Coordinator:
         cfg = self.config
         if epoch == 0:
             return
-        if (
-            (cfg.checkpoint_every and epoch % cfg.checkpoint_every == 0)
-            or epoch in cfg.checkpoint_at_epoch
-            or roles.pending_checkpoint_intent
-        ):
+        if self._checkpoint_due(epoch):
             roles.pending_checkpoint_intent = False
             out.append(Send(roles.checkpoint, Checkpoint(epoch, roles.checkpoint)))
             self.checkpoints.request(out)
         if bool(cfg.eval_every and epoch % cfg.eval_every == 0) or roles.pending_eval_intent:
-            self.reduce.schedule_eval(epoch, out)
+            if armed:
+                roles.pending_eval_intent = False
+                out.append(Send(roles.eval, ArmEpochEval(epoch, epoch, roles.eval)))
+            else:
+                self.reduce.schedule_eval(epoch, out)
+
+    def hooks_armable(self, epoch: int) -> bool:
+        """Whether ``epoch``'s start can be planned before it comes: its hooks ask for
+        nothing but an eval (a checkpoint is of the model at that start, and a rank
+        takes it on receipt)."""
+        return epoch <= self.hooked_epoch or epoch == 0 or not self._checkpoint_due(epoch)
+
+    def _checkpoint_due(self, epoch: int) -> bool:
+        cfg = self.config
+        return bool(
+            (cfg.checkpoint_every and epoch % cfg.checkpoint_every == 0)
+            or epoch in cfg.checkpoint_at_epoch
+            or self.roles.pending_checkpoint_intent
+        )
 
     # ----------------------------------------------------------------- aggregation (§4.11)
     def publish_epoch(self, epoch: int, epoch_ms: float | None, out: list[Out]) -> None:

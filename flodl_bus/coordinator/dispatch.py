@@ -60,7 +60,8 @@ class DispatchCore(bridge.BridgeCore, Protocol):
     @property
     def resume_holes(self) -> dict[int, list[tuple[int, int]]]: ...
     def alive_mask(self) -> list[bool]: ...
-    def epoch_hooks(self, epoch: int, out: list[Out]) -> None: ...
+    def epoch_hooks(self, epoch: int, out: list[Out], *, armed: bool = False) -> None: ...
+    def hooks_armable(self, epoch: int) -> bool: ...
     def publish_epoch(self, epoch: int, epoch_ms: float | None, out: list[Out]) -> None: ...
 
 
@@ -126,7 +127,7 @@ class Dispatch:
         """The epoch ``epoch_remaining`` counts (None: not tracked)."""
         return None
 
-    def on_batch(self, r: int) -> None:
+    def on_batch(self, r: int, now: float, out: list[Out]) -> None:
         pass
 
     def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
@@ -203,6 +204,14 @@ class PoolDispatch(Dispatch):
         self.overlaps = cfg.epoch_overlap and (
             cfg.backend is Backend.CPU or (cfg.world_size == 1 and cfg.solo_without_rounds)
         )
+        #: a world of one holds two plans, the epoch it trains and the next, so no epoch
+        #: ends in a trip through Redis for the next plan (issue 27)
+        self._ahead = self._solo_epochs and self.overlaps and cfg.solo_plans_ahead
+        #: ranks sent a plan while they had none: the plan ahead waits for their first
+        #: Batch, so two StartEpochs never meet in the rank's one-plan mailbox
+        self._unbegun = [False] * core.ws
+        #: pools opened ahead of their epoch: their clock starts at the previous one's end
+        self._ahead_pools: set[int] = set()
 
     def start(self, now: float, out: list[Out]) -> None:
         for r in range(self.core.ws):
@@ -262,6 +271,12 @@ class PoolDispatch(Dispatch):
     def oldest_open_epoch(self) -> int | None:
         return min(self.pools) if self.pools else None
 
+    def on_batch(self, r: int, now: float, out: list[Out]) -> None:
+        if self._unbegun[r]:
+            self._unbegun[r] = False
+            if self.core.training:
+                self._plan_ahead(r, now, out)
+
     def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:
         pool = self.pools.get(msg.epoch)
         if pool is not None:
@@ -299,6 +314,11 @@ class PoolDispatch(Dispatch):
             epoch_ms = (now - pool.created_at) * 1000.0
             del self.pools[e]
             self.final_windows.pop(e, None)
+            ahead = self.pools.get(e + 1)
+            if e + 1 in self._ahead_pools and ahead is not None:
+                # Opened while e trained: its epoch_ms counts from e's end, not from then.
+                self._ahead_pools.discard(e + 1)
+                ahead.created_at = now
             self.core.publish_epoch(e, epoch_ms, out)
             done_any = True
         return done_any
@@ -312,6 +332,8 @@ class PoolDispatch(Dispatch):
         for r in range(self.core.ws):
             if not self.has_in_flight(r):
                 self.next_chunk(r, now, out)
+            elif self._ahead and not self._unbegun[r]:
+                self._plan_ahead(r, now, out)
 
     def reassign(self, r: int, remainder: list[Range], now: float, out: list[Out]) -> None:
         for e in sorted(self.pools):
@@ -410,11 +432,15 @@ class PoolDispatch(Dispatch):
             return [float(c) if a else 0.0 for c, a in zip(self.core.elche.counts, alive)]
         return [1.0 if a else 0.0 for a in alive]
 
-    def _get_pool(self, epoch: int, now: float, out: list[Out]) -> ChunkPool:
+    def _get_pool(
+        self, epoch: int, now: float, out: list[Out], *, ahead: bool = False
+    ) -> ChunkPool:
         core = self.core
         pool = self.pools.get(epoch)
         if pool is None:
-            core.epoch_hooks(epoch, out)
+            core.epoch_hooks(epoch, out, armed=ahead)
+            if ahead:
+                self._ahead_pools.add(epoch)
             holes = core.resume_holes.pop(epoch, None)
             if holes is not None:
                 pool = ChunkPool.from_coverage(epoch, holes, core.ws, now)
@@ -432,9 +458,45 @@ class PoolDispatch(Dispatch):
         if not core.alive(r) or not core.training:
             return None
         # One chunk in flight per rank: the rank has a single pending-plan slot, and a
-        # second plan would overwrite an unconsumed one and wedge the epoch (§6 #1).
+        # second plan would overwrite an unconsumed one and wedge the epoch (§6 #1). A
+        # world of one's plan ahead is sent once the first is out of that slot.
         if self.has_in_flight(r):
             return None
+        plan = self._draw(r, now, out, via_update)
+        if plan is not None and self._ahead and not via_update:
+            self._unbegun[r] = True
+        return plan
+
+    def _plan_ahead(self, r: int, now: float, out: list[Out]) -> EpochPlan | None:
+        """A world of one's next epoch, in one plan, while it trains what is left of the
+        current one: it reaches the rank's mailbox during that epoch, so the epoch's last
+        step is followed by the next one's first without a trip through Redis. Sent only
+        once the rank trains its plan (a Batch since it went out); the eval the epoch's
+        start owes rides ahead of it, armed (``ArmEpochEval``); an epoch whose start takes
+        a checkpoint is not planned ahead (the save is of the model at that start)."""
+        core = self.core
+        epoch = self.rank_epoch[r]
+        pool = self.pools.get(epoch)
+        if (
+            not core.alive(r)
+            or pool is None
+            or pool.remaining() > 0
+            or any(p.has_in_flight(r) for e, p in self.pools.items() if e != epoch)
+        ):
+            return None
+        nxt = epoch + 1
+        if nxt >= core.config.num_epochs or nxt > core.last_aggregated + 2:
+            return None
+        if nxt not in self.pools and not core.hooks_armable(nxt):
+            return None
+        pool = self._get_pool(nxt, now, out, ahead=True)
+        if pool.remaining() == 0:
+            return None
+        self.rank_epoch[r] = nxt
+        return self._take(r, pool, pool.remaining() // core.bs, out, via_update=False)
+
+    def _draw(self, r: int, now: float, out: list[Out], via_update: bool) -> EpochPlan | None:
+        core = self.core
         budget = self._budget(r)
         bridging = False
         # A world of one's windows close without a round: its budget never holds its

@@ -103,7 +103,7 @@ class PartitionDispatch(Dispatch):
     def rank_epochs(self) -> list[int]:
         return [self.epoch] * self.core.ws
 
-    def on_batch(self, r: int) -> None:
+    def on_batch(self, r: int, now: float, out: list[Out]) -> None:
         self.batches_done[r] += 1
 
     def on_metrics(self, r: int, msg: MetricsMsg, now: float, out: list[Out]) -> None:

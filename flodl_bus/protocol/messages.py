@@ -225,6 +225,17 @@ class ArmConsensusEval:
 
 
 @dataclass(frozen=True, slots=True)
+class ArmEpochEval:
+    """Score the model before the first step of ``epoch``'s first plan: the eval an
+    epoch's start owes, sent with a plan that arrives before that start (a world of one
+    holds its next epoch's plan while it trains the current one)."""
+
+    schedule_id: int
+    epoch: int
+    target_rank: int
+
+
+@dataclass(frozen=True, slots=True)
 class SetEpochCallbackRole:
     rank: int
 
@@ -420,6 +431,7 @@ ControlMsg: TypeAlias = (
     | Checkpoint
     | ExecuteEvalCallback
     | ArmConsensusEval
+    | ArmEpochEval
     | SetEpochCallbackRole
     | Shutdown
     | EpochAggregated
@@ -445,6 +457,7 @@ ControlWire: TypeAlias = (
     | Checkpoint
     | ExecuteEvalCallback
     | ArmConsensusEval
+    | ArmEpochEval
     | SetEpochCallbackRole
     | Shutdown
     | EpochAggregated

@@ -462,6 +462,7 @@ _spec(
     adopt_consensus=_bool,
 )
 _spec(m.ArmConsensusEval, CONTROL, schedule_id=_u64, epoch=_u64, target_rank=_target)
+_spec(m.ArmEpochEval, CONTROL, schedule_id=_u64, epoch=_u64, target_rank=_target)
 _spec(m.SetEpochCallbackRole, CONTROL, rank=_u64)
 _spec(m.Shutdown, CONTROL)
 _spec(m.EpochAggregated, CONTROL, metrics=_epoch_metrics)

@@ -35,6 +35,7 @@ from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
+    ArmEpochEval,
     Batch,
     Checkpoint,
     CheckpointResult,
@@ -127,6 +128,7 @@ _FOR_THE_CORE: Final = (
     Checkpoint,
     ExecuteEvalCallback,
     ArmConsensusEval,
+    ArmEpochEval,
     SetEpochCallbackRole,
     Shutdown,
     EpochAggregated,
@@ -264,6 +266,9 @@ class WorkerControl:
         self.aggregated_metrics: EpochMetrics | None = None
         self.last_eval_broadcast: tuple[int, float] | None = None
         self.pending_consensus_eval: tuple[int, int] | None = None
+        #: (schedule_id, epoch): the eval that epoch's start owes, armed by a plan sent
+        #: before that start (``eval_due``)
+        self.pending_epoch_eval: tuple[int, int] | None = None
 
     @property
     def throttled(self) -> bool:
@@ -385,6 +390,9 @@ class WorkerControl:
             return Dispatched(upstream=(self._checkpoint(msg.version),))
 
         if isinstance(msg, ExecuteEvalCallback):
+            armed = self.pending_epoch_eval
+            if armed is not None and msg.target_rank == self.rank and msg.epoch >= armed[1]:
+                self.pending_epoch_eval = None  # served (``eval_due``)
             if msg.target_rank != self.rank or self.model is None or not self.model.has_eval_fn:
                 # Not the evaluator, or a rank without an eval callback: silent no-op.
                 return _NOTHING
@@ -393,6 +401,11 @@ class WorkerControl:
         if isinstance(msg, ArmConsensusEval):
             if msg.target_rank == self.rank:
                 self.pending_consensus_eval = (msg.schedule_id, msg.epoch)
+            return _NOTHING
+
+        if isinstance(msg, ArmEpochEval):
+            if msg.target_rank == self.rank:
+                self.pending_epoch_eval = (msg.schedule_id, msg.epoch)
             return _NOTHING
 
         if isinstance(msg, SetEpochCallbackRole):
@@ -458,6 +471,15 @@ class WorkerControl:
             return None  # held until the round's Update (``plans_wait_for_update``)
         plan, self.pending_plan = self.pending_plan, None
         return plan
+
+    def eval_due(self) -> ExecuteEvalCallback | None:
+        """The eval armed for the start of the plan about to be taken (its epoch or an
+        earlier one's), which the runtime dispatches before taking it; None when none
+        is due. Dispatching it disarms it, so a record replays it as any dispatch."""
+        armed, plan = self.pending_epoch_eval, self.pending_plan
+        if armed is None or plan is None or self.awaiting_update or plan.epoch < armed[1]:
+            return None
+        return ExecuteEvalCallback(armed[0], armed[1], self.rank)
 
     def begin_plan(self, plan: EpochPlan) -> list[int]:
         """Expand ``plan`` into this rank's picks; ExtendPartition appends to them."""

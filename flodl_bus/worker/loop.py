@@ -240,11 +240,21 @@ class RankLoop:
     def wait_for_epoch_plan(self) -> EpochPlan | None:
         """Block until the core holds a plan to train; everything read meanwhile is
         dispatched (peers may be waiting on us in a collective). None means shut down."""
-        while (plan := self.control.take_pending_plan()) is None:
+        control = self.control
+        while True:
+            armed = control.eval_due()
+            if armed is not None:
+                # Before the take, as its record replays it. Made here, not read off a
+                # stream: the recorder must not name the entry last taken as its origin
+                # (one consumer: this thread).
+                self.inbox.last_origin = None
+                self._dispatch(armed)
+            plan = control.take_pending_plan()
+            if plan is not None:
+                return plan
             msg = self.inbox.get()
             if msg is None or isinstance(msg, Closed) or self.service(msg):
                 return None
-        return plan
 
     def drain_pending_shutdown(self) -> None:
         """Teardown: dispatch what ``acts_at_teardown`` says (a queued ShutdownWithSave
@@ -449,7 +459,9 @@ class RankLoop:
         """The next plan to train, once the core holds one; the epoch callback fires at
         each epoch change (once per transition, not per chunk). None means shut down."""
         plan = self.wait_for_epoch_plan()
-        if plan is not None and plan.epoch != self._last_epoch_fired:
+        if plan is None:
+            return None
+        if plan.epoch != self._last_epoch_fired:
             self._last_epoch_fired = plan.epoch
             self._fire_epoch_fn(plan.epoch)
         return plan

@@ -55,6 +55,11 @@ class SimRank:
     epoch_role: int | None = None
     last_epoch_fired: int = -1
     armed_eval: tuple[int, int] | None = None
+    #: (schedule_id, epoch) of an ArmEpochEval: scored before that epoch's first step
+    armed_epoch_eval: tuple[int, int] | None = None
+    #: (tick, epoch) of each plan's start and end
+    starts: list[tuple[int, int]] = field(default_factory=list)
+    ends: list[tuple[int, int]] = field(default_factory=list)
     trained: list[tuple[int, int]] = field(default_factory=list)
     outbox: list[object] = field(default_factory=list)
     dropped_plans: int = 0
@@ -113,6 +118,9 @@ class SimRank:
         elif isinstance(msg, m.ArmConsensusEval):
             if msg.target_rank == self.rank:
                 self.armed_eval = (msg.schedule_id, msg.epoch)
+        elif isinstance(msg, m.ArmEpochEval):
+            if msg.target_rank == self.rank:
+                self.armed_epoch_eval = (msg.schedule_id, msg.epoch)
         elif isinstance(msg, m.RequestNewNcclId):
             self.outbox.append(m.NewNcclIdGenerated(self.rank, bytes([self.rank]) * 128))
         elif isinstance(msg, m.NewNcclSession):
@@ -146,6 +154,11 @@ class SimRank:
         self.batch_idx = 0
         self.plan_loss = 0.0
         self.plan_started = t
+        self.starts.append((t, plan.epoch))
+        armed = self.armed_epoch_eval
+        if armed is not None and plan.epoch >= armed[1]:
+            self.armed_epoch_eval = None
+            self.outbox.append(m.EvalResult(self.rank, armed[0], armed[1], 0.9, 1.0))
         if plan.epoch != self.last_epoch_fired:
             self.last_epoch_fired = plan.epoch
             if self.epoch_role == self.rank:
@@ -156,6 +169,7 @@ class SimRank:
         bs = self.cfg.batch_size
         n = len(self.partition) // bs
         elapsed = float(t - self.plan_started)
+        self.ends.append((t, self.plan.epoch))
         self.outbox.append(
             m.MetricsMsg(
                 rank=self.rank,

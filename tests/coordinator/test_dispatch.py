@@ -84,7 +84,10 @@ def test_a_cpu_rank_whose_epoch_has_nothing_left_starts_the_next_while_its_peer_
 
 
 def test_a_world_of_one_gets_the_next_epoch_and_its_eval_with_the_last_report() -> None:
-    core, out = started("cpu-cadence", ws=1, total=40, num_epochs=2, eval_every=1)
+    # records made before the plan ahead
+    core, out = started(
+        "cpu-cadence", ws=1, total=40, num_epochs=2, eval_every=1, solo_plans_ahead=False
+    )
     plan = plans(out)[0]
     feed(core, 0, plan.partition_size)
     out = core.handle(0, metrics(0, 0, plan.partition_size), 0.0)
@@ -92,6 +95,41 @@ def test_a_world_of_one_gets_the_next_epoch_and_its_eval_with_the_last_report() 
     assert types(out) == ["ExecuteEvalCallback", "StartEpoch"]
     assert plans(out)[0].epoch == 1
     assert msgs(core.tick(0.0), m.EpochAggregated)
+
+
+def test_a_world_of_one_holds_the_next_epochs_plan_with_its_eval_armed() -> None:
+    # issue 27: the next epoch's plan reaches the rank while it trains this one, so no
+    # epoch ends in a trip through Redis; the eval that epoch's start owes is armed
+    core, out = started("cpu-cadence", ws=1, total=40, num_epochs=4, eval_every=1)
+    assert [p.epoch for p in plans(out).values()] == [0]  # the mailbox holds one plan
+    out = feed(core, 0, 1)  # its first Batch: plan 0 has left the mailbox
+    assert types(out) == ["ArmEpochEval", "StartEpoch"]
+    assert msgs(out, m.ArmEpochEval)[0].msg == m.ArmEpochEval(1, 1, 0)
+    assert plans(out)[0] == m.EpochPlan(1, 0, 40)
+    assert not feed(core, 0, 39)
+    # the report of epoch 0: plan 1 already held, nothing to send until 0 aggregates
+    assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
+    out = core.tick(0.0)
+    assert types(out) == ["EpochAggregated", "ArmEpochEval", "StartEpoch"]
+    assert plans(out)[0].epoch == 2
+    assert not msgs(out, m.ExecuteEvalCallback)
+    sent = []
+    for epoch in (1, 2, 3):
+        feed(core, 0, 40)
+        sent += plans(core.handle(0, metrics(0, epoch, 40), 0.0) + core.tick(0.0)).values()
+    assert [p.epoch for p in sent] == [3]  # epoch 3's plan went out as epoch 1 ended
+    assert core.last_aggregated == 3
+    assert core.dispatch.coverage() == (4, [])
+
+
+def test_a_world_of_one_plans_an_epoch_that_starts_with_a_checkpoint_when_it_starts() -> None:
+    # a checkpoint is of the model at its epoch's start, taken on receipt: not armable
+    core, out = started(
+        "cpu-cadence", ws=1, total=40, num_epochs=3, eval_every=1, checkpoint_every=1
+    )
+    assert not plans(feed(core, 0, 40))
+    out = core.handle(0, metrics(0, 0, 40), 0.0)
+    assert types(out) == ["Checkpoint", "ExecuteEvalCallback", "StartEpoch"]
 
 
 def test_dead_rank_remainder_redistributed_via_extend_partition() -> None:

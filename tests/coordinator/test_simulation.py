@@ -105,6 +105,45 @@ def test_a_world_of_one_trains_every_sample_without_a_single_round(mode: str) ->
     assert cluster.finished is not None and cluster.finished.reason is None and rank.exited
 
 
+@pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async", "nccl-cadence"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_world_of_one_starts_each_epoch_as_the_last_ends_but_a_checkpoints(
+    mode: str, ahead: bool
+) -> None:
+    # issue 27: the next epoch's plan is in the rank's mailbox before its epoch ends,
+    # with the eval of that start armed; an epoch that starts with a checkpoint (taken
+    # on receipt) is planned as it starts. Off: records made before it.
+    cfg = CoordinatorConfig(
+        mode=mode,
+        world_size=1,
+        total_samples=400,
+        batch_size=8,
+        num_epochs=6,
+        eval_every=1,
+        checkpoint_every=3,
+        final_eval=True,
+        solo_plans_ahead=ahead,
+    )
+    cluster = Cluster(cfg, speeds=[2])
+    cluster.run()
+    trained = cluster.trained_by_epoch()
+    for e in range(cfg.num_epochs):
+        assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
+    (rank,) = cluster.ranks
+    assert rank.dropped_plans == 0  # never two plans in the one-plan mailbox
+    assert [e for _, e in rank.starts] == list(range(cfg.num_epochs))  # one plan an epoch
+    idle = {e: start - end for (end, _), (start, e) in zip(rank.ends, rank.starts[1:])}
+    if ahead:
+        assert idle == {1: 0, 2: 0, 3: 1, 4: 0, 5: 0}
+        assert cluster.count_sent(m.ArmEpochEval) == 4
+    else:
+        assert all(v >= 1 for v in idle.values()) and not cluster.count_sent(m.ArmEpochEval)
+    # every start's eval scored, each once (the armed ones before the first step)
+    assert [e for e, _ in rank.evals] == [1, 2, 3, 4, 5, cfg.num_epochs]
+    assert cluster.count_sent(m.Checkpoint) == 1
+    assert cluster.finished is not None and cluster.finished.reason is None and rank.exited
+
+
 def _slowed_mid_run(bridges: bool) -> Cluster:
     cfg = CoordinatorConfig(
         mode="nccl-cadence",

@@ -100,6 +100,7 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
         adopt_consensus=st.booleans(),
     ),
     "ArmConsensusEval": _build(m.ArmConsensusEval, schedule_id=u64, epoch=u64, target_rank=target),
+    "ArmEpochEval": _build(m.ArmEpochEval, schedule_id=u64, epoch=u64, target_rank=target),
     "SetEpochCallbackRole": _build(m.SetEpochCallbackRole, rank=u64),
     "Shutdown": _build(m.Shutdown),
     "EpochAggregated": _build(m.EpochAggregated, metrics=epoch_metrics),

@@ -20,6 +20,7 @@ CONTROL_CATALOGUE = {
     "Checkpoint",
     "ExecuteEvalCallback",
     "ArmConsensusEval",
+    "ArmEpochEval",
     "SetEpochCallbackRole",
     "Shutdown",
     "EpochAggregated",

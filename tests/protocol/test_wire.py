@@ -45,7 +45,13 @@ DECODERS: dict[str, Callable[[bytes], Any]] = {
     JOIN: decode_join,
 }
 RESERVED = 2**64 - 1
-TARGETED = ("Checkpoint", "ExecuteEvalCallback", "SaveConsensusModel", "ArmConsensusEval")
+TARGETED = (
+    "Checkpoint",
+    "ExecuteEvalCallback",
+    "SaveConsensusModel",
+    "ArmConsensusEval",
+    "ArmEpochEval",
+)
 
 
 def channel(name: str) -> str:

@@ -76,3 +76,29 @@ def test_a_run_recorded_under_a_record_key_replays_with_it_and_fails_without_it(
     monkeypatch.delenv("FLODL_RECORD_KEY")
     with pytest.raises(DamagedRecord, match="set FLODL_RECORD_KEY to verify it"):
         verify_run(load_run(run_dir))
+
+
+def test_a_real_world_of_one_scores_each_epoch_it_held_ahead_and_replays_identically(
+    redis_url: str, tmp_path: Path
+) -> None:
+    # issue 27: each next epoch's plan waits in the rank's mailbox, the eval of that
+    # epoch's start armed: the rank scores it in process, just before taking the plan
+    _, run_dir = record_run(
+        redis_url, tmp_path / "run", world_size=1, epochs=4, extra=("--eval-every", "1")
+    )
+    run = load_run(run_dir)
+    assert sorted(run) == ["coordinator", "rank:0"]
+    for key, rec in run.items():
+        result = replay(rec)
+        assert result.identical, f"{key}: {result.summary()}"
+    events = run["rank:0"].core_events()
+    kinds = [(e.get("event"), (e.get("msg") or {}).get("type")) for e in events]
+    armed = [e for e in events if (e.get("msg") or {}).get("type") == "ArmEpochEval"]
+    assert [e["msg"]["epoch"] for e in armed] == [1, 2, 3]
+    evals = [i for i, k in enumerate(kinds) if k == ("dispatch", "ExecuteEvalCallback")]
+    assert [events[i]["msg"]["epoch"] for i in evals] == [1, 2, 3]
+    for i in evals:
+        assert events[i].get("stream") is None  # made by the rank, not read off a stream
+        assert events[i]["out"][0]["type"] == "EvalResult"
+        assert kinds[i + 1] == ("plan", None)  # then that epoch's plan, already held
+        assert events[i + 1]["plan"]["epoch"] == events[i]["msg"]["epoch"]

@@ -21,6 +21,7 @@ from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
 from flodl_bus.protocol import wire
 from flodl_bus.protocol.messages import (
     ArmConsensusEval,
+    ArmEpochEval,
     AveragedParams,
     Batch,
     Checkpoint,
@@ -533,6 +534,25 @@ def test_an_armed_eval_scores_the_next_realized_consensus_once() -> None:
     # Scored as the consensus (under cpu-async the adopted model is a blend, not it).
     assert r.model.calls.count("evaluate_consensus") == 1
     assert "evaluate" not in r.model.calls
+
+
+def test_an_epoch_eval_armed_ahead_is_due_at_its_epochs_first_plan_and_served_once() -> None:
+    r = make()
+    r.control.dispatch(ArmEpochEval(schedule_id=3, epoch=3, target_rank=1))
+    assert r.control.pending_epoch_eval is None  # another rank's
+    assert r.control.dispatch(ArmEpochEval(schedule_id=3, epoch=3, target_rank=0)) == Dispatched()
+    assert r.model.calls == []  # armed, not run: the rank still trains epoch 2
+    assert r.control.eval_due() is None  # no plan to take yet
+    r.control.dispatch(StartEpoch(EpochPlan(2, 0, 8)))
+    assert r.control.eval_due() is None  # the plan to take is still epoch 2's
+    r.control.take_pending_plan()
+    r.control.dispatch(StartEpoch(EpochPlan(3, 0, 8)))
+    due = r.control.eval_due()
+    assert due == ExecuteEvalCallback(3, 3, target_rank=0)
+    (result,) = r.control.dispatch(due).upstream
+    assert isinstance(result, EvalResult) and (result.schedule_id, result.epoch) == (3, 3)
+    assert r.model.calls == ["eval_mode", "evaluate", "train_mode"]  # the live model
+    assert r.control.eval_due() is None  # served: never twice
 
 
 def test_an_eval_scores_the_consensus_or_the_live_model_as_its_message_says() -> None:
