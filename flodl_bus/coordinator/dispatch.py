@@ -281,6 +281,11 @@ class PoolDispatch(Dispatch):
         pool = self.pools.get(msg.epoch)
         if pool is not None:
             pool.mark_completed(r, msg.samples_processed)
+        if self._ahead:
+            # The plan held ahead is the one r trains now: its epoch is r's.
+            held = [e for e, p in self.pools.items() if p.has_in_flight(r)]
+            if held:
+                self.rank_epoch[r] = min(held)
         if self.core.training:
             self.next_chunk(r, now, out)
         self._advise(out)
@@ -475,16 +480,10 @@ class PoolDispatch(Dispatch):
         start owes rides ahead of it, armed (``ArmEpochEval``); an epoch whose start takes
         a checkpoint is not planned ahead (the save is of the model at that start)."""
         core = self.core
-        epoch = self.rank_epoch[r]
-        pool = self.pools.get(epoch)
-        if (
-            not core.alive(r)
-            or pool is None
-            or pool.remaining() > 0
-            or any(p.has_in_flight(r) for e, p in self.pools.items() if e != epoch)
-        ):
+        held = [e for e, p in self.pools.items() if p.has_in_flight(r)]
+        if not core.alive(r) or len(held) != 1 or self.pools[held[0]].remaining() > 0:
             return None
-        nxt = epoch + 1
+        nxt = held[0] + 1
         if nxt >= core.config.num_epochs or nxt > core.last_aggregated + 2:
             return None
         if nxt not in self.pools and not core.hooks_armable(nxt):
@@ -492,7 +491,8 @@ class PoolDispatch(Dispatch):
         pool = self._get_pool(nxt, now, out, ahead=True)
         if pool.remaining() == 0:
             return None
-        self.rank_epoch[r] = nxt
+        # ``rank_epoch`` stays the epoch r trains (status, the saves' epoch) until it
+        # reports it (``on_metrics``).
         return self._take(r, pool, pool.remaining() // core.bs, out, via_update=False)
 
     def _draw(self, r: int, now: float, out: list[Out], via_update: bool) -> EpochPlan | None:

@@ -15,6 +15,7 @@ coordinator's ``metrics.csv`` (``note_anchor``).
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from flodl_bus.protocol import leaving
@@ -26,6 +27,7 @@ from flodl_bus.protocol.messages import (
     EvalBroadcast,
     EvalResult,
     Exiting,
+    MetricsMsg,
     SaveReason,
     Shutdown,
     ShutdownWithSave,
@@ -65,6 +67,21 @@ class RankView:
     exited: bool = False
     #: (seconds since launch, loss) of every batch, for the plot
     losses: list[tuple[float, float]] = field(default_factory=list)
+    #: the epochs of the plans sent it and not yet reported, oldest first: a world of
+    #: one holds its next epoch's plan while it trains this one
+    held: deque[int] = field(default_factory=deque)
+
+    def planned(self, epoch: int) -> None:
+        self.held.append(epoch)
+        self.epoch = max(self.epoch, self.held[0])
+
+    def reported(self, epoch: int) -> None:
+        held = self.held
+        while held and held[0] < epoch:
+            held.popleft()  # a report this view did not see
+        if held and held[0] == epoch:
+            held.popleft()
+        self.epoch = max(self.epoch, held[0] if held else epoch)
 
 
 class RunView:
@@ -120,11 +137,9 @@ class RunView:
             self._version = max(self._version, msg.version)
             # Cadence hands the next chunk over with the Update ("atomic dispatch").
             if msg.next_plan is not None and rank is not None and 0 <= rank < self.world_size:
-                rv = self.ranks[rank]
-                rv.epoch = max(rv.epoch, msg.next_plan.epoch)
+                self.ranks[rank].planned(msg.next_plan.epoch)
         elif isinstance(msg, StartEpoch) and rank is not None and 0 <= rank < self.world_size:
-            rv = self.ranks[rank]
-            rv.epoch = max(rv.epoch, msg.plan.epoch)
+            self.ranks[rank].planned(msg.plan.epoch)
         elif isinstance(msg, ShutdownWithSave):
             self.save_requested = True
             if msg.reason is not SaveReason.GRACEFUL_SHUTDOWN:
@@ -152,6 +167,8 @@ class RunView:
             rv.batches += 1
             rv.loss = msg.batch_loss
             rv.losses.append((now - self.started_at, msg.batch_loss))
+        elif isinstance(msg, MetricsMsg):
+            rv.reported(msg.epoch)
         elif isinstance(msg, EvalResult):
             if msg.error is None:
                 self._eval(msg.epoch, msg.metric)

@@ -107,8 +107,10 @@ def test_a_world_of_one_holds_the_next_epochs_plan_with_its_eval_armed() -> None
     assert msgs(out, m.ArmEpochEval)[0].msg == m.ArmEpochEval(1, 1, 0)
     assert plans(out)[0] == m.EpochPlan(1, 0, 40)
     assert not feed(core, 0, 39)
+    assert core.dispatch.rank_epochs() == [0]  # what it trains (status, saves), not holds
     # the report of epoch 0: plan 1 already held, nothing to send until 0 aggregates
     assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
+    assert core.dispatch.rank_epochs() == [1]
     out = core.tick(0.0)
     assert types(out) == ["EpochAggregated", "ArmEpochEval", "StartEpoch"]
     assert plans(out)[0].epoch == 2

@@ -13,6 +13,7 @@ from flodl_bus.protocol.messages import (
     EvalBroadcast,
     EvalResult,
     Exiting,
+    MetricsMsg,
     StartEpoch,
     SyncNow,
     WireUpdate,
@@ -50,12 +51,31 @@ def test_batches_count_per_rank_and_keep_the_last_loss() -> None:
     assert view.ranks[1].batches == 0
 
 
+def _report(rank: int, epoch: int) -> MetricsMsg:
+    return MetricsMsg(rank, epoch, 0.5, 1, 1.0, 8, 1.0, 1.0, 0.0)
+
+
 def test_a_ranks_epoch_follows_plans_sent_alone_or_with_an_update() -> None:
     view = RunView(1, started_at=0.0)
     view.on_control(0, StartEpoch(EpochPlan(epoch=0, partition_offset=0, partition_size=8)), 1.0)
     assert view.ranks[0].epoch == 0
+    view.on_upstream(0, _report(0, 0), 1.5)
     view.on_control(0, WireUpdate(version=1, next_plan=EpochPlan(1, 8, 8)), 2.0)
     assert view.ranks[0].epoch == 1
+
+
+def test_a_plan_held_ahead_moves_a_ranks_epoch_only_once_the_one_before_is_reported() -> None:
+    # a world of one holds its next epoch's plan while it trains this one (issue 27)
+    view = RunView(1, started_at=0.0)
+    for epoch in (0, 1):
+        view.on_control(0, StartEpoch(EpochPlan(epoch, 0, 8)), 1.0)
+    assert view.ranks[0].epoch == 0
+    view.on_upstream(0, _report(0, 0), 2.0)
+    assert view.ranks[0].epoch == 1
+    view.on_control(0, StartEpoch(EpochPlan(2, 0, 8)), 2.0)
+    assert view.ranks[0].epoch == 1
+    view.on_upstream(0, _report(0, 2), 3.0)  # a report of 1 this view missed
+    assert view.ranks[0].epoch == 2 and not view.ranks[0].held
 
 
 def test_cpu_syncs_are_the_highest_update_version_seen() -> None:
