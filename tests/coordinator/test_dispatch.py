@@ -124,6 +124,21 @@ def test_a_world_of_one_holds_the_next_epochs_plan_with_its_eval_armed() -> None
     assert core.dispatch.coverage() == (4, [])
 
 
+def test_a_world_of_one_whose_plan_ahead_was_lost_is_sent_it_again_before_it_needs_it() -> None:
+    core, _ = started("cpu-cadence", ws=1, total=40, num_epochs=3, eval_every=1)
+    (ahead,) = msgs(feed(core, 0, 1), m.StartEpoch)
+    core.send_failed(0, ahead.msg, 0.0)  # the plan never reached the rank
+    # sent again while the rank still trains epoch 0 (its mailbox is empty), whole
+    again = plans(feed(core, 0, 39) + core.tick(0.0))
+    assert again == {0: m.EpochPlan(1, 0, 40)}
+    assert not plans(core.handle(0, metrics(0, 0, 40), 0.0))
+    for epoch in (1, 2):
+        feed(core, 0, 40)
+        core.handle(0, metrics(0, epoch, 40), 0.0)
+        core.tick(0.0)
+    assert core.last_aggregated == 2 and core.dispatch.coverage() == (3, [])
+
+
 def test_a_world_of_one_plans_an_epoch_that_starts_with_a_checkpoint_when_it_starts() -> None:
     # a checkpoint is of the model at its epoch's start, taken on receipt: not armable
     core, out = started(
