@@ -77,22 +77,23 @@ def test_a_rank_dying_mid_run_leaves_every_sample_covered(mode: str) -> None:
         assert sorted(cluster.ranks[0].sessions) == [(0, 3)]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_world_of_one_trains_every_sample_without_a_single_round(mode: str) -> None:
+def _solo_run(mode: str, **kw: object) -> Cluster:
+    """A world of one trained out, every epoch's evals on; each sample trained once."""
     cfg = CoordinatorConfig(
-        mode=mode,
-        world_size=1,
-        total_samples=500,
-        batch_size=8,
-        num_epochs=3,
-        eval_every=1,
-        final_eval=True,
-    )
+        mode=mode, world_size=1, batch_size=8, eval_every=1, final_eval=True, **kw
+    )  # type: ignore[arg-type]
     cluster = Cluster(cfg, speeds=[2])
     cluster.run()
     trained = cluster.trained_by_epoch()
     for e in range(cfg.num_epochs):
         assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
+    return cluster
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_world_of_one_trains_every_sample_without_a_single_round(mode: str) -> None:
+    cluster = _solo_run(mode, total_samples=500, num_epochs=3)
+    cfg, trained = cluster.cfg, cluster.trained_by_epoch()
     for kind in (m.SyncNow, m.RequestParams, m.Throttle, m.SetGlobalStep, m.WireUpdate):
         assert cluster.count_sent(kind) == 0, kind.__name__
     (rank,) = cluster.ranks
@@ -113,22 +114,10 @@ def test_a_world_of_one_starts_each_epoch_as_the_last_ends_but_a_checkpoints(
     # issue 27: the next epoch's plan is in the rank's mailbox before its epoch ends,
     # with the eval of that start armed; an epoch that starts with a checkpoint (taken
     # on receipt) is planned as it starts. Off: records made before it.
-    cfg = CoordinatorConfig(
-        mode=mode,
-        world_size=1,
-        total_samples=400,
-        batch_size=8,
-        num_epochs=6,
-        eval_every=1,
-        checkpoint_every=3,
-        final_eval=True,
-        solo_plans_ahead=ahead,
+    cluster = _solo_run(
+        mode, total_samples=400, num_epochs=6, checkpoint_every=3, solo_plans_ahead=ahead
     )
-    cluster = Cluster(cfg, speeds=[2])
-    cluster.run()
-    trained = cluster.trained_by_epoch()
-    for e in range(cfg.num_epochs):
-        assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
+    cfg = cluster.cfg
     (rank,) = cluster.ranks
     assert rank.dropped_plans == 0  # never two plans in the one-plan mailbox
     assert [e for _, e in rank.starts] == list(range(cfg.num_epochs))  # one plan an epoch
