@@ -26,9 +26,9 @@ control message, and publishes its own ``SnapshotReady``/``SyncAck``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Final, Literal, assert_never
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final, assert_never
 
 from flodl_bus.params.port import ParamPort
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
@@ -38,7 +38,6 @@ from flodl_bus.protocol.messages import (
     ArmEpochEval,
     Batch,
     Checkpoint,
-    CheckpointResult,
     ControlMsg,
     ControlWire,
     CoordHeartbeat,
@@ -47,7 +46,6 @@ from flodl_bus.protocol.messages import (
     EpochMetrics,
     EpochPlan,
     EvalBroadcast,
-    EvalResult,
     ExecuteEvalCallback,
     ExtendPartition,
     LrUpdate,
@@ -68,6 +66,8 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
     WireUpdate,
 )
+from flodl_bus.worker import callbacks
+from flodl_bus.worker.callbacks import Log
 from flodl_bus.worker.ports import ModelPort, Stager
 
 #: A Batch carries the L2 norm of the parameters when ``steps_since_avg`` is a multiple of
@@ -171,15 +171,6 @@ class Phase(enum.Enum):
     #: told to stop (or its control channel died): the loop ends; at teardown only a
     #: queued shutdown is still acted on (``acts_at_teardown``)
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True, slots=True)
-class Log:
-    """A line for the rank's log, written by the runtime (and kept in the record)."""
-
-    level: Literal["warning", "error"]
-    event: str
-    fields: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,7 +369,7 @@ class WorkerControl:
             return _NOTHING
 
         if isinstance(msg, ShutdownWithSave):
-            return Dispatched(stop=True, logs=self._save_bundle(msg))
+            return Dispatched(stop=True, logs=callbacks.save_bundle(self.model, self.rank, msg))
 
         if isinstance(msg, SetGlobalStep):
             self.global_step = msg.global_step
@@ -387,7 +378,9 @@ class WorkerControl:
         if isinstance(msg, Checkpoint):
             if msg.target_rank != self.rank:
                 return _NOTHING
-            return Dispatched(upstream=(self._checkpoint(msg.version),))
+            return Dispatched(
+                upstream=(callbacks.checkpoint(self.model, self.rank, msg.version, self._clock),)
+            )
 
         if isinstance(msg, ExecuteEvalCallback):
             armed = self.pending_epoch_eval
@@ -396,7 +389,9 @@ class WorkerControl:
             if msg.target_rank != self.rank or self.model is None or not self.model.has_eval_fn:
                 # Not the evaluator, or a rank without an eval callback: silent no-op.
                 return _NOTHING
-            return Dispatched(upstream=(self._evaluate(msg),))
+            return Dispatched(
+                upstream=(callbacks.evaluate(self.model, self.rank, msg, self._clock),)
+            )
 
         if isinstance(msg, ArmConsensusEval):
             if msg.target_rank == self.rank:
@@ -426,8 +421,12 @@ class WorkerControl:
         if isinstance(msg, SaveConsensusModel):
             # Broadcast: its target writes the model, every rank its own state (a
             # resume from any save restores each rank's optimizer and random state).
-            logs = self._save_consensus() if msg.target_rank == self.rank else ()
-            return Dispatched(logs=logs + self._save_rank_state())
+            logs = (
+                callbacks.save_consensus(self.model, self.rank)
+                if msg.target_rank == self.rank
+                else ()
+            )
+            return Dispatched(logs=logs + callbacks.save_rank_state(self.model, self.rank))
 
         if isinstance(msg, StageAdvisory):
             if self.stager is not None:
@@ -461,7 +460,9 @@ class WorkerControl:
         # cpu-async EASGD blend it is not, and the port swaps the consensus in.
         schedule_id, epoch = armed
         eval_msg = ExecuteEvalCallback(schedule_id, epoch, self.rank, adopt_consensus=True)
-        return Dispatched(upstream=(self._evaluate(eval_msg),))
+        return Dispatched(
+            upstream=(callbacks.evaluate(self.model, self.rank, eval_msg, self._clock),)
+        )
 
     # ------------------------------------------------------------- plan and steps
 
@@ -548,110 +549,3 @@ class WorkerControl:
             "throttled": self.throttled,
             "epoch_callback_role": self.epoch_callback_role,
         }
-
-    # ------------------------------------------------------------ model callbacks
-
-    def _checkpoint(self, version: int) -> CheckpointResult:
-        # The rank only reports; the coordinator decides retry or fail-over.
-        start = self._clock()
-        error: str | None
-        if self.model is None or not self.model.has_checkpoint_fn:
-            error = (
-                f"checkpoint dispatched to rank {self.rank} but no checkpoint_fn is set "
-                "(config bug or stale role assignment)"
-            )
-        else:
-            try:
-                self.model.checkpoint(version)
-                error = None
-            except Exception as exc:
-                error = _error_text(exc)
-        return CheckpointResult(
-            rank=self.rank,
-            version=version,
-            elapsed_ms=(self._clock() - start) * 1000.0,
-            error=error,
-        )
-
-    def _evaluate(self, msg: ExecuteEvalCallback) -> EvalResult:
-        model = self.model
-        assert model is not None  # checked by the caller
-        # The timed span covers the mode flips too: the coordinator subtracts it from
-        # this rank's window wall time.
-        start = self._clock()
-        metric = float("nan")
-        error: str | None = None
-        if not model.has_eval_dataset:
-            error = (
-                "eval_fn set without an eval dataset; give the Job an eval_data builder "
-                "(Job(eval_data=...))"
-            )
-        else:
-            model.eval_mode()
-            try:
-                # Per message (flodl's adopt_consensus): the last consensus, or the
-                # live model, whatever the mode.
-                score = model.evaluate_consensus if msg.adopt_consensus else model.evaluate
-                metric = float(score())
-            except Exception as exc:
-                error = _error_text(exc)
-            finally:
-                # Back to train mode even when the callback raised, or every later
-                # step would train with dropout/batch-norm frozen.
-                model.train_mode()
-        return EvalResult(
-            rank=self.rank,
-            schedule_id=msg.schedule_id,
-            epoch=msg.epoch,
-            metric=metric,
-            elapsed_ms=(self._clock() - start) * 1000.0,
-            error=error,
-        )
-
-    def _save_bundle(self, msg: ShutdownWithSave) -> tuple[Log, ...]:
-        # A failed save is logged loudly but never blocks the exit: a stuck shutdown
-        # would hold the whole cluster.
-        if self.model is None or not self.model.has_save_path:
-            fields = {
-                "rank": self.rank,
-                "reason": msg.reason.snake,
-                "detail": "no save path set; exiting without saving",
-            }
-            return (Log("warning", "shutdown_with_save_without_save_path", fields),)
-        try:
-            self.model.save_bundle(msg.reason)
-        except Exception as exc:
-            fields = {"rank": self.rank, "reason": msg.reason.snake, "error": _error_text(exc)}
-            return (Log("error", "checkpoint_bundle_failed", fields),)
-        return ()
-
-    def _save_consensus(self) -> tuple[Log, ...]:
-        if self.model is None or not self.model.has_save_path:
-            fields = {"rank": self.rank, "detail": "no save path set; consensus model not written"}
-            return (Log("warning", "save_consensus_without_save_path", fields),)
-        try:
-            self.model.save_consensus()
-        except Exception as exc:
-            fields = {"rank": self.rank, "error": _error_text(exc)}
-            return (Log("error", "save_consensus_failed", fields),)
-        return ()
-
-    def _save_rank_state(self) -> tuple[Log, ...]:
-        if self.model is None or not self.model.has_save_path:
-            return ()  # the target said so already; nothing to write anywhere
-        try:
-            self.model.save_rank_state()
-        except Exception as exc:
-            fields = {"rank": self.rank, "error": _error_text(exc)}
-            return (Log("error", "rank_state_not_saved", fields),)
-        return ()
-
-
-def _error_text(exc: BaseException) -> str:
-    # The job's JobError is one line already ("checkpoint_fn raised ValueError: x"):
-    # its type name in front would say twice that the job's code failed.
-    line = getattr(exc, "line", None)
-    if isinstance(line, str):
-        return line
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

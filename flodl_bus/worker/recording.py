@@ -35,7 +35,8 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
 )
 from flodl_bus.record.dispatch import DispatchRecorder, record_value
-from flodl_bus.worker.control import Dispatched, Log, WorkerControl
+from flodl_bus.worker.callbacks import Log
+from flodl_bus.worker.control import Dispatched, WorkerControl
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.ports import ModelPort
 
