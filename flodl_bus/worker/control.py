@@ -67,7 +67,7 @@ from flodl_bus.protocol.messages import (
     WireUpdate,
 )
 from flodl_bus.worker import callbacks
-from flodl_bus.worker.callbacks import Log
+from flodl_bus.worker.callbacks import Log as Log  # defined here before: re-exported
 from flodl_bus.worker.ports import ModelPort, Stager
 
 #: A Batch carries the L2 norm of the parameters when ``steps_since_avg`` is a multiple of

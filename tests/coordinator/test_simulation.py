@@ -122,6 +122,9 @@ def test_a_world_of_one_starts_each_epoch_as_the_last_ends_but_a_checkpoints(
     assert rank.dropped_plans == 0  # never two plans in the one-plan mailbox
     assert [e for _, e in rank.starts] == list(range(cfg.num_epochs))  # one plan an epoch
     idle = {e: start - end for (end, _), (start, e) in zip(rank.ends, rank.starts[1:])}
+    # an epoch's time counts from the end of the one before, not from when its plan
+    # went out ahead (100 ticks of 2 ms batches, at most a tick of turn-over)
+    assert all(99.9 < a.epoch_ms < 102 for a in rank.aggregated)
     if ahead:
         assert idle == {1: 0, 2: 0, 3: 1, 4: 0, 5: 0}
         assert cluster.count_sent(m.ArmEpochEval) == 4
