@@ -35,6 +35,7 @@ from flodl_bus.bus.lane import Lane
 from flodl_bus.bus.publisher import _Publisher
 from flodl_bus.bus.reader import _CursorReader, _GroupReader
 from flodl_bus.bus.replication import ReplicaGuard
+from flodl_bus.bus.resp import XaddPacker
 from flodl_bus.bus.stream_ops import (
     DEFAULT_MAXLEN,
     BusError,
@@ -256,6 +257,8 @@ class RedisCoordinatorBus:
         )
         #: the connection the sends go out on, under ``_lock`` (``bus.lane``)
         self._lane = Lane(client)
+        #: each control stream's XADD head, packed once (``bus.resp``)
+        self._packers: dict[str, XaddPacker] = {}
         self.script = BatchScript(client, where, self._lane)
         if not script:
             self.script.off = "turned off by the caller"
@@ -598,7 +601,11 @@ class RedisCoordinatorBus:
             seq = self._next_seq(stream, rank_field, signer)
             tried: list[tuple[str, bytes]] = []
             written: list[tuple[str, str, dict[bytes, bytes]]] = []
-            head = ("XADD", stream, "MAXLEN", "~", self.config.maxlen)
+            packer = self._packers.get(stream)
+            if packer is None:
+                packer = self._packers[stream] = XaddPacker(
+                    stream, self.config.maxlen, entries.FIELD_ORDER
+                )
 
             def op(retry: bool) -> None:
                 if self._guard is not None:
@@ -611,7 +618,7 @@ class RedisCoordinatorBus:
                     tried.append((eid, fields[entries.F_MAC]))
                     written[:] = [(stream, eid, fields)]
                     try:
-                        self._lane.call(*head, eid, *(x for kv in fields.items() for x in kv))
+                        self._lane.call_packed(packer.pack(eid, fields))
                         top = parse_id(eid)
                         self._tops[stream] = top
                         self._owed(stream, top, msg, self.monotonic())
