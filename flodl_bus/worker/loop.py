@@ -64,10 +64,15 @@ def set_active(loop: RankLoop | None) -> None:
 
 class CoreObserver(Protocol):
     """Watches every call the loop makes into the core, in order (the rank's recorder,
-    ``worker.recording``). ``before`` is called right before each core call, on the
-    training thread; the other hooks right after it, with what it returned."""
+    ``worker.recording``). ``before`` is called right before each dispatch, ``begin``
+    right before every other core call (a step, a plan taken, a close: their records
+    hold the state after, not before, and a step's is the training thread's hottest
+    record), on the training thread; the other hooks right after it, with what it
+    returned."""
 
     def before(self) -> None: ...
+
+    def begin(self) -> None: ...
 
     def dispatched(
         self, msg: ControlMsg, out: Dispatched | None, raised: BaseException | None
@@ -218,7 +223,7 @@ class RankLoop:
             if nxt is None or isinstance(nxt, Closed):
                 # Nothing can ever release us: treat the dead channel as a shutdown.
                 if self.observer is not None:
-                    self.observer.before()
+                    self.observer.begin()
                 out = self.control.channel_closed()
                 if self.observer is not None:
                     self.observer.closed(out)
@@ -300,7 +305,7 @@ class RankLoop:
         control, obs = self.control, self.observer
         start = time.perf_counter()
         if obs is not None:
-            obs.before()
+            obs.begin()
         control.begin_plan(plan)
         if obs is not None:
             obs.planned(plan)
@@ -337,7 +342,7 @@ class RankLoop:
             self._size_threads(self.threads, compute_ms + data_ms)
         control, obs, publish = self.control, self.observer, self.publish
         if obs is not None:
-            obs.before()
+            obs.begin()
         batch_msg, lr_msg = control.step_done(loss_value, compute_ms, data_ms, lr)
         if obs is not None:
             obs.stepped((loss_value, compute_ms, data_ms, lr), (batch_msg, lr_msg))

@@ -263,6 +263,9 @@ class CoreRecorder:
         self._before = self.control.state()
         self._cap.begin()
 
+    def begin(self) -> None:
+        self._cap.begin()
+
     def dispatched(
         self, msg: ControlMsg, out: Dispatched | None, raised: BaseException | None
     ) -> None:

@@ -17,6 +17,7 @@ from flodl_bus.params.averaging import (
     is_realized,
     make_outer,
     mover_mass,
+    sq_sum,
     weight,
 )
 from flodl_bus.params.flat import FlatBuffers, FlatLayout
@@ -68,6 +69,22 @@ def test_divergence_triple_matches_a_direct_computation() -> None:
     assert got.post_norm == pytest.approx(flat_post.norm().item(), rel=1e-6)
     expected = ((flat_pre - flat_post).norm() / flat_post.norm()).item()
     assert got.divergence == pytest.approx(expected, rel=1e-6)
+
+
+def test_sq_sum_of_mixed_precisions_is_each_norm_widened_exactly_then_summed() -> None:
+    gen = torch.Generator().manual_seed(5)
+    ts = [
+        torch.randn(9, 3, generator=gen),
+        torch.randn(11, generator=gen).to(torch.bfloat16),
+        torch.randn(4, generator=gen).to(torch.float16),
+        torch.arange(6),  # integer buffers count as floats
+        torch.empty(0),  # empty tensors count for nothing
+    ]
+    # the per-tensor double of each float32 norm, summed in order: the old spelling
+    norms = [t.float().norm() if not t.is_floating_point() else t.norm() for t in ts[:4]]
+    expected = sum(n.double().item() ** 2 for n in norms)
+    assert sq_sum(ts) == pytest.approx(expected, rel=1e-12)
+    assert sq_sum([torch.empty(0)]) == 0.0
 
 
 def test_divergence_triple_by_hand() -> None:
