@@ -25,10 +25,15 @@ names (NOSCRIPT, NOPERM, ...), and the connection stays usable.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
+import hiredis
 import redis
-from hiredis import pack_command as _pack
+
+#: one command as RESP, packed by hiredis from bytes, str (UTF-8) or int arguments (its
+#: stub types the tuple as one item long)
+pack = cast(Callable[[tuple[Any, ...]], bytes], hiredis.pack_command)
 
 
 class Lane:
@@ -45,19 +50,35 @@ class Lane:
     def call(self, *args: Any) -> Any:
         """The raw reply of one command (RESP2 shapes: bytes, ints, nested lists).
         Arguments are bytes, str (UTF-8) or int."""
-        return self.call_packed(_pack(args))
+        return self.call_packed(pack(args))
 
     def call_packed(self, packed: bytes) -> Any:
         """The raw reply of the command ``packed`` holds as RESP."""
+        return self.call_many([packed])[0]
+
+    def call_many(self, packed: Sequence[bytes]) -> list[Any]:
+        """The raw replies of several packed commands, sent in one write, in order (a
+        pipeline without redis-py's per-argument packing). An error reply is raised,
+        the first one, once every reply is read, so the connection stays in step."""
         with self._state:
             conn, self._conn = self._conn, None
         if conn is None:
             conn = self.pool.get_connection()
         try:
-            conn.send_packed_command([packed])
-            return conn.read_response()
+            conn.send_packed_command(packed)
+            replies: list[Any] = []
+            error: redis.exceptions.ResponseError | None = None
+            for _ in packed:
+                try:
+                    replies.append(conn.read_response())
+                except redis.exceptions.ResponseError as exc:
+                    error = error or exc
+                    replies.append(exc)
+            if error is not None:
+                raise error
+            return replies
         except redis.exceptions.ResponseError:
-            raise  # an error reply: the connection is in step
+            raise  # error replies, every one read: the connection is in step
         except BaseException:
             # Lost, timed out, or interrupted between request and reply: whatever comes
             # next on this connection would be out of step with its requests. The next

@@ -32,7 +32,7 @@ from flodl_bus.bus.cursor import Check, GroupCursor, Received
 from flodl_bus.bus.fold import Item, Unpacked, good_items, unfold_into
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
-from flodl_bus.bus.lane import Lane
+from flodl_bus.bus.lane import Lane, pack
 from flodl_bus.bus.stream_ops import StreamsConfig, _now_ms, ensure_group, log
 from flodl_bus.protocol.signing import Verifier
 
@@ -80,12 +80,11 @@ class _GroupReader:
         self.dlq = dlq
         self.name = name
         self.cursor = GroupCursor(streams, count=config.read_count, ordered=ordered)
-        # Reads go through a client object of our own on the same connection pool, whose
+        # Reads go through a kept connection of the same pool (``bus.lane``), whose
         # XREADGROUP replies stay raw: redis-py's reply callback builds a list and a dict
         # per entry in Python, a tenth of the coordinator's whole ingest time; the loop
-        # in ``read`` does the same in one pass.
-        self._reads = redis.Redis(connection_pool=client.connection_pool)
-        self._reads.set_response_callback("XREADGROUP", _raw_reply)
+        # in ``read`` does the same in one pass. Only the reading thread uses it.
+        self._lane = Lane(client)
         self.link = Link(
             client, name=name, where=where, backoff=config.backoff, on_lost=self._on_lost
         )
@@ -167,20 +166,17 @@ class _GroupReader:
 
         def op(retry: bool) -> Any:
             self._ensure_groups()
-            ids: dict[Any, Any] = dict(self.cursor.request())
-            wait = block if block > 0 and self.cursor.can_block else None
+            req = self.cursor.request()
+            head: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.consumer)
+            head += ("COUNT", self.config.read_count)
+            if block > 0 and self.cursor.can_block:
+                head += ("BLOCK", block)
+            # Packed here (``bus.lane``): redis-py's pipeline packed every acked id
+            # through its encoder, a few µs of the coordinator's thread per message.
+            cmds = [pack(("XACK", s, self.group, *ids)) for s, ids in acks.items()]
+            cmds.append(pack((*head, "STREAMS", *req.keys(), *req.values())))
             try:
-                if not acks:
-                    return self._reads.xreadgroup(
-                        self.group, self.consumer, ids, count=self.config.read_count, block=wait
-                    )
-                pipe = self._reads.pipeline(transaction=False)
-                for stream, entry_ids in acks.items():
-                    pipe.xack(stream, self.group, *entry_ids)
-                pipe.xreadgroup(
-                    self.group, self.consumer, ids, count=self.config.read_count, block=wait
-                )
-                return pipe.execute()[-1]
+                return self._lane.call_many(cmds)[-1]
             except redis.exceptions.ResponseError as exc:
                 # NOGROUP, or UNBLOCKED for a read that was blocked when it went
                 if "NOGROUP" not in str(exc) and "UNBLOCKED" not in str(exc):
@@ -339,6 +335,7 @@ class _GroupReader:
         except (BusUnavailable, BusClosed, *(redis.exceptions.RedisError,)):
             pass
         self.link.close()
+        self._lane.close()
 
 
 class _CursorReader(_GroupReader):
@@ -383,13 +380,10 @@ class _CursorReader(_GroupReader):
             dlq=dlq,
         )
         self.cursor = GroupCursor(streams, count=config.read_count, ordered=True, grouped=False)
-        self._reads.set_response_callback("XREAD", _raw_reply)
         #: the newest entry id per stream the runtime took over (``queue_acks``)
         self.applied: dict[str, EntryId] = {}
         #: refused entries beyond the run's ids, which the cursor stays below
         self._far: set[tuple[str, EntryId]] = set()
-        #: the reads' connection, used by the one thread that reads (``bus.lane``)
-        self._lane = Lane(client)
 
     def _ensure_groups(self) -> None:
         return
@@ -410,10 +404,6 @@ class _CursorReader(_GroupReader):
 
     def _ack_dead(self, pipe: Any, r: Received) -> None:
         return  # nothing to ack: the cursor moved past it (or stays, for a foreign id)
-
-    def close(self) -> None:
-        super().close()
-        self._lane.close()
 
     def read(self, block_ms: int, check: Check | None = None) -> list[Received]:
         block = min(block_ms, self.config.max_block_ms)

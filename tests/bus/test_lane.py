@@ -28,7 +28,7 @@ def _redis_py(*args: object) -> bytes:
     ],
 )
 def test_a_lane_packs_a_command_as_redis_py_packs_it(args: tuple[object, ...]) -> None:
-    assert lane_mod._pack(args) == _redis_py(*args)
+    assert lane_mod.pack(args) == _redis_py(*args)
 
 
 def test_a_lane_gives_the_raw_reply_the_client_stores_for_any_bytes(redis_url: str) -> None:
@@ -76,3 +76,23 @@ def test_a_killed_connection_raises_once_and_the_next_call_connects_again(
         path.close()
         client.close()
         admin.close()
+
+
+def test_many_commands_answer_in_order_and_an_error_among_them_keeps_the_lane_in_step(
+    redis_url: str,
+) -> None:
+    client = connect(redis_url)
+    path = Lane(client)
+    try:
+        client.set("lane-str", "x")
+        cmds = [lane_mod.pack(("ECHO", b"a")), lane_mod.pack(("ECHO", b"b"))]
+        assert path.call_many(cmds) == [b"a", b"b"]
+        wrong = lane_mod.pack(("XADD", "lane-str", "*", "k", "v"))
+        with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+            path.call_many([cmds[0], wrong, wrong, cmds[1]])
+        # every reply of the failed batch was read: the next one gets its own
+        assert path.call_many([lane_mod.pack(("ECHO", b"c"))]) == [b"c"]
+        assert client.get("lane-str") == b"x"
+    finally:
+        path.close()
+        client.close()
