@@ -233,8 +233,6 @@ class _GroupReader:
         ``items`` as they were verified (a reader process hands on their fields too)."""
         parse = entries.parse
         seqs = self.seqs
-        limit = writer_limit(_now_ms())
-
         folds = self.folds
 
         def check(stream: str, eid: EntryId, fields: Mapping[bytes, bytes] | None) -> object:
@@ -251,7 +249,7 @@ class _GroupReader:
                 last_seq=last,
             )
             if isinstance(p, str):
-                if eid[0] > limit:
+                if eid[0] > writer_limit(_now_ms()):
                     self.foreign.add(stream)
                 return p
             if last and p.seq != last + 1:
@@ -420,14 +418,20 @@ class _CursorReader(_GroupReader):
         except BusUnavailable:
             return []
         reply = _entries_of(raw)
-        before = self.cursor.positions()
+        # The cursor's positions and the clock are read only where they can matter: a
+        # rank's every control message comes through here on its way to the core.
+        watch = bool(reply) and block > 0
+        before = self.cursor.positions() if watch else None
         out = self.cursor.on_reply(reply) if check is None else self.cursor.on_reply(reply, check)
-        limit = writer_limit(_now_ms())
+        limit: int | None = None
         kept: list[Received] = []
         for r in out:
             if r.rejected is None:
-                pass
-            elif r.entry_id[0] <= limit:
+                kept.append(r)
+                continue
+            if limit is None:
+                limit = writer_limit(_now_ms())
+            if r.entry_id[0] <= limit:
                 # Refused (forged, copied, another run's...): read past it, once.
                 self.cursor.skip(r.stream, r.entry_id)
             elif (r.stream, r.entry_id) in self._far:
@@ -439,7 +443,7 @@ class _CursorReader(_GroupReader):
                 if len(self._far) > 10_000:
                     self._far.clear()
             kept.append(r)
-        if reply and block > 0 and self.cursor.positions() == before:
+        if watch and self.cursor.positions() == before:
             # Only an entry the cursor must not pass came back (XREAD returns it at once
             # every time): wait as a read would, instead of spinning on it.
             time.sleep(block / 1000)
