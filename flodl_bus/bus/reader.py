@@ -33,7 +33,13 @@ from flodl_bus.bus.fold import Item, Unpacked, good_items, unfold_into
 from flodl_bus.bus.foreign import writer_limit
 from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.lane import Lane, pack
-from flodl_bus.bus.stream_ops import StreamsConfig, _now_ms, ensure_group, log
+from flodl_bus.bus.stream_ops import (
+    StreamsConfig,
+    _now_ms,
+    ensure_group,
+    log,
+    read_count_for,
+)
 from flodl_bus.protocol.signing import Verifier
 
 #: how long a dead-letter write may wait for Redis before the read goes on without it
@@ -79,7 +85,9 @@ class _GroupReader:
         self.config = config
         self.dlq = dlq
         self.name = name
-        self.cursor = GroupCursor(streams, count=config.read_count, ordered=ordered)
+        self.cursor = GroupCursor(
+            streams, count=read_count_for(config, len(streams)), ordered=ordered
+        )
         # Reads go through a kept connection of the same pool (``bus.lane``), whose
         # XREADGROUP replies stay raw: redis-py's reply callback builds a list and a dict
         # per entry in Python, a tenth of the coordinator's whole ingest time; the loop
@@ -106,6 +114,7 @@ class _GroupReader:
 
     def add_stream(self, stream: str) -> None:
         self.cursor.add_stream(stream)
+        self.cursor.count = read_count_for(self.config, len(self.cursor.streams))
 
     def queue_acks(self, deliveries: Sequence[Delivery]) -> None:
         with self._ack_lock:
@@ -168,7 +177,7 @@ class _GroupReader:
             self._ensure_groups()
             req = self.cursor.request()
             head: tuple[Any, ...] = ("XREADGROUP", "GROUP", self.group, self.consumer)
-            head += ("COUNT", self.config.read_count)
+            head += ("COUNT", self.cursor.count)
             if block > 0 and self.cursor.can_block:
                 head += ("BLOCK", block)
             # Packed here (``bus.lane``): redis-py's pipeline packed every acked id
@@ -377,7 +386,9 @@ class _CursorReader(_GroupReader):
             where=where,
             dlq=dlq,
         )
-        self.cursor = GroupCursor(streams, count=config.read_count, ordered=True, grouped=False)
+        self.cursor = GroupCursor(
+            streams, count=read_count_for(config, len(streams)), ordered=True, grouped=False
+        )
         #: the newest entry id per stream the runtime took over (``queue_acks``)
         self.applied: dict[str, EntryId] = {}
         #: refused entries beyond the run's ids, which the cursor stays below
@@ -408,7 +419,7 @@ class _CursorReader(_GroupReader):
 
         def op(retry: bool) -> Any:
             req = self.cursor.request()
-            args: list[Any] = ["XREAD", "COUNT", self.config.read_count]
+            args: list[Any] = ["XREAD", "COUNT", self.cursor.count]
             if block > 0 and self.cursor.can_block:
                 args += ("BLOCK", block)
             return self._lane.call(*args, "STREAMS", *req.keys(), *req.values())

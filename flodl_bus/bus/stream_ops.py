@@ -46,6 +46,14 @@ class StreamsConfig:
     maxlen: int = DEFAULT_MAXLEN
     #: COUNT of one XREADGROUP, per stream.
     read_count: int = 512
+    #: The most entries one read asks for over all its streams: the COUNT per stream
+    #: falls as streams are added (never below 1). A coordinator reading 4,096 ranks'
+    #: streams at 512 each got 110,000 entries in one read and dispatched them for 30 s
+    #: without a tick, so every rank whose entries came early in that pass looked silent
+    #: for the heartbeat timeout and was declared dead while its next entries waited
+    #: unread. Bounded, each pass reaches every stream with entries, and ticks keep
+    #: coming (``GroupCursor`` reads that COUNT).
+    read_total: int = 8192
     #: Most upstream entries the publisher writes in one pipeline.
     publish_batch: int = 512
     #: How long the publisher lets a message without news for the coordinator's next
@@ -66,6 +74,11 @@ class StreamsConfig:
 
 def rank_group(rank: int) -> str:
     return f"rank{rank}"
+
+
+def read_count_for(config: StreamsConfig, streams: int) -> int:
+    """The COUNT per stream of a read over ``streams`` streams (``read_total``)."""
+    return max(1, min(config.read_count, config.read_total // max(1, streams)))
 
 
 def _now_ms() -> int:

@@ -151,6 +151,43 @@ def test_eight_ranks_dispatch_interleaved_unicast_and_broadcast_in_send_order(
     _run_traffic(backend.make, "order", 8, 400, 20, lambda: None, config)
 
 
+def test_one_upstream_read_is_bounded_over_all_streams_and_reaches_every_rank_with_entries(
+    backend: Backend,
+) -> None:
+    # 4,096 ranks' streams read at 512 each gave one read of 110,000 entries and a pass
+    # of 30 s without a tick: every rank dispatched early in it was declared dead.
+    config = StreamsConfig(read_count=512, read_total=24, backoff=FAST.backoff)
+    keys = RunKeys("bounded")
+    ranks = list(range(10))
+    coord = RedisCoordinatorBus(backend.make(), keys, CK, ranks=ranks[:4], config=config)
+    for r in ranks[4:]:
+        coord.add_rank(r)  # the COUNT follows the streams as they are added
+    buses = [RedisRankBus(backend.make(), keys, r, RK(r), config=FAST) for r in ranks]
+    for bus in buses:
+        for i in range(7):
+            bus.publish(_batch(bus.rank, i))
+        assert bus.flush(10)
+    got: list[Delivery] = []
+    deadline = time.monotonic() + 20
+    while len(got) < 70:
+        assert time.monotonic() < deadline, f"{70 - len(got)} entries left unread"
+        batch = coord.read_upstream(100)
+        if not batch:
+            continue  # the first read only drains what was pending
+        assert len(batch) <= 24
+        # every rank with entries left is reached by every read: none waits a pass out
+        left = {r for r in ranks if sum(d.msg.rank == r for d in got) < 7}
+        assert {d.msg.rank for d in batch} == left
+        coord.ack(batch)
+        got += batch
+    for r in ranks:
+        assert [d.msg.step_count for d in got if d.msg.rank == r] == list(range(7))
+    assert coord.read_upstream(0) == []
+    for bus in buses:
+        bus.close()
+    coord.close()
+
+
 # ------------------------------------------------------------------------ faults
 
 
