@@ -598,7 +598,7 @@ class PoolDispatch(Dispatch):
         # A cpu gate shut only by the round in flight opens as that round ends, and the
         # next round's trigger hands r its chunk: a bridge then would only hold that
         # chunk back behind a batch and a round trip.
-        return self.core.config.backend is Backend.NCCL or bool(bridge.owing(self.core, self, r))
+        return self.core.config.backend is Backend.NCCL or bridge.owes_any(self.core, self, r)
 
     def _chunk_batches(self, r: int, pool: ChunkPool, budget: int) -> int:
         core = self.core

@@ -12,7 +12,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from flodl_bus.coordinator.guard import Verdict, VerdictKind
 from flodl_bus.coordinator.numeric import ordered_sum
@@ -28,6 +28,8 @@ GROWTH_STEP_CAP = 2.0
 WARMUP_MARGIN = 2.0
 REARM_AFTER = 5
 DEAD_WINDOW_ESCAPE = 5
+#: not yet computed (``ElChe._smoothed``; None is a value there: no reading)
+_UNSET: Final = object()
 STABLE_AFTER = 5
 MATURE_AFTER = 20
 
@@ -120,6 +122,10 @@ class ElChe:
         self.growth_armed = True
         self._stable_streak = 0
         self._rings: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(world_size)]
+        #: ``smoothed_ms`` per rank since the rings last changed (a bridge reads every
+        #: rank's, once per chunk it sizes: summed afresh, that was O(N) sums a chunk)
+        self._smoothed: dict[int, float | None] = {}
+        self._smoothed_all: list[float | None] | None = None
         self._zero_windows = [0] * world_size
         self._history: deque[tuple[int, ...]] = deque(maxlen=COUNTS_HISTORY)
         #: per-rank ms of callback time the next report's recompute takes off the counts
@@ -174,8 +180,22 @@ class ElChe:
         return "probe"
 
     def smoothed_ms(self, rank: int) -> float | None:
-        ring = self._rings[rank]
-        return ordered_sum(ring) / len(ring) if ring else None
+        got = self._smoothed.get(rank, _UNSET)
+        if got is _UNSET:
+            ring = self._rings[rank]
+            got = self._smoothed[rank] = ordered_sum(ring) / len(ring) if ring else None
+        return got  # type: ignore[return-value]
+
+    def smoothed_all(self) -> list[float | None]:
+        """``smoothed_ms`` of every rank, in rank order (kept until the rings change:
+        read whole by every chunk a bridge sizes). Not to be changed by the caller."""
+        if self._smoothed_all is None:
+            self._smoothed_all = [self.smoothed_ms(r) for r in range(self.world_size)]
+        return self._smoothed_all
+
+    def _rings_changed(self) -> None:
+        self._smoothed.clear()
+        self._smoothed_all = None
 
     def recent_batch_share(self) -> list[float]:
         snaps = list(self._history) or [tuple(self.counts)]
@@ -210,6 +230,7 @@ class ElChe:
         """A dead rank's timing leaves the cohort: otherwise its stale (often slowest)
         ms keeps it the anchor, and live ranks get counts scaled to a ghost."""
         self._rings[rank].clear()
+        self._rings_changed()
         if self.anchor_rank == rank:
             self.anchor_rank = None
             self._elect_anchor_rank()
@@ -224,6 +245,7 @@ class ElChe:
         if self._flodl_election and not any(valid):
             return  # a window with no reading at all is no report (flodl's report_window)
         seen = False
+        self._rings_changed()  # the rings change below
         for r, ms in enumerate(readings):
             if valid[r]:
                 self._rings[r].append(ms)  # type: ignore[arg-type]
@@ -432,6 +454,7 @@ class ElChe:
         counts = [int(c) for c in state["counts"]]
         if len(counts) == self.world_size:
             self.counts = counts
+        self._rings_changed()
         for r, ring in enumerate(state.get("rings", [])[: self.world_size]):
             self._rings[r].clear()
             self._rings[r].extend(float(x) for x in ring)

@@ -1,0 +1,101 @@
+"""A bridge's size is the longest wait among the ranks the gate waits for, however it is
+found (``coordinator.bridge``), and the speeds it reads follow ElChe's rings."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from flodl_bus.coordinator import bridge
+from flodl_bus.coordinator.core import Coordinator
+from flodl_bus.coordinator.elche import ElChe, WindowReport
+from flodl_bus.coordinator.numeric import ordered_sum
+from flodl_bus.protocol import messages as m
+from tests.coordinator.drive import feed, make
+
+
+class _Idle:
+    """A dispatch view in which the ranks of ``idle`` can be given nothing more."""
+
+    def __init__(self, idle: set[int]) -> None:
+        self.idle = idle
+
+    def quiesced(self, r: int) -> bool:
+        return r in self.idle
+
+
+def _by_definition(core: Coordinator, view: bridge.Quiesced, r: int, next_window: bool) -> int:
+    """The bridge's size as its docstring defines it: a full scan of ``owing``."""
+    counts, steps = core.elche.counts, core.ledger.steps
+    waits = [
+        (counts[s] - steps[s]) * ms
+        for s in bridge.owing(core, view, r)
+        if (ms := bridge.ms_per_batch(core, s)) is not None
+    ]
+    owed_ms = max(waits, default=0.0)
+    mine = bridge.ms_per_batch(core, r)
+    if mine is None or owed_ms <= 0.0:
+        wait = 1
+    else:
+        wait = max(1, min(math.ceil(owed_ms / mine), counts[r]))
+    return wait + counts[r] if next_window else wait
+
+
+def test_a_bridge_is_sized_by_the_longest_owed_wait_as_a_full_scan_would_size_it() -> None:
+    rng = random.Random(11)
+    ws = 12
+    core = make("cpu-cadence", ws=ws, total=100_000, heartbeat_timeout=1.0)
+    # some ranks calibrated at various speeds, three never measured (no ring)
+    readings = tuple(None if r in (2, 7, 9) else rng.uniform(5.0, 60.0) for r in range(ws))
+    core.elche.report_window(WindowReport(readings))
+    core.start(0.0)
+    silent = 5  # never heard again: declared dead once the timeout passes
+    for turn in range(300):
+        now = turn * 0.01
+        r = rng.choice([s for s in range(ws) if s != silent])
+        feed(core, r, rng.randint(1, 3), now=now, ms=rng.uniform(5.0, 80.0))
+        core.tick(now)
+        if turn % 7 == 0:
+            # a speed reading moves the rings (and the cached speeds with them)
+            core.elche.report_window(WindowReport(tuple(rng.uniform(5.0, 60.0) for _ in range(ws))))
+        # the pool's own view, and views in which some ranks owing steps have no work
+        views = [core.dispatch, _Idle({s for s in range(ws) if rng.random() < 0.3})]
+        for view in views:
+            for s in range(ws):
+                for next_window in (False, True):
+                    got = bridge.batches(core, view, s, next_window=next_window)
+                    assert got == _by_definition(core, view, s, next_window), (turn, s)
+    assert not core.alive(silent)
+    assert core.ledger.steps[silent] < core.elche.counts[silent]
+
+
+def test_the_speeds_a_bridge_reads_follow_every_change_of_the_rings() -> None:
+    e = ElChe(world_size=3)
+    assert e.smoothed_all() == [None, None, None]
+
+    def fresh() -> list[float | None]:
+        return [ordered_sum(ring) / len(ring) if ring else None for ring in e._rings]
+
+    e.report_window(WindowReport((10.0, 20.0, None)))
+    assert e.smoothed_all() == fresh() == [10.0, 20.0, None]
+    e.report_window(WindowReport((30.0, 20.0, 5.0)))
+    assert e.smoothed_all() == fresh() == [20.0, 20.0, 5.0]
+    assert e.smoothed_ms(0) == 20.0
+    e.forget(0)
+    assert e.smoothed_ms(0) is None
+    assert e.smoothed_all() == fresh()
+    state = e.state()
+    other = ElChe(world_size=3)
+    other.report_window(WindowReport((99.0, 99.0, 99.0)))
+    assert other.smoothed_all() == [99.0, 99.0, 99.0]
+    other.restore(state)
+    assert other.smoothed_all() == fresh()
+
+
+def test_a_step_report_alone_leaves_the_speeds_a_bridge_reads_unchanged() -> None:
+    core = make("cpu-cadence", ws=2, total=1000)
+    core.elche.report_window(WindowReport((10.0, 40.0)))
+    core.start(0.0)
+    before = list(core.elche.smoothed_all())
+    core.handle(0, m.Batch(0, 99.0, 0.0, 1, 0.5), 0.0)
+    assert core.elche.smoothed_all() == before == [10.0, 40.0]
