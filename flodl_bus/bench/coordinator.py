@@ -23,6 +23,9 @@ from flodl_bus.coordinator.effects import Broadcast, Out, Send
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol import wire
 
+#: turns in a row without a reduce before the run is declared stuck
+IDLE_TURNS = 1000
+
 
 @dataclass(frozen=True, slots=True)
 class Sample:
@@ -64,6 +67,7 @@ def run_once(mode: str, ranks: int, reduces: int) -> Sample:
     handle_ns = batch_ns = reduce_ns = 0
     n_msgs = n_batches = 0
     clock = time.perf_counter_ns
+    idle = 0
     while core.version < reduces:
         now += 0.01
         # Every rank trains up to its window (one step under sync), in rank order.
@@ -102,7 +106,14 @@ def run_once(mode: str, ranks: int, reduces: int) -> Sample:
             for o in outs
         )
         if not fired:
-            raise RuntimeError(f"bench: no reduce this round: {core.state_summary()['gate']}")
+            # A probe chunk, a bridge or an epoch's tail can leave a window short of its
+            # count for a turn: the ranks train on what they hold.
+            idle += 1
+            if idle > IDLE_TURNS:
+                gate = core.state_summary()["gate"]
+                raise RuntimeError(f"bench: no reduce in {IDLE_TURNS} turns: {gate}")
+            continue
+        idle = 0
         for r in range(ranks):
             step[r] += 0 if cpu else 1
             t0 = clock()
