@@ -12,7 +12,7 @@ import math
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from flodl_bus.coordinator.guard import Verdict, VerdictKind
 from flodl_bus.coordinator.numeric import ordered_sum
@@ -28,6 +28,8 @@ GROWTH_STEP_CAP = 2.0
 WARMUP_MARGIN = 2.0
 REARM_AFTER = 5
 DEAD_WINDOW_ESCAPE = 5
+#: not yet computed (``ElChe._smoothed``; None is a value there: no reading)
+_UNSET: Final = object()
 STABLE_AFTER = 5
 MATURE_AFTER = 20
 
@@ -120,9 +122,10 @@ class ElChe:
         self.growth_armed = True
         self._stable_streak = 0
         self._rings: list[deque[float]] = [deque(maxlen=TRUST_WINDOW) for _ in range(world_size)]
-        #: every rank's ``smoothed_ms`` since the rings last changed (a bridge reads every
+        #: ``smoothed_ms`` per rank since the rings last changed (a bridge reads every
         #: rank's, once per chunk it sizes: summed afresh, that was O(N) sums a chunk)
-        self._smoothed: list[float | None] | None = None
+        self._smoothed: dict[int, float | None] = {}
+        self._smoothed_all: list[float | None] | None = None
         self._zero_windows = [0] * world_size
         self._history: deque[tuple[int, ...]] = deque(maxlen=COUNTS_HISTORY)
         #: per-rank ms of callback time the next report's recompute takes off the counts
@@ -177,19 +180,22 @@ class ElChe:
         return "probe"
 
     def smoothed_ms(self, rank: int) -> float | None:
-        return self.smoothed_all()[rank]
+        got = self._smoothed.get(rank, _UNSET)
+        if got is _UNSET:
+            ring = self._rings[rank]
+            got = self._smoothed[rank] = ordered_sum(ring) / len(ring) if ring else None
+        return got  # type: ignore[return-value]
 
     def smoothed_all(self) -> list[float | None]:
         """``smoothed_ms`` of every rank, in rank order (kept until the rings change:
         read whole by every chunk a bridge sizes). Not to be changed by the caller."""
-        if self._smoothed is None:
-            self._smoothed = [
-                ordered_sum(ring) / len(ring) if ring else None for ring in self._rings
-            ]
-        return self._smoothed
+        if self._smoothed_all is None:
+            self._smoothed_all = [self.smoothed_ms(r) for r in range(self.world_size)]
+        return self._smoothed_all
 
     def _rings_changed(self) -> None:
-        self._smoothed = None
+        self._smoothed.clear()
+        self._smoothed_all = None
 
     def recent_batch_share(self) -> list[float]:
         snaps = list(self._history) or [tuple(self.counts)]
