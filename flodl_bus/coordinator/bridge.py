@@ -28,7 +28,7 @@ Sans-IO like the core; ``PoolDispatch`` asks and takes the chunk.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
@@ -60,6 +60,7 @@ class BridgeCore(Protocol):
     @property
     def reduce(self) -> WindowWaits: ...
     def alive(self, r: int) -> bool: ...
+    def alive_ranks(self) -> list[int]: ...
     def gate(self) -> tuple[bool, str]: ...
 
 
@@ -103,13 +104,27 @@ def owes_any(core: BridgeCore, dispatch: Quiesced, r: int) -> bool:
 def batches(core: BridgeCore, dispatch: Quiesced, r: int, *, next_window: bool = False) -> int:
     """The bridge's size in batches (before the pool's remainder caps it); with
     ``next_window`` (the CPU plane) the rank's next window rides on it."""
-    counts, steps = core.elche.counts, core.ledger.steps
+    counts, steps, smoothed = core.elche.counts, core.ledger.steps, core.elche.smoothed_all()
     owed_ms = 0.0
-    # The longest wait of any rank in ``owing``. Whether a rank is alive and can still
-    # step is asked only of one whose wait would be the longest so far: asked of every
-    # rank for every chunk sized, it made ``handle`` O(N) a chunk and a window O(N^2)
-    # (88 µs a message at 1,024 simulated ranks).
-    for s, (count, step, ms) in enumerate(zip(counts, steps, core.elche.smoothed_all())):
+    # The longest wait of any rank in ``owing``. Whether a rank can still step is asked
+    # only of one whose wait would be the longest so far: asked of every rank for every
+    # chunk sized, it made ``handle`` O(N) a chunk and a window O(N^2) (88 µs a message
+    # at 1,024 simulated ranks). The dead are not walked at all: their counts are kept
+    # and their speeds forgotten, so each cost a re-derived speed per bridge (after a
+    # mass death at 1,024 simulated ranks, ``handle`` went from 6 to 32 µs a message).
+    alive = core.alive_ranks()
+    if len(alive) == len(counts):
+        rows: Iterable[tuple[int, int, int, float | None]] = zip(
+            range(len(counts)), counts, steps, smoothed
+        )
+    else:
+        rows = zip(
+            alive,
+            map(counts.__getitem__, alive),
+            map(steps.__getitem__, alive),
+            map(smoothed.__getitem__, alive),
+        )
+    for s, count, step, ms in rows:
         left = count - step
         if left <= 0 or s == r:
             continue
@@ -119,9 +134,7 @@ def batches(core: BridgeCore, dispatch: Quiesced, r: int, *, next_window: bool =
                 continue
         elif ms <= 0.0:
             continue  # as ``ms_per_batch`` has it: no speed
-        if left * ms <= owed_ms:
-            continue
-        if core.alive(s) and not dispatch.quiesced(s):
+        if left * ms > owed_ms and not dispatch.quiesced(s):
             owed_ms = left * ms
     mine = ms_per_batch(core, r)
     if mine is None or owed_ms <= 0.0:

@@ -178,6 +178,9 @@ class Coordinator:
     def alive(self, r: int) -> bool:
         return self.live.alive[r]
 
+    def alive_ranks(self) -> list[int]:
+        return self.live.alive_ranks()
+
     def alive_mask(self) -> list[bool]:
         return list(self.live.alive)
 

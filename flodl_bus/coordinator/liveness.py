@@ -44,6 +44,18 @@ class Liveness:
         #: bumped on every change of ``alive`` (caches keyed on it)
         self.generation = 0
         self.rendezvous = Rendezvous()
+        self._alive_ranks: tuple[int, list[int]] | None = None
+
+    def alive_ranks(self) -> list[int]:
+        """The live ranks in order (not to be mutated): kept until ``alive`` changes, so a
+        walk over the ranks that could owe work skips the dead at no cost per call."""
+        cached = self._alive_ranks
+        if cached is None or cached[0] != self.generation:
+            cached = self._alive_ranks = (
+                self.generation,
+                list(compress(range(len(self.alive)), self.alive)),
+            )
+        return cached[1]
 
     def heard_from(self, r: int, now: float) -> None:
         # Any frame is proof of life (§2.3).

@@ -186,8 +186,8 @@ class Reduce:
 
     # ------------------------------------------------------------- closing a window
     def _movers(self, window: Ledger) -> list[int]:
-        core = self.core
-        return [r for r in range(core.ws) if core.alive(r) and window.steps[r] > 0]
+        steps = window.steps
+        return [r for r in self.core.live.alive_ranks() if steps[r] > 0]
 
     @staticmethod
     def _has_delivered(window: Ledger, r: int) -> bool:

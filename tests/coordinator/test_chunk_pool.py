@@ -62,6 +62,14 @@ def test_chunk_pool_take_steals_largest_residue_tail_when_span_exhausted() -> No
     assert pool.take_chunk(100, 0) == (0, 50)
 
 
+def test_a_steal_between_equal_residues_takes_from_the_lowest_rank() -> None:
+    pool = ChunkPool.create(0, total_batches=12, batch_size=1, weights=[1, 1, 1])
+    assert pool.take_chunk(4, 0) == (0, 4)  # rank 0's span is spent; 1 and 2 hold 4 each
+    assert pool.take_chunk(1, 0) == (7, 1)  # the tail of rank 1's span, not rank 2's
+    assert pool.take_chunk(1, 0) == (11, 1)  # now rank 2 holds more
+    assert pool.take_chunk(9, 0) == (4, 3)
+
+
 def test_chunk_pool_forfeit_reclaims_in_flight_and_serves_it_first() -> None:
     pool = two_span_pool()
     pool.take_chunk(10, 1)
