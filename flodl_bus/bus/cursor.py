@@ -79,6 +79,8 @@ class GroupCursor:
         self._last: dict[str, EntryId] = dict.fromkeys(self.streams, ZERO)
         self._pending = grouped
         self._heap: list[tuple[EntryId, str, Received]] = []
+        #: the last reply gave some stream all the entries asked for (more may wait)
+        self._filled = False
 
     def add_stream(self, stream: str) -> None:
         if stream in self._last:
@@ -90,6 +92,14 @@ class GroupCursor:
     @property
     def draining_pending(self) -> bool:
         return self._pending
+
+    @property
+    def behind(self) -> bool:
+        """Entries may be waiting that the last read did not hand on: it filled some
+        stream's count, or entries are held back, or the pending list is not drained.
+        A reader behind its streams cannot tell a silent writer from one it has not
+        reached (the coordinator's liveness asks this)."""
+        return self._filled or self._pending or bool(self._heap)
 
     @property
     def can_block(self) -> bool:
@@ -146,6 +156,7 @@ class GroupCursor:
                 filled = True
                 if entries:
                     frontier = min(frontier, entries[-1][0])
+        self._filled = filled
         was_pending = self._pending
         if was_pending and not filled:
             self._pending = False

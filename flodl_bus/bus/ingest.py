@@ -136,6 +136,9 @@ def stall_s(env: Mapping[str, str] | None = None) -> float:
 _READ_BLOCK_MS: Final = 250
 #: blobs taken from one reader per ``read`` (the rest wait for the next one)
 _BLOBS_PER_READ: Final = 64
+#: a blob's first byte: whether its read left entries waiting (``GroupCursor.behind``)
+_BEHIND: Final = b"\x01"
+_CAUGHT_UP: Final = b"\x00"
 #: kwargs of a connection pool that do not cross a process boundary (made afresh there)
 _LOCAL_KWARGS: Final = frozenset({"himport_registry"})
 # Spawned, not forked: the coordinator runs threads (trimmer, recorder, heartbeats) whose
@@ -221,6 +224,15 @@ def _ack_through(reader: _GroupReader, stream: str, last: str) -> None:
             return
 
 
+def _say_caught_up(data: Connection) -> bool:
+    """A blob of no entries that says its reader is not behind; False: the pipe is gone."""
+    try:
+        data.send_bytes(_CAUGHT_UP + pickle.dumps(([], [], [], [], {}, {}), protocol=5))
+    except (BrokenPipeError, OSError):
+        return False
+    return True
+
+
 def _reader_main(
     spec: _Spec, data: Connection, cmd: Connection, start: list[_StreamStart], turns: Any
 ) -> None:
@@ -273,6 +285,10 @@ def _reader_main(
     # A short BLOCK: acks and a stop wait for the read in progress.
     block_ms = min(spec.config.max_block_ms, _READ_BLOCK_MS)
     hello = True
+    #: the flag of the last blob sent: a reader that catches up says so even with
+    #: nothing to send, or the main process would go on taking it for behind (as it
+    #: takes a reader that has not yet said anything)
+    said_behind = True
     while not stop.is_set():
         turns.value += 1  # alive: the main process tells a hung reader by this
         with lock:
@@ -309,11 +325,16 @@ def _reader_main(
             data.send_bytes(b"")
             hello = False
         if not reader.cursor.streams:
+            if said_behind:  # nothing to read is nothing left behind
+                if not _say_caught_up(data):
+                    break
+                said_behind = False
             woken.wait(0.2)
             woken.clear()
             continue
         items: list[Item] = []
         got = reader.read_checked(block_ms, verifiers, spec.channel, rank_fields, items=items)
+        behind = reader.cursor.behind
         if reader.foreign:
             # A rank's publisher waits on a stream wedged by a foreign entry; only the
             # coordinator's credential may remove it, and this process holds it.
@@ -328,6 +349,10 @@ def _reader_main(
 
                 reader.link.call(repair)
         if not got and not items:
+            if said_behind and not behind:
+                if not _say_caught_up(data):
+                    break
+                said_behind = False
             continue
         names: list[str] = []
         ids: list[str] = []
@@ -357,7 +382,8 @@ def _reader_main(
                 tops[stream] = (format_id(top), 0)
         try:
             blob = pickle.dumps((names, ids, types, bodies, tops, item_seqs), protocol=5)
-            data.send_bytes(blob)
+            data.send_bytes((_BEHIND if behind else _CAUGHT_UP) + blob)
+            said_behind = behind
         except (BrokenPipeError, OSError):
             break
     reader.close()
@@ -409,6 +435,11 @@ class IngestPool:
         self.restarts = 0
         self._closed = False
         self._ready = [False] * procs
+        #: each reader's last word on whether its streams hold entries it has not sent
+        #: (behind until its first read says otherwise)
+        self._behind = [True] * procs
+        #: whether the last ``read`` left blobs in a pipe (more than it takes at once)
+        self._left = False
         #: blobs that came while waiting for readers to start
         self._held: list[bytes] = []
         self._readers: list[_Proc] = [self._start(j) for j in range(procs)]
@@ -428,6 +459,7 @@ class IngestPool:
             daemon=True,
         )
         self._ready[j] = False
+        self._behind[j] = True  # until it says otherwise: a successor re-reads pending
         proc.start()
         data_w.close()
         cmd_r.close()
@@ -496,6 +528,12 @@ class IngestPool:
         self._members[s.reader].append(stream)
         self._send(s.reader, ("add", self._start_of(stream)))
 
+    @property
+    def behind(self) -> bool:
+        """Entries may wait that the last ``read`` did not hand on: a pipe held more than
+        one read takes, or a reader's last read filled its count (``GroupCursor.behind``)."""
+        return self._left or any(self._behind)
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every reader process is up (False: not within ``timeout``).
         Nothing needs it (entries wait in Redis meanwhile); benches do not time a
@@ -514,6 +552,7 @@ class IngestPool:
                     self._restart(j)
                     continue
                 if blob:
+                    self._behind[j] = blob[:1] == _BEHIND
                     self._held.append(blob)
                 else:
                     self._ready[j] = True
@@ -561,14 +600,24 @@ class IngestPool:
 
     def read(self, block_ms: int) -> list[Delivery]:
         self.flush_acks()
+        deadline = time.monotonic() + max(0, block_ms) / 1000
+        while True:
+            out = self._read_once(max(0.0, deadline - time.monotonic()))
+            # A reader's word that it caught up carries no entry: wait on for one, as a
+            # blocking read does, rather than hand back an empty read early.
+            if out or time.monotonic() >= deadline:
+                return out
+
+    def _read_once(self, timeout_s: float) -> list[Delivery]:
         readers = self._readers
         by_handle: dict[Any, int] = {}
         for j, r in enumerate(readers):
             by_handle[r.data] = j
             by_handle[r.proc.sentinel] = j
-        ready = wait(list(by_handle), timeout=max(0, block_ms) / 1000)
+        ready = wait(list(by_handle), timeout=timeout_s)
         blobs, self._held = self._held, []
         dead: set[int] = set()
+        left = False
         for handle in ready:
             j = by_handle[handle]
             if j in dead:
@@ -580,13 +629,17 @@ class IngestPool:
                         break
                     blob = r.data.recv_bytes()
                     if blob:
+                        self._behind[j] = blob[:1] == _BEHIND
                         blobs.append(blob)
                     else:
                         self._ready[j] = True
+                else:
+                    left = left or r.data.poll()
             except (EOFError, OSError):
                 dead.add(j)  # what it sent whole is taken; a torn last message is not
             if not r.proc.is_alive():
                 dead.add(j)
+        self._left = left
         hung = self._hung(ready, by_handle, dead)
         # Decoded before any restart: a successor starts after what its predecessor sent.
         out = self._decode(blobs)
@@ -636,7 +689,7 @@ class IngestPool:
         channel = self._spec.channel
         streams = self._streams
         for blob in blobs:
-            names, ids, types, bodies, tops, item_seqs = pickle.loads(blob)
+            names, ids, types, bodies, tops, item_seqs = pickle.loads(memoryview(blob)[1:])
             # The reader decoded and validated each body already (a bad one went to the
             # dlq there); building it again here is cheaper than pickling the message.
             out += [

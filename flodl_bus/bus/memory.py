@@ -180,6 +180,9 @@ class MemoryCoordinatorBus:
     def broadcast(self, msg: ControlWire) -> None:
         self.hub._send_control(range(self.hub.world_size), "ctl:all", msg)
 
+    #: every read takes all there is: never behind
+    behind = False
+
     def read_upstream(self, block_ms: int) -> Sequence[Delivery]:
         if self.closed:
             return []

@@ -148,6 +148,11 @@ class ShardedCoordinatorBus:
                     out[i] = eid
             return out
 
+    @property
+    def behind(self) -> bool:
+        """Some shard's reader is behind its streams, or its reads wait in the queue."""
+        return not self._q.empty() or any(part.behind for part in self.parts)
+
     def read_upstream(self, block_ms: int) -> list[Delivery]:
         out: list[Delivery] = []
         try:

@@ -646,6 +646,14 @@ class RedisCoordinatorBus:
             by="coordinator",
         )
 
+    @property
+    def behind(self) -> bool:
+        """The last ``read_upstream`` may have left entries waiting (``GroupCursor.behind``,
+        ``IngestPool.behind``): the coordinator is behind its ranks' streams."""
+        if self._ingest is not None:
+            return self._ingest.behind
+        return self._reader.cursor.behind
+
     def read_upstream(self, block_ms: int) -> list[Delivery]:
         if self._ingest is not None:
             # the readers dead-letter and repair foreign entries themselves

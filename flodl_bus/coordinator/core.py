@@ -262,15 +262,19 @@ class Coordinator:
             assert_never(msg)
         return out
 
-    def tick(self, now: float) -> list[Out]:
-        """Periodic work in the reference's order (§4.2)."""
+    def tick(self, now: float, *, behind: bool = False) -> list[Out]:
+        """Periodic work in the reference's order (§4.2). ``behind``: the runtime's last
+        read may have left entries waiting (``CoordinatorBus.behind``); a rank's silence
+        then may be the coordinator's own backlog, so no rank is declared dead for it
+        until a tick that is not behind (4,096 simulated ranks on one coordinator: a
+        pass longer than the heartbeat timeout declared every live rank dead)."""
         out: list[Out] = []
         if self.finished or not self._started:
             return out
         if now - self._last_coord_hb >= self.config.coord_heartbeat_every:
             self._last_coord_hb = now
             out.append(Broadcast(CoordHeartbeat()))
-        if self.config.elastic:
+        if self.config.elastic and not behind:
             self._check_dead_ranks(now, out)
         if self.finished:
             return out

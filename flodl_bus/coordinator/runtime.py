@@ -365,14 +365,18 @@ class CoordinatorLoop:
         core = self.core
         now = self.clock()
         self._watch_stall(now)
+        behind: bool = getattr(self.bus, "behind", False)
         if self.rec is None:
-            self._apply(core.tick(now), now)
+            self._apply(core.tick(now, behind=behind), now)
             return
         before = self._state_before()
-        outs = core.tick(now)
+        outs = core.tick(now, behind=behind)
         after = self._state_after()
         if outs or after != before or self._shadow is not None:
-            self.rec.core_call("tick", now=now, before=before, after=after, out=outs)
+            # Written only where it is true: older records, which never say it, replay
+            # as ticks that were not behind (``replay.coordinator``).
+            extra = {"behind": True} if behind else {}
+            self.rec.core_call("tick", now=now, before=before, after=after, out=outs, **extra)
             if self._shadow is not None and now >= self._next_shadow_check:
                 self._next_shadow_check = now + CHECK_EVERY_S
                 self._shadow.check(core.state_summary())

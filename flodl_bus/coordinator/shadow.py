@@ -116,7 +116,8 @@ class ShadowRecorder(DispatchRecorder):
             return
         msg = extra.get("msg")
         packed = None if msg is None else process.pack_msg(msg, record_value)
-        self._send((CALL, event, now, extra.get("rank"), packed, _outs(out)))
+        behind = bool(extra.get("behind", False))
+        self._send((CALL, event, now, extra.get("rank"), packed, _outs(out), behind))
 
     def port(self, *, call: str, args: Mapping[str, Any], result: Any) -> None:
         if self._remote is None:
@@ -194,13 +195,16 @@ class _Shadow:
         rank: int | None,
         packed: tuple[int, Any] | None,
         real: Any,
+        behind: bool = False,
     ) -> None:
         before = self.state
         extra: dict[str, Any] = {}
         if event == "start":
             outs = core.start(now)
         elif event == "tick":
-            outs = core.tick(now)
+            outs = core.tick(now, behind=behind)
+            if behind:
+                extra["behind"] = True
         elif event == "interrupt":
             outs = core.interrupt(now)
         elif event == "declare_dead" and rank is not None:

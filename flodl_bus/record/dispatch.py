@@ -41,8 +41,10 @@ from the previous event's ``after`` (``record.states``, which ``replay`` expands
 
 ``{"event": "start", "i", "now", "before", "after", "out"}``
     ``Coordinator.start(now)``.
-``{"event": "tick", "i", "now", "before", "after", "out"}``
-    a tick that emitted something or changed state.
+``{"event": "tick", "i", "now", "before", "after", "out"[, "behind": true]}``
+    a tick that emitted something or changed state; ``behind``: the runtime's last read
+    may have left entries waiting, so the tick judged no rank silent
+    (``Coordinator.tick``). Absent means not behind (every record before it).
 ``{"event": "send_failed", "i", "rank", "msg", "now", "before", "after", "out"}``
     ``Coordinator.send_failed``: the runtime could not deliver ``msg``.
 ``{"event": "declare_dead", "i", "rank", "now", "before", "after", "out"}``

@@ -255,7 +255,8 @@ class CoordinatorReplay(_Replay):
         if kind == "start":
             actual = self._call(lambda: core.start(now))
         elif kind == "tick":
-            actual = self._call(lambda: core.tick(now))
+            behind = bool(ev.get("behind", False))
+            actual = self._call(lambda: core.tick(now, behind=behind))
         elif kind == "dispatch":
             msg = self._consume(ev)
             if msg is None:

@@ -510,5 +510,5 @@ class _Replay:
 
 
 def _ident(ev: Mapping[str, Any]) -> dict[str, Any]:
-    keys = ("event", "i", "stream", "id", "sender", "rank", "now", "synthetic", "extra")
+    keys = ("event", "i", "stream", "id", "sender", "rank", "now", "behind", "synthetic", "extra")
     return {k: ev[k] for k in keys if k in ev}

@@ -5,6 +5,7 @@ mid-stream, and one that hangs."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -142,6 +143,48 @@ def test_a_rank_added_later_goes_to_a_reader(url: str) -> None:
     _prefill(url, keys, [0, 1, 2], 30)
     got = _drain(coord, 90)
     assert _steps_by_rank(got) == {r: list(range(30)) for r in range(3)}
+    coord.close()
+
+
+def test_reader_processes_say_they_are_behind_until_every_entry_was_handed_on(url: str) -> None:
+    # The coordinator's liveness asks this: a rank not reached yet is not a silent one.
+    keys = RunKeys("ingest-behind")
+    ranks = range(4)
+    coord = RedisCoordinatorBus(
+        connect(url),
+        keys,
+        CK,
+        ranks=ranks,
+        config=dataclasses.replace(FAST, read_count=4, read_total=8),
+        ingest_procs=K,
+    )
+    assert coord.ingest is not None and coord.ingest.wait_ready(60)
+    _prefill(url, keys, ranks, 150)
+    total = 150 * len(ranks)
+    reads_behind: list[bool] = []
+
+    def on_read(got: list[Delivery]) -> None:
+        if len(got) < total:
+            reads_behind.append(coord.behind)
+
+    got = _drain(coord, total, on_read=on_read)
+    assert _steps_by_rank(got) == {r: list(range(150)) for r in ranks}
+    assert reads_behind and all(reads_behind)
+    # caught up: each reader's next read finds nothing left and says so
+    deadline = time.monotonic() + 30
+    while coord.behind:
+        assert time.monotonic() < deadline, "the readers never said they caught up"
+        assert coord.read_upstream(100) == []
+    coord.close()
+
+
+def test_a_reader_with_no_streams_is_not_behind(url: str) -> None:
+    keys = RunKeys("ingest-idle-reader")
+    coord = _coord(url, keys, [0])  # K readers, one stream: the other reader has none
+    deadline = time.monotonic() + 30
+    while coord.behind:
+        assert time.monotonic() < deadline, "an idle reader was taken for behind for ever"
+        coord.read_upstream(100)
     coord.close()
 
 

@@ -30,6 +30,32 @@ def test_heartbeat_stale_declares_rank_dead_and_unblocks_should_average() -> Non
     assert msgs(out, m.RequestParams)  # the reduce fires without the dead rank
 
 
+def test_a_tick_behind_its_input_declares_no_silent_rank_dead_until_caught_up() -> None:
+    # The runtime's read left entries waiting: a rank's silence may be the coordinator's
+    # own backlog (4,096 simulated ranks: every live rank was declared dead).
+    core, _ = started("cpu-sync", ws=3)
+    beat(core, [0, 1], 31.0)
+    out = core.tick(31.0, behind=True)
+    assert core.live.dead == [False, False, False]
+    assert not msgs(out, m.DeclareDead)
+    assert msgs(core.tick(45.0, behind=True), m.CoordHeartbeat)  # the rest of a tick runs
+    assert core.live.dead == [False, False, False]
+    # caught up: rank 2 is still unheard, and now that is its own silence
+    beat(core, [0, 1], 46.0)
+    out = core.tick(46.0)
+    assert core.live.dead == [False, False, True]
+    assert [o.msg for o in msgs(out, m.DeclareDead)] == [m.DeclareDead(2)]
+
+
+def test_a_rank_heard_in_the_backlog_is_alive_once_caught_up() -> None:
+    core, _ = started("cpu-sync", ws=2)
+    beat(core, [0], 40.0)
+    core.tick(40.0, behind=True)
+    beat(core, [1], 41.0)  # its entries were waiting in the backlog
+    core.tick(41.0)
+    assert core.live.dead == [False, False]
+
+
 def test_nccl_death_broadcasts_declare_dead_then_resessions_survivors() -> None:
     core, _ = started("nccl-sync", ws=3)
     beat(core, [0, 1], 31.0)

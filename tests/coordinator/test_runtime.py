@@ -190,6 +190,33 @@ class RefusingBroadcastBus(MemoryCoordinatorBus):
         super().broadcast(msg)
 
 
+class BacklogBus(MemoryCoordinatorBus):
+    """Says every read left entries waiting (a coordinator far behind its ranks)."""
+
+    behind = True
+
+
+def test_a_loop_behind_its_input_declares_no_rank_dead_and_records_its_ticks_so(
+    tmp_path: Path,
+) -> None:
+    # A heartbeat timeout shorter than any gap between two reads: every tick would find
+    # the rank silent, were it not that the loop is behind its input.
+    core = Coordinator(config("cpu-cadence", epochs=1, heartbeat_timeout=1e-6))
+    hub = MemoryHub(1)
+    world = start_rank(hub)
+    rec = DispatchRecorder(tmp_path, "coordinator")
+    loop = CoordinatorLoop(core, BacklogBus(hub), recorder=rec)
+    try:
+        code = loop.run()
+    finally:
+        rec.close()
+    world.thread.join(30)
+    assert code == EXIT_OK and world.result == [0]
+    assert not core.live.dead[0]
+    ticks = [r for r in read_records(tmp_path / "coordinator.jsonl") if r["event"] == "tick"]
+    assert ticks and all(r["behind"] is True for r in ticks)
+
+
 def test_a_refused_broadcast_is_counted_and_the_run_goes_on(tmp_path: Path) -> None:
     core = Coordinator(config("cpu-cadence", epochs=2))
     hub = MemoryHub(1)

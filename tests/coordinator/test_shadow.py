@@ -22,8 +22,8 @@ from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.record.telemetry import EVENTS_FILE
 from flodl_bus.replay import load_run, replay
 from tests.coordinator.sim import Cluster
+from tests.coordinator.test_runtime import BacklogBus, start_rank
 from tests.coordinator.test_runtime import config as rank_config
-from tests.coordinator.test_runtime import start_rank
 from tests.record.test_process import Teed, cfg
 
 
@@ -122,6 +122,29 @@ def test_a_loop_with_a_shadow_record_trains_to_the_end(tmp_path: Path) -> None:
     assert len(dispatches) == loop.dispatches > 0
     assert coord.core_events()[-1]["after"] == core.state_summary()
     assert code != FAILED
+
+
+def test_a_shadow_runs_the_ticks_the_loop_ran_behind_its_input_as_they_ran(
+    tmp_path: Path,
+) -> None:
+    # Every tick would find the rank silent, were the loop not behind its input: a shadow
+    # told nothing of it would declare the death and disagree with the real core.
+    core = Coordinator(rank_config("cpu-cadence", epochs=1, heartbeat_timeout=1e-6))
+    hub = MemoryHub(1)
+    world = start_rank(hub)
+    rec = ShadowRecorder(tmp_path, config=core.config)
+    rec.header(run="behind", config=dataclasses.asdict(core.config))
+    loop = CoordinatorLoop(core, BacklogBus(hub), recorder=rec)
+    try:
+        code = loop.run()
+    finally:
+        rec.close()
+    world.thread.join(30)
+    assert code == EXIT_OK and rec.failure is None and loop.record_lost is None
+    (coord,) = load_run(tmp_path).values()
+    ticks = [e for e in coord.core_events() if e["event"] == "tick"]
+    assert ticks and all(e.get("behind") is True for e in ticks)
+    assert not core.live.dead[0]
 
 
 pytestmark = pytest.mark.slow
