@@ -105,6 +105,7 @@ def batches(core: BridgeCore, dispatch: Quiesced, r: int, *, next_window: bool =
     """The bridge's size in batches (before the pool's remainder caps it); with
     ``next_window`` (the CPU plane) the rank's next window rides on it."""
     counts, steps, smoothed = core.elche.counts, core.ledger.steps, core.elche.smoothed_all()
+    wall_ms = core.ledger.wall_ms
     owed_ms = 0.0
     # The longest wait of any rank in ``owing``. Whether a rank can still step is asked
     # only of one whose wait would be the longest so far: asked of every rank for every
@@ -129,10 +130,12 @@ def batches(core: BridgeCore, dispatch: Quiesced, r: int, *, next_window: bool =
         if left <= 0 or s == r:
             continue
         if ms is None:
-            ms = ms_per_batch(core, s)  # this window's, before the first calibration
-            if ms is None:
+            # ``ms_per_batch`` inline (this window's speed, before the first calibration):
+            # every uncalibrated rank takes this path at every bridge of a run's start.
+            if step <= 0:
                 continue
-        elif ms <= 0.0:
+            ms = wall_ms[s] / step
+        if ms <= 0.0:
             continue  # as ``ms_per_batch`` has it: no speed
         if left * ms > owed_ms and not dispatch.quiesced(s):
             owed_ms = left * ms

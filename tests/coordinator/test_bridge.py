@@ -45,8 +45,10 @@ def test_a_bridge_is_sized_by_the_longest_owed_wait_as_a_full_scan_would_size_it
     rng = random.Random(11)
     ws = 12
     core = make("cpu-cadence", ws=ws, total=100_000, heartbeat_timeout=1.0)
-    # some ranks calibrated at various speeds, three never measured (no ring)
-    readings = tuple(None if r in (2, 7, 9) else rng.uniform(5.0, 60.0) for r in range(ws))
+    # some ranks calibrated at various speeds, three never measured (no ring: their speed
+    # is their window's, wall time over steps)
+    unmeasured = (2, 7, 9)
+    readings = tuple(None if r in unmeasured else rng.uniform(5.0, 60.0) for r in range(ws))
     core.elche.report_window(WindowReport(readings))
     core.start(0.0)
     silent = 5  # never heard again: declared dead once the timeout passes
@@ -57,7 +59,8 @@ def test_a_bridge_is_sized_by_the_longest_owed_wait_as_a_full_scan_would_size_it
         core.tick(now)
         if turn % 7 == 0:
             # a speed reading moves the rings (and the cached speeds with them)
-            core.elche.report_window(WindowReport(tuple(rng.uniform(5.0, 60.0) for _ in range(ws))))
+            speeds = (None if s in unmeasured else rng.uniform(5.0, 60.0) for s in range(ws))
+            core.elche.report_window(WindowReport(tuple(speeds)))
         # the pool's own view, and views in which some ranks owing steps have no work
         views = [core.dispatch, _Idle({s for s in range(ws) if rng.random() < 0.3})]
         for view in views:
