@@ -49,7 +49,10 @@ def _plans(outs: list[Out], plans: dict[int, list[int]]) -> None:
                 plans[o.rank] = [plan.epoch, plan.partition_size, plan.partition_size]
 
 
-def run_once(mode: str, ranks: int, reduces: int) -> Sample:
+def run_once(mode: str, ranks: int, reduces: int, dead: float = 0.0) -> Sample:
+    """One run of ``reduces`` reduces. ``dead``: the share of the ranks (the highest)
+    declared dead after the first reduce, the figures then taken from there on (a dead
+    rank's count is kept and its speed forgotten: what the survivors' calls walk past)."""
     cfg = CoordinatorConfig(
         mode=mode,
         world_size=ranks,
@@ -67,8 +70,17 @@ def run_once(mode: str, ranks: int, reduces: int) -> Sample:
     handle_ns = batch_ns = reduce_ns = 0
     n_msgs = n_batches = 0
     clock = time.perf_counter_ns
-    idle = 0
+    idle = first = 0
+    to_kill = int(ranks * dead)
     while core.version < reduces:
+        if to_kill and core.version >= 1:
+            for r in range(ranks - to_kill, ranks):
+                _plans(core.declare_dead(r, now), plans)
+                plans.pop(r, None)
+            to_kill = 0
+            handle_ns = batch_ns = reduce_ns = 0
+            n_msgs = n_batches = 0
+            first = core.version
         now += 0.01
         # Every rank trains up to its window (one step under sync), in rank order.
         for r in range(ranks):
@@ -115,6 +127,8 @@ def run_once(mode: str, ranks: int, reduces: int) -> Sample:
             continue
         idle = 0
         for r in range(ranks):
+            if not core.alive(r):
+                continue
             step[r] += 0 if cpu else 1
             t0 = clock()
             core.handle(r, m.SyncAck(r, step[r], 0.01, 1.0, 1.0), now)
@@ -128,8 +142,8 @@ def run_once(mode: str, ranks: int, reduces: int) -> Sample:
     return Sample(
         msg_us=handle_ns / 1000 / max(n_msgs, 1),
         batch_us=batch_ns / 1000 / max(n_batches, 1),
-        reduce_us=reduce_ns / 1000 / max(core.version, 1),
-        reduces=core.version,
+        reduce_us=reduce_ns / 1000 / max(core.version - first, 1),
+        reduces=core.version - first,
         messages=n_msgs,
     )
 
@@ -148,17 +162,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--modes", default="nccl-cadence,cpu-cadence,cpu-sync")
     p.add_argument("--reduces", type=int, default=20, help="reduces per run")
     p.add_argument("--repeats", type=int, default=5, help="runs per point (median)")
+    p.add_argument(
+        "--dead",
+        type=float,
+        default=0.0,
+        help="share of the ranks declared dead after the first reduce; the figures are "
+        "taken from there on (default 0)",
+    )
     args = p.parse_args(argv)
+    if not 0.0 <= args.dead < 1.0:
+        p.error(f"--dead {args.dead}: use a share of the ranks from 0 up to (not) 1")
     sizes = [int(x) for x in args.ranks.split(",")]
     ref = statistics.median(codec_us() for _ in range(args.repeats))
     print(f"reference: wire encode+decode of one Batch = {ref:.2f} us (median of {args.repeats})")
+    if args.dead:
+        print(f"{args.dead:.0%} of the ranks declared dead after the first reduce")
     header = f"{'mode':<13}{'ranks':>6}{'us/msg':>9}{'us/Batch':>10}{'x codec':>9}"
     header += f"{'us/reduce':>11}{'us/reduce/rank':>16}"
     print(header)
     for mode in args.modes.split(","):
         base = per_rank = 0.0
         for ws in sizes:
-            runs = [run_once(mode, ws, args.reduces) for _ in range(args.repeats)]
+            runs = [run_once(mode, ws, args.reduces, args.dead) for _ in range(args.repeats)]
             msg_us = statistics.median(s.msg_us for s in runs)
             batch_us = statistics.median(s.batch_us for s in runs)
             red_us = statistics.median(s.reduce_us for s in runs)

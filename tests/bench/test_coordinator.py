@@ -28,3 +28,18 @@ def test_the_command_prints_each_point_beside_the_codec_reference(
     out = capsys.readouterr().out
     assert "reference: wire encode+decode of one Batch" in out
     assert "per-rank reduce cost at 8 vs 4 ranks" in out
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-cadence"])
+def test_the_survivors_of_a_mass_death_reach_their_reduces(mode: str) -> None:
+    sample = run_once(mode, 8, 4, dead=0.5)
+    assert sample.reduces >= 3  # counted from the deaths on
+    assert sample.messages > 4 * 3
+
+
+def test_a_dead_share_outside_zero_to_one_is_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["--ranks", "4", "--dead", "1.0"])
+    assert "--dead" in capsys.readouterr().err
