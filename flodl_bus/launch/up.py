@@ -80,16 +80,7 @@ from flodl_bus.record.chain import raw_lines
 from flodl_bus.record.dispatch import fresh_run_dir
 from flodl_bus.record.log import Recorder
 from flodl_bus.stop_signals import signal_name
-from flodl_bus.worker.host import (
-    ENV_COMPUTE_CPUS,
-    ENV_CONTROL_CPUS,
-    ENV_TUNE,
-    cpu_layout,
-    format_cpus,
-    pins_cpus,
-    tunes_threads,
-    usable_cores_list,
-)
+from flodl_bus.worker.host import ENV_TUNE, tunes_threads
 
 #: how long ranks may take to exit on their own once the coordinator is done
 WORKER_EXIT_GRACE_S = 10.0
@@ -186,23 +177,6 @@ class Launcher:
         finally:
             self.run_lock.release()
 
-    def _lay_out_cpus(self, workers: int) -> list[dict[str, str]] | None:
-        """Under ``FLODL_PIN_CPUS=1``: this launcher (so the coordinator and its record
-        process it starts next) and an embedded Redis to the control plane's cores; the
-        environment that gives each rank its training cores. None: nothing pinned."""
-        if not pins_cpus(os.environ) or not hasattr(os, "sched_setaffinity"):
-            return None
-        layout = cpu_layout(usable_cores_list(), workers)
-        if layout is None:
-            return None
-        control, ranks = layout
-        os.sched_setaffinity(0, control)
-        if self.server is not None and self.server.proc is not None:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(self.server.proc.pid, control)
-        ctl = format_cpus(control)
-        return [{ENV_COMPUTE_CPUS: format_cpus(c), ENV_CONTROL_CPUS: ctl} for c in ranks]
-
     def _start(self) -> int | None:
         args = self.args
         url = args.redis_url
@@ -282,7 +256,6 @@ class Launcher:
         # The split above is a default unless the caller asked for a count: each rank
         # then sizes its threads to the work from it (``worker.threads``).
         tune = {ENV_TUNE: "1" if tunes_threads(os.environ) else "0"}
-        pinned = self._lay_out_cpus(args.workers)
         # The supervisor pipe: only the coordinator inherits its read end (pipes are
         # not inheritable by default; pass_fds makes this one so for that child alone).
         read_end, self._supervisor_w = os.pipe()
@@ -316,7 +289,6 @@ class Launcher:
                         # another launcher) would give every rank the same local rank.
                         "LOCAL_RANK": str(r),
                         "LOCAL_WORLD_SIZE": str(args.workers),
-                        **({} if pinned is None else pinned[r]),
                     },
                     self.run_dir / f"rank{r}.log",
                 )

@@ -64,7 +64,7 @@ from flodl_bus.protocol.messages import (
 from flodl_bus.stop_signals import SignalStop, StopSignals, signal_name
 from flodl_bus.worker.device_spec import hello_spec_score
 from flodl_bus.worker.feed import FeedOptions
-from flodl_bus.worker.host import check_thread_env, pin_training_thread, rank_env
+from flodl_bus.worker.host import check_thread_env, rank_env
 from flodl_bus.worker.options import (
     DEFAULT_JOB,
     DEFAULT_MODE,
@@ -298,8 +298,6 @@ def run(args: argparse.Namespace) -> int:
     # Our own handlers first, whatever was inherited (an ignored SIGINT in a background
     # job, an ignored SIGTERM as PID 1 in a container): during setup a stop signal
     # raises SignalStop; once the rank runs, it leaves in order (``run_rank``).
-    # Before torch runs a parallel region: the intra-op team inherits this thread's mask.
-    pin_training_thread(os.environ)
     with StopSignals() as stop:
         return guarded(args, lambda: _main(args, stop))
 

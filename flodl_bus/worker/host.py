@@ -29,8 +29,7 @@ over its first steps (``worker.threads``); ``FLODL_TUNE_THREADS=0`` keeps the sh
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from typing import Final
 
 #: ``1``: the rank sizes its threads to the work (``worker.threads``) although a launcher
@@ -40,14 +39,6 @@ ENV_TUNE: Final = "FLODL_TUNE_THREADS"
 CONTROL_CORES: Final = 1
 #: ... on hosts with at least this many: on fewer, the ranks need every core they have.
 RESERVE_FROM: Final = 4
-#: ``1``: ``up`` lays the host's cores out (``cpu_layout``): the kept core(s) for the
-#: control plane (Redis, the coordinator, every rank's own threads), the rest split
-#: among the ranks' training threads. Off by default until measured on a host.
-ENV_PIN: Final = "FLODL_PIN_CPUS"
-#: what ``up`` gives each rank under ``FLODL_PIN_CPUS``: its training cores ...
-ENV_COMPUTE_CPUS: Final = "FLODL_COMPUTE_CPUS"
-#: ... and the control plane's
-ENV_CONTROL_CPUS: Final = "FLODL_CONTROL_CPUS"
 
 
 def usable_cores() -> int:
@@ -55,13 +46,6 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
         return max(1, os.cpu_count() or 1)
-
-
-def usable_cores_list() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 def rank_env(rank: int, world_size: int, env: Mapping[str, str]) -> dict[str, str]:
@@ -141,75 +125,3 @@ def check_thread_env(env: Mapping[str, str]) -> None:
     says it once, before anything starts)."""
     thread_share(env, 1)
     tunes_threads(env)
-
-
-def pins_cpus(env: Mapping[str, str]) -> bool:
-    flag = env.get(ENV_PIN, "").strip()
-    if flag not in ("", "0", "1"):
-        raise ValueError(f"{ENV_PIN}={flag!r}: use 1 (cores laid out for control) or 0")
-    return flag == "1"
-
-
-def cpu_layout(
-    cpus: Sequence[int], workers: int, control: int = CONTROL_CORES
-) -> tuple[list[int], list[list[int]]] | None:
-    """(the control plane's cores, each rank's training cores), or None where the host
-    is too small to keep a core (the ranks then share every core, as unpinned).
-
-    Why: the kept core only helps if the control plane runs there. Left to the
-    scheduler, a reader or publisher woken by the training thread (or Redis, the
-    coordinator) lands beside a spinning intra-op thread and every parallel region then
-    waits for it (a world of one at 15 threads: 1.48 s against the plain loop's 0.78 s)."""
-    ordered = sorted(set(cpus))
-    if len(ordered) < RESERVE_FROM or len(ordered) - control < workers:
-        return None
-    kept, rest = ordered[-control:], ordered[:-control]
-    per = len(rest) // workers
-    return kept, [rest[r * per : (r + 1) * per] for r in range(workers)]
-
-
-def format_cpus(cpus: Sequence[int]) -> str:
-    return ",".join(str(c) for c in cpus)
-
-
-def parse_cpus(text: str) -> set[int]:
-    try:
-        cpus = {int(c) for c in text.split(",") if c.strip()}
-    except ValueError:
-        raise ValueError(f"{text!r}: use a comma-separated list of CPU numbers") from None
-    if not cpus:
-        raise ValueError("an empty CPU list")
-    return cpus
-
-
-def pin_training_thread(env: Mapping[str, str]) -> bool:
-    """At a rank's start, before torch runs a parallel region: the calling thread (the
-    training thread, whose intra-op team inherits its mask) to the rank's training
-    cores. False where ``up`` laid out none."""
-    given = env.get(ENV_COMPUTE_CPUS, "").strip()
-    if not given or not hasattr(os, "sched_setaffinity"):
-        return False
-    os.sched_setaffinity(0, parse_cpus(given))
-    return True
-
-
-def pin_control_threads(env: Mapping[str, str]) -> int:
-    """Every other live Python thread of this process (reader, heartbeat, publisher,
-    record writer) to the control plane's cores; how many were moved. Threads started
-    later inherit the training mask until this runs again."""
-    given = env.get(ENV_CONTROL_CPUS, "").strip()
-    if not given or not hasattr(os, "sched_setaffinity"):
-        return 0
-    cpus = parse_cpus(given)
-    me = threading.get_ident()
-    moved = 0
-    for t in threading.enumerate():
-        tid = t.native_id
-        if t.ident == me or tid is None or not t.is_alive():
-            continue
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except (ProcessLookupError, PermissionError, OSError):
-            continue  # ended meanwhile
-        moved += 1
-    return moved

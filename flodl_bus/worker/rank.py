@@ -26,13 +26,7 @@ from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.hooks import JobHooks, bind_intent_sink, unbind_intent_sink
-from flodl_bus.worker.host import (
-    pin_control_threads,
-    set_rank_env,
-    torch_threads,
-    tunes_threads,
-    usable_cores,
-)
+from flodl_bus.worker.host import set_rank_env, torch_threads, tunes_threads, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
@@ -148,16 +142,6 @@ def run_rank(
     refused = session.open()
     if refused is not None:
         return refused
-    # Every thread the session started (reader, heartbeat, publisher, record writer) to
-    # the control plane's cores, where ``up`` laid them out (``worker.host.cpu_layout``).
-    moved = pin_control_threads(os.environ)
-    if moved:
-        structlog.get_logger("flodl_bus.worker").info(
-            "cpus_laid_out",
-            rank=bus.rank,
-            training=sorted(os.sched_getaffinity(0)),
-            control_threads=moved,
-        )
     clean = False
     try:
         clean = session.loop.run_until_shutdown()

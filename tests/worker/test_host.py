@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import threading
-
 import pytest
 
-from flodl_bus.worker import host
 from flodl_bus.worker.host import rank_env, set_rank_env, thread_share, torch_threads, tunes_threads
 
 
@@ -104,65 +98,3 @@ def test_a_bad_setting_is_refused_naming_it(env: dict[str, str], named: str) -> 
 def test_a_local_rank_outside_the_local_world_is_refused(local_rank: str, local_world: str) -> None:
     with pytest.raises(ValueError, match="0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"):
         rank_env(0, 4, {"LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_world})
-
-
-def test_the_layout_keeps_the_last_core_for_control_and_splits_the_rest_evenly() -> None:
-    assert host.cpu_layout(range(16), 1) == ([15], [list(range(15))])
-    control, ranks = host.cpu_layout([3, 1, 2, 0, 7, 6, 5, 4], 3) or ([], [])
-    assert control == [7]
-    assert ranks == [[0, 1], [2, 3], [4, 5]]
-    # no rank's cores overlap another's or the control plane's
-    assert not set(control) & {c for r in ranks for c in r}
-
-
-def test_no_layout_where_the_host_cannot_spare_a_core() -> None:
-    assert host.cpu_layout(range(2), 1) is None
-    assert host.cpu_layout(range(4), 4) is None
-
-
-def test_pinning_is_off_unless_asked_and_a_bad_flag_is_refused() -> None:
-    assert not host.pins_cpus({})
-    assert host.pins_cpus({host.ENV_PIN: "1"})
-    with pytest.raises(ValueError, match="FLODL_PIN_CPUS"):
-        host.pins_cpus({host.ENV_PIN: "yes"})
-    with pytest.raises(ValueError, match="comma-separated"):
-        host.parse_cpus("0-3")
-
-
-def test_the_ranks_own_threads_move_to_the_control_cores_and_training_stays() -> None:
-    mine = os.sched_getaffinity(0)
-    target = {min(mine)}
-    release = threading.Event()
-    t = threading.Thread(target=release.wait, name="a-reader")
-    t.start()
-    try:
-        assert t.native_id is not None
-        moved = host.pin_control_threads({host.ENV_CONTROL_CPUS: host.format_cpus(sorted(target))})
-        assert moved >= 1
-        assert os.sched_getaffinity(t.native_id) == target
-        assert os.sched_getaffinity(0) == mine  # the calling (training) thread is left
-    finally:
-        release.set()
-        t.join()
-    assert host.pin_control_threads({}) == 0
-
-
-def test_a_rank_pinned_to_training_cores_runs_its_intra_op_team_there() -> None:
-    mine = sorted(os.sched_getaffinity(0))
-    code = (
-        "import os, torch; from flodl_bus.worker import host;"
-        "before = set(os.listdir('/proc/self/task'));"
-        "assert host.pin_training_thread(os.environ);"
-        "torch.set_num_threads(2); torch.ones(1 << 22).exp().sum();"
-        # threads torch started at its import (idle helpers) are not the team's
-        "tasks = set(os.listdir('/proc/self/task')) - before | {str(os.getpid())};"
-        "print(len(tasks), sorted({c for t in tasks for c in os.sched_getaffinity(int(t))}))"
-    )
-    env = {**os.environ, host.ENV_COMPUTE_CPUS: str(mine[0])}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    tasks, cpus = out.stdout.split(" ", 1)
-    assert int(tasks) >= 2  # the intra-op team exists, and it is on the training cores only
-    assert cpus.strip() == f"[{mine[0]}]"
