@@ -14,6 +14,12 @@ Fair to them, as a reviewer would ask:
 * the same share of the host's cores as a rank: each DDP process takes
   ``cores / LOCAL_WORLD_SIZE`` threads, CUDA or not (``worker.host.thread_share``, the
   rule our ranks follow); the plain loop is given one rank's share by its caller;
+* the same care with that share: where a CPU rank would size its threads to the work
+  over its first steps (``worker.threads``: the default share, no count asked for), so
+  do the plain loop and each DDP process, with the same ``ThreadTuner``. Held at their
+  share, both lost to a sized rank on small models for the count alone (a host's plain
+  loop: 1.22 s at 15 threads, 1.07-1.11 s at 1 or 2; DDP under torchrun would run at
+  ``OMP_NUM_THREADS=1``);
 * the same eval cadence: the model is evaluated every ``eval_every`` epochs, inside the
   clock as a rank's evals are inside the bus run's, so "time to target" (the clock once
   the eval that reached it is known) means the same on every side.
@@ -40,7 +46,8 @@ from flodl_bus.job import Job, load_job
 from flodl_bus.params.hosts import pin_one_host
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
 from flodl_bus.worker.feed import FeedOptions, make_feed
-from flodl_bus.worker.host import set_rank_env, thread_share, usable_cores
+from flodl_bus.worker.host import set_rank_env, thread_share, tunes_threads, usable_cores
+from flodl_bus.worker.threads import ThreadTuner
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,8 @@ class BaselineResult:
     #: where the time went, timed as a rank times its steps (``bench.breakdown``):
     #: seconds in ``compute``, ``data``, ``eval`` and the ``rest``, of the ``total``
     parts: dict[str, float] = field(default_factory=dict)
+    #: the thread count it kept after sizing them to the work (None: not sized)
+    threads: int | None = None
 
 
 @dataclass
@@ -70,6 +79,8 @@ class _Run:
     eval: float = 0.0
     #: every step's length (data and compute), seconds
     lengths: list[float] = field(default_factory=list)
+    #: the thread count kept once sized to the work (None: not sized)
+    threads: int | None = None
 
     def parts(self) -> dict[str, float]:
         rest = self.total - self.compute - self.data - self.eval
@@ -129,8 +140,10 @@ def _train(
     eval_every: int = 1,
     evaluate: bool = True,
     barrier: bool = False,
+    tuner: ThreadTuner | None = None,
 ) -> _Run:
-    """The rank's step, epoch after epoch, timed as a rank times it."""
+    """The rank's step, epoch after epoch, timed as a rank times it; ``tuner``: its
+    threads sized to the work over the first steps, as a rank sizes its own."""
     data = job.train_data()
     rank, world = shard
     bs = job.batch_size
@@ -172,6 +185,12 @@ def _train(
                 run.lengths.append(t2 - t0)
                 run.samples += bs
                 run.steps += 1
+                if tuner is not None:
+                    count = tuner.observe((t2 - t0) * 1000.0)
+                    if count is not None:
+                        torch.set_num_threads(count)
+                    if tuner.done:
+                        run.threads, tuner = tuner.chosen, None
             if (epoch + 1) % eval_every == 0 or epoch + 1 == epochs:
                 t0 = now()
                 # the bare module: a DDP forward on one rank alone would wait for the others
@@ -189,8 +208,22 @@ def _train(
     return run
 
 
+def sizing(device: torch.device) -> ThreadTuner | None:
+    """A ``ThreadTuner`` from the current count where a CPU rank would size its own
+    threads (``RankSession._thread_tuner``'s rule, lockstep aside: no baseline is)."""
+    share = torch.get_num_threads()
+    if device.type != "cpu" or share <= 1 or not tunes_threads(os.environ):
+        return None
+    return ThreadTuner(share)
+
+
 def plain_loop(
-    job: Job, device: str = "cpu", epochs: int | None = None, *, eval_every: int = 1
+    job: Job,
+    device: str = "cpu",
+    epochs: int | None = None,
+    *,
+    eval_every: int = 1,
+    tune: bool = True,
 ) -> BaselineResult:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -200,7 +233,8 @@ def plain_loop(
     model = job.build_model().to(dev)
     opt = job.build_optimizer(model)
     job.train_data()  # build (and cache) the data before the clock starts, as ranks do
-    run = _train(job, model, opt, dev, epochs or job.num_epochs, eval_every=eval_every)
+    tuner = sizing(dev) if tune else None
+    run = _train(job, model, opt, dev, epochs or job.num_epochs, eval_every=eval_every, tuner=tuner)
     metric = run.evals[-1][2] if run.evals else None
     return BaselineResult(
         "plain",
@@ -210,6 +244,7 @@ def plain_loop(
         metric,
         evals=tuple(run.evals),
         parts=run.parts(),
+        threads=run.threads,
     )
 
 
@@ -257,10 +292,12 @@ def _ddp_rank(
             eval_every=eval_every,
             evaluate=rank == 0,
             barrier=True,
+            tuner=sizing(device),
         )
         if rank == 0:
             torch.save(
                 {
+                    "threads": run.threads,
                     "wall": run.total,
                     "samples": run.samples * world,
                     "steps": run.steps,
@@ -316,4 +353,5 @@ def ddp_loop(
         collectives=r["steps"],
         evals=tuple(tuple(e) for e in r["evals"]),  # type: ignore[misc]
         parts=r["parts"],
+        threads=r.get("threads"),
     )

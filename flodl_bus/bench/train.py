@@ -62,7 +62,8 @@ if int(sys.argv[4]):  # 0: as the environment says (OMP_NUM_THREADS set by the c
 job = load_job(sys.argv[1])
 r = plain_loop(job, sys.argv[2], int(sys.argv[3]) or None, eval_every=int(sys.argv[5]))
 print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps,
-                  "metric": r.metric, "evals": r.evals, "parts": r.parts}))
+                  "metric": r.metric, "evals": r.evals, "parts": r.parts,
+                  "threads": None if r.threads is None else [r.threads]}))
 """
 
 _DDP = """
@@ -72,7 +73,7 @@ r = ddp_loop(sys.argv[1], int(sys.argv[2]), sys.argv[3] == "cuda", int(sys.argv[
              eval_every=int(sys.argv[5]))
 print(json.dumps({"wall": r.wall_s, "samples": r.samples, "steps": r.steps,
                   "metric": r.metric, "collectives": r.collectives, "evals": r.evals,
-                  "parts": r.parts}))
+                  "parts": r.parts, "threads": None if r.threads is None else [r.threads]}))
 """
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from flodl_bus.bench import slow
-from flodl_bus.bench.baselines import plain_loop
+from flodl_bus.bench.baselines import ddp_loop, plain_loop
 from flodl_bus.bench.breakdown import PROFILE
 from flodl_bus.bench.train import _parser, _to_target, _up_command, main
 from flodl_bus.job import load_job
@@ -43,6 +43,39 @@ def test_the_plain_loop_evaluates_on_the_cadence_and_reports_the_last_eval() -> 
     assert 0 < r.evals[0][1] < r.evals[1][1] <= r.wall_s
     assert r.metric == r.evals[-1][2] and 0.5 < r.metric <= 1.0
     assert r.steps == 3 * (len(job.train_data()) // job.batch_size)
+
+
+def test_the_plain_loop_sizes_its_threads_as_a_rank_at_its_default_share_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same care as our ranks: held at its share, the plain loop lost to a sized rank
+    # on small models for the thread count alone.
+    job = load_job("flodl_bus.examples.digits:job")
+    for var in ("FLODL_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        sized = plain_loop(job, "cpu", 1)
+        assert sized.threads in (1, 2)
+        assert torch.get_num_threads() == sized.threads  # it trained on at the count kept
+        torch.set_num_threads(2)
+        monkeypatch.setenv("FLODL_NUM_THREADS", "2")  # a count asked for is kept
+        assert plain_loop(job, "cpu", 1).threads is None
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_each_ddp_process_sizes_its_threads_as_a_rank_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for var in ("FLODL_NUM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    r = ddp_loop("flodl_bus.examples.digits:job", 1, False, 1)
+    assert r.threads in (1, 2)  # its share of this host's cores, then sized
+    monkeypatch.setenv("FLODL_NUM_THREADS", "2")
+    assert ddp_loop("flodl_bus.examples.digits:job", 1, False, 1).threads is None
 
 
 class _Tiny(nn.Module):
