@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,3 +382,35 @@ def test_a_rank_that_leaves_its_control_unread_is_named_and_declared_dead(
     assert core.live.dead[0]
     recs = read_records(tmp_path / "coordinator.jsonl")
     assert [r["rank"] for r in recs if r["event"] == "declare_dead"] == [0]
+
+
+class BehindUnreadBus(UnreadBus):
+    """``UnreadBus`` behind its input for its first ``behind_s`` seconds."""
+
+    def __init__(self, hub: MemoryHub, behind_s: float) -> None:
+        super().__init__(hub)
+        self.until = time.monotonic() + behind_s
+        self.asked_behind = 0
+
+    @property  # type: ignore[override]
+    def behind(self) -> bool:
+        return time.monotonic() < self.until
+
+    def overdue(self, budget_s: float) -> list[tuple[int, str, float]]:
+        self.asked_behind += self.behind
+        return super().overdue(budget_s)
+
+
+def test_a_loop_behind_its_input_takes_no_rank_for_one_leaving_its_control_unread(
+    tmp_path: Path,
+) -> None:
+    # The heartbeat that says where a rank read may be in the backlog: while behind,
+    # nobody is judged by it; once caught up, the rank still unread is named as before.
+    core = Coordinator(config("cpu-cadence", epochs=400, heartbeat_timeout=7.0))
+    hub = MemoryHub(1)
+    bus = BehindUnreadBus(hub, behind_s=2.5)
+    world = start_rank(hub)
+    run_loop(core, bus, tmp_path, exit_grace=5.0)
+    world.thread.join(30)
+    assert bus.asked_behind == 0
+    assert bus.asked and core.live.dead[0]  # judged, once the loop caught up
