@@ -194,6 +194,8 @@ class PoolDispatch(Dispatch):
         #: cadence: a rank held idle by the reduce's wait is given more work (cpu-cadence
         #: with ``cpu_bridges``)
         self.bridges = bridge.applies(core.config)
+        #: the owed waits a bridge is sized by, kept between bridges
+        self._owed = bridge.OwedWaits()
         # The core's ``solo`` is not set yet: a world of one is read off the config.
         cfg = core.config
         #: a world of one trains what is left of an epoch in one plan
@@ -533,7 +535,7 @@ class PoolDispatch(Dispatch):
             if pool.remaining() == 0:
                 return None
         if bridging:
-            size = bridge.batches(core, self, r, next_window=True)
+            size = bridge.batches(core, self, r, next_window=True, index=self._owed)
             batches = min(size, pool.remaining() // core.bs)
             return self._take(r, pool, batches, out, via_update) if batches > 0 else None
         batches = self._chunk_batches(r, pool, budget)
@@ -588,7 +590,7 @@ class PoolDispatch(Dispatch):
         pool = self.pools.get(self.rank_epoch[r])
         if pool is None or pool.remaining() < core.bs or not self._bridge_wanted(r, via_update):
             return None
-        size = min(bridge.batches(core, self, r), pool.remaining() // core.bs)
+        size = min(bridge.batches(core, self, r, index=self._owed), pool.remaining() // core.bs)
         return self._take(r, pool, size, out, via_update)
 
     def _bridge_wanted(self, r: int, via_update: bool) -> bool:

@@ -9,6 +9,7 @@ import random
 from flodl_bus.coordinator import bridge
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.elche import ElChe, WindowReport
+from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.coordinator.numeric import ordered_sum
 from flodl_bus.protocol import messages as m
 from tests.coordinator.drive import feed, make
@@ -52,6 +53,7 @@ def test_a_bridge_is_sized_by_the_longest_owed_wait_as_a_full_scan_would_size_it
     core.elche.report_window(WindowReport(readings))
     core.start(0.0)
     silent = 5  # never heard again: declared dead once the timeout passes
+    index = bridge.OwedWaits()  # kept across the run, as the dispatch keeps its own
     for turn in range(300):
         now = turn * 0.01
         r = rng.choice([s for s in range(ws) if s != silent])
@@ -66,8 +68,11 @@ def test_a_bridge_is_sized_by_the_longest_owed_wait_as_a_full_scan_would_size_it
         for view in views:
             for s in range(ws):
                 for next_window in (False, True):
+                    want = _by_definition(core, view, s, next_window)
                     got = bridge.batches(core, view, s, next_window=next_window)
-                    assert got == _by_definition(core, view, s, next_window), (turn, s)
+                    assert got == want, (turn, s)
+                    fast = bridge.batches(core, view, s, next_window=next_window, index=index)
+                    assert fast == want, (turn, s, "indexed")
     assert not core.alive(silent)
     assert core.ledger.steps[silent] < core.elche.counts[silent]
 
@@ -102,3 +107,44 @@ def test_a_step_report_alone_leaves_the_speeds_a_bridge_reads_unchanged() -> Non
     before = list(core.elche.smoothed_all())
     core.handle(0, m.Batch(0, 99.0, 0.0, 1, 0.5), 0.0)
     assert core.elche.smoothed_all() == before == [10.0, 40.0]
+
+
+class _View:
+    """The core as a bridge reads it, each part replaceable as the real ones are (a new
+    counts list at a recalibration, new speeds when the rings move, a new ledger a
+    window, a new live index at a death or an exit)."""
+
+    def __init__(self, counts: list[int], speeds: list[float | None], alive: list[int]) -> None:
+        self.elche = self
+        self.counts = counts
+        self.speeds = speeds
+        self.ledger = Ledger(len(counts))
+        self.alive = alive
+
+    def smoothed_all(self) -> list[float | None]:
+        return self.speeds
+
+    def alive_ranks(self) -> list[int]:
+        return self.alive
+
+
+def test_the_owed_waits_follow_each_part_they_are_built_from_whatever_else_stays() -> None:
+    view = _View([10, 10, 10, 10], [1.0, 2.0, 3.0, None], [0, 1, 2, 3])
+    index = bridge.OwedWaits()
+    busy = _Idle(set())
+
+    def both() -> tuple[float, float]:
+        return index.longest(view, busy, 0), bridge._walk(view, busy, 0)  # type: ignore[arg-type]
+
+    assert both() == (30.0, 30.0)  # rank 2: 10 batches at 3 ms
+    view.ledger.record_batch(2, 3.0, 0.0, 0.5)
+    view.ledger.record_batch(3, 9.0, 0.0, 0.5)  # uncalibrated: its window's 9 ms a batch
+    assert both() == (81.0, 81.0)
+    view.speeds = [1.0, 5.0, 3.0, None]  # the rings moved; the counts did not
+    assert both() == (81.0, 81.0)
+    view.ledger.record_batch(3, 0.0, 0.0, 0.5)  # 4.5 ms a batch now: 36 ms owed
+    assert both() == (50.0, 50.0)
+    view.alive = [0, 2, 3]  # rank 1 left; nothing else changed
+    assert both() == (36.0, 36.0)
+    view.ledger = Ledger(4)  # a new window
+    assert both() == (30.0, 30.0)
