@@ -55,7 +55,8 @@ def breakdown(r: ScaleResult) -> list[str]:
     lines = [
         f"  coordinator loop  {p['wall_s']:8.2f} s wall, {p['cpu_s']:.2f} s CPU (loop thread); "
         f"{int(p['messages'])} upstream msgs in {int(p['reads'])} reads "
-        f"({int(p['empty_reads'])} empty), {int(p['ticks'])} ticks; sent "
+        f"({int(p['empty_reads'])} empty), {int(p['ticks'])} ticks "
+        f"({int(p.get('ticks_behind', 0))} behind its input); sent "
         f"{int(p['sent'])} unicast + {int(p['broadcasts'])} broadcast in "
         f"{int(p['send_calls'])} bus calls ({p['send_calls'] / n:.3f} a msg)",
         f"    per upstream msg (budget at {r.ranks} ranks: step / 2N = {r.budget_us:.1f} µs)",

@@ -76,6 +76,8 @@ class LoopProfile:
     #: reads that returned nothing
     empty_reads: int = 0
     ticks: int = 0
+    #: ticks after a read that may have left entries waiting (the loop behind its input)
+    ticks_behind: int = 0
     #: control messages written: unicast, broadcast, and the bus calls that wrote them
     sent: int = 0
     broadcasts: int = 0
@@ -97,6 +99,7 @@ class LoopProfile:
         """The figures of the run's closing log line."""
         return {
             "messages": self.messages,
+            "ticks_behind": self.ticks_behind,
             "wall_s": round(self.wall_s, 3),
             "us_per_message": {k: round(v, 2) for k, v in self.per_message_us().items()},
         }

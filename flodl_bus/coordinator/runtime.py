@@ -71,6 +71,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger("flodl_bus.coordinator")
+#: how long the loop stays behind its input before it says so (and again every as long)
+BEHIND_NOTE_S: Final = 10.0
 
 #: The loop exited because every live rank said Exiting after a clean Shutdown.
 EXIT_OK: Final = OK
@@ -160,6 +162,9 @@ class CoordinatorLoop:
         #: flodl's stall dump: a run that stops moving logs why at 15 s and 120 s
         self.stall = StallWatch()
         self._next_stall_check = 0.0
+        #: since when every read may have left entries waiting (None: caught up)
+        self._behind_since: float | None = None
+        self._next_behind_note = 0.0
         #: where the loop's time went, stage by stage (``loop_profile``)
         self.profile = LoopProfile()
         #: why the record stopped being written (its process died): the run stops
@@ -366,6 +371,7 @@ class CoordinatorLoop:
         now = self.clock()
         self._watch_stall(now)
         behind: bool = getattr(self.bus, "behind", False)
+        self._note_behind(behind)
         if self.rec is None:
             self._apply(core.tick(now, behind=behind), now)
             return
@@ -385,6 +391,29 @@ class CoordinatorLoop:
             # state, so the next call's "before" is recognised without a comparison.
             self._state = before
         self._apply(outs, now)
+
+    def _note_behind(self, behind: bool) -> None:
+        """Count the ticks behind the loop's input, and say so when it stays behind: its
+        ranks wait on it, and a death is not declared until it catches up."""
+        at = time.monotonic()
+        if not behind:
+            if self._behind_since is not None and at - self._behind_since >= BEHIND_NOTE_S:
+                log.info("coordinator_caught_up", behind_s=round(at - self._behind_since, 1))
+            self._behind_since = None
+            return
+        self.profile.ticks_behind += 1
+        if self._behind_since is None:
+            self._behind_since = at
+        elif at - self._behind_since >= BEHIND_NOTE_S and at >= self._next_behind_note:
+            self._next_behind_note = at + BEHIND_NOTE_S
+            log.warning(
+                "coordinator_behind",
+                behind_s=round(at - self._behind_since, 1),
+                ranks=self.core.ws,
+                detail="its ranks' entries wait unread: deaths wait until it catches up; "
+                "fewer ranks per coordinator, reader processes (--ingest-procs) or longer "
+                "steps let it keep up",
+            )
 
     def _watch_stall(self, now: float) -> None:
         # Once a second, not every tick: the progress key reads every rank's steps.

@@ -20,6 +20,7 @@ from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
 from flodl_bus.bus.stream_ops import stream_top
+from flodl_bus.coordinator import runtime
 from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.join_desk import JoinDesk, form_world
@@ -198,8 +199,10 @@ class BacklogBus(MemoryCoordinatorBus):
 
 
 def test_a_loop_behind_its_input_declares_no_rank_dead_and_records_its_ticks_so(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import structlog
+
     # A heartbeat timeout shorter than any gap between two reads: every tick would find
     # the rank silent, were it not that the loop is behind its input.
     core = Coordinator(config("cpu-cadence", epochs=1, heartbeat_timeout=1e-6))
@@ -207,8 +210,10 @@ def test_a_loop_behind_its_input_declares_no_rank_dead_and_records_its_ticks_so(
     world = start_rank(hub)
     rec = DispatchRecorder(tmp_path, "coordinator")
     loop = CoordinatorLoop(core, BacklogBus(hub), recorder=rec)
+    monkeypatch.setattr(runtime, "BEHIND_NOTE_S", 0.0)  # say so at once, not after 10 s
     try:
-        code = loop.run()
+        with structlog.testing.capture_logs() as logs:
+            code = loop.run()
     finally:
         rec.close()
     world.thread.join(30)
@@ -216,6 +221,10 @@ def test_a_loop_behind_its_input_declares_no_rank_dead_and_records_its_ticks_so(
     assert not core.live.dead[0]
     ticks = [r for r in read_records(tmp_path / "coordinator.jsonl") if r["event"] == "tick"]
     assert ticks and all(r["behind"] is True for r in ticks)
+    # the loop counts it and says it, naming what to do
+    assert loop.profile.ticks_behind == loop.profile.ticks > 0
+    said = [e for e in logs if e["event"] == "coordinator_behind"]
+    assert said and "--ingest-procs" in said[0]["detail"]
 
 
 def test_a_refused_broadcast_is_counted_and_the_run_goes_on(tmp_path: Path) -> None:
@@ -402,15 +411,22 @@ class BehindUnreadBus(UnreadBus):
 
 
 def test_a_loop_behind_its_input_takes_no_rank_for_one_leaving_its_control_unread(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import structlog
+
     # The heartbeat that says where a rank read may be in the backlog: while behind,
     # nobody is judged by it; once caught up, the rank still unread is named as before.
     core = Coordinator(config("cpu-cadence", epochs=400, heartbeat_timeout=7.0))
     hub = MemoryHub(1)
     bus = BehindUnreadBus(hub, behind_s=2.5)
     world = start_rank(hub)
-    run_loop(core, bus, tmp_path, exit_grace=5.0)
+    monkeypatch.setattr(runtime, "BEHIND_NOTE_S", 0.0)
+    with structlog.testing.capture_logs() as logs:
+        run_loop(core, bus, tmp_path, exit_grace=5.0)
     world.thread.join(30)
     assert bus.asked_behind == 0
     assert bus.asked and core.live.dead[0]  # judged, once the loop caught up
+    assert [e["event"] for e in logs if e["event"].startswith("coordinator_")][-1] == (
+        "coordinator_caught_up"
+    )
