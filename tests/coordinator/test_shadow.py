@@ -5,6 +5,7 @@ it replays; and a shadow that disagrees with the real core stops the record at o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,18 +103,26 @@ def test_a_shadow_that_disagrees_with_the_core_ends_the_record_before_that_call(
     assert st.lines == 2 and not st.ended  # the header and start, nothing after
 
 
-def test_a_loop_with_a_shadow_record_trains_to_the_end(tmp_path: Path) -> None:
-    core = Coordinator(rank_config("cpu-cadence", epochs=2, solo_without_rounds=False))
+def _shadow_loop(
+    tmp_path: Path, core: Coordinator, bus_of: Callable[[MemoryHub], MemoryCoordinatorBus]
+) -> tuple[int, CoordinatorLoop, ShadowRecorder]:
+    """One rank training on the in-memory bus, the loop recorded by a shadow."""
     hub = MemoryHub(1)
     world = start_rank(hub)
     rec = ShadowRecorder(tmp_path, config=core.config)
     rec.header(run="loop", config=dataclasses.asdict(core.config))
-    loop = CoordinatorLoop(core, MemoryCoordinatorBus(hub), recorder=rec)
+    loop = CoordinatorLoop(core, bus_of(hub), recorder=rec)
     try:
         code = loop.run()
     finally:
         rec.close()
     world.thread.join(30)
+    return code, loop, rec
+
+
+def test_a_loop_with_a_shadow_record_trains_to_the_end(tmp_path: Path) -> None:
+    core = Coordinator(rank_config("cpu-cadence", epochs=2, solo_without_rounds=False))
+    code, loop, rec = _shadow_loop(tmp_path, core, MemoryCoordinatorBus)
     assert code == EXIT_OK and rec.failure is None and loop.record_lost is None
     st = chain.check(rec.path)
     assert st.ended
@@ -130,16 +139,7 @@ def test_a_shadow_runs_the_ticks_the_loop_ran_behind_its_input_as_they_ran(
     # Every tick would find the rank silent, were the loop not behind its input: a shadow
     # told nothing of it would declare the death and disagree with the real core.
     core = Coordinator(rank_config("cpu-cadence", epochs=1, heartbeat_timeout=1e-6))
-    hub = MemoryHub(1)
-    world = start_rank(hub)
-    rec = ShadowRecorder(tmp_path, config=core.config)
-    rec.header(run="behind", config=dataclasses.asdict(core.config))
-    loop = CoordinatorLoop(core, BacklogBus(hub), recorder=rec)
-    try:
-        code = loop.run()
-    finally:
-        rec.close()
-    world.thread.join(30)
+    code, loop, rec = _shadow_loop(tmp_path, core, BacklogBus)
     assert code == EXIT_OK and rec.failure is None and loop.record_lost is None
     (coord,) = load_run(tmp_path).values()
     ticks = [e for e in coord.core_events() if e["event"] == "tick"]
