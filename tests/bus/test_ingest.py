@@ -178,6 +178,42 @@ def test_reader_processes_say_they_are_behind_until_every_entry_was_handed_on(ur
     coord.close()
 
 
+def test_one_read_of_the_readers_takes_about_the_read_budget_and_loses_nothing(
+    url: str,
+) -> None:
+    # 4,096 ranks: one read took every pipe's fill, 24,000 entries, and the loop ticked
+    # once in 18 s. Each reader now reads read_total / K at a time, and one read takes
+    # a reader's share from each before moving on.
+    keys = RunKeys("ingest-budget")
+    ranks = range(6)
+    total = 8
+    coord = RedisCoordinatorBus(
+        connect(url),
+        keys,
+        CK,
+        ranks=ranks,
+        config=dataclasses.replace(FAST, read_total=total),
+        ingest_procs=K,
+    )
+    assert coord.ingest is not None and coord.ingest.wait_ready(60)
+    _prefill(url, keys, ranks, 100)
+    # the readers read ahead: wait until their pipes hold a backlog of many reads
+    deadline = time.monotonic() + 30
+    while _pending(url, keys, ranks) < 200:
+        assert time.monotonic() < deadline, "the readers did not read ahead"
+        time.sleep(0.02)
+    sizes: list[int] = []
+
+    def on_read(got: list[Delivery]) -> None:
+        sizes.append(len(got) - sum(sizes))
+
+    got = _drain(coord, 600, on_read=on_read)
+    assert _steps_by_rank(got) == {r: list(range(100)) for r in ranks}
+    # a reader's blob can pass its share by what one of its streams' count adds
+    assert max(sizes) <= 2 * total, sizes
+    coord.close()
+
+
 def test_a_reader_with_no_streams_is_not_behind(url: str) -> None:
     keys = RunKeys("ingest-idle-reader")
     coord = _coord(url, keys, [0])  # K readers, one stream: the other reader has none
