@@ -156,8 +156,10 @@ class GroupCursor:
                 filled = True
                 if entries:
                     frontier = min(frontier, entries[-1][0])
-        self._filled = filled
         was_pending = self._pending
+        # A read of the pending list says nothing of the entries never delivered: until
+        # a read of new ones, more may wait.
+        self._filled = filled or was_pending
         if was_pending and not filled:
             self._pending = False
         if not self.ordered:

@@ -83,6 +83,34 @@ def test_merged_reads_release_every_entry_once_in_global_id_order(
     assert released == sent
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=ops,
+    count=st.integers(min_value=1, max_value=6),
+    ordered=st.booleans(),
+)
+def test_a_cursor_that_says_it_is_not_behind_has_nothing_waiting_unread(
+    ops: list[tuple[str, str]], count: int, ordered: bool
+) -> None:
+    # The coordinator's liveness rests on it: a rank is judged silent only after a read
+    # that says it left nothing waiting (Coordinator.tick(behind=...)).
+    model = GroupModel(["ctl", "all"])
+    cursor = GroupCursor(["ctl", "all"], count=count, ordered=ordered)
+    for op, stream in ops:
+        if op == "send":
+            model.add(stream)
+            continue
+        reply = model.read(cursor.request(), count)
+        if op == "lost":
+            cursor.on_lost()
+            continue
+        for r in cursor.on_reply(reply):
+            model.ack(r.stream, r.entry_id)
+        if not cursor.behind:
+            unread = [e for s, es in model.entries.items() for e in es if e > model.delivered[s]]
+            assert not unread and cursor.can_block
+
+
 def test_a_pending_drain_releases_nothing_until_a_new_read_proves_order() -> None:
     c = GroupCursor(["a", "b"], count=10, ordered=True)
     assert c.request() == {"a": "0-0", "b": "0-0"}

@@ -150,6 +150,9 @@ def test_reader_processes_say_they_are_behind_until_every_entry_was_handed_on(ur
     # The coordinator's liveness asks this: a rank not reached yet is not a silent one.
     keys = RunKeys("ingest-behind")
     ranks = range(4)
+    # Written before the readers start: a read racing the writes would rightly say it
+    # caught up with what had landed, the backlog being what landed after it.
+    _prefill(url, keys, ranks, 150)
     coord = RedisCoordinatorBus(
         connect(url),
         keys,
@@ -159,7 +162,6 @@ def test_reader_processes_say_they_are_behind_until_every_entry_was_handed_on(ur
         ingest_procs=K,
     )
     assert coord.ingest is not None and coord.ingest.wait_ready(60)
-    _prefill(url, keys, ranks, 150)
     total = 150 * len(ranks)
     reads_behind: list[bool] = []
 
