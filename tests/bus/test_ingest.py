@@ -216,6 +216,34 @@ def test_one_read_of_the_readers_takes_about_the_read_budget_and_loses_nothing(
     coord.close()
 
 
+def test_blobs_left_in_a_pipe_past_a_reads_budget_are_a_backlog(url: str) -> None:
+    # Each of these reads caught up with what had landed (no blob says behind), yet the
+    # pipe holds more than one read takes: the loop is behind all the same.
+    keys = RunKeys("ingest-left")
+    ranks = range(K)  # a stream a reader, 4 entries a read, 1 entry a write
+    coord = RedisCoordinatorBus(
+        connect(url),
+        keys,
+        CK,
+        ranks=ranks,
+        config=dataclasses.replace(FAST, read_total=4 * K),
+        ingest_procs=K,
+    )
+    assert coord.ingest is not None and coord.ingest.wait_ready(60)
+    deadline = time.monotonic() + 30
+    for i in range(10):
+        _prefill(url, keys, ranks, 1, first=i)
+        while _pending(url, keys, ranks) < K * (i + 1):  # read apart: a blob each
+            assert time.monotonic() < deadline, "the readers did not read"
+            time.sleep(0.01)
+    got = coord.read_upstream(1000)
+    assert 0 < len(got) < 10 * K
+    assert coord.behind
+    got += _drain(coord, 10 * K - len(got))
+    assert _steps_by_rank(got) == {r: list(range(10)) for r in ranks}
+    coord.close()
+
+
 def test_a_reader_with_no_streams_is_not_behind(url: str) -> None:
     keys = RunKeys("ingest-idle-reader")
     coord = _coord(url, keys, [0])  # K readers, one stream: the other reader has none
