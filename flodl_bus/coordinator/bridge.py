@@ -30,7 +30,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Final, Protocol
 
 from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
 from flodl_bus.coordinator.elche import ElChe
@@ -102,6 +102,11 @@ def owes_any(core: BridgeCore, dispatch: Quiesced, r: int) -> bool:
     return next(owing(core, dispatch, r), None) is not None
 
 
+#: ranks ``OwedWaits`` sets aside for one query (the asking rank, ranks with no more
+#: work) before it walks every rank instead
+ASIDE_MAX: Final = 64
+
+
 class OwedWaits:
     """The longest owed wait (``batches``) without a walk over every rank per bridge: at
     4,096 simulated ranks that walk was two thirds of the core's time (``bench
@@ -163,6 +168,11 @@ class OwedWaits:
             if -neg <= owed_ms:
                 break
             if s == r or dispatch.quiesced(s):
+                if len(aside) >= ASIDE_MAX:
+                    # Many ranks with no more work (an epoch's tail): a walk is cheaper
+                    # than taking them all out of the heap and back at every bridge.
+                    owed_ms = max(owed_ms, _walk(core, dispatch, r))
+                    break
                 aside.append(heapq.heappop(heap))
                 continue
             owed_ms = -neg

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
+
 from flodl_bus.coordinator import bridge
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.elche import ElChe, WindowReport
@@ -42,7 +44,12 @@ def _by_definition(core: Coordinator, view: bridge.Quiesced, r: int, next_window
     return wait + counts[r] if next_window else wait
 
 
-def test_a_bridge_is_sized_by_the_longest_owed_wait_as_a_full_scan_would_size_it() -> None:
+@pytest.mark.parametrize("aside_max", [bridge.ASIDE_MAX, 1])
+def test_a_bridge_is_sized_by_the_longest_owed_wait_as_a_full_scan_would_size_it(
+    aside_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # aside_max 1: the heap gives way to a walk as soon as two ranks are set aside
+    monkeypatch.setattr(bridge, "ASIDE_MAX", aside_max)
     rng = random.Random(11)
     ws = 12
     core = make("cpu-cadence", ws=ws, total=100_000, heartbeat_timeout=1.0)
