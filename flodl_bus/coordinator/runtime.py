@@ -370,7 +370,7 @@ class CoordinatorLoop:
         core = self.core
         now = self.clock()
         self._watch_stall(now)
-        behind: bool = getattr(self.bus, "behind", False)
+        behind = self.bus.behind
         self._note_behind(behind)
         if self.rec is None:
             self._apply(core.tick(now, behind=behind), now)
@@ -640,7 +640,7 @@ class CoordinatorLoop:
         now = time.monotonic()
         if overdue is None or now < self._next_unread_check:
             return
-        if getattr(self.bus, "behind", False):
+        if self.bus.behind:
             # Where a rank has read to travels in its heartbeats: behind our input, the
             # heartbeat that says it read may be waiting unread (4,096 simulated ranks
             # on one coordinator: every live rank was declared dead from this check).

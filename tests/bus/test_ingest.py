@@ -26,6 +26,7 @@ from flodl_bus.bus.connection import connect
 from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.server import RedisServer
+from flodl_bus.bus.stream_ops import StreamsConfig
 from flodl_bus.bus.streams import COORDINATOR_GROUP, RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from flodl_bus.protocol.signing import fixed_keys
@@ -41,10 +42,20 @@ def _batch(rank: int, i: int) -> m.Batch:
 
 
 def _coord(
-    url: str, keys: RunKeys, ranks: Sequence[int], ingest_setup: Callable[[], None] | None = None
+    url: str,
+    keys: RunKeys,
+    ranks: Sequence[int],
+    ingest_setup: Callable[[], None] | None = None,
+    config: StreamsConfig = FAST,
 ) -> RedisCoordinatorBus:
     coord = RedisCoordinatorBus(
-        connect(url), keys, CK, ranks=ranks, config=FAST, ingest_procs=K, ingest_setup=ingest_setup
+        connect(url),
+        keys,
+        CK,
+        ranks=ranks,
+        config=config,
+        ingest_procs=K,
+        ingest_setup=ingest_setup,
     )
     assert coord.ingest is not None and coord.ingest.wait_ready(60)
     return coord
@@ -116,6 +127,14 @@ def _until_acked(url: str, keys: RunKeys, ranks: Sequence[int], timeout: float =
     return left
 
 
+def _until_read(url: str, keys: RunKeys, ranks: Sequence[int], n: int, why: str) -> None:
+    """Wait until the readers hold ``n`` entries read and not yet acked (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while _pending(url, keys, ranks) < n:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.01)
+
+
 def test_live_publishers_reach_the_core_once_each_in_order_across_reader_processes(
     url: str,
 ) -> None:
@@ -163,15 +182,7 @@ def test_reader_processes_say_they_are_behind_until_every_entry_was_handed_on(ur
     # Written before the readers start: a read racing the writes would rightly say it
     # caught up with what had landed, the backlog being what landed after it.
     _prefill(url, keys, ranks, 150)
-    coord = RedisCoordinatorBus(
-        connect(url),
-        keys,
-        CK,
-        ranks=ranks,
-        config=dataclasses.replace(FAST, read_count=4, read_total=8),
-        ingest_procs=K,
-    )
-    assert coord.ingest is not None and coord.ingest.wait_ready(60)
+    coord = _coord(url, keys, ranks, config=dataclasses.replace(FAST, read_count=4, read_total=8))
     total = 150 * len(ranks)
     reads_behind: list[bool] = []
 
@@ -199,21 +210,10 @@ def test_one_read_of_the_readers_takes_about_the_read_budget_and_loses_nothing(
     keys = RunKeys("ingest-budget")
     ranks = range(6)
     total = 8
-    coord = RedisCoordinatorBus(
-        connect(url),
-        keys,
-        CK,
-        ranks=ranks,
-        config=dataclasses.replace(FAST, read_total=total),
-        ingest_procs=K,
-    )
-    assert coord.ingest is not None and coord.ingest.wait_ready(60)
+    coord = _coord(url, keys, ranks, config=dataclasses.replace(FAST, read_total=total))
     _prefill(url, keys, ranks, 100)
     # the readers read ahead: wait until their pipes hold a backlog of many reads
-    deadline = time.monotonic() + 30
-    while _pending(url, keys, ranks) < 200:
-        assert time.monotonic() < deadline, "the readers did not read ahead"
-        time.sleep(0.02)
+    _until_read(url, keys, ranks, 200, "the readers did not read ahead")
     sizes: list[int] = []
 
     def on_read(got: list[Delivery]) -> None:
@@ -231,21 +231,10 @@ def test_blobs_left_in_a_pipe_past_a_reads_budget_are_a_backlog(url: str) -> Non
     # pipe holds more than one read takes: the loop is behind all the same.
     keys = RunKeys("ingest-left")
     ranks = range(K)  # a stream a reader, 4 entries a read, 1 entry a write
-    coord = RedisCoordinatorBus(
-        connect(url),
-        keys,
-        CK,
-        ranks=ranks,
-        config=dataclasses.replace(FAST, read_total=4 * K),
-        ingest_procs=K,
-    )
-    assert coord.ingest is not None and coord.ingest.wait_ready(60)
-    deadline = time.monotonic() + 30
+    coord = _coord(url, keys, ranks, config=dataclasses.replace(FAST, read_total=4 * K))
     for i in range(10):
         _prefill(url, keys, ranks, 1, first=i)
-        while _pending(url, keys, ranks) < K * (i + 1):  # read apart: a blob each
-            assert time.monotonic() < deadline, "the readers did not read"
-            time.sleep(0.01)
+        _until_read(url, keys, ranks, K * (i + 1), "the readers did not read")  # a blob each
     got = coord.read_upstream(1000)
     assert 0 < len(got) < 10 * K
     assert coord.behind
