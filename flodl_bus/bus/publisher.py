@@ -9,6 +9,9 @@ Per-step reports linger (``StreamsConfig.publish_linger_s``) so that one transac
 carries many of them: the thread sleeps through the linger without waking per message,
 and a message the coordinator acts on (anything not in ``LAZY``: a step's ``Batch`` and
 ``LrUpdate``, a ``Heartbeat``) ends it, so it and everything queued before it go at once.
+So does the first ``Batch`` after such a message: the first step of a plan, or the first
+after a round, is news (the coordinator sends a world of one its next plan on it, and an
+NCCL round is acked by it); the steps after it are not, until the next such message.
 Order is never changed: a batch is always a prefix of the queue.
 """
 
@@ -94,6 +97,10 @@ class _Publisher:
         self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         #: set by every message that must not linger (and by flush and close)
         self._urgent = threading.Event()
+        #: whether the next ``Batch`` is the first after a message the coordinator acts
+        #: on (publish is called by the training and heartbeat threads; a race between
+        #: them costs at most one early or late write, never order or a message)
+        self._news = True
         self._closed = False
         self._closing = threading.Event()
         #: the first id and mac of the last batch tried (a lost reply: did it land?)
@@ -117,7 +124,12 @@ class _Publisher:
         if self.error is not None:
             raise BusError(f"upstream publisher of rank {self.rank} failed: {self.error}")
         self._q.put(msg)
-        if type(msg) not in LAZY:
+        kind = type(msg)
+        if kind not in LAZY:
+            self._news = True
+            self._urgent.set()
+        elif kind is Batch and self._news:
+            self._news = False
             self._urgent.set()
 
     def flush(self, timeout: float) -> bool:

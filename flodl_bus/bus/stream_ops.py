@@ -72,6 +72,15 @@ class StreamsConfig:
     trim_stale_s: float = DEFAULT_STALE_S
 
 
+#: A world of one's ``publish_linger_s``: it has no round, no gate and no bridge to time
+#: by its steps, and the one step report its coordinator acts on (a plan's first, which
+#: sends the next plan ahead) is written at once anyway (``bus.publisher``). Every write
+#: wakes the publisher thread, and every wake of another thread costs the training thread
+#: (the GIL, and the core it is woken on): at 5 ms, some 200 writes a second took about
+#: 8% of a world of one's digits time on two cores (BENCHMARKS.md, 2026-12-06).
+SOLO_PUBLISH_LINGER_S: Final = 0.05
+
+
 def rank_group(rank: int) -> str:
     return f"rank{rank}"
 

@@ -63,20 +63,51 @@ def test_a_lone_step_report_waits_for_company_until_flush_or_close_writes_it(
 ) -> None:
     rank, coord = _pair(backend, "linger-lone")
     try:
-        rank.publish(_batch(1))
-        rank.publish(m.Heartbeat(rank=0, step_count=1))
+        rank.publish(_batch(1))  # the first step: news, written at once (the test below)
+        assert _steps(collect_up(coord, 1, timeout=20.0)) == [1]
+        rank.publish(_batch(2))
+        rank.publish(m.Heartbeat(rank=0, step_count=2))
         # lingering: nothing on the stream yet (a short look; the linger is a minute)
         assert coord.read_upstream(300) == []
         assert rank.flush(10.0)  # a flush is urgent
         got = collect_up(coord, 2, timeout=20.0)
         assert [type(d.msg).__name__ for d in got] == ["Batch", "Heartbeat"]
-        rank.publish(_batch(2))
+        rank.publish(_batch(3))
     finally:
         rank.close()  # writes what still lingers
     try:
         got = collect_up(coord, 1, timeout=20.0)
-        assert [d.msg.step_count for d in got if isinstance(d.msg, m.Batch)] == [2]
+        assert [d.msg.step_count for d in got if isinstance(d.msg, m.Batch)] == [3]
     finally:
+        coord.close()
+
+
+def test_the_first_step_report_after_news_goes_at_once_and_the_ones_after_it_linger(
+    backend: Backend,
+) -> None:
+    """A plan's first step (after the run's start or the last plan's end) is what the
+    coordinator sends a world of one its next plan on: it must not wait out a linger."""
+    rank, coord = _pair(backend, "linger-first")
+    started = time.monotonic()
+    try:
+        rank.publish(_batch(1))
+        assert _steps(collect_up(coord, 1, timeout=20.0)) == [1]
+        rank.publish(_batch(2))
+        assert coord.read_upstream(300) == []  # the second step lingers
+        rank.publish(_metrics())  # the plan's end: news, and the step before it goes too
+        assert [type(d.msg).__name__ for d in collect_up(coord, 2, timeout=20.0)] == [
+            "Batch",
+            "MetricsMsg",
+        ]
+        rank.publish(_batch(3))  # the next plan's first step
+        assert _steps(collect_up(coord, 1, timeout=20.0)) == [3]
+        rank.publish(_batch(4))
+        rank.publish(m.Heartbeat(rank=0, step_count=4))  # lazy, not news: 4 still lingers
+        assert coord.read_upstream(300) == []
+        # every write above came far inside the minute's linger
+        assert time.monotonic() - started < LONG.publish_linger_s / 4
+    finally:
+        rank.close()
         coord.close()
 
 
