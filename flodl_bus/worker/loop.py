@@ -358,7 +358,11 @@ class RankLoop:
         if tuner.done:
             self.threads = None
             _log.info(
-                "torch_threads_sized", rank=self.rank, chosen=tuner.chosen, medians=tuner.medians
+                "torch_threads_sized",
+                rank=self.rank,
+                chosen=tuner.chosen,
+                medians=tuner.medians,
+                runoff=tuner.runoff,
             )
             if self.on_threads is not None:
                 self.on_threads(tuner)

@@ -13,6 +13,14 @@ control plane and the other ranks). A count ``STOP`` times slower than the best 
 ends the sweep early: a model whose ops do split slows at each halving, and its long
 steps should not be spent at counts that are slower still.
 
+The sweep times each count at another moment of the run, and a host drifts between them
+(a neighbour's burst, the clock, the run's own first epochs): on the 16-core host the
+same digits run kept 1, 4 or 15 threads from one start to the next, and a run that kept
+4 or 15 trained 20-40% slower than one that kept 1. So when the fastest count is not the
+fewest that came close (within ``RUNOFF``), the two are timed again in a run-off, in
+short alternating blocks, so that a drift or a burst lands on both; the pick is then
+made on the run-off's steps alone.
+
 ``ThreadTuner`` is the decision alone (sans-IO): it is fed each step's time and says which
 count to set next; the training loop calls ``torch.set_num_threads``. The steps it times
 train as any other: only their thread count differs. A count timed is the step's own
@@ -42,6 +50,12 @@ TIE: Final = 0.03
 #: a count this many times slower than the fastest so far ends the sweep: a model whose
 #: ops do split (compute-bound) slows at every halving, and its steps may be long
 STOP: Final = 1.5
+#: the fewest threads whose sweep median is within this factor of the fastest's meets it
+#: in a run-off (when they differ)
+RUNOFF: Final = 1.25
+#: blocks at each of the two counts in a run-off, alternating (each block settles, then
+#: times ``TIMED_STEPS // 2`` steps)
+RUNOFF_BLOCKS: Final = 3
 
 
 def candidates(share: int) -> list[int]:
@@ -53,20 +67,27 @@ def candidates(share: int) -> list[int]:
 
 @dataclass
 class ThreadTuner:
-    """Times ``TIMED_STEPS`` steps at each candidate count, then settles on one."""
+    """Times ``TIMED_STEPS`` steps at each candidate count, then (where two counts came
+    close) runs the two off against each other, then settles on one."""
 
     share: int
     warm_steps: int = WARM_STEPS
     settle_steps: int = SETTLE_STEPS
     timed_steps: int = TIMED_STEPS
+    runoff_blocks: int = RUNOFF_BLOCKS
     #: median step (ms) per count tried, in the order tried
     medians: dict[int, float] = field(default_factory=dict)
+    #: median step (ms) of the run-off's two counts (empty: there was none)
+    runoff: dict[int, float] = field(default_factory=dict)
     #: the count kept, once the sweep is over
     chosen: int | None = None
     _order: list[int] = field(init=False)
     _at: int = field(init=False, default=0)
     _skip: int = field(init=False)
     _times: list[float] = field(init=False, default_factory=list)
+    #: the run-off's count of each block still to run, the current one first
+    _blocks: list[int] = field(init=False, default_factory=list)
+    _runoff_times: dict[int, list[float]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.share < 1:
@@ -81,10 +102,17 @@ class ThreadTuner:
         return self.chosen is not None
 
     @property
+    def in_runoff(self) -> bool:
+        """Whether the steps now time the run-off's two counts (the sweep is over)."""
+        return bool(self._blocks)
+
+    @property
     def current(self) -> int:
         """The count the steps run at now (the share until the sweep moves)."""
         if self.chosen is not None:
             return self.chosen
+        if self._blocks:
+            return self._blocks[0]
         return self._order[self._at]
 
     def observe(self, step_ms: float) -> int | None:
@@ -96,6 +124,8 @@ class ThreadTuner:
             self._skip -= 1
             return None
         self._times.append(step_ms)
+        if self._blocks:
+            return self._runoff_step()
         if len(self._times) < self.timed_steps:
             return None
         timed = self._order[self._at]
@@ -105,13 +135,42 @@ class ThreadTuner:
         if self._at < len(self._order) and median <= STOP * min(self.medians.values()):
             self._skip = self.settle_steps
             return self._order[self._at]
-        self.chosen = pick(self.medians)
-        return self.chosen if self.chosen != timed else None
+        fastest = pick(self.medians)
+        best = min(self.medians.values())
+        fewest = min(n for n, ms in self.medians.items() if ms <= best * RUNOFF)
+        if fewest == fastest or self.runoff_blocks < 1:
+            return self._settle(fastest, timed)
+        # The run-off starts at the count the steps run at now where it is one of the
+        # two (the last timed is the fewest tried): no change of count to start it.
+        first, second = (fewest, fastest) if timed != fastest else (fastest, fewest)
+        self._blocks = [first, second] * self.runoff_blocks
+        self._runoff_times = {fewest: [], fastest: []}
+        self._skip = 0 if first == timed else self.settle_steps
+        return None if first == timed else first
+
+    def _runoff_step(self) -> int | None:
+        if len(self._times) < max(1, self.timed_steps // 2):
+            return None
+        count = self._blocks.pop(0)
+        self._runoff_times[count].extend(self._times)
+        self._times = []
+        if self._blocks:
+            self._skip = self.settle_steps
+            return self._blocks[0]
+        self.runoff = {n: statistics.median(ts) for n, ts in self._runoff_times.items()}
+        return self._settle(pick(self.runoff), count)
+
+    def _settle(self, count: int, running: int) -> int | None:
+        self.chosen = count
+        return count if count != running else None
 
     def describe(self) -> str:
         """One line for the rank's console: what was timed and what was kept."""
         timed = ", ".join(f"{n}: {ms:.3f} ms" for n, ms in self.medians.items())
-        return f"torch threads {self.chosen} (sized to the work, median step at {timed})"
+        off = ""
+        if self.runoff:
+            off = "; run-off " + ", ".join(f"{n}: {ms:.3f} ms" for n, ms in self.runoff.items())
+        return f"torch threads {self.chosen} (sized to the work, median step at {timed}{off})"
 
 
 def pick(medians: dict[int, float]) -> int:

@@ -4,6 +4,7 @@ real loop that ends its sweep at the count it kept."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import EpochPlan
-from flodl_bus.worker.threads import STOP, TIE, ThreadTuner, candidates, pick
+from flodl_bus.worker.threads import RUNOFF, STOP, TIE, ThreadTuner, candidates, pick
 from tests.worker.test_loop import BS, make_rig
 
 
@@ -37,9 +38,13 @@ def test_the_sweep_times_every_candidate_after_the_warm_up_and_keeps_the_fastest
     tuner = ThreadTuner(15, warm_steps=4, settle_steps=2, timed_steps=3)
     ms_at = {15: 1.5, 8: 2.1, 4: 1.0, 2: 1.2, 1: 1.4}  # 8 slower, within STOP of 15
     assert ms_at[8] <= STOP * ms_at[15]
-    assert _sweep(tuner, ms_at) == [8, 4, 2, 1, 4]
+    assert ms_at[2] <= RUNOFF * ms_at[4] < ms_at[1]
+    # the sweep, then 2 (the fewest that came close) and 4 (the fastest) alternate
+    assert _sweep(tuner, ms_at) == [8, 4, 2, 1, 2, 4, 2, 4, 2, 4]
     assert tuner.chosen == 4
     assert tuner.medians == ms_at
+    assert tuner.runoff == {2: 1.2, 4: 1.0}
+    assert "run-off 2: 1.200 ms, 4: 1.000 ms" in tuner.describe()
     assert "torch threads 4" in tuner.describe()
     assert tuner.observe(9.9) is None  # settled: nothing more to set
 
@@ -53,13 +58,53 @@ def test_a_count_much_slower_than_the_best_ends_the_sweep_for_a_compute_bound_mo
 
 
 def test_a_count_timed_is_its_steps_median_so_one_stalled_step_does_not_rank_it() -> None:
-    tuner = ThreadTuner(2, warm_steps=0, settle_steps=0, timed_steps=3)
+    tuner = ThreadTuner(2, warm_steps=0, settle_steps=0, timed_steps=3, runoff_blocks=0)
     for ms in (0.5, 40.0, 0.5):  # 2 threads, one step stalled by a round
         tuner.observe(ms)
     for ms in (0.6, 0.6, 0.6):
         tuner.observe(ms)
     assert tuner.medians == {2: 0.5, 1: 0.6}
     assert tuner.chosen == 2
+
+
+def _feed(tuner: ThreadTuner, ms: Callable[[int, bool], float]) -> int:
+    """Feeds the tuner ``ms(count, in_runoff)`` until it settles; the steps it took."""
+    steps = 0
+    while not tuner.done:
+        tuner.observe(ms(tuner.current, tuner.in_runoff))
+        steps += 1
+    return steps
+
+
+def test_a_drift_during_the_sweep_is_undone_by_a_run_off_of_the_two_close_counts() -> None:
+    """The host slowed while the sweep timed 1 thread (after 4): the run-off times both
+    again, alternating, and keeps the fewer, faster in fact."""
+    tuner = ThreadTuner(8, warm_steps=0, settle_steps=1, timed_steps=4)
+    sweep = {8: 2.0, 4: 1.0, 2: 1.1, 1: 1.15}
+    steps = _feed(tuner, lambda n, off: {4: 1.0, 1: 0.9}[n] if off else sweep[n])
+    assert tuner.medians == sweep
+    assert pick(sweep) == 4  # what the sweep alone would have kept
+    assert tuner.runoff == {1: 0.9, 4: 1.0}
+    assert tuner.chosen == 1
+    # the sweep: 4 counts of 4 timed steps, 3 settles; the run-off: 6 blocks of 2 timed
+    # steps, each after a settle but the first (it runs at 1, the sweep's last count)
+    assert steps == (4 * 4 + 3) + (6 * 2 + 5)
+
+
+def test_a_count_that_is_faster_in_fact_wins_its_run_off() -> None:
+    tuner = ThreadTuner(4, warm_steps=0, settle_steps=0, timed_steps=4)
+    _feed(tuner, lambda n, off: {4: 1.0, 2: 1.3, 1: 1.2}[n])
+    assert tuner.runoff == {1: 1.2, 4: 1.0}
+    assert tuner.chosen == 4
+
+
+def test_no_run_off_when_the_fastest_count_is_the_fewest_or_none_came_close() -> None:
+    fewest = ThreadTuner(2, warm_steps=0, settle_steps=0, timed_steps=2)
+    _feed(fewest, lambda n, off: {2: 0.5, 1: 0.45}[n])
+    far = ThreadTuner(2, warm_steps=0, settle_steps=0, timed_steps=2)
+    _feed(far, lambda n, off: {2: 0.5, 1: 0.5 * RUNOFF * 1.01}[n])
+    assert (fewest.chosen, fewest.runoff) == (1, {})
+    assert (far.chosen, far.runoff) == (2, {})
 
 
 def test_warm_up_steps_are_never_timed() -> None:
@@ -94,7 +139,7 @@ def test_a_loop_with_a_tuner_trains_through_the_sweep_and_keeps_the_count_it_cho
         seen.append(torch.get_num_threads())
         return digits.job.loss_fn(model, batch)
 
-    tuner = ThreadTuner(2, warm_steps=2, settle_steps=1, timed_steps=3)
+    tuner = ThreadTuner(2, warm_steps=2, settle_steps=1, timed_steps=3, runoff_blocks=0)
     rig = make_rig(dataclasses.replace(digits.job, loss_fn=loss_fn), threads=tuner,
                    on_threads=said.append)  # fmt: skip
     try:
