@@ -9,9 +9,9 @@ Per-step reports linger (``StreamsConfig.publish_linger_s``) so that one transac
 carries many of them: the thread sleeps through the linger without waking per message,
 and a message the coordinator acts on (anything not in ``LAZY``: a step's ``Batch`` and
 ``LrUpdate``, a ``Heartbeat``) ends it, so it and everything queued before it go at once.
-So does the first ``Batch`` after such a message: the first step of a plan, or the first
-after a round, is news (the coordinator sends a world of one its next plan on it, and an
-NCCL round is acked by it); the steps after it are not, until the next such message.
+With ``publish_first_step`` (a world of one), so does the first ``Batch`` after such a
+message: a plan's first step is what its coordinator sends it its next plan on; the
+steps after it are not news, until the next such message.
 Order is never changed: a batch is always a prefix of the queue.
 """
 
@@ -100,7 +100,8 @@ class _Publisher:
         #: whether the next ``Batch`` is the first after a message the coordinator acts
         #: on (publish is called by the training and heartbeat threads; a race between
         #: them costs at most one early or late write, never order or a message)
-        self._news = True
+        self._news = config.publish_first_step
+        self._first_step = config.publish_first_step
         self._closed = False
         self._closing = threading.Event()
         #: the first id and mac of the last batch tried (a lost reply: did it land?)
@@ -126,7 +127,7 @@ class _Publisher:
         self._q.put(msg)
         kind = type(msg)
         if kind not in LAZY:
-            self._news = True
+            self._news = self._first_step
             self._urgent.set()
         elif kind is Batch and self._news:
             self._news = False

@@ -63,6 +63,13 @@ class StreamsConfig:
     #: transaction holds the GIL for some 150 us of redis-py work; written per step, that
     #: doubled a digits step on the training thread (``bench worker``). 0 writes at once.
     publish_linger_s: float = 0.005
+    #: Whether the first ``Batch`` after a message the coordinator acts on is written at
+    #: once too (``bus.publisher``): a world of one's, which its next plan is sent on. Not
+    #: elsewhere: it is one more wake of the publisher a plan or a round (two cpu-cadence
+    #: ranks on two cores: 5% slower), and in the sync modes a round that waits for it
+    #: fires sooner, so a run makes more of them (cpu-sync x2 on two cores: 100-120 rounds
+    #: in 1.36-1.53 s against 84-86 in 1.19-1.23 s).
+    publish_first_step: bool = False
     max_block_ms: int = MAX_BLOCK_MS
     backoff: Backoff = field(default_factory=Backoff)
     #: The coordinator trims every stream to what its readers consumed this often
@@ -79,6 +86,15 @@ class StreamsConfig:
 #: (the GIL, and the core it is woken on): at 5 ms, some 200 writes a second took about
 #: 8% of a world of one's digits time on two cores (BENCHMARKS.md, 2026-12-06).
 SOLO_PUBLISH_LINGER_S: Final = 0.05
+
+
+def rank_streams_config(world_size: int) -> StreamsConfig | None:
+    """A rank's publisher settings where they differ from the defaults (None): a world of
+    one lingers ``SOLO_PUBLISH_LINGER_S`` and writes a plan's first step report at once
+    (``publish_first_step``)."""
+    if world_size == 1:
+        return StreamsConfig(publish_linger_s=SOLO_PUBLISH_LINGER_S, publish_first_step=True)
+    return None
 
 
 def rank_group(rank: int) -> str:

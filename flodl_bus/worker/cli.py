@@ -41,7 +41,7 @@ from flodl_bus.bus.connection import (
 )
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.stream_ops import SOLO_PUBLISH_LINGER_S, StreamsConfig
+from flodl_bus.bus.stream_ops import rank_streams_config
 from flodl_bus.bus.streams import RedisRankBus
 from flodl_bus.exits import CONFIG, by_signal, describe
 from flodl_bus.job import (
@@ -488,7 +488,7 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
         keys,
         rank,
         RankKeys(kx.rank_key(ident, args.run, rank), ident.sign_pub),
-        config=StreamsConfig(publish_linger_s=SOLO_PUBLISH_LINGER_S) if world == 1 else None,
+        config=rank_streams_config(world),
         where=f"rank{rank}",
     )
     options = RankOptions(

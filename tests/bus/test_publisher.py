@@ -9,6 +9,7 @@ import time
 from flodl_bus.bus.api import Delivery
 from flodl_bus.bus.ids import parse_id
 from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.stream_ops import SOLO_PUBLISH_LINGER_S, StreamsConfig, rank_streams_config
 from flodl_bus.bus.streams import RedisCoordinatorBus, RedisRankBus
 from flodl_bus.protocol import messages as m
 from tests.bus.conftest import CK, FAST, RK, Backend
@@ -63,31 +64,39 @@ def test_a_lone_step_report_waits_for_company_until_flush_or_close_writes_it(
 ) -> None:
     rank, coord = _pair(backend, "linger-lone")
     try:
-        rank.publish(_batch(1))  # the first step: news, written at once (the test below)
-        assert _steps(collect_up(coord, 1, timeout=20.0)) == [1]
-        rank.publish(_batch(2))
-        rank.publish(m.Heartbeat(rank=0, step_count=2))
+        rank.publish(_metrics())
+        assert [type(d.msg).__name__ for d in collect_up(coord, 1, timeout=20.0)] == ["MetricsMsg"]
+        # the first step after it too: without publish_first_step it is no news
+        rank.publish(_batch(1))
+        rank.publish(m.Heartbeat(rank=0, step_count=1))
         # lingering: nothing on the stream yet (a short look; the linger is a minute)
         assert coord.read_upstream(300) == []
         assert rank.flush(10.0)  # a flush is urgent
         got = collect_up(coord, 2, timeout=20.0)
         assert [type(d.msg).__name__ for d in got] == ["Batch", "Heartbeat"]
-        rank.publish(_batch(3))
+        rank.publish(_batch(2))
     finally:
         rank.close()  # writes what still lingers
     try:
         got = collect_up(coord, 1, timeout=20.0)
-        assert [d.msg.step_count for d in got if isinstance(d.msg, m.Batch)] == [3]
+        assert [d.msg.step_count for d in got if isinstance(d.msg, m.Batch)] == [2]
     finally:
         coord.close()
 
 
-def test_the_first_step_report_after_news_goes_at_once_and_the_ones_after_it_linger(
+def test_with_first_step_on_the_first_report_after_news_goes_at_once_and_the_rest_linger(
     backend: Backend,
 ) -> None:
     """A plan's first step (after the run's start or the last plan's end) is what the
     coordinator sends a world of one its next plan on: it must not wait out a linger."""
-    rank, coord = _pair(backend, "linger-first")
+    rank = RedisRankBus(
+        backend.make(),
+        "linger-first",
+        0,
+        RK(0),
+        config=dataclasses.replace(LONG, publish_first_step=True),
+    )
+    coord = RedisCoordinatorBus(backend.make(), "linger-first", CK, ranks=[0], config=FAST)
     started = time.monotonic()
     try:
         rank.publish(_batch(1))
@@ -215,3 +224,12 @@ def test_once_armed_a_batch_costs_the_publisher_one_write_to_redis(backend: Back
     finally:
         rank.close()
         coord.close()
+
+
+def test_only_a_world_of_one_lingers_longer_and_sends_its_plans_first_step_at_once() -> None:
+    solo = rank_streams_config(1)
+    assert solo is not None
+    assert (solo.publish_linger_s, solo.publish_first_step) == (SOLO_PUBLISH_LINGER_S, True)
+    assert StreamsConfig().publish_linger_s < SOLO_PUBLISH_LINGER_S
+    assert rank_streams_config(2) is None
+    assert not StreamsConfig().publish_first_step
