@@ -11,7 +11,10 @@ candidate count in turn, and the rank keeps the one whose steps were fastest, th
 smallest of those within ``TIE`` of it (fewer threads leave more of the host to the
 control plane and the other ranks). A count ``STOP`` times slower than the best so far
 ends the sweep early: a model whose ops do split slows at each halving, and its long
-steps should not be spent at counts that are slower still.
+steps should not be spent at counts that are slower still. Short steps (the best under
+``STOP_MIN_MS``) never stop the sweep: the whole of it costs them little, and a count
+can be slower than both its neighbours (on the 16-core host 8 threads often were, 4
+out of 7 once, 3.8x), so a stop there kept 15 or 7 threads where 1 was the fastest.
 
 The sweep times each count at another moment of the run, and a host drifts between them
 (a neighbour's burst, the clock, the run's own first epochs): on the 16-core host the
@@ -50,6 +53,8 @@ TIE: Final = 0.03
 #: a count this many times slower than the fastest so far ends the sweep: a model whose
 #: ops do split (compute-bound) slows at every halving, and its steps may be long
 STOP: Final = 1.5
+#: a sweep whose best median is under this many ms goes on to the end whatever it meets
+STOP_MIN_MS: Final = 3.0
 #: the fewest threads whose sweep median is within this factor of the fastest's meets it
 #: in a run-off (when they differ)
 RUNOFF: Final = 1.25
@@ -132,11 +137,11 @@ class ThreadTuner:
         self.medians[timed] = median = statistics.median(self._times)
         self._times = []
         self._at += 1
-        if self._at < len(self._order) and median <= STOP * min(self.medians.values()):
+        best = min(self.medians.values())
+        if self._at < len(self._order) and (best < STOP_MIN_MS or median <= STOP * best):
             self._skip = self.settle_steps
             return self._order[self._at]
         fastest = pick(self.medians)
-        best = min(self.medians.values())
         fewest = min(n for n, ms in self.medians.items() if ms <= best * RUNOFF)
         if fewest == fastest or self.runoff_blocks < 1:
             return self._settle(fastest, timed)

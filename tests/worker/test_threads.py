@@ -12,7 +12,15 @@ from torch import nn
 
 from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import EpochPlan
-from flodl_bus.worker.threads import RUNOFF, STOP, TIE, ThreadTuner, candidates, pick
+from flodl_bus.worker.threads import (
+    RUNOFF,
+    STOP,
+    STOP_MIN_MS,
+    TIE,
+    ThreadTuner,
+    candidates,
+    pick,
+)
 from tests.worker.test_loop import BS, make_rig
 
 
@@ -55,6 +63,16 @@ def test_a_count_much_slower_than_the_best_ends_the_sweep_for_a_compute_bound_mo
     assert _sweep(tuner, {15: 10.0, 8: 19.0, 4: 38.0, 2: 76.0, 1: 152.0}) == [8, 15]
     assert tuner.medians == {15: 10.0, 8: 19.0}
     assert tuner.chosen == 15
+
+
+def test_short_steps_sweep_every_count_past_one_that_is_slower_than_its_neighbours() -> None:
+    """The 16-core host: 8 threads slower than 15 by more than STOP, 1 the fastest."""
+    tuner = ThreadTuner(15, warm_steps=0, settle_steps=0, timed_steps=2)
+    ms_at = {15: 1.2, 8: 2.0, 4: 0.9, 2: 0.95, 1: 0.85}
+    assert ms_at[8] > STOP * ms_at[15] and ms_at[15] < STOP_MIN_MS
+    assert _sweep(tuner, ms_at) == [8, 4, 2, 1]
+    assert tuner.medians == ms_at
+    assert tuner.chosen == 1
 
 
 def test_a_count_timed_is_its_steps_median_so_one_stalled_step_does_not_rank_it() -> None:
