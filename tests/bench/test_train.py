@@ -56,7 +56,8 @@ def test_the_plain_loop_sizes_its_threads_as_a_rank_at_its_default_share_would(
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        sized = plain_loop(job, "cpu", 1)
+        # two epochs: the sweep and a run-off take up to some 70 steps at a share of 2
+        sized = plain_loop(job, "cpu", 2)
         assert sized.threads in (1, 2)
         assert torch.get_num_threads() == sized.threads  # it trained on at the count kept
         torch.set_num_threads(2)
@@ -72,7 +73,7 @@ def test_each_ddp_process_sizes_its_threads_as_a_rank_would(
 ) -> None:
     for var in ("FLODL_NUM_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    r = ddp_loop("flodl_bus.examples.digits:job", 1, False, 1)
+    r = ddp_loop("flodl_bus.examples.digits:job", 1, False, 2)  # a sweep and a run-off
     assert r.threads in (1, 2)  # its share of this host's cores, then sized
     monkeypatch.setenv("FLODL_NUM_THREADS", "2")
     assert ddp_loop("flodl_bus.examples.digits:job", 1, False, 1).threads is None
