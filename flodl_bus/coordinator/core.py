@@ -366,6 +366,16 @@ class Coordinator:
         ``before`` (``Summarizer.changes``), for the recorder's delta."""
         return self.summarizer.changes(after, before)
 
+    def summary_patches(
+        self, after: Mapping[str, Any], before: Mapping[str, Any]
+    ) -> dict[str, list[Any]] | None:
+        """The entries set in place between ``before`` and ``after`` (the summarizer's
+        ``mirror``; ``Summarizer.patches``), for the recorder's delta; None where the
+        mirror is off or ``after`` was not built from ``before``."""
+        if not self.summarizer.mirror:
+            return None
+        return self.summarizer.patches(after, before)
+
     # ================================================================= upstream
     def _on_exiting(self, r: int, out: list[Out]) -> None:
         if self.live.mark_exited(r):

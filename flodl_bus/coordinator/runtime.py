@@ -134,6 +134,16 @@ class CoordinatorLoop:
             recorder if isinstance(recorder, ShadowRecorder) and not recorder.needs_states else None
         )
         self._next_shadow_check = 0.0
+        # A record process takes each call's delta, made here, and copies of the whole
+        # states it is sent: nothing reads an old summary's lists, so they may be set in
+        # place instead of copied at every message (``coordinator.summary``). The record
+        # on this thread, and the shadow, read the states themselves: copied as before.
+        core.summarizer.mirror = (
+            recorder is not None
+            and self._shadow is None
+            and recorder.in_process
+            and recorder.deltas
+        )
         self.broadcasts_failed = 0
         #: the core's state summary as of the last recorded call (see _state_before)
         self._state: dict[str, Any] | None = None
@@ -187,7 +197,11 @@ class CoordinatorLoop:
         outs = core.start(now)
         if self.rec is not None:
             assert before is not None
-            self.rec.core_call("start", now=now, before=before, after=self._state_after(), out=outs)
+            after = self._state_after()
+            self.rec.core_call(
+                "start", now=now, before=before, after=after, out=outs,
+                patches=core.summary_patches(after, before),
+            )  # fmt: skip
         self._apply(outs, now)
         for r in self._gone_early:
             self._declare_dead(r)
@@ -334,6 +348,7 @@ class CoordinatorLoop:
                     out=outs,
                     sender=rank,
                     changes=core.summary_changes(after, before),
+                    patches=core.summary_patches(after, before),
                 )
             t3, sent = pc(), prof.send
             self._apply(outs, now)
@@ -378,11 +393,14 @@ class CoordinatorLoop:
         before = self._state_before()
         outs = core.tick(now, behind=behind)
         after = self._state_after()
-        if outs or after != before or self._shadow is not None:
+        if outs or self._changed(before, after) or self._shadow is not None:
             # Written only where it is true: older records, which never say it, replay
             # as ticks that were not behind (``replay.coordinator``).
-            extra = {"behind": True} if behind else {}
-            self.rec.core_call("tick", now=now, before=before, after=after, out=outs, **extra)
+            extra: dict[str, Any] = {"behind": True} if behind else {}
+            self.rec.core_call(
+                "tick", now=now, before=before, after=after, out=outs,
+                patches=core.summary_patches(after, before), **extra,
+            )  # fmt: skip
             if self._shadow is not None and now >= self._next_shadow_check:
                 self._next_shadow_check = now + CHECK_EVERY_S
                 self._shadow.check(core.state_summary())
@@ -391,6 +409,11 @@ class CoordinatorLoop:
             # state, so the next call's "before" is recognised without a comparison.
             self._state = before
         self._apply(outs, now)
+
+    def _changed(self, before: dict[str, Any], after: dict[str, Any]) -> bool:
+        """Whether a call changed the state: its summary differs, or (the summarizer's
+        mirror) a list of it was set in place, which the two summaries share."""
+        return after != before or bool(self.core.summary_patches(after, before))
 
     def _note_behind(self, behind: bool) -> None:
         """Count the ticks behind the loop's input, and say so when it stays behind: its
@@ -546,14 +569,16 @@ class CoordinatorLoop:
         more = self.core.send_failed(o.rank, o.msg, now)
         if self.rec is not None:
             assert before is not None
+            after = self._state_after()
             self.rec.core_call(
                 "send_failed",
                 rank=o.rank,
                 msg=o.msg,
                 now=now,
                 before=before,
-                after=self._state_after(),
+                after=after,
                 out=more,
+                patches=self.core.summary_patches(after, before),
             )
         return more
 
@@ -669,10 +694,11 @@ class CoordinatorLoop:
         if self.rec is not None:
             assert before is not None
             after = self._state_after()
-            if outs or after != before or self._shadow is not None:
+            if outs or self._changed(before, after) or self._shadow is not None:
                 self.rec.core_call(
-                    "declare_dead", rank=rank, now=now, before=before, after=after, out=outs
-                )
+                    "declare_dead", rank=rank, now=now, before=before, after=after, out=outs,
+                    patches=self.core.summary_patches(after, before),
+                )  # fmt: skip
         self._apply(outs, now)
 
     def _done(self) -> bool:
@@ -702,9 +728,11 @@ class CoordinatorLoop:
         outs = self.core.interrupt(now)
         if self.rec is not None:
             assert before is not None
+            after = self._state_after()
             self.rec.core_call(
-                "interrupt", now=now, before=before, after=self._state_after(), out=outs
-            )
+                "interrupt", now=now, before=before, after=after, out=outs,
+                patches=self.core.summary_patches(after, before),
+            )  # fmt: skip
         self._apply(outs, now)
         if self.finished is None:
             # Already shut down by the core before the stop request: still leave.

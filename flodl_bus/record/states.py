@@ -66,21 +66,33 @@ def delta(
     cur: Mapping[str, Any],
     hint: int | None = None,
     known: Mapping[str, Sequence[int] | None] | None = None,
+    patches: Mapping[str, list[Any]] | None = None,
 ) -> dict[str, Any]:
     """The fields of a line that take ``prev`` to ``cur``: ``changed``, and
     ``patched``/``removed`` where there are any. ``hint``: the rank the call was about,
     where a change most likely is. ``known``: where lists of ``cur`` differ from
     ``prev``'s, from whoever built one from the other (``Coordinator.summary_changes``):
-    a key with its indexes, in order, is not scanned; any other is compared as usual."""
+    a key with its indexes, in order, is not scanned; any other is compared as usual.
+    ``patches``: the entries of lists ``prev`` and ``cur`` share that were set in place
+    in between (``Summarizer.mirror``), ``[index, value, ...]``; a list then is never
+    written by reference (it changes in place later), always copied."""
     changed: dict[str, Any] = {}
     patched: dict[str, list[Any]] = {}
     for k, v in cur.items():
         p = prev.get(k, _ABSENT)
         if p is _ABSENT:
-            changed[k] = v
+            changed[k] = v if patches is None or type(v) is not list else v.copy()
             continue
         if p is v:
-            continue  # a list the summary handed back unchanged (``state_summary(reuse)``)
+            flat = patches.get(k) if patches is not None else None
+            if flat is None:
+                continue  # a list the summary handed back unchanged (``state_summary``)
+            # Set in place: the patch, as a diff of the two lists would find it.
+            if len(v) >= PATCH_MIN and len(flat) // 2 <= PATCH_SHARE * len(v):
+                patched[k] = flat
+            else:
+                changed[k] = v.copy()
+            continue
         if type(v) is list and type(p) is list and len(v) == len(p) >= PATCH_MIN:
             told = known.get(k) if known is not None else None
             at = _changed_at(p, v, hint) if told is None else [i for i in told if p[i] != v[i]]
@@ -91,7 +103,7 @@ def delta(
                 continue
         elif p == v:
             continue
-        changed[k] = v
+        changed[k] = v if patches is None or type(v) is not list else v.copy()
     out: dict[str, Any] = {CHANGED: changed}
     if patched:
         out[PATCHED] = patched
@@ -99,6 +111,11 @@ def delta(
     if gone:
         out[REMOVED] = gone
     return out
+
+
+def copy_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A state that shares no list or dict with ``state`` (whose lists may change)."""
+    return {k: _copy(v) for k, v in state.items()}
 
 
 def _copy(value: Any) -> Any:

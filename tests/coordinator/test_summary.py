@@ -208,3 +208,88 @@ def test_a_tracked_list_notes_each_write_and_anything_else_as_whole() -> None:
     t.sort()
     assert t.take()[0] is True
     assert t == [0, 0, 5, 5, 7] and type(t.copy()) is list
+
+
+class Mirrored(Coordinator):
+    """A core driven as the coordinator loop drives it with a record process: lists set
+    in place (``Summarizer.mirror``), each call's delta made from the summarizer's
+    patches; beside it, every state built fresh and recorded whole-diffed."""
+
+    def __init__(self, config: CoordinatorConfig, run_dir: Path) -> None:
+        super().__init__(config)
+        self.summarizer.mirror = True
+        self.ours = DispatchRecorder(run_dir / "ours", "coordinator", compress=False, process=True)
+        self.fresh_rec = DispatchRecorder(
+            run_dir / "fresh", "coordinator", compress=False, process=False, events=False
+        )
+        for rec in (self.ours, self.fresh_rec):
+            rec.header(run="mirror", config=dataclasses.asdict(config))
+        self.state: dict[str, Any] | None = None
+        self.fresh: dict[str, Any] | None = None
+        self.calls = self.in_place = 0
+
+    def _record(self, event: str, outs: list[Out], hint: int | None, **kw: Any) -> list[Out]:
+        self.calls += 1
+        before = self.state if self.state is not None else self.state_summary()
+        fresh_before = self.fresh if self.fresh is not None else self.state_summary()
+        # (the first call's "before" is built before the call in the loop: here after
+        # it, which changes nothing of what is compared: both recorders see the same)
+        after = self.state_summary(before)
+        fresh = self.state_summary()
+        assert after == fresh, f"call {self.calls}: {_diff(after, fresh)}"
+        patches = self.summary_patches(after, before)
+        self.in_place += bool(patches)
+        if event == "tick" and not outs and after == before and not patches:
+            self.state = before  # unrecorded, as the loop leaves it
+            return outs
+        if event == "dispatch":
+            self.ours.dispatch(
+                before=before, after=after, out=outs, sender=hint,
+                changes=self.summary_changes(after, before), patches=patches, **kw,
+            )  # fmt: skip
+            self.fresh_rec.dispatch(before=fresh_before, after=fresh, out=outs, sender=hint, **kw)
+        else:
+            self.ours.core_call(event, before=before, after=after, out=outs, patches=patches, **kw)
+            self.fresh_rec.core_call(event, before=fresh_before, after=fresh, out=outs, **kw)
+        self.state, self.fresh = after, fresh
+        return outs
+
+    def start(self, now: float) -> list[Out]:
+        self.state, self.fresh = self.state_summary(), self.state_summary()
+        return self._record("start", super().start(now), None, now=now)
+
+    def handle(self, rank: int, msg: UpstreamMsg, now: float) -> list[Out]:
+        outs = super().handle(rank, msg, now)
+        return self._record(
+            "dispatch", outs, rank, now=now, stream=f"up:{rank}", entry_id=None, msg=msg
+        )
+
+    def tick(self, now: float) -> list[Out]:
+        return self._record("tick", super().tick(now), None, now=now)
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-sync", "cpu-cadence"])
+def test_lists_set_in_place_record_byte_for_byte_what_fresh_states_record(
+    mode: str, tmp_path: Path
+) -> None:
+    """The mirror's deltas, sent to a record process while the lists keep changing under
+    them, write the very lines that fresh summaries diffed whole write: a rank killed,
+    throttling, evals, a world over ``PATCH_MIN`` and the whole lists a death rewrites."""
+    cfg = CoordinatorConfig(
+        mode=mode, world_size=RANKS, total_samples=RANKS * 60, batch_size=2, num_epochs=3,
+        eval_every=1, final_eval=True, heartbeat_timeout=0.05, max_batch_diff=3,
+    )  # fmt: skip
+    core = Mirrored(cfg, tmp_path)
+    cluster = Cluster(cfg, speeds=[1 + (r * 7) % 5 for r in range(RANKS)], core=core)
+    cluster.heartbeat_every_ms = 10
+    cluster.kill_at.update({5: 30, 13: 90})
+    cluster.run()
+    assert cluster.finished is not None and core.live.dead[5] and core.live.dead[13]
+    core.ours.close()
+    core.fresh_rec.close()
+    assert core.ours.failure is None
+    ours = (tmp_path / "ours" / "coordinator.jsonl").read_bytes()
+    fresh = (tmp_path / "fresh" / "coordinator.jsonl").read_bytes()
+    assert core.in_place > 300  # the lists were set in place, not copied
+    assert ours.count(b"\n") > 500 and b'"patched"' in ours
+    assert ours == fresh
