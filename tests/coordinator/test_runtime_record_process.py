@@ -15,9 +15,11 @@ import orjson
 import pytest
 
 from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
+from flodl_bus.coordinator.config import CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.runtime import EXIT_OK, CoordinatorLoop, LoopOptions
 from flodl_bus.exits import FAILED
+from flodl_bus.protocol.messages import Batch
 from flodl_bus.record import chain, states
 from flodl_bus.record.dispatch import DispatchRecorder
 from flodl_bus.record.log import read_records
@@ -55,6 +57,43 @@ def test_a_run_recorded_by_a_record_process_is_whole_chained_and_its_events_live
     assert recs[-2]["after"] == core.state_summary()  # the deltas add up to the end state
     live = [orjson.loads(x) for x in (tmp_path / EVENTS_FILE).read_bytes().splitlines()]
     assert live == list(derive(raw)) and any(e["kind"] == "CpuAvgEnd" for e in live)
+
+
+def test_with_a_record_process_the_summary_sets_lists_in_place_and_the_loop_still_sees_it(
+    tmp_path: Path,
+) -> None:
+    """The loop's summaries share their lists with a record process recording (the
+    summarizer's mirror): a Batch leaves two summaries equal, so the loop's "did the call
+    change anything" must ask the summarizer, or an unrecorded tick would lose a change."""
+    cfg = CoordinatorConfig(
+        mode="nccl-cadence", world_size=20, total_samples=800, batch_size=1, num_epochs=1
+    )
+    core = Coordinator(cfg)
+    rec = DispatchRecorder(tmp_path, "coordinator", process=True)
+    try:
+        loop = CoordinatorLoop(core, MemoryCoordinatorBus(MemoryHub(20)), recorder=rec)
+        assert core.summarizer.mirror
+        core.start(0.0)
+        first = core.state_summary()
+        before = core.state_summary(first)
+        core.handle(3, Batch(rank=3, batch_ms=5.0, data_ms=0.1, step_count=1, batch_loss=0.5), 0.01)
+        after = core.state_summary(before)
+        assert after["steps"] is before["steps"] and after["steps"][3] == 1
+        assert after == before  # the same lists: equality cannot tell
+        assert loop._changed(before, after)
+        assert core.summary_patches(after, before) == {"steps": [3, 1], "last_step_count": [3, 1]}
+        again = core.state_summary(after)
+        assert not loop._changed(after, again)
+    finally:
+        rec.close()
+    # recorded on this thread (FLODL_RECORD_PROCESS=0, --tensorboard): lists copied
+    thread = DispatchRecorder(tmp_path / "thread", "coordinator", process=False)
+    try:
+        other = Coordinator(cfg)
+        CoordinatorLoop(other, MemoryCoordinatorBus(MemoryHub(20)), recorder=thread)
+        assert not other.summarizer.mirror
+    finally:
+        thread.close()
 
 
 class CuttingRecorder(DispatchRecorder):
