@@ -19,6 +19,7 @@ import pytest
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Out
+from flodl_bus.coordinator.reduce import NcclReduce
 from flodl_bus.coordinator.tracked import Tracked
 from flodl_bus.protocol.messages import UpstreamMsg
 from flodl_bus.record import states
@@ -45,6 +46,9 @@ class Checked(Coordinator):
 
     def _check(self, outs: list[Out], hint: int | None, recorded: bool = True) -> list[Out]:
         self.calls += 1
+        if isinstance(self.reduce, NcclReduce):
+            # the gate's shortcut: a count of missing acks, never a scan
+            assert self.reduce.any_blocks() == (False in self.reduce.ack_flags())
         before = self.state
         if self.calls % 97 == 0:
             # a state the summarizer did not make (a replay's, a copy): read whole
