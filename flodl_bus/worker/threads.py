@@ -19,7 +19,7 @@ out of 7 once, 3.8x), so a stop there kept 15 or 7 threads where 1 was the faste
 The sweep times each count at another moment of the run, and a host drifts between them
 (a neighbour's burst, the clock, the run's own first epochs): on the 16-core host the
 same digits run kept 1, 4 or 15 threads from one start to the next, and a run that kept
-4 or 15 trained 20-40% slower than one that kept 1. So when the fastest count is not the
+4 or 15 trained 20-90% slower than one that kept 1. So when the fastest count is not the
 fewest that came close (within ``RUNOFF``), the two are timed again in a run-off, in
 short alternating blocks, so that a drift or a burst lands on both; the pick is then
 made on the run-off's steps alone.
