@@ -464,6 +464,7 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
                     self.core.state_summary(),
                     heard=heard,
                     resources=self.core.resources,
+                    behind_s=self.behind_for(),
                 )
 
     loop = PublishingLoop(
@@ -536,10 +537,12 @@ def publish_state(
     *,
     heard: list[float] | None = None,
     resources: Sequence[ResourceSample | None] | None = None,
+    behind_s: float | None = None,
 ) -> None:
     """The fields of ``meta`` that ``flodl-bus status`` reads (launch/status.py).
     ``heard``: per rank, seconds since the coordinator last took a verified entry from it;
-    ``resources``: per rank, its newest resource sample (None: none yet)."""
+    ``resources``: per rank, its newest resource sample (None: none yet); ``behind_s``:
+    how long the loop has been behind its input (None: it keeps up; written empty)."""
     gate = summary.get("gate") or {}
     fields = {
         "dead": json.dumps(list(summary.get("dead", []))),
@@ -553,6 +556,7 @@ def publish_state(
         "gate_open": "1" if gate.get("open") else "0",
         "gate_why": str(gate.get("why", "")),
         "syncs": str(summary.get("version", "")),
+        "behind_s": "" if behind_s is None else f"{behind_s:.1f}",
     }
     if heard is not None:
         fields["heard_s"] = json.dumps(heard)

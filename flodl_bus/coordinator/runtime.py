@@ -415,6 +415,13 @@ class CoordinatorLoop:
         mirror) a list of it was set in place, which the two summaries share."""
         return after != before or bool(self.core.summary_patches(after, before))
 
+    def behind_for(self) -> float | None:
+        """Seconds the loop has been behind its input (``CoordinatorBus.behind`` at every
+        tick since), None while it keeps up: ``flodl-bus status`` shows it, since a rank's
+        silence then may be the coordinator's own backlog."""
+        since = self._behind_since
+        return None if since is None else max(0.0, time.monotonic() - since)
+
     def _note_behind(self, behind: bool) -> None:
         """Count the ticks behind the loop's input, and say so when it stays behind: its
         ranks wait on it, and a death is not declared until it catches up."""

@@ -45,6 +45,10 @@ RATE_WINDOW_MS = 10_000
 #: the statuses of a run still training or forming (its gate and rates mean something)
 LIVE_STATUSES = ("running", "joining", "unknown")
 
+#: a coordinator behind its input this long is said so (a read or two behind is the
+#: ordinary ebb of a large world)
+BEHIND_SHOWN_S = 1.0
+
 #: the meta fields the coordinator refreshes while it runs (coordinator/cli.py)
 STATE_FIELDS = (
     "state_at",
@@ -56,6 +60,7 @@ STATE_FIELDS = (
     "phase",
     "counts",
     "heard_s",
+    "behind_s",
     "dead",
     "exited",
     "resources",
@@ -148,6 +153,8 @@ def read_status(client: redis.Redis, run: str, now_ms: int | None = None) -> dic
         else {"open": gate_open == "1", "why": meta.get("gate_why")},
         "syncs": int(meta["syncs"]) if meta.get("syncs", "").isdigit() else None,
         "state_age_s": state_age,
+        # the coordinator behind its input: a rank's "heard" then grows with the backlog
+        "behind_s": _float(meta.get("behind_s")) if live else None,
         "dead_letters": int(client.xlen(keys.dlq)),
         "ranks": ranks,
     }
@@ -186,6 +193,15 @@ def render(st: dict[str, Any]) -> str:
         head,
         f"anchor {_num(st['anchor'], 'd')}  averaging rounds {_num(st['syncs'], 'd')}  "
         f"gate {gate_text}  dead letters {st['dead_letters']}",
+    ]
+    behind = st.get("behind_s")
+    if behind is not None and behind >= BEHIND_SHOWN_S:
+        lines.append(
+            f"coordinator behind its input for {behind:.1f}s: ranks' entries wait unread, "
+            "their 'heard' grows and no death is declared until it catches up (fewer ranks "
+            "per coordinator, --ingest-procs, longer steps)"
+        )
+    lines += [
         f"{'rank':>4} {'epoch':>5} {'steps/s':>9} {'last step':>10} {'heard':>10} "
         f"{'rss MiB':>8} {'gpu':>20}  state",
     ]

@@ -225,6 +225,21 @@ def test_a_loop_behind_its_input_declares_no_rank_dead_and_records_its_ticks_so(
     assert loop.profile.ticks_behind == loop.profile.ticks > 0
     said = [e for e in logs if e["event"] == "coordinator_behind"]
     assert said and "--ingest-procs" in said[0]["detail"]
+    behind = loop.behind_for()  # what the loop publishes for `flodl-bus status`
+    assert behind is not None and behind >= 0.0
+
+
+def test_a_loop_that_keeps_up_is_not_behind_and_one_that_catches_up_no_longer_is() -> None:
+    loop = CoordinatorLoop(Coordinator(config("cpu-cadence")), MemoryCoordinatorBus(MemoryHub(1)))
+    assert loop.behind_for() is None
+    loop._note_behind(True)
+    first = loop.behind_for()
+    assert first is not None
+    loop._note_behind(True)  # still behind: counted from the first tick behind
+    again = loop.behind_for()
+    assert again is not None and again >= first
+    loop._note_behind(False)
+    assert loop.behind_for() is None
 
 
 def test_a_refused_broadcast_is_counted_and_the_run_goes_on(tmp_path: Path) -> None:

@@ -257,3 +257,46 @@ def test_status_renders_a_gpu_ranks_utilisation_and_memory() -> None:
     }  # fmt: skip
     line = render(st).splitlines()[-1]
     assert " 2048 " in line and "cuda:1 62% 1843/4096M" in line
+
+
+def test_status_says_when_the_coordinator_is_behind_its_input(real_redis: redis.Redis) -> None:
+    """Issue 31: a coordinator behind its ranks' entries declares no death until it
+    catches up; its ranks' "heard" grows meanwhile, and status says why."""
+    run = "status-behind"
+    keys = RunKeys(run)
+    now_ms = int(time.time() * 1000)
+    real_redis.hset(
+        keys.meta,
+        mapping={
+            "status": "running",
+            "world_size": "1",
+            "state_at": repr(now_ms / 1000 - 0.5),
+            "heard_s": "[14.0]",
+            "behind_s": "12.5",
+            "dead": "[]",
+            "exited": "[]",
+        },
+    )
+    st = read_status(real_redis, run, now_ms=now_ms)
+    assert st["behind_s"] == 12.5
+    assert "coordinator behind its input for 12.5s" in render(st)
+    for shown, behind in ((False, ""), (False, "0.4")):
+        real_redis.hset(keys.meta, "behind_s", behind)
+        st = read_status(real_redis, run, now_ms=now_ms)
+        assert ("behind its input" in render(st)) is shown
+    real_redis.hset(keys.meta, mapping={"behind_s": "30.0", "status": "finished"})
+    assert read_status(real_redis, run, now_ms=now_ms)["behind_s"] is None  # history
+
+
+def test_the_coordinator_publishes_how_long_it_has_been_behind_as_status_reads_it(
+    real_redis: redis.Redis,
+) -> None:
+    from flodl_bus.coordinator.cli import publish_state
+
+    keys = RunKeys("status-behind-published")
+    real_redis.hset(keys.meta, mapping={"status": "running", "world_size": "0"})
+    summary = {"phase": "training", "dead": [], "exited": [], "rank_epoch": []}
+    publish_state(real_redis, keys.meta, summary, behind_s=3.26)
+    assert read_status(real_redis, keys.run)["behind_s"] == 3.3
+    publish_state(real_redis, keys.meta, summary)  # caught up: the field is cleared
+    assert read_status(real_redis, keys.run)["behind_s"] is None
