@@ -9,6 +9,9 @@ Per-step reports linger (``StreamsConfig.publish_linger_s``) so that one transac
 carries many of them: the thread sleeps through the linger without waking per message,
 and a message the coordinator acts on (anything not in ``LAZY``: a step's ``Batch`` and
 ``LrUpdate``, a ``Heartbeat``) ends it, so it and everything queued before it go at once.
+While steps flow, the thread sleeps a linger after each write before it looks again,
+rather than being woken by the next report only to sleep then: a wake of another thread
+is what costs the training thread most (BENCHMARKS.md, 2026-12-06).
 With ``publish_first_step`` (a world of one), so does the first ``Batch`` after such a
 message: a plan's first step is what its coordinator sends it its next plan on; the
 steps after it are not news, until the next such message.
@@ -184,13 +187,29 @@ class _Publisher:
         limit = self.config.publish_batch
         linger = self.config.publish_linger_s
         urgent = self._urgent
+        #: the last write was of a run of step reports: more are likely on their way
+        flowing = False
         while True:
-            batch = [get()]
-            if linger > 0 and type(batch[0]) in LAZY:
-                # Asleep, not woken by each put: the training thread's publishes cost it
-                # no GIL hand-over. An urgent put wakes us; one already queued left the
-                # event set, so the wait returns at once.
+            if flowing:
+                # Sleep out a linger before looking again, instead of blocking on the
+                # queue, whose next put (the next step's report) would wake us only to
+                # sleep the linger then: one wake a write fewer while steps flow. What
+                # came meanwhile waited at most the linger and goes now; nothing came:
+                # block until something does.
                 urgent.wait(linger)
+                try:
+                    batch = [get_nowait()]
+                except queue.Empty:
+                    batch = [get()]
+                    if type(batch[0]) in LAZY:
+                        urgent.wait(linger)
+            else:
+                batch = [get()]
+                if linger > 0 and type(batch[0]) in LAZY:
+                    # Asleep, not woken by each put: the training thread's publishes cost
+                    # it no GIL hand-over. An urgent put wakes us; one already queued left
+                    # the event set, so the wait returns at once.
+                    urgent.wait(linger)
             # Cleared before the drain below: an urgent message put from here on is
             # either drained now or sets the event again for the next round.
             urgent.clear()
@@ -211,6 +230,7 @@ class _Publisher:
                 else:
                     msgs.append(item)
             self._write(msgs)
+            flowing = linger > 0 and bool(msgs) and type(msgs[-1]) in LAZY
 
     def _write(self, msgs: list[object]) -> None:
         if not msgs or self.error is not None:
