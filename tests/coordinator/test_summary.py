@@ -234,10 +234,8 @@ class Mirrored(Coordinator):
 
     def _record(self, event: str, outs: list[Out], hint: int | None, **kw: Any) -> list[Out]:
         self.calls += 1
-        before = self.state if self.state is not None else self.state_summary()
-        fresh_before = self.fresh if self.fresh is not None else self.state_summary()
-        # (the first call's "before" is built before the call in the loop: here after
-        # it, which changes nothing of what is compared: both recorders see the same)
+        assert self.state is not None and self.fresh is not None  # built before start
+        before, fresh_before = self.state, self.fresh
         after = self.state_summary(before)
         fresh = self.state_summary()
         assert after == fresh, f"call {self.calls}: {_diff(after, fresh)}"
