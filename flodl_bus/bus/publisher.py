@@ -20,6 +20,7 @@ Order is never changed: a batch is always a prefix of the queue.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -190,26 +191,24 @@ class _Publisher:
         #: the last write was of a run of step reports: more are likely on their way
         flowing = False
         while True:
+            lingered = False
             if flowing:
                 # Sleep out a linger before looking again, instead of blocking on the
                 # queue, whose next put (the next step's report) would wake us only to
                 # sleep the linger then: one wake a write fewer while steps flow. What
-                # came meanwhile waited at most the linger and goes now; nothing came:
-                # block until something does.
+                # came meanwhile waited at most the linger and goes now.
                 urgent.wait(linger)
-                try:
-                    batch = [get_nowait()]
-                except queue.Empty:
-                    batch = [get()]
-                    if type(batch[0]) in LAZY:
-                        urgent.wait(linger)
-            else:
-                batch = [get()]
-                if linger > 0 and type(batch[0]) in LAZY:
+                with contextlib.suppress(queue.Empty):
+                    first = get_nowait()
+                    lingered = True
+            if not lingered:
+                first = get()
+                if linger > 0 and type(first) in LAZY:
                     # Asleep, not woken by each put: the training thread's publishes cost
                     # it no GIL hand-over. An urgent put wakes us; one already queued left
                     # the event set, so the wait returns at once.
                     urgent.wait(linger)
+            batch = [first]
             # Cleared before the drain below: an urgent message put from here on is
             # either drained now or sets the event again for the next round.
             urgent.clear()

@@ -198,10 +198,7 @@ class CoordinatorLoop:
         if self.rec is not None:
             assert before is not None
             after = self._state_after()
-            self.rec.core_call(
-                "start", now=now, before=before, after=after, out=outs,
-                patches=core.summary_patches(after, before),
-            )  # fmt: skip
+            self._core_call("start", before, after, outs, now=now)
         self._apply(outs, now)
         for r in self._gone_early:
             self._declare_dead(r)
@@ -397,10 +394,7 @@ class CoordinatorLoop:
             # Written only where it is true: older records, which never say it, replay
             # as ticks that were not behind (``replay.coordinator``).
             extra: dict[str, Any] = {"behind": True} if behind else {}
-            self.rec.core_call(
-                "tick", now=now, before=before, after=after, out=outs,
-                patches=core.summary_patches(after, before), **extra,
-            )  # fmt: skip
+            self._core_call("tick", before, after, outs, now=now, **extra)
             if self._shadow is not None and now >= self._next_shadow_check:
                 self._next_shadow_check = now + CHECK_EVERY_S
                 self._shadow.check(core.state_summary())
@@ -409,6 +403,26 @@ class CoordinatorLoop:
             # state, so the next call's "before" is recognised without a comparison.
             self._state = before
         self._apply(outs, now)
+
+    def _core_call(
+        self,
+        event: str,
+        before: dict[str, Any],
+        after: dict[str, Any],
+        out: list[Out],
+        **fields: Any,
+    ) -> None:
+        """A recorded core call other than a dispatch, with the entries the summarizer
+        set in place between its two states (its mirror), which the delta writes."""
+        assert self.rec is not None
+        self.rec.core_call(
+            event,
+            before=before,
+            after=after,
+            out=out,
+            patches=self.core.summary_patches(after, before),
+            **fields,
+        )
 
     def _changed(self, before: dict[str, Any], after: dict[str, Any]) -> bool:
         """Whether a call changed the state: its summary differs, or (the summarizer's
@@ -576,16 +590,8 @@ class CoordinatorLoop:
         more = self.core.send_failed(o.rank, o.msg, now)
         if self.rec is not None:
             assert before is not None
-            after = self._state_after()
-            self.rec.core_call(
-                "send_failed",
-                rank=o.rank,
-                msg=o.msg,
-                now=now,
-                before=before,
-                after=after,
-                out=more,
-                patches=self.core.summary_patches(after, before),
+            self._core_call(
+                "send_failed", before, self._state_after(), more, rank=o.rank, msg=o.msg, now=now
             )
         return more
 
@@ -702,10 +708,7 @@ class CoordinatorLoop:
             assert before is not None
             after = self._state_after()
             if outs or self._changed(before, after) or self._shadow is not None:
-                self.rec.core_call(
-                    "declare_dead", rank=rank, now=now, before=before, after=after, out=outs,
-                    patches=self.core.summary_patches(after, before),
-                )  # fmt: skip
+                self._core_call("declare_dead", before, after, outs, rank=rank, now=now)
         self._apply(outs, now)
 
     def _done(self) -> bool:
@@ -735,11 +738,7 @@ class CoordinatorLoop:
         outs = self.core.interrupt(now)
         if self.rec is not None:
             assert before is not None
-            after = self._state_after()
-            self.rec.core_call(
-                "interrupt", now=now, before=before, after=after, out=outs,
-                patches=self.core.summary_patches(after, before),
-            )  # fmt: skip
+            self._core_call("interrupt", before, self._state_after(), outs, now=now)
         self._apply(outs, now)
         if self.finished is None:
             # Already shut down by the core before the stop request: still leave.

@@ -117,22 +117,27 @@ def _pending(url: str, keys: RunKeys, ranks: Sequence[int]) -> int:
         client.close()
 
 
-def _until_acked(url: str, keys: RunKeys, ranks: Sequence[int], timeout: float = 20.0) -> int:
-    """Acks ride on each reader's next read: wait for the last of them."""
+def _pending_until(
+    url: str, keys: RunKeys, ranks: Sequence[int], done: Callable[[int], bool], timeout: float
+) -> int:
+    """The readers' entries read and not yet acked, polled until ``done`` says so or
+    ``timeout`` passes (the count then, either way)."""
     deadline = time.monotonic() + timeout
     left = _pending(url, keys, ranks)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while not done(left) and time.monotonic() < deadline:
+        time.sleep(0.01)
         left = _pending(url, keys, ranks)
     return left
 
 
+def _until_acked(url: str, keys: RunKeys, ranks: Sequence[int], timeout: float = 20.0) -> int:
+    """Acks ride on each reader's next read: wait for the last of them."""
+    return _pending_until(url, keys, ranks, lambda left: left == 0, timeout)
+
+
 def _until_read(url: str, keys: RunKeys, ranks: Sequence[int], n: int, why: str) -> None:
     """Wait until the readers hold ``n`` entries read and not yet acked (30 s at most)."""
-    deadline = time.monotonic() + 30
-    while _pending(url, keys, ranks) < n:
-        assert time.monotonic() < deadline, why
-        time.sleep(0.01)
+    assert _pending_until(url, keys, ranks, lambda held: held >= n, 30.0) >= n, why
 
 
 def test_live_publishers_reach_the_core_once_each_in_order_across_reader_processes(

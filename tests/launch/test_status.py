@@ -164,6 +164,18 @@ def test_expire_run_sets_a_ttl_on_every_key_of_the_run_and_its_secret_only(
         assert real_redis.ttl(name) == -1  # another run is untouched
 
 
+def _live_meta(
+    client: redis.Redis, keys: RunKeys, world: int, *, state_age: float, **fields: str
+) -> int:
+    """A running run's meta as its coordinator publishes it, its state ``state_age`` s
+    old; now, in ms."""
+    now_ms = int(time.time() * 1000)
+    meta = {"status": "running", "world_size": str(world), "dead": "[]", "exited": "[]"}
+    meta.update(state_at=repr(now_ms / 1000 - state_age), **fields)
+    client.hset(keys.meta, mapping=meta)
+    return now_ms
+
+
 def test_forged_heartbeats_in_a_ranks_stream_do_not_make_a_silent_rank_look_alive(
     real_redis: redis.Redis,
 ) -> None:
@@ -171,18 +183,7 @@ def test_forged_heartbeats_in_a_ranks_stream_do_not_make_a_silent_rank_look_aliv
     # was published, rank 1 silent for 40 s, rank 2 declared dead.
     run = "status-forged"
     keys = RunKeys(run)
-    now_ms = int(time.time() * 1000)
-    real_redis.hset(
-        keys.meta,
-        mapping={
-            "status": "running",
-            "world_size": "3",
-            "state_at": repr(now_ms / 1000 - 2.0),
-            "heard_s": "[0.5, 40.0, 90.0]",
-            "dead": "[2]",
-            "exited": "[]",
-        },
-    )
+    now_ms = _live_meta(real_redis, keys, 3, state_age=2.0, heard_s="[0.5, 40.0, 90.0]", dead="[2]")
     # Anyone who can write up:1 adds fresh, unsigned heartbeats for the silent rank.
     for _ in range(4):
         real_redis.xadd(keys.up(1), {F_TYPE: b"Heartbeat", F_RANK: b"1", F_SEQ: b"1", F_BODY: b""})
@@ -264,19 +265,7 @@ def test_status_says_when_the_coordinator_is_behind_its_input(real_redis: redis.
     catches up; its ranks' "heard" grows meanwhile, and status says why."""
     run = "status-behind"
     keys = RunKeys(run)
-    now_ms = int(time.time() * 1000)
-    real_redis.hset(
-        keys.meta,
-        mapping={
-            "status": "running",
-            "world_size": "1",
-            "state_at": repr(now_ms / 1000 - 0.5),
-            "heard_s": "[14.0]",
-            "behind_s": "12.5",
-            "dead": "[]",
-            "exited": "[]",
-        },
-    )
+    now_ms = _live_meta(real_redis, keys, 1, state_age=0.5, heard_s="[14.0]", behind_s="12.5")
     st = read_status(real_redis, run, now_ms=now_ms)
     assert st["behind_s"] == 12.5
     assert "coordinator behind its input for 12.5s" in render(st)
