@@ -10,6 +10,7 @@ the rank's oldest chunk, which is how an epoch is known to be complete.
 
 from __future__ import annotations
 
+import heapq
 import operator
 from collections import deque
 from collections.abc import Sequence
@@ -304,17 +305,32 @@ def consolidate_lone_ones(alloc: Sequence[int]) -> list[int]:
     """Move each lone 1-batch slot onto the smallest peer holding >= 1 (ties: lowest rank).
 
     A single irreducible 1 (no other holder) is left for the fallback.
+
+    The rule, one move at a time: the highest rank holding 1 moves it to the holder
+    smallest by (slots, rank) among the others. While two ones are left that holder is the
+    lowest one (1 is the least a holder has), so the ones pair off from both ends; the
+    last one goes to the smallest holder of two or more. Done so, with a heap for the
+    latter, it is O(N log N): the move-at-a-time scan was O(N) a move and O(N^2) a call,
+    most of a 1,024-rank coordinator's time at each epoch's last window (issue 31).
     """
     out = list(alloc)
-    while True:
-        ones = [r for r, a in enumerate(out) if a == 1]
-        holders = [r for r, a in enumerate(out) if a >= 1]
-        if not ones or len(holders) < 2:
-            return out
-        r = ones[-1]
-        target = min((p for p in holders if p != r), key=lambda p: (out[p], p))
-        out[target] += 1
+    ones = deque(r for r, a in enumerate(out) if a == 1)  # ascending
+    if not ones:
+        return out
+    bigger = [(a, r) for r, a in enumerate(out) if a >= 2]
+    heapq.heapify(bigger)
+    while len(ones) + len(bigger) >= 2 and ones:
+        r = ones.pop()
+        if ones:
+            t = ones.popleft()
+            out[t] = 2
+            heapq.heappush(bigger, (2, t))
+        else:
+            a, t = heapq.heappop(bigger)
+            out[t] = a + 1
+            heapq.heappush(bigger, (a + 1, t))
         out[r] = 0
+    return out
 
 
 def split_ranges(ranges: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:

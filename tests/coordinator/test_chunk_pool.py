@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from flodl_bus.coordinator.chunk_pool import (
@@ -204,6 +206,36 @@ def test_consolidate_examples() -> None:
     assert consolidate_lone_ones([1, 1, 0]) == [2, 0, 0]
     assert consolidate_lone_ones([5, 1, 1]) == [5, 2, 0]
     assert consolidate_lone_ones([0, 1, 0]) == [0, 1, 0]
+
+
+def _consolidate_by_definition(alloc: list[int]) -> list[int]:
+    # One move at a time, as the rule reads: the highest lone one goes to the smallest
+    # other holder by (slots, rank).
+    out = list(alloc)
+    while True:
+        ones = [r for r, a in enumerate(out) if a == 1]
+        holders = [r for r, a in enumerate(out) if a >= 1]
+        if not ones or len(holders) < 2:
+            return out
+        r = ones[-1]
+        target = min((p for p in holders if p != r), key=lambda p: (out[p], p))
+        out[target] += 1
+        out[r] = 0
+
+
+def test_consolidate_moves_as_the_one_at_a_time_rule_does() -> None:
+    rng = random.Random(31)
+    cases = [[1] * 1024, [1] * 1023 + [2], [0, 1] * 300, [3, 1, 1, 2, 1, 0, 1]]
+    for _ in range(3000):
+        n = rng.randint(1, 40)
+        top = rng.choice([1, 2, 3, 9])
+        cases.append(
+            [rng.choice([0, 1, 1]) if rng.random() < 0.7 else rng.randint(0, top) for _ in range(n)]
+        )
+    for alloc in cases:
+        got = consolidate_lone_ones(alloc)
+        assert got == _consolidate_by_definition(alloc), alloc
+        assert sum(got) == sum(alloc)
 
 
 # ----------------------------------------------------------------- partition sizes
