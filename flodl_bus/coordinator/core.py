@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from itertools import compress, count, repeat
-from operator import lt
+from operator import gt, lt
 from typing import Any, assert_never
 
 from flodl_bus.coordinator.checkpoint import Checkpoints, read_meta
@@ -343,7 +343,8 @@ class Coordinator:
             if self.dispatch.spares_gate(r):
                 continue
             return False, f"rank {r} at {s}/{need} steps"
-        if max(compress(steps, alive), default=0) <= 0:
+        # Stops at the first live rank that moved (rank 0, as a rule): max() read them all.
+        if not any(map(gt, compress(steps, alive), repeat(0))):
             return False, "no rank moved"
         return True, "open"
 
