@@ -45,8 +45,11 @@ DIGEST_BYTES: Final = 8
 _D_OPEN: Final = b',"d":"'
 _SUFFIX_LEN: Final = len(_D_OPEN) + 2 * DIGEST_BYTES + 2
 FLUSH_S: Final = 0.1
-#: how often the zstd writer looks for lines (a flush or the close wakes it at once)
-GATHER_S: Final = 0.02
+#: how often the zstd writer looks for lines (a flush or the close wakes it at once):
+#: each look is a wake and a GIL hand-over on the recording thread, which in a rank is the
+#: training thread (a world of one's writer: 125 -> 73 wakes a second at 0.05 s against
+#: 0.02 s); within ``FLUSH_S``, so what a hung process recorded is still readable
+GATHER_S: Final = 0.05
 #: most lines the zstd writer takes off its queue for one compress call
 _BATCH_LINES: Final = 512
 FRAME_BYTES: Final = 4 << 20
