@@ -32,9 +32,6 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Final
 
-#: ``1``: a CPU rank whose torch threads come to one binds its training thread to the
-#: core it runs on (``pin_this_thread``); ``0``: never. See ``pins_thread``.
-ENV_PIN: Final = "FLODL_PIN_THREAD"
 #: ``1``: the rank sizes its threads to the work (``worker.threads``) although a launcher
 #: set ``OMP_NUM_THREADS`` (its default split); ``0``: never; unset: only at the default
 ENV_TUNE: Final = "FLODL_TUNE_THREADS"
@@ -123,40 +120,8 @@ def tunes_threads(env: Mapping[str, str]) -> bool:
     return not env.get("OMP_NUM_THREADS", "").strip()
 
 
-def pins_thread(env: Mapping[str, str], cores: int) -> bool:
-    """Whether a rank training on one torch thread binds that thread to one core.
-
-    A rank's training thread blocks where the plain loop's never does: on the GIL its
-    reader and publisher take, on a plan at an epoch's end. Each time it blocks, the
-    scheduler may wake it on another core, whose caches hold none of the model: the step
-    after is a cold one. Bound, it comes back to its own core. Only at one thread: an
-    intra-op thread made later by a bound thread inherits its single core. Only on hosts
-    of ``RESERVE_FROM`` cores or more: on fewer, one core is too large a share to keep.
-    """
-    flag = env.get(ENV_PIN, "").strip() or "0"
-    if flag not in ("0", "1"):
-        raise ValueError(f"{ENV_PIN}={flag!r}: use 1 (bind a one-thread rank to its core) or 0")
-    return flag == "1" and cores >= RESERVE_FROM
-
-
-def pin_this_thread() -> int | None:
-    """Bind the calling thread to the core it runs on now (the scheduler has spread the
-    busy threads already, so ranks of one host land on distinct cores); the core, or
-    None where the platform cannot say or bind."""
-    try:
-        with open("/proc/thread-self/stat", "rb") as f:
-            # field 39, "processor"; the fields after the command's closing parenthesis
-            # start at field 3
-            cpu = int(f.read().rsplit(b")", 1)[1].split()[36])
-        os.sched_setaffinity(0, {cpu})  # 0: the calling thread alone
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-    return cpu
-
-
 def check_thread_env(env: Mapping[str, str]) -> None:
     """Raise ``ValueError`` naming a thread setting a rank could not read (a launcher
     says it once, before anything starts)."""
     thread_share(env, 1)
     tunes_threads(env)
-    pins_thread(env, 1)

@@ -134,7 +134,6 @@ class RankLoop:
         on_dispatched: Callable[[ControlMsg], None] | None = None,
         threads: ThreadTuner | None = None,
         on_threads: Callable[[ThreadTuner], None] | None = None,
-        pin: Callable[[], int | None] | None = None,
     ) -> None:
         self.job = job
         self.control = control
@@ -178,9 +177,6 @@ class RankLoop:
         self.threads = threads if threads is not None and not threads.done else None
         #: told once the count is settled
         self.on_threads = on_threads
-        #: binds the training thread to its core (``worker.host.pin_this_thread``), once
-        #: its torch threads are settled at one; None once asked (or never to be)
-        self._pin = pin
         #: why the rank leaves mid-run (an ``Exiting`` reason, see ``protocol.leaving``);
         #: None while nothing failed
         self.failure: str | None = None
@@ -323,8 +319,6 @@ class RankLoop:
                 )
             )
             return None
-        if self._pin is not None and self.threads is None:
-            self._pin_if_one()
         self.feed.begin(self.picks_of)
         return PlanTally(plan, start)
 
@@ -372,16 +366,6 @@ class RankLoop:
             )
             if self.on_threads is not None:
                 self.on_threads(tuner)
-            if self._pin is not None:
-                self._pin_if_one()
-
-    def _pin_if_one(self) -> None:
-        # Asked once, on the training thread, where the count is settled: a bound thread
-        # would hand its one core to every intra-op thread it makes after.
-        pin, self._pin = self._pin, None
-        if pin is not None and torch.get_num_threads() == 1:
-            cpu = pin()
-            _log.info("training_thread_pinned", rank=self.rank, cpu=cpu)
 
     def close_plan(self, tally: PlanTally) -> None:
         """The plan is trained: its MetricsMsg, which tells the coordinator it is done."""

@@ -26,14 +26,7 @@ from flodl_bus.stop_signals import StopSignals, signal_name
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.hooks import JobHooks, bind_intent_sink, unbind_intent_sink
-from flodl_bus.worker.host import (
-    pin_this_thread,
-    pins_thread,
-    set_rank_env,
-    torch_threads,
-    tunes_threads,
-    usable_cores,
-)
+from flodl_bus.worker.host import set_rank_env, torch_threads, tunes_threads, usable_cores
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
 from flodl_bus.worker.loop import RankLoop
@@ -339,9 +332,6 @@ class RankSession:
             on_dispatched=hooks.dispatched if hooks.wanted else None,
             threads=self._thread_tuner(threads, device),
             on_threads=None if options.announce is None else _threads_said(rank, options.announce),
-            pin=pin_this_thread
-            if device.type == "cpu" and pins_thread(os.environ, usable_cores())
-            else None,
         )
         runtime = RankRuntime(
             bus=bus,

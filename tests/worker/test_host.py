@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import threading
-from typing import Any
-
 import pytest
 
-from flodl_bus.worker.host import (
-    pin_this_thread,
-    pins_thread,
-    rank_env,
-    set_rank_env,
-    thread_share,
-    torch_threads,
-    tunes_threads,
-)
+from flodl_bus.worker.host import rank_env, set_rank_env, thread_share, torch_threads, tunes_threads
 
 
 def test_a_rank_on_one_host_is_its_own_local_rank() -> None:
@@ -110,28 +98,3 @@ def test_a_bad_setting_is_refused_naming_it(env: dict[str, str], named: str) -> 
 def test_a_local_rank_outside_the_local_world_is_refused(local_rank: str, local_world: str) -> None:
     with pytest.raises(ValueError, match="0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"):
         rank_env(0, 4, {"LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_world})
-
-
-def test_a_one_thread_rank_is_bound_only_where_asked_and_the_host_has_cores_to_spare() -> None:
-    assert pins_thread({}, 16) is False
-    assert pins_thread({"FLODL_PIN_THREAD": "1"}, 16) is True
-    assert pins_thread({"FLODL_PIN_THREAD": "1"}, 2) is False  # one core is half of two
-    assert pins_thread({"FLODL_PIN_THREAD": "0"}, 16) is False
-    with pytest.raises(ValueError, match=r"FLODL_PIN_THREAD='yes': use 1 .* or 0"):
-        pins_thread({"FLODL_PIN_THREAD": "yes"}, 16)
-
-
-def test_binding_takes_the_calling_thread_alone_to_the_core_it_runs_on() -> None:
-    before = os.sched_getaffinity(0)
-    seen: dict[str, Any] = {}
-
-    def bind() -> None:
-        seen["cpu"] = pin_this_thread()
-        seen["mask"] = os.sched_getaffinity(0)
-
-    t = threading.Thread(target=bind)
-    t.start()
-    t.join()
-    assert seen["cpu"] in before
-    assert seen["mask"] == {seen["cpu"]}
-    assert os.sched_getaffinity(0) == before  # the process's other threads keep theirs

@@ -44,7 +44,6 @@ from flodl_bus.worker.control import Dispatched, Phase, WorkerControl
 from flodl_bus.worker.feed import ArrayFeed, Feed, LoaderFeed
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.loop import RankLoop, record_scalar
-from flodl_bus.worker.threads import ThreadTuner
 from tests.worker.rig import ObservedParams
 
 TRAIN = digits.train_data()
@@ -262,39 +261,6 @@ def test_run_epoch_plan_reports_a_batch_per_step_the_lr_when_news_and_one_metric
     )
     assert metrics.epoch_ms >= metrics.share_complete_ms
     assert (rig.control.local_step, rig.control.steps_since_avg) == (10, 10)
-
-
-def test_a_one_thread_rank_binds_its_training_thread_once_as_its_first_plan_opens() -> None:
-    asked: list[str] = []
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rig = make_rig(pin=lambda: asked.append(threading.current_thread().name) or 3)
-        with capture_logs() as logs:
-            rig.loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS))
-            rig.loop.run_epoch_plan(EpochPlan(0, 2 * BS, 2 * BS))
-    finally:
-        torch.set_num_threads(was)
-    assert asked == [threading.current_thread().name]  # once, on the training thread
-    assert [e["cpu"] for e in logs if e["event"] == "training_thread_pinned"] == [3]
-
-
-def test_a_rank_on_several_threads_or_still_sizing_them_is_not_bound() -> None:
-    asked: list[int] = []
-    was = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        rig = make_rig(pin=lambda: asked.append(1) or 0)
-        rig.loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS))
-        assert asked == []
-        # sizing: asked once the tuner settles, and bound only if it kept one thread
-        tuner = ThreadTuner(2, warm_steps=0, settle_steps=0, timed_steps=1, runoff_blocks=0)
-        rig = make_rig(pin=lambda: asked.append(torch.get_num_threads()) or 0, threads=tuner)
-        rig.loop.run_epoch_plan(EpochPlan(0, 0, 6 * BS))
-        assert tuner.done
-        assert asked == ([1] if tuner.chosen == 1 else [])
-    finally:
-        torch.set_num_threads(was)
 
 
 def test_a_plan_smaller_than_a_batch_reports_all_zero_metrics() -> None:
