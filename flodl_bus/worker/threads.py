@@ -22,7 +22,8 @@ same digits run kept 1, 4 or 15 threads from one start to the next, and a run th
 4 or 15 trained 20-90% slower than one that kept 1. So when the fastest count is not the
 fewest that came close (within ``RUNOFF``), the two are timed again in a run-off, in
 short alternating blocks, so that a drift or a burst lands on both; the pick is then
-made on the run-off's steps alone.
+made on the run-off's steps alone, the fewer threads kept unless the other count was
+faster by more than ``RUNOFF_TIE``.
 
 ``ThreadTuner`` is the decision alone (sans-IO): it is fed each step's time and says which
 count to set next; the training loop calls ``torch.set_num_threads``. The steps it times
@@ -61,6 +62,11 @@ RUNOFF: Final = 1.25
 #: blocks at each of the two counts in a run-off, alternating (each block settles, then
 #: times ``TIMED_STEPS // 2`` steps)
 RUNOFF_BLOCKS: Final = 3
+#: the run-off keeps the fewer threads unless the other count's steps were faster by more
+#: than this share: its medians are of a dozen steps each, and on the 16-core host a
+#: world of one still kept 4 threads in one run of six, to train 1.5-1.9x slower a step
+#: than at 1; a model whose ops do split is faster by far more than this at more threads
+RUNOFF_TIE: Final = 0.10
 
 
 def candidates(share: int) -> list[int]:
@@ -163,7 +169,9 @@ class ThreadTuner:
             self._skip = self.settle_steps
             return self._blocks[0]
         self.runoff = {n: statistics.median(ts) for n, ts in self._runoff_times.items()}
-        return self._settle(pick(self.runoff), count)
+        fewer, more = sorted(self.runoff)
+        faster = self.runoff[more] * (1.0 + RUNOFF_TIE) < self.runoff[fewer]
+        return self._settle(more if faster else fewer, count)
 
     def _settle(self, count: int, running: int) -> int | None:
         self.chosen = count

@@ -14,6 +14,7 @@ from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import EpochPlan
 from flodl_bus.worker.threads import (
     RUNOFF,
+    RUNOFF_TIE,
     STOP,
     STOP_MIN_MS,
     TIE,
@@ -114,6 +115,18 @@ def test_a_count_that_is_faster_in_fact_wins_its_run_off() -> None:
     _feed(tuner, lambda n, off: {4: 1.0, 2: 1.3, 1: 1.2}[n])
     assert tuner.runoff == {1: 1.2, 4: 1.0}
     assert tuner.chosen == 4
+
+
+def test_a_run_off_keeps_the_fewer_threads_unless_the_other_count_is_clearly_faster() -> None:
+    # The sweep's 4 looked fastest; in the run-off it is 5% faster than 1: within the
+    # run-off's noise, so the fewer is kept. 15% faster: clearly faster, so 4 is kept.
+    close = ThreadTuner(4, warm_steps=0, settle_steps=0, timed_steps=4)
+    _feed(close, lambda n, off: {4: 1.0, 2: 1.3, 1: 1.05 if off else 1.2}[n])
+    clear = ThreadTuner(4, warm_steps=0, settle_steps=0, timed_steps=4)
+    _feed(clear, lambda n, off: {4: 1.0, 2: 1.3, 1: 1.15 if off else 1.2}[n])
+    assert close.runoff == {1: 1.05, 4: 1.0} and close.chosen == 1
+    assert clear.runoff == {1: 1.15, 4: 1.0} and clear.chosen == 4
+    assert 1.05 < 1.0 * (1 + RUNOFF_TIE) < 1.15
 
 
 def test_no_run_off_when_the_fastest_count_is_the_fewest_or_none_came_close() -> None:
