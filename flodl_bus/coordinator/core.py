@@ -20,7 +20,7 @@ before the first ``StartEpoch``, ``SyncNow`` before the wake-up ``StartEpoch``,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from itertools import compress, count, repeat
 from operator import gt, lt
 from typing import Any, assert_never
@@ -326,12 +326,16 @@ class Coordinator:
         counts = self.elche.counts
         steps = self.ledger.steps
         alive = self.live.alive
-        ranks: Iterable[int] = range(self.ws)
         if not self.reduce.any_blocks():
             # Then only a rank short of its steps can shut the gate: C finds those (this
-            # runs for every recorded message, over every rank), the rules below decide.
-            ranks = compress(count(), map(lt, steps, repeat(1) if sync else counts))
-        for r in ranks:
+            # runs for every recorded message, over every rank), and of those only a
+            # live one the dispatch does not spare.
+            spares = self.dispatch.spares_gate
+            for r in compress(count(), map(lt, steps, repeat(1) if sync else counts)):
+                if alive[r] and not spares(r):
+                    return False, f"rank {r} at {steps[r]}/{1 if sync else counts[r]} steps"
+            return self._moved(steps, alive)
+        for r in range(self.ws):
             if not alive[r]:
                 continue
             if self.reduce.blocks(r):
@@ -343,6 +347,10 @@ class Coordinator:
             if self.dispatch.spares_gate(r):
                 continue
             return False, f"rank {r} at {s}/{need} steps"
+        return self._moved(steps, alive)
+
+    @staticmethod
+    def _moved(steps: list[int], alive: list[bool]) -> tuple[bool, str]:
         # Stops at the first live rank that moved (rank 0, as a rule): max() read them all.
         if not any(map(gt, compress(steps, alive), repeat(0))):
             return False, "no rank moved"
