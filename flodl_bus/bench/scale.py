@@ -26,6 +26,10 @@ from the same run:
   largest N (file descriptors, threads, memory, cores) and says what is short.
 
 "Saturated" names the part at or near its CPU limit. Runs write JSON with ``--json``.
+
+A large run says every ``PROGRESS_EVERY_S`` on stderr that it is still going; one still
+going at ``--timeout`` plus ``START_GRACE_S`` is stopped and named on stderr, with no
+figures and the fix, and the other rank counts still run: the bench then exits 1.
 """
 
 from __future__ import annotations
@@ -71,6 +75,14 @@ MAXLEN_BYTES_PER_RANK = 16_000_000
 SATURATED = 0.85
 #: Redis memory per rank before issue 31 (H200 host, 256-1024 ranks), its goal's bound
 REDIS_KB_PER_RANK_BEFORE = "60-72"
+#: seconds a run gets beyond ``--timeout`` to start its processes before it is stopped
+START_GRACE_S = 60.0
+#: seconds between the lines that say a run is still going
+PROGRESS_EVERY_S = 30.0
+
+
+class ScaleTimeout(RuntimeError):
+    """A rank count's run did not end within its time (its processes were stopped)."""
 
 
 @dataclass(frozen=True)
@@ -248,10 +260,26 @@ def run_one(
             extra += ["--url", f"redis://{host}:{rank_port}/0"]
         children.append(_spawn("sim", common, extra, prefix))
     watch = RedisWatch(admin, keys, n, nodes, client_for)
-    deadline = started + args.timeout + 60
+    deadline = started + args.timeout + START_GRACE_S
+    next_word = started + PROGRESS_EVERY_S
     cut_at: float | None = None
+    overran = False
     try:
-        while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        while any(c.poll() is None for c in children):
+            now = time.monotonic()
+            if now >= deadline:
+                overran = True
+                break
+            if now >= next_word:
+                # A large run says nothing else until its end: minutes at 4,096 ranks.
+                next_word = now + PROGRESS_EVERY_S
+                print(
+                    f"bench scale: {n} ranks, {now - started:.0f} s in, still running "
+                    f"(stopped at {args.timeout + START_GRACE_S:.0f} s: --timeout + "
+                    f"{START_GRACE_S:.0f} s to start)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             watch.sample()
             if agents is not None:
                 agents.sample()
@@ -275,6 +303,12 @@ def run_one(
             server.cleanup()
         if local is not None:
             local.cleanup()
+    if overran:
+        shutil.rmtree(work, ignore_errors=True)
+        raise ScaleTimeout(
+            f"{n} ranks: not done {wall:.0f} s after the start (--timeout {args.timeout:.0f} s "
+            f"and {START_GRACE_S:.0f} s to start); stopped, no figures: raise --timeout"
+        )
     failed = [c for c in children if c.returncode != 0]
     if failed:
         err = (failed[0].stderr.read() if failed[0].stderr else b"").decode(errors="replace")
@@ -518,7 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout",
         type=float,
         default=None,
-        help="seconds per rank count (default: 240 + 0.1 per rank)",
+        help="seconds per rank count (default: 240 + 0.1 per rank); a run still going "
+        "60 s past it is stopped without figures",
     )
     ap.add_argument(
         "--no-checks",
@@ -596,27 +631,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--ranks-per-host above 1: one Redis on loopback only", file=sys.stderr)
         return 2
     results = []
+    overran = False
     for n in counts:
-        if per_host != [1]:
-            for _ in range(args.rounds):
-                runs = [run_one(args, n, per_host=k) for k in per_host]
-                for r in runs:
-                    print(report(r), flush=True)
-                for r in runs[1:]:
-                    print(compare_agents(runs[0], r), flush=True)
-                results += runs
-            continue
-        r = run_one(args, n)
-        results.append(r)
-        print(report(r), flush=True)
-        if args.cluster and args.redis_url is None:
-            c = run_one(args, n, on_cluster=True)
-            results.append(c)
-            print(report(c), flush=True)
-            print(compare(r, c), flush=True)
+        try:
+            results += _run_count(args, n, per_host)
+        except ScaleTimeout as exc:
+            # The other rank counts still run: a sweep's smaller sizes keep their figures.
+            print(f"bench scale: {exc}", file=sys.stderr, flush=True)
+            overran = True
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1))
-    return 0
+    return 1 if overran else 0
+
+
+def _run_count(args: argparse.Namespace, n: int, per_host: list[int]) -> list[ScaleResult]:
+    """Every run of ``n`` ranks the arguments ask for, each reported as it ends."""
+    results: list[ScaleResult] = []
+    if per_host != [1]:
+        for _ in range(args.rounds):
+            runs = [run_one(args, n, per_host=k) for k in per_host]
+            for r in runs:
+                print(report(r), flush=True)
+            for r in runs[1:]:
+                print(compare_agents(runs[0], r), flush=True)
+            results += runs
+        return results
+    r = run_one(args, n)
+    results.append(r)
+    print(report(r), flush=True)
+    if args.cluster and args.redis_url is None:
+        c = run_one(args, n, on_cluster=True)
+        results.append(c)
+        print(report(c), flush=True)
+        print(compare(r, c), flush=True)
+    return results
 
 
 if __name__ == "__main__":

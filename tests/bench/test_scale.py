@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.bench import scale_sizing
+from flodl_bus.bench import scale, scale_sizing
 from flodl_bus.bench.scale import ScaleResult, main
 from flodl_bus.bench.scale_stages import STAGE_LABELS
 from flodl_bus.cli import BENCHES
@@ -94,6 +94,26 @@ def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure
     assert total == pytest.approx(prof["wall_s"])
     assert got["busiest_stage"] in (*STAGES, "other")
     assert got["busiest_stage"] not in ("idle", "read_wait")
+
+
+def test_a_run_past_its_time_says_so_in_one_line_and_the_sweep_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run still going at ``--timeout`` (plus the start's grace) is stopped and named,
+    with the fix, instead of a traceback about a killed process; while it runs, it says
+    so every ``PROGRESS_EVERY_S``."""
+    monkeypatch.setattr(scale, "START_GRACE_S", 0.0)
+    monkeypatch.setattr(scale, "PROGRESS_EVERY_S", 0.5)
+    out = tmp_path / "scale.json"
+    argv = ["--ranks", "4", "--steps", "200", "--epochs", "2", "--step-ms", "50", "--procs", "1"]
+    argv[1] = "4,2"
+    assert main([*argv, "--timeout", "3", "--json", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "bench scale: 4 ranks, " in err and "still running" in err
+    said = [x for x in err.splitlines() if "not done" in x]
+    assert [x.split(":")[1] for x in said] == [" 4 ranks", " 2 ranks"]  # the next count ran
+    assert all(x.endswith("no figures: raise --timeout") for x in said)
+    assert json.loads(out.read_text()) == []
 
 
 @pytest.mark.slow
