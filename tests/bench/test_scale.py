@@ -105,8 +105,7 @@ def test_a_run_past_its_time_says_so_in_one_line_and_the_sweep_goes_on(
     monkeypatch.setattr(scale, "START_GRACE_S", 0.0)
     monkeypatch.setattr(scale, "PROGRESS_EVERY_S", 0.5)
     out = tmp_path / "scale.json"
-    argv = ["--ranks", "4", "--steps", "200", "--epochs", "2", "--step-ms", "50", "--procs", "1"]
-    argv[1] = "4,2"
+    argv = ["--ranks", "4,2", "--steps", "200", "--epochs", "2", "--step-ms", "50", "--procs", "1"]
     assert main([*argv, "--timeout", "3", "--json", str(out)]) == 1
     err = capsys.readouterr().err
     assert "bench scale: 4 ranks, " in err and "still running" in err
