@@ -99,7 +99,22 @@ class CpuSampler:
 # ------------------------------------------------------------------ coordinator
 
 
-class TimedCoordinatorBus(RedisCoordinatorBus):
+class _PutClock:
+    """When a write began, for a dispatch's latency: when the loop handed its oldest
+    item to its sender thread (``coordinator.sender`` calls ``put_at``), so the wait in
+    that queue counts; else the write's own start."""
+
+    _handed: float | None = None
+
+    def put_at(self, at: float) -> None:
+        self._handed = at
+
+    def _t0(self) -> float:
+        at, self._handed = self._handed, None
+        return time.monotonic() if at is None else at
+
+
+class TimedCoordinatorBus(_PutClock, RedisCoordinatorBus):
     """Notes (stream, entry id, type, monotonic time before the write) of every send."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -112,17 +127,17 @@ class TimedCoordinatorBus(RedisCoordinatorBus):
             self.sent.append((stream, format_id(top), wire.type_name(msg), t0))
 
     def send(self, rank: int, msg: ControlWire) -> None:
-        t0 = time.monotonic()
+        t0 = self._t0()
         super().send(rank, msg)
         self._timed(self.keys.ctl(rank), msg, t0)
 
     def broadcast(self, msg: ControlWire) -> None:
-        t0 = time.monotonic()
+        t0 = self._t0()
         super().broadcast(msg)
         self._timed(self.keys.ctl_all, msg, t0)
 
     def send_batch(self, items: Sequence[tuple[int | None, ControlWire]]) -> list[str]:
-        t0 = time.monotonic()
+        t0 = self._t0()
         ids = super().send_batch(items)
         for (rank, msg), eid in zip(items, ids, strict=True):
             stream = self.keys.ctl_all if rank is None else self.keys.ctl(rank)
@@ -130,7 +145,7 @@ class TimedCoordinatorBus(RedisCoordinatorBus):
         return ids
 
 
-class TimedShardedBus(ShardedCoordinatorBus):
+class TimedShardedBus(_PutClock, ShardedCoordinatorBus):
     """``TimedCoordinatorBus`` on a Redis Cluster: each shard's copy of a broadcast is
     its own entry (id) on its own stream, each timed."""
 
@@ -139,21 +154,21 @@ class TimedShardedBus(ShardedCoordinatorBus):
         super().__init__(*args, **kwargs)
 
     def send(self, rank: int, msg: ControlWire) -> None:
-        t0 = time.monotonic()
+        t0 = self._t0()
         super().send(rank, msg)
         part = self._part(rank)
         stream = self.keys.ctl(rank)
         self.sent.append((stream, format_id(part._tops[stream]), wire.type_name(msg), t0))
 
     def broadcast(self, msg: ControlWire) -> None:
-        t0 = time.monotonic()
+        t0 = self._t0()
         super().broadcast(msg)
         for part in self.parts:
             top = part._tops[part._bcast]
             self.sent.append((part._bcast, format_id(top), wire.type_name(msg), t0))
 
     def send_batch(self, items: Sequence[tuple[int | None, ControlWire]]) -> list[str]:
-        t0 = time.monotonic()
+        t0 = self._t0()
         ids = super().send_batch(items)
         if items and items[0][0] is None:
             for part, shard_ids in zip(self.parts, self.broadcast_ids, strict=True):

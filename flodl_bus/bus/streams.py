@@ -205,6 +205,11 @@ class RedisCoordinatorBus:
         self._bcast = self.keys.broadcast_of_shard(shard)
         self._dlq = self.keys.dlq_of_shard(shard)
         self._lock = lock if lock is not None else threading.RLock()
+        #: what the loop, the trimmer and a sender thread share besides the sends: the
+        #: ranks' read positions, the owed entries, the tops. Never held across a round
+        #: trip, so a heartbeat read does not wait for a send's (taken after ``_lock``,
+        #: never before it).
+        self._state_lock = threading.Lock()
         self._clock = clock if clock is not None else IdClock()
         self._seqs: dict[str, int] = {}
         #: the last id written per control stream (the trimmer's margin)
@@ -304,7 +309,7 @@ class RedisCoordinatorBus:
             # Says nothing about reading: a rank still setting up (its runtime, the only
             # reader, has not started), or one from before the field.
             return
-        with self._lock:
+        with self._state_lock:
             known = self._reads.setdefault(hb.rank, [ZERO, ZERO])
             for i, text in enumerate((hb.ctl_read, hb.all_read)):
                 if text is not None:
@@ -316,12 +321,14 @@ class RedisCoordinatorBus:
             self._reading_since.setdefault(hb.rank, now)
 
     def _owed(self, stream: str, eid: EntryId, msg: object, at: float) -> None:
-        """Note a control entry written (with the lock held): owed until every rank it
-        is for says it read it (``overdue``)."""
-        owed = self._unread.setdefault(stream, collections.deque())
-        owed.append((eid, type(msg).__name__, at))
-        if len(owed) > MAX_OWED:
-            owed.popleft()  # a bound on memory, not on what is checked in practice
+        """Note a control entry written: the stream's new top, and an entry owed until
+        every rank it is for says it read it (``overdue``)."""
+        with self._state_lock:
+            self._tops[stream] = eid
+            owed = self._unread.setdefault(stream, collections.deque())
+            owed.append((eid, type(msg).__name__, at))
+            if len(owed) > MAX_OWED:
+                owed.popleft()  # a bound on memory, not on what is checked in practice
 
     def overdue(self, budget_s: float, now: float | None = None) -> list[tuple[int, str, float]]:
         """Ranks that, in a heartbeat sent more than ``budget_s`` after an entry went
@@ -332,7 +339,7 @@ class RedisCoordinatorBus:
         heartbeat timeout, as is one that never reported."""
         now = self.monotonic() if now is None else now
         out: list[tuple[int, str, float]] = []
-        with self._lock:
+        with self._state_lock:
             ranks = [int(f) for f in self._ranks.values()]
             reported = {r: self._reads[r] for r in ranks if r in self._reads}
             bcast = self._unread.get(self._bcast, collections.deque())
@@ -363,8 +370,8 @@ class RedisCoordinatorBus:
         said it read (from its start, before its first heartbeat). A rank that stopped
         reading holds for ``StreamsConfig.trim_stale_s``, then is passed over."""
         holds: dict[str, list[GroupHold]] = {}
-        with self._lock:
-            for field in self._ranks.values():
+        with self._state_lock:
+            for field in list(self._ranks.values()):
                 rank = int(field)
                 ctl, bcast = self._reads.get(rank, (ZERO, ZERO))
                 name = rank_group(rank)
@@ -374,10 +381,11 @@ class RedisCoordinatorBus:
 
     def trim_tops(self) -> dict[str, EntryId]:
         """Each stream's newest verified id as this coordinator knows it."""
-        with self._lock:
+        with self._state_lock:
             tops = dict(self._tops)
+            ups = list(self._ranks)
         ingest = self._ingest
-        for up in [*self._ranks, *self.folds.hosts]:
+        for up in [*ups, *self.folds.hosts]:
             if up in self.folds.fold_of:  # a folded rank's own stream goes unread
                 continue
             tops[up] = self._reader.cursor.last_id(up) if ingest is None else ingest.last_id(up)
@@ -419,9 +427,11 @@ class RedisCoordinatorBus:
             with self._lock:
                 self._raise_floor(self.keys.ctl(rank))
 
-        self._link.call(op)
-        self._verifiers[up] = key
-        self._ranks[up] = str(rank)
+        with self._lock:
+            self._link.call(op)
+        with self._state_lock:
+            self._verifiers[up] = key
+            self._ranks[up] = str(rank)
         if up in self.folds.fold_of:
             return
         if self._ingest is not None:
@@ -547,7 +557,6 @@ class RedisCoordinatorBus:
             self._link.call(op)
             sent_at = self.monotonic()
             for (stream_key, _, _), eid, (_, msg) in zip(plan, ids, items, strict=True):
-                self._tops[stream_key] = parse_id(eid)
                 self._owed(stream_key, parse_id(eid), msg, sent_at)
             self._confirm(written)
             return list(ids)
@@ -619,9 +628,7 @@ class RedisCoordinatorBus:
                     written[:] = [(stream, eid, fields)]
                     try:
                         self._lane.call_packed(packer.pack(eid, fields))
-                        top = parse_id(eid)
-                        self._tops[stream] = top
-                        self._owed(stream, top, msg, self.monotonic())
+                        self._owed(stream, parse_id(eid), msg, self.monotonic())
                         return
                     except redis.exceptions.ResponseError as exc:
                         if not id_refused(exc):

@@ -21,7 +21,9 @@ console's progress lines):
   (its rank, the clock, the state summary the recorder cached at the previous call);
 * ``record``: the dispatch record per message (the state summary after, the line);
 * ``send``: the bus calls of the core's ``Send``/``Broadcast`` effects (one call per
-  batch of consecutive ones); ``apply``: the rest of applying effects;
+  batch of consecutive ones); with the sender thread (``LoopOptions.send_thread``, the
+  default), only handing them to it and any wait for room in its queue, the calls
+  themselves being that thread's ``sender_s``; ``apply``: the rest of applying effects;
 * ``tick``: ``Coordinator.tick`` with its record and what the loop does per tick, sends
   excluded; ``ack``: handing deliveries back to the bus.
 
@@ -82,6 +84,9 @@ class LoopProfile:
     sent: int = 0
     broadcasts: int = 0
     send_calls: int = 0
+    #: seconds the sender thread spent in bus calls (``coordinator.sender``; not a stage
+    #: of the loop's thread, whose ``send`` is then the hand-over and any wait for room)
+    sender_s: float = 0.0
 
     def add_read(self, wall: float, cpu: float, got: bool) -> None:
         """One upstream read: its wall and thread CPU time, and whether it brought

@@ -13,7 +13,10 @@ Two phases:
 Ordering: effects are applied strictly in the order the core returned them, across
 ``Send`` and ``Broadcast``, because the bus numbers control entries from one clock in
 call order and per-rank order is what the ranks rely on (arm-eval before the snapshot
-request, the final reduce before Shutdown).
+request, the final reduce before Shutdown). While ``run`` runs, the writes go through
+one sender thread (``sender.SendLane``) in that order, and the loop reads on meanwhile;
+what the bus refused comes back at the loop's next turn as the recorded core call
+(``send_failed``) it was when the loop wrote them itself.
 
 The core never sees a clock: ``now`` is read once per dispatch (and once per tick) here.
 """
@@ -21,10 +24,11 @@ The core never sees a clock: ``now`` is read once per dispatch (and once per tic
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import structlog
@@ -41,6 +45,7 @@ from flodl_bus.coordinator.join_desk import (
 )
 from flodl_bus.coordinator.loop_profile import LoopProfile
 from flodl_bus.coordinator.outputs import MetricsTable, write_meta_file
+from flodl_bus.coordinator.sender import SendLane
 from flodl_bus.coordinator.shadow import CHECK_EVERY_S, NO_STATE, ShadowRecorder
 from flodl_bus.coordinator.stall import STALL_CHECK_S, StallWatch
 from flodl_bus.coordinator.supervisor import SupervisorFeed
@@ -71,6 +76,8 @@ __all__ = [
 ]
 
 log = structlog.get_logger("flodl_bus.coordinator")
+#: ``0``: the loop writes its control itself (``LoopOptions.send_thread``)
+SEND_THREAD_ENV: Final = "FLODL_SEND_THREAD"
 #: how long the loop stays behind its input before it says so (and again every as long)
 BEHIND_NOTE_S: Final = 10.0
 
@@ -95,6 +102,10 @@ class LoopOptions:
     first_contact: float = 30.0
     #: How often the join stream is polled for late Hellos once the world formed.
     join_poll_every: float = 0.5
+    #: Write the core's Sends and Broadcasts on a thread of their own (``sender``), so
+    #: the loop reads on while they travel; False writes them on the loop's thread.
+    #: ``FLODL_SEND_THREAD=0`` turns it off for a run (an A/B, or a suspected fault).
+    send_thread: bool = field(default_factory=lambda: os.environ.get(SEND_THREAD_ENV) != "0")
 
     def __post_init__(self) -> None:
         if self.block_ms < 1:
@@ -182,14 +193,25 @@ class CoordinatorLoop:
         #: why the upstream stopped being read (a reader process hung): the run stops
         self.ingest_hung: str | None = None
         self._ingest_stopped = False
+        #: the thread writing Sends and Broadcasts while ``run`` runs (None: written on
+        #: the loop's thread, as before ``run`` and after it)
+        self._lane: SendLane | None = None
 
     # ------------------------------------------------------------------ public
 
     def run(self) -> int:
+        early = self._await_first_contact()
+        if self.options.send_thread:
+            self._lane = SendLane(self.bus)
+        try:
+            return self._run(early)
+        finally:
+            self._close_lane()
+
+    def _run(self, early: list[Delivery]) -> int:
         core = self.core
         prof = self.profile
         pc, tt = time.perf_counter, time.thread_time
-        early = self._await_first_contact()
         w0, c0 = pc(), tt()
         prof.opened_at = time.monotonic()
         now = self.clock()
@@ -220,6 +242,8 @@ class CoordinatorLoop:
             if self.stop.is_set() and not interrupted and self.finished is None:
                 interrupted = True
                 self._interrupt()
+            if self._lane is not None:
+                self._take_refused()
             if self._done():
                 break
             t0, u0 = pc(), tt()
@@ -235,9 +259,15 @@ class CoordinatorLoop:
                 prof.ticks += 1
                 self._check_unread()
             self._poll_join()
+        self._drain_lane()
         prof.wall_s += pc() - w0
         prof.cpu_s += tt() - c0
-        log.info("loop_profile", **prof.brief())
+        lane = self._lane
+        log.info(
+            "loop_profile",
+            **prof.brief(),
+            **({} if lane is None else {"sender_s": round(lane.busy_s, 3), "calls": lane.calls}),
+        )
         if self._shadow is not None and self.record_lost is None:
             self._shadow.check(core.state_summary())
         if self.rec is not None and self.record_lost is None:
@@ -494,10 +524,26 @@ class CoordinatorLoop:
     def _apply(self, outs: Sequence[Out], now: float) -> None:
         pending = list(outs)
         send_batch = getattr(self.bus, "send_batch", None)
+        lane = self._lane
         i = 0
         while i < len(pending):
             o = pending[i]
             i += 1
+            if lane is not None and isinstance(o, Send | Broadcast):
+                # Handed to the sender thread in the core's order (with whatever else it
+                # returned between two effects kept in its place here): observed now,
+                # as the core decided it; a refusal comes back through ``_take_refused``.
+                j = i
+                while j < len(pending) and isinstance(pending[j], Send | Broadcast):
+                    j += 1
+                writes: list[Send | Broadcast] = pending[i - 1 : j]  # type: ignore[assignment]
+                i = j
+                t0 = time.perf_counter()
+                lane.put(writes)
+                self.profile.send += time.perf_counter() - t0
+                for w in writes:
+                    self._observe(w.msg)
+                continue
             if send_batch is not None and isinstance(o, Send | Broadcast):
                 # A run of Sends, or of Broadcasts, in one round trip (``send_batch``: the
                 # two never share one), in the core's order; other effects keep their place.
@@ -580,6 +626,54 @@ class CoordinatorLoop:
             self.profile.send += time.perf_counter() - t0
             self.profile.send_calls += 1
         return None
+
+    def _take_refused(self) -> None:
+        """What the sender thread could not write since the last turn: each refused Send
+        goes through the core (a recorded ``send_failed``, its effects applied now), each
+        refused broadcast is reported, as when the loop wrote them itself."""
+        assert self._lane is not None
+        refused = self._lane.take()
+        if not refused:
+            return
+        now = self.clock()
+        more: list[Out] = []
+        for r in refused:
+            if isinstance(r.item, Send):
+                more += self._send_failed(r.item, r.error, now)
+            else:
+                self._broadcast_failed(r.item, r.error, now)
+        self._apply(more, now)
+
+    def _drain_lane(self) -> None:
+        """Before the run's last record lines: wait for every write handed to the sender
+        thread, and take what it refused (a refused Send's rollback may send more)."""
+        lane = self._lane
+        if lane is None:
+            return
+        for _ in range(8):
+            if not lane.drain(self.options.exit_grace + 5.0):
+                log.error(
+                    "control_writes_unfinished",
+                    pending=lane.pending,
+                    detail="Redis did not take the run's last control writes in time",
+                )
+                return
+            if not lane.refused_waiting:
+                return
+            self._take_refused()
+
+    def _close_lane(self) -> None:
+        lane, self._lane = self._lane, None
+        if lane is None:
+            return
+        lane.close(timeout=5.0)
+        # counted once the thread is done with them (a write a closing lane still made
+        # is in; one still hanging on Redis is not)
+        prof = self.profile
+        prof.sent += lane.sent
+        prof.broadcasts += lane.broadcasts
+        prof.send_calls += lane.calls
+        prof.sender_s += lane.busy_s
 
     def _send_failed(self, o: Send, exc: Exception, now: float) -> list[Out]:
         """What the core does about a Send the bus could not write; its effects are

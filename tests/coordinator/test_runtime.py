@@ -159,14 +159,15 @@ def test_loop_trains_a_rank_to_the_end_recording_every_dispatch_and_the_metrics(
     assert not list(stem.parent.glob("*.tmp"))
 
 
+@pytest.mark.parametrize("send_thread", [True, False], ids=["sender-thread", "loop-thread"])
 def test_a_send_the_bus_refuses_goes_back_through_send_failed_and_is_retrained(
-    tmp_path: Path,
+    tmp_path: Path, send_thread: bool
 ) -> None:
     core = Coordinator(config("cpu-cadence", epochs=1))
     hub = MemoryHub(1)
     bus = FailingBus(hub)
     world = start_rank(hub)
-    code, loop = run_loop(core, bus, tmp_path)
+    code, loop = run_loop(core, bus, tmp_path, send_thread=send_thread)
     world.thread.join(30)
     assert code == EXIT_OK and world.result == [0]
     assert len(bus.refused) == 1 and loop.sends_failed == 1 and core.lost_sends == 1
