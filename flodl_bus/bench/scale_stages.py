@@ -59,6 +59,7 @@ def breakdown(r: ScaleResult) -> list[str]:
         f"({int(p.get('ticks_behind', 0))} behind its input); sent "
         f"{int(p['sent'])} unicast + {int(p['broadcasts'])} broadcast in "
         f"{int(p['send_calls'])} bus calls ({p['send_calls'] / n:.3f} a msg)",
+        *_sender_line(p, n),
         f"    per upstream msg (budget at {r.ranks} ranks: step / 2N = {r.budget_us:.1f} µs)",
     ]
     # the part of the reads' wait no backlog avoids: a round trip each (PING's, from the
@@ -76,3 +77,16 @@ def breakdown(r: ScaleResult) -> list[str]:
         f"{STAGE_LABELS.get(r.busiest_stage, r.busiest_stage)}"
     )
     return lines
+
+
+def _sender_line(p: dict[str, Any], n: int) -> list[str]:
+    """The sender thread's time (``coordinator.sender``), beside the loop's: its calls
+    overlap the loop's reads, so they are not one of its stages."""
+    busy = float(p.get("sender_s", 0.0))
+    if busy <= 0:
+        return []
+    calls = max(1, int(p["send_calls"]))
+    return [
+        f"    sender thread: {busy:.2f} s in its bus calls ({busy * 1e6 / n:.1f} µs a msg, "
+        f"{busy * 1e6 / calls:.0f} µs a call), beside the loop"
+    ]

@@ -85,6 +85,8 @@ def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure
     assert prof["broadcasts"] == effects.count("Broadcast")
     assert prof["broadcasts"] == sum(1 for s in written if s[0].endswith(":ctl:all"))
     assert 1 <= prof["send_calls"] <= len(written)
+    # written by the sender thread, whose time is its own and said beside the loop's
+    assert prof["sender_s"] > 0 and "sender thread: " in printed
     assert prof["ticks"] >= 1 and prof["reads"] >= prof["ticks"]
     assert prof["empty_reads"] <= prof["reads"]
     # the figures printed are this accounting per message, and they add up to the wall
