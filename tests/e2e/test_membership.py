@@ -66,8 +66,10 @@ def test_three_workers_without_ranks_dial_in_are_ranked_in_arrival_order_and_tra
 
 def test_the_world_forms_at_min_workers_once_the_join_timeout_passed(cluster: Cluster) -> None:
     run = new_run_id("minw")
+    # A join timeout the workers' start (torch's import) fits in on a loaded machine: at
+    # 1 s the coordinator gave up before either had said Hello, and they waited on.
     coord = cluster.coordinator(
-        run, "--mode", "nccl-cadence", "--min-workers", "2", "--join-timeout", "1", "--epochs", "2"
+        run, "--mode", "nccl-cadence", "--min-workers", "2", "--join-timeout", "8", "--epochs", "2"
     )
     joiners = [cluster.worker(run, f"joiner{i}") for i in range(2)]
     codes = cluster.wait([coord, *joiners], timeout=120)
