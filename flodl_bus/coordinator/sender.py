@@ -32,8 +32,9 @@ from typing import Any, Final
 from flodl_bus.bus.api import CoordinatorBus
 from flodl_bus.coordinator.effects import Broadcast, Send
 
-#: the items one ``send_batch`` may carry (one transaction; one script call's arguments)
-MAX_BATCH: Final = 512
+#: the items one ``send_batch`` may carry: one transaction (a step's burst to every rank of
+#: a thousand is one call, as before the lane; Redis runs nothing else meanwhile)
+MAX_BATCH: Final = 2048
 #: the items that may wait before ``put`` blocks
 MAX_QUEUED: Final = 65_536
 
