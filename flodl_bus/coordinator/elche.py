@@ -155,7 +155,8 @@ class ElChe:
     # ------------------------------------------------------------------ queries
     @property
     def counts(self) -> list[int]:
-        """Per-rank window budgets (batches). Treat as read-only; assign a new list."""
+        """Per-rank window budgets (batches). Treat as read-only; assign a new list (the
+        gate's list of short ranks starts over only at a new list: ``Ledger.first_short``)."""
         return self._counts
 
     @counts.setter
