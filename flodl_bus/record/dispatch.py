@@ -72,7 +72,11 @@ Rank only (the training loop's side of the state machine, so a replay needs no m
 
 Recording is synchronous and runs on the thread that dispatched: arguments may be
 mutated right after the call returns, except a coordinator's states, of which the last
-``after`` is the base of the next delta (the loop hands in a fresh summary each call).
+``after`` is the base of the next delta (the loop hands in a fresh summary each call),
+and a rank's ``step``: its values must not change after the call (they are fresh or
+frozen), because a compressed record encodes that line on its writer thread
+(``Recorder.record_settled``). Every line is sealed into the chain by the sink, in
+order (a compressed record's on that thread too).
 
 Where the lines are built (``process``): by default on that same thread. With
 ``DispatchRecorder(..., process=True)`` (coordinator only) the thread keeps only the
@@ -635,7 +639,9 @@ class DispatchRecorder:
         now: float | None = None,
     ) -> None:
         assert self._rec is not None
-        self._rec.record_core(
+        # Every value is fresh or frozen (``CoreRecorder.stepped``): the line may be
+        # encoded off this thread, the training thread.
+        self._rec.record_settled(
             "step",
             i=next(self._counter),
             args=args,

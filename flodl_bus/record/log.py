@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import sys
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +145,12 @@ class Recorder:
         self.lines = 0
         self.ended = False
         self._resume()
-        self._sink = chain.open_sink(self.path, self._write_lock)
+        # The sink seals every line into the chain, in the order written (a compressed
+        # record's on its writer thread), going on from ``_last``.
+        self._sink = chain.open_sink(self.path, last=self._last, key=self._key, encode=self._dumps)
+
+    def _dumps(self, event: Mapping[str, Any]) -> bytes:
+        return orjson.dumps(event, default=self._default, option=_OPTIONS)
 
     def _resume(self) -> None:
         """Lines appended to an existing record (the launcher's ``up.jsonl`` of a run id
@@ -166,8 +171,7 @@ class Recorder:
         with self._write_lock:
             if self.ended or self._sink.closed:
                 return  # a late line from another thread: the record is closed
-            line, self._last = chain.seal(self._last, body, self._key)
-            self._sink.write(line)
+            self._sink.write(body)
             self.lines += 1
 
     def record(self, event: str, **fields: Any) -> None:
@@ -184,6 +188,23 @@ class Recorder:
             fields = {**self._context, **fields}
         fields["event"] = event  # last, as structlog wrote it: a dict built once
         self._write(fields)
+
+    def record_settled(self, event: str, **fields: Any) -> None:
+        """``record_core`` for an event none of whose values changes after the call
+        (numbers, fresh dicts and lists, frozen messages): a compressed record encodes
+        it on its writer thread, off the caller's (a rank's step, its training thread's
+        hottest line). The line is the one ``record_core`` writes, in the same place."""
+        if not self._sink.defers:
+            self.record_core(event, **fields)
+            return
+        if self._context:
+            fields = {**self._context, **fields}
+        fields["event"] = event
+        with self._write_lock:
+            if self.ended or self._sink.closed:
+                return
+            self._sink.write_event(fields)
+            self.lines += 1
 
     def end(self, **fields: Any) -> None:
         """The closing line: a record without it was cut short (a kill, a crash, a hang).

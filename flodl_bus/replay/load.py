@@ -409,13 +409,9 @@ def save_run(run: Mapping[str, Recording], run_dir: str | Path, *, compress: boo
         name = "coordinator" if key == "coordinator" else f"rank{key.split(':')[1]}"
         path = out / f"{name}.jsonl{'.zst' if compress else ''}"
         path.unlink(missing_ok=True)
-        import threading
-
-        sink = chain.open_sink(path, threading.Lock())
-        last = chain.SEED
+        # The sink seals each line into the new chain, in order.
+        sink = chain.open_sink(path, key=record_key)
         for r in rec.records():
-            body = dumps({k: v for k, v in r.items() if k != "d"})
-            line, last = chain.seal(last, body, record_key)
-            sink.write(line)
+            sink.write(dumps({k: v for k, v in r.items() if k != "d"}))
         sink.close()
     return out

@@ -311,6 +311,8 @@ class CoreRecorder:
         self, args: tuple[float, float, float, float], out: tuple[Batch, LrUpdate | None]
     ) -> None:
         calls = self._cap.end()
+        # Fresh or frozen, all of it: the record may encode the line later, off this
+        # (the training) thread (``DispatchRecorder.step``).
         self._rec.step(
             args=args,
             calls=calls,

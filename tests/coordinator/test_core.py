@@ -161,4 +161,3 @@ def test_checkpoint_every_n_epochs_goes_to_the_checkpoint_role_only() -> None:
         for r in (0, 1):
             core.handle(r, m.SyncAck(r, core.reduce.last_step_count[r] + 1), 0.0)
     assert sent == [(core.roles.checkpoint, m.Checkpoint(2, core.roles.checkpoint))]
-
