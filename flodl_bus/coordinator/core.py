@@ -326,20 +326,29 @@ class Coordinator:
         counts = self.elche.counts
         steps = self.ledger.steps
         alive = self.live.alive
-        spares = self.dispatch.spares_gate
-        # A live rank holds the gate shut if the backend says so (a missing SyncNow ack)
-        # or if it is short of its steps and the dispatch does not spare it: the lowest
-        # such rank names why, the backend's reason first for the same rank. Both are
-        # found without a walk over every rank (this runs for every recorded message).
-        short = self.ledger.first_short(
-            None if sync else counts, lambda r: alive[r] and not spares(r)
-        )
-        if self.reduce.any_blocks():
-            first = self.reduce.first_block(alive)
-            if first is not None and (short is None or first <= short):
-                return False, f"rank {first} has not acked the last SyncNow"
-        if short is not None:
-            return False, f"rank {short} at {steps[short]}/{1 if sync else counts[short]} steps"
+        if not self.reduce.any_blocks():
+            # Then only a rank short of its steps can shut the gate (the ledger keeps
+            # those: this runs for every recorded message), and of those only a live
+            # one the dispatch does not spare.
+            spares = self.dispatch.spares_gate
+            r = self.ledger.first_short(
+                None if sync else counts, lambda r: alive[r] and not spares(r)
+            )
+            if r is not None:
+                return False, f"rank {r} at {steps[r]}/{1 if sync else counts[r]} steps"
+            return self._moved(steps, alive)
+        for r in range(self.ws):
+            if not alive[r]:
+                continue
+            if self.reduce.blocks(r):
+                return False, f"rank {r} has not acked the last SyncNow"
+            s = steps[r]
+            need = 1 if sync else counts[r]
+            if s >= need:
+                continue
+            if self.dispatch.spares_gate(r):
+                continue
+            return False, f"rank {r} at {s}/{need} steps"
         return self._moved(steps, alive)
 
     @staticmethod

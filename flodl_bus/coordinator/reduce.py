@@ -13,7 +13,6 @@ Sans-IO like the core: effects are appended to ``out``, time comes in as ``now``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 from flodl_bus.coordinator.checkpoint import ArmedSave
@@ -130,10 +129,6 @@ class Reduce:
     def any_blocks(self) -> bool:
         """False only if ``blocks`` holds for no rank (then the gate needs not ask)."""
         return False
-
-    def first_block(self, alive: Sequence[bool]) -> int | None:
-        """The lowest live rank ``blocks`` holds for, or None."""
-        return None
 
     def settled(self) -> bool:
         """No rank is inside a collective (Shutdown may go out)."""
@@ -387,20 +382,6 @@ class NcclReduce(Reduce):
         # Any missing ack, live rank or not: ``acked`` is written only by the trigger
         # (counted there) and ``_settle``, so the count is exact.
         return self._missing > 0
-
-    def first_block(self, alive: Sequence[bool]) -> int | None:
-        # ``list.index`` finds each missing ack at C speed: the gate asks after every
-        # recorded message while a round is open (a walk over every rank in Python was
-        # most of the gate's time at 1,024 ranks).
-        acked = self.acked
-        r = -1
-        try:
-            while True:
-                r = acked.index(False, r + 1)
-                if alive[r]:
-                    return r
-        except ValueError:
-            return None
 
     def settled(self) -> bool:
         return self.unacked == 0
