@@ -155,8 +155,7 @@ class ElChe:
     # ------------------------------------------------------------------ queries
     @property
     def counts(self) -> list[int]:
-        """Per-rank window budgets (batches). Treat as read-only; assign a new list (the
-        gate's list of short ranks starts over only at a new list: ``Ledger.first_short``)."""
+        """Per-rank window budgets (batches). Treat as read-only; assign a new list."""
         return self._counts
 
     @counts.setter
