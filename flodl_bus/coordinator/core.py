@@ -21,8 +21,8 @@ before the first ``StartEpoch``, ``SyncNow`` before the wake-up ``StartEpoch``,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import compress, repeat
-from operator import gt
+from itertools import compress, count, repeat
+from operator import gt, lt
 from typing import Any, assert_never
 
 from flodl_bus.coordinator.checkpoint import Checkpoints, read_meta
@@ -327,15 +327,13 @@ class Coordinator:
         steps = self.ledger.steps
         alive = self.live.alive
         if not self.reduce.any_blocks():
-            # Then only a rank short of its steps can shut the gate (the ledger keeps
-            # those: this runs for every recorded message), and of those only a live
-            # one the dispatch does not spare.
+            # Then only a rank short of its steps can shut the gate: C finds those (this
+            # runs for every recorded message, over every rank), and of those only a
+            # live one the dispatch does not spare.
             spares = self.dispatch.spares_gate
-            r = self.ledger.first_short(
-                None if sync else counts, lambda r: alive[r] and not spares(r)
-            )
-            if r is not None:
-                return False, f"rank {r} at {steps[r]}/{1 if sync else counts[r]} steps"
+            for r in compress(count(), map(lt, steps, repeat(1) if sync else counts)):
+                if alive[r] and not spares(r):
+                    return False, f"rank {r} at {steps[r]}/{1 if sync else counts[r]} steps"
             return self._moved(steps, alive)
         for r in range(self.ws):
             if not alive[r]:
