@@ -21,12 +21,8 @@ The child (``python -m flodl_bus.record.process``) runs an ordinary in-thread
 in-thread recorder does; a record from either replays the same way.
 
 Calls are queued and go down the pipe ``BATCH_ITEMS`` at a time, or at most ``GATHER_S``
-after they were made, written by a gatherer thread: a write per call woke the child per
-call, and a write on the dispatching thread made it wait for the pipe (each write wakes
-the child, often onto the writer's own core: about 1 ms a 64-item batch at 1,024 ranks
-on two cores, 15 µs a message). The dispatching thread writes a batch itself only when
-``HOLD_ITEMS`` wait (the gatherer is behind), which bounds the queue. ``events.jsonl``
-therefore lags the core by about ``GATHER_S``.
+after they were made (a gatherer thread): a write per call woke the child per call.
+``events.jsonl`` therefore lags the core by about that much.
 
 Ordering and loss: one queue, one pipe, one writer at a time (the pipe's lock, taken
 before a batch leaves the queue), read by one loop: lines keep the order of the calls.
@@ -92,8 +88,6 @@ FLUSH_S: Final = 30.0
 BATCH_ITEMS: Final = 64
 #: longest an item waits in the dispatching process before it is written
 GATHER_S: Final = 0.02
-#: items queued past which the dispatching thread writes them itself (back pressure)
-HOLD_ITEMS: Final = 1024
 #: the pipe's capacity (Linux caps it at ``/proc/sys/fs/pipe-max-size``, 1 MiB by default)
 PIPE_BYTES: Final = 1 << 20
 #: how long the pipe may stay full with the child taking nothing before the child counts
@@ -218,8 +212,6 @@ class RecordProcess:
         self._watcher.daemon = True
         self._watcher.start()
         self._stop = threading.Event()
-        #: set when a batch is queued: the gatherer writes it now, not at its next turn
-        self._kick = threading.Event()
         self._gatherer = threading.Thread(target=self._gather, name="flodl-record-send")
         self._gatherer.daemon = True
         self._gatherer.start()
@@ -264,19 +256,15 @@ class RecordProcess:
             )
 
     def send(self, item: tuple[Any, ...]) -> None:
-        """Queue one item; the gatherer writes it down the pipe with the next batch
-        (``BATCH_ITEMS`` queued, or its next turn, at most ``GATHER_S`` later)."""
+        """Queue one item; it goes down the pipe with the next batch (``BATCH_ITEMS``
+        queued, or the gatherer's next turn, at most ``GATHER_S`` later)."""
         # Under the lock: an item appended to a batch the gatherer has just taken, after
         # it pickled it, would be lost.
         with self._lock:
             buf = self._buf
             buf.append(item)
-            n = len(buf)
-        if n == BATCH_ITEMS:
-            self._kick.set()
-        elif n >= HOLD_ITEMS:
-            # The gatherer is behind (a slow child, a busy host): wait on the pipe here,
-            # so the queue stays bounded, as every batch did before the kick.
+            full = len(buf) >= BATCH_ITEMS
+        if full:
             self._write()
 
     def _write(self) -> None:
@@ -342,13 +330,9 @@ class RecordProcess:
         return True
 
     def _gather(self) -> None:
-        # One wake-up per GATHER_S or per batch, not one write per line: each write wakes
-        # the child, and a per-line hand-over cost the dispatching thread more than the
-        # line.
-        kick, stop = self._kick, self._stop
-        while not stop.is_set():
-            kick.wait(GATHER_S)
-            kick.clear()
+        # One wake-up per GATHER_S, not one write per line: each write wakes the child,
+        # and a per-line hand-over cost the dispatching thread more than the line.
+        while not self._stop.wait(GATHER_S):
             if self._buf:
                 self._write()
 
@@ -368,7 +352,6 @@ class RecordProcess:
             return
         self._closing = True
         self._stop.set()
-        self._kick.set()
         self._gatherer.join()
         self.send((CLOSE,))
         self._write()
