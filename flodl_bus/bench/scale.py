@@ -162,6 +162,24 @@ def rank_counts(text: str) -> list[int] | None:
         return None
 
 
+def _where(watch: RedisWatch, keys: RunKeys, args: argparse.Namespace) -> str:
+    """Where a run has got to, in a few words: the clients connected (the ranks'
+    start) and the entries rank 0 has sent (its steps: a Batch each, and a few more a
+    plan), so a long run's wait shows whether it is still starting or training."""
+    key = keys.up(0)
+    try:
+        info: Any = watch.client_for(key).xinfo_stream(key)
+        sent = int(info.get("entries-added", 0))
+    except (redis.exceptions.ResponseError, redis.exceptions.ConnectionError, OSError):
+        sent = 0
+    except redis.exceptions.TimeoutError:
+        return "Redis too busy to say where the run is"
+    return (
+        f"{watch.peak_clients} clients at most so far, rank 0 sent {sent} entries "
+        f"of about {args.steps * args.epochs} steps"
+    )
+
+
 def _trained_an_epoch(watch: RedisWatch, keys: RunKeys, args: argparse.Namespace) -> bool:
     """Whether the rank to cut off has published a whole epoch's steps (a Batch each; its
     LrUpdate goes once, with the first, as the LR is constant)."""
@@ -275,7 +293,8 @@ def run_one(
                 next_word = now + PROGRESS_EVERY_S
                 print(
                     f"bench scale: {n} ranks, {now - started:.0f} s in, still running "
-                    f"(stopped at {args.timeout + START_GRACE_S:.0f} s: --timeout + "
+                    f"({_where(watch, keys, args)}; stopped at "
+                    f"{args.timeout + START_GRACE_S:.0f} s: --timeout + "
                     f"{START_GRACE_S:.0f} s to start)",
                     file=sys.stderr,
                     flush=True,
@@ -288,6 +307,8 @@ def run_one(
                 cut_at = time.monotonic()
             time.sleep(0.2 if args.cut is not None and cut_at is None else 0.5)
     finally:
+        # where the run had got to, for the line that names a run stopped at its deadline
+        where = _where(watch, keys, args) if overran else ""
         if agents is not None:
             agents.close()
         if relay is not None:
@@ -307,7 +328,8 @@ def run_one(
         shutil.rmtree(work, ignore_errors=True)
         raise ScaleTimeout(
             f"{n} ranks: not done {wall:.0f} s after the start (--timeout {args.timeout:.0f} s "
-            f"and {START_GRACE_S:.0f} s to start); stopped, no figures: raise --timeout"
+            f"and {START_GRACE_S:.0f} s to start; {where}); stopped, no figures: "
+            "raise --timeout"
         )
     failed = [c for c in children if c.returncode != 0]
     if failed:
