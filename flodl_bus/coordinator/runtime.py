@@ -13,8 +13,9 @@ Two phases:
 Ordering: effects are applied strictly in the order the core returned them, across
 ``Send`` and ``Broadcast``, because the bus numbers control entries from one clock in
 call order and per-rank order is what the ranks rely on (arm-eval before the snapshot
-request, the final reduce before Shutdown). While ``run`` runs, the writes go through
-one sender thread (``sender.SendLane``) in that order, and the loop reads on meanwhile;
+request, the final reduce before Shutdown). With ``LoopOptions.send_thread`` (opt-in),
+the writes go through one sender thread (``sender.SendLane``) in that order while
+``run`` runs, and the loop reads on meanwhile;
 what the bus refused comes back at the loop's next turn as the recorded core call
 (``send_failed``) it was when the loop wrote them itself.
 
@@ -76,7 +77,7 @@ __all__ = [
 ]
 
 log = structlog.get_logger("flodl_bus.coordinator")
-#: ``0``: the loop writes its control itself (``LoopOptions.send_thread``)
+#: ``1``: a sender thread writes the loop's control (``LoopOptions.send_thread``)
 SEND_THREAD_ENV: Final = "FLODL_SEND_THREAD"
 #: how long the loop stays behind its input before it says so (and again every as long)
 BEHIND_NOTE_S: Final = 10.0
@@ -103,9 +104,12 @@ class LoopOptions:
     #: How often the join stream is polled for late Hellos once the world formed.
     join_poll_every: float = 0.5
     #: Write the core's Sends and Broadcasts on a thread of their own (``sender``), so
-    #: the loop reads on while they travel; False writes them on the loop's thread.
-    #: ``FLODL_SEND_THREAD=0`` turns it off for a run (an A/B, or a suspected fault).
-    send_thread: bool = field(default_factory=lambda: os.environ.get(SEND_THREAD_ENV) != "0")
+    #: the loop reads on while they travel; False (the default) writes them on the
+    #: loop's thread. ``FLODL_SEND_THREAD=1`` turns it on for a run. Opt-in: at 1,024
+    #: ranks on the 16-core host it took a quarter of the loop's work off it and made
+    #: 37x fewer round trips, but the epoch time did not move and the median dispatch
+    #: got 10-15 ms slower (BENCHMARKS.md, 2026-12-06, fifth session).
+    send_thread: bool = field(default_factory=lambda: os.environ.get(SEND_THREAD_ENV) == "1")
 
     def __post_init__(self) -> None:
         if self.block_ms < 1:

@@ -30,8 +30,9 @@ def test_bench_scale_is_a_registered_bench() -> None:
 
 
 def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("FLODL_SEND_THREAD", "1")  # its own line below (the default is off)
     out = tmp_path / "scale.json"
     argv = ["--ranks", "8", "--steps", "8", "--epochs", "2", "--step-ms", "20"]
     keep = tmp_path / "keep"

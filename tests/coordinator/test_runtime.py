@@ -112,14 +112,15 @@ def run_loop(
         rec.close()
 
 
+@pytest.mark.parametrize("send_thread", [False, True], ids=["loop-thread", "sender-thread"])
 def test_loop_trains_a_rank_to_the_end_recording_every_dispatch_and_the_metrics(
-    tmp_path: Path,
+    tmp_path: Path, send_thread: bool
 ) -> None:
     stem = tmp_path / "ckpt" / "run"
     core = Coordinator(config("cpu-cadence", save_path=str(stem)))
     hub = MemoryHub(1)
     world = start_rank(hub)
-    code, loop = run_loop(core, MemoryCoordinatorBus(hub), tmp_path)
+    code, loop = run_loop(core, MemoryCoordinatorBus(hub), tmp_path, send_thread=send_thread)
     world.thread.join(30)
     assert code == EXIT_OK and world.result == [0]
 
