@@ -163,20 +163,21 @@ def rank_counts(text: str) -> list[int] | None:
 
 
 def _where(watch: RedisWatch, keys: RunKeys, args: argparse.Namespace) -> str:
-    """Where a run has got to, in a few words: the clients connected (the ranks'
-    start) and the entries rank 0 has sent (its steps: a Batch each, and a few more a
-    plan), so a long run's wait shows whether it is still starting or training."""
+    """Where a run has got to, in a few words: the clients connected (the ranks' start)
+    and the entries rank 0 has sent in all (a step's Batch each, its heartbeats and the
+    rest: the stream is trimmed as it is read, so its length says less), so a long
+    run's wait shows whether it is still starting or under way."""
     key = keys.up(0)
     try:
         info: Any = watch.client_for(key).xinfo_stream(key)
         sent = int(info.get("entries-added", 0))
-    except (redis.exceptions.ResponseError, redis.exceptions.ConnectionError, OSError):
-        sent = 0
     except redis.exceptions.TimeoutError:
         return "Redis too busy to say where the run is"
+    except (redis.exceptions.RedisError, OSError):
+        sent = 0
     return (
-        f"{watch.peak_clients} clients at most so far, rank 0 sent {sent} entries "
-        f"of about {args.steps * args.epochs} steps"
+        f"{watch.peak_clients} clients at most so far, rank 0 has sent {sent} entries "
+        f"(steps, heartbeats and the rest; its run has {args.steps * args.epochs} steps)"
     )
 
 

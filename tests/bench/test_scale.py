@@ -113,7 +113,7 @@ def test_a_run_past_its_time_says_so_in_one_line_and_the_sweep_goes_on(
     err = capsys.readouterr().err
     assert "bench scale: 4 ranks, " in err and "still running" in err
     # each says where the run has got to: the ranks' clients, rank 0's entries
-    assert "clients at most so far, rank 0 sent " in err and " entries of about 400 steps" in err
+    assert "clients at most so far, rank 0 has sent " in err and "its run has 400 steps" in err
     said = [x for x in err.splitlines() if "not done" in x]
     assert [x.split(":")[1] for x in said] == [" 4 ranks", " 2 ranks"]  # the next count ran
     assert all(x.endswith("no figures: raise --timeout") for x in said)
