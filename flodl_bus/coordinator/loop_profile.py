@@ -21,8 +21,8 @@ console's progress lines):
   (its rank, the clock, the state summary the recorder cached at the previous call);
 * ``record``: the dispatch record per message (the state summary after, the line);
 * ``send``: the bus calls of the core's ``Send``/``Broadcast`` effects (one call per
-  batch of consecutive ones); with the sender thread (``LoopOptions.send_thread``, the
-  default), only handing them to it and any wait for room in its queue, the calls
+  batch of consecutive ones); with the sender thread (``LoopOptions.send_thread``,
+  opt-in), only handing them to it and any wait for room in its queue, the calls
   themselves being that thread's ``sender_s``; ``apply``: the rest of applying effects;
 * ``tick``: ``Coordinator.tick`` with its record and what the loop does per tick, sends
   excluded; ``ack``: handing deliveries back to the bus.

@@ -1,9 +1,13 @@
-"""The coordinator's control writes on a thread of their own (issue 31).
+"""The coordinator's control writes on a thread of their own (issue 31; opt-in,
+``LoopOptions.send_thread``, ``FLODL_SEND_THREAD=1``).
 
-The loop used to wait for every ``Send``/``Broadcast`` round trip before it read on: at
-1,024 ranks about 420 µs a bus call, 2.0 s of a 10.3 s loop on the 16-core host. Now it
+The loop waits for every ``Send``/``Broadcast`` round trip before it reads on: at 1,024
+ranks about 470 µs a bus call, 2.2 s of an 11 s loop on the 16-core host. With a lane it
 hands each run of them to ``SendLane.put`` and goes on; one thread writes what it was
-handed, in that order, and hands back what was refused.
+handed, in that order, and hands back what was refused. On that host it took a quarter
+of the loop's work off it, but the epoch did not get shorter and the median dispatch got
+slower (each write carried what queued behind the one before it: 40-60 entries, 15-20
+ms), so it is not the default (BENCHMARKS.md, 2026-12-06, fifth session).
 
 * **Order.** One thread takes the items in the order they were put, so every rank's
   control keeps the core's order across calls (DESIGN §3 rule 1). Nothing else may
