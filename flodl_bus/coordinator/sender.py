@@ -81,8 +81,7 @@ class SendLane:
         self._refused: list[Refused] = []
         self._busy = False
         self._closed = False
-        #: items written, bus calls made, and the thread's seconds in them
-        self.written = 0
+        #: bus calls made, and the thread's seconds in them
         self.calls = 0
         self.busy_s = 0.0
         #: unicasts and broadcasts written (the loop's profile reads them at the end)
@@ -92,14 +91,24 @@ class SendLane:
         self._thread.start()
 
     def put(self, items: Sequence[Item]) -> None:
-        """Queue ``items`` behind everything put before; blocks while the lane is full."""
+        """Queue ``items`` behind everything put before; blocks while the lane is full
+        and its thread writes. A thread that died (a bug: every write's error is handed
+        back) raises here rather than leave the loop waiting on it for ever."""
         if not items:
             return
         with self._cond:
             if self._closed:
                 raise RuntimeError("SendLane.put after close")
-            while len(self._todo) >= self._max_queued:
-                self._cond.wait()
+            while True:
+                if not self._thread.is_alive():
+                    raise RuntimeError(
+                        f"the coordinator's sender thread died with {self.pending} "
+                        "control writes queued"
+                    )
+                if len(self._todo) < self._max_queued:
+                    break
+                # bounded: a thread that dies while we wait is seen at the next look
+                self._cond.wait(1.0)
             at = time.monotonic()
             self._todo.extend((o, at) for o in items)
             self._cond.notify_all()
@@ -167,9 +176,16 @@ class SendLane:
                 return
             t0 = time.perf_counter()
             refused: list[Refused] = []
+            written = False
             try:
                 refused = self._write(run)
+                written = True
             finally:
+                if not written:
+                    # Dying (a bug): the run goes back to the loop as refused, never lost
+                    # in silence; the next put says the thread is gone.
+                    why = RuntimeError("the coordinator's sender thread died writing it")
+                    refused = [Refused(o, why) for o in run]
                 self.busy_s += time.perf_counter() - t0
                 with self._cond:
                     self._refused.extend(refused)
@@ -202,7 +218,6 @@ class SendLane:
         return refused
 
     def _count(self, run: Sequence[Item]) -> None:
-        self.written += len(run)
         if isinstance(run[0], Send):
             self.sent += len(run)
         else:

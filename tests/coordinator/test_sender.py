@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import pytest
 import redis
 
 from flodl_bus.bus.api import Delivery
@@ -191,3 +192,30 @@ def test_a_send_in_flight_does_not_hold_up_the_reads_heartbeats_or_unread_checks
         rank.close()
         coord.close()
         admin.close()
+
+
+class Crash(BaseException):
+    """What no write's error handling takes: the sender thread dies of it."""
+
+
+class CrashingBus(GatedBus):
+    def send_batch(self, items: Sequence[tuple[int | None, m.SetGlobalStep]]) -> list[str]:
+        super().send_batch(items)
+        raise Crash()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_lane_whose_thread_died_hands_its_write_back_and_refuses_the_next_put() -> None:
+    bus = CrashingBus()
+    bus.gate.set()
+    lane = SendLane(bus, max_queued=1)  # type: ignore[arg-type]
+    lane.put([Send(0, step(0))])
+    lane._thread.join(30)
+    assert not lane._thread.is_alive()
+    # the write it died on comes back to the loop as refused: not lost in silence
+    assert lane.drain(1.0)
+    (refused,) = lane.take()
+    assert refused.item == Send(0, step(0)) and "died" in str(refused.error)
+    # and a put says so at once instead of waiting for room that never comes
+    with pytest.raises(RuntimeError, match="sender thread died"):
+        lane.put([Send(0, step(1))])
