@@ -167,11 +167,14 @@ class Recorder:
             self._last, self.lines = st.last, st.lines
 
     def _write(self, event: dict[str, Any]) -> None:
-        body = orjson.dumps(event, default=self._default, option=_OPTIONS)
+        self._append(self._sink.write, self._dumps(event))
+
+    def _append(self, put: Callable[[Any], None], item: Any) -> None:
+        """One line handed to the sink (``put``: its ``write`` or ``write_event``)."""
         with self._write_lock:
             if self.ended or self._sink.closed:
                 return  # a late line from another thread: the record is closed
-            self._sink.write(body)
+            put(item)
             self.lines += 1
 
     def record(self, event: str, **fields: Any) -> None:
@@ -184,27 +187,24 @@ class Recorder:
         Core events have a fixed set of fields holding protocol data only (no key that
         could hold a secret), so they skip the redaction pass: it would be most of the
         cost of a record on the dispatching thread."""
+        self._write(self._core_fields(event, fields))
+
+    def _core_fields(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
         if self._context:
             fields = {**self._context, **fields}
         fields["event"] = event  # last, as structlog wrote it: a dict built once
-        self._write(fields)
+        return fields
 
     def record_settled(self, event: str, **fields: Any) -> None:
         """``record_core`` for an event none of whose values changes after the call
         (numbers, fresh dicts and lists, frozen messages): a compressed record encodes
         it on its writer thread, off the caller's (a rank's step, its training thread's
         hottest line). The line is the one ``record_core`` writes, in the same place."""
-        if not self._sink.defers:
-            self.record_core(event, **fields)
-            return
-        if self._context:
-            fields = {**self._context, **fields}
-        fields["event"] = event
-        with self._write_lock:
-            if self.ended or self._sink.closed:
-                return
-            self._sink.write_event(fields)
-            self.lines += 1
+        fields = self._core_fields(event, fields)
+        if self._sink.defers:
+            self._append(self._sink.write_event, fields)
+        else:
+            self._write(fields)  # encoded here, outside the lock, as any other line
 
     def end(self, **fields: Any) -> None:
         """The closing line: a record without it was cut short (a kill, a crash, a hang).
