@@ -63,7 +63,7 @@ from flodl_bus.bench.scale_sizing import (
     redis_args,
 )
 from flodl_bus.bench.scale_stages import breakdown, stage_fields
-from flodl_bus.bench.scale_watch import RedisWatch, quantile, share
+from flodl_bus.bench.scale_watch import RedisWatch, busiest_commands, quantile, share
 from flodl_bus.bus import cluster
 from flodl_bus.bus.cluster_server import LocalCluster
 from flodl_bus.bus.connection import connect
@@ -151,6 +151,9 @@ class ScaleResult:
     items_per_fold: float = 0.0
     #: the coordinator's reader processes (``bus.ingest``; 0: its own thread)
     ingest_procs: int = 0
+    #: Redis's busiest commands over the epochs: (command, calls, µs inside Redis a call,
+    #: share of Redis's command time) (``scale_watch.busiest_commands``)
+    redis_commands: list[tuple[str, int, float, float]] = field(default_factory=list)
 
 
 def rank_counts(text: str) -> list[int] | None:
@@ -464,6 +467,7 @@ def _figures(
         agents_cpu=share(agents.cpu, a, b) if agents is not None else 0.0,
         items_per_fold=agents.items_per_fold if agents is not None else 0.0,
         ingest_procs=args.ingest_procs,
+        redis_commands=busiest_commands(watch.commands, a, b),
     )
 
 
@@ -518,6 +522,18 @@ def report(r: ScaleResult) -> str:
             f"  ranks clean {r.ranks_clean}/{r.ranks}, declared dead {r.declared_dead}, "
             f"steps {r.steps_done}/{r.ranks * r.steps * r.epochs}",
             f"  saturated: {r.saturated}",
+            *(
+                [
+                    "  redis commands    "
+                    + ", ".join(
+                        f"{name} {us:.1f} us x {calls:,} ({100 * part:.0f}%)"
+                        for name, calls, us, part in r.redis_commands
+                    )
+                    + " (µs inside Redis a call; exec and scripts hold what they ran)"
+                ]
+                if r.redis_commands
+                else []
+            ),
             *breakdown(r),
             *(
                 [

@@ -69,6 +69,8 @@ class RedisWatch:
         self.pings: list[float] = []
         #: (time, busy CPU seconds of the whole host) from /proc/stat
         self.host: list[tuple[float, float]] = []
+        #: (time, {command: (calls, µs inside Redis)}) summed over the masters
+        self.commands: list[tuple[float, dict[str, tuple[int, int]]]] = []
 
     def sample(self) -> None:
         # A Redis busy with thousands of ranks connecting may miss a sample's reply: the
@@ -81,6 +83,7 @@ class RedisWatch:
     def _sample(self) -> None:
         t = time.monotonic()
         cpu, memory, clients = 0.0, 0, 0
+        commands: dict[str, tuple[int, int]] = {}
         for i, node in enumerate(self.nodes):
             info: Any = node.info("all")
             used = float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
@@ -88,6 +91,11 @@ class RedisWatch:
             cpu += used
             memory += int(info["used_memory"])
             clients += int(info["connected_clients"])
+            for key, stat in info.items():
+                if key.startswith("cmdstat_") and isinstance(stat, dict):
+                    calls, usec = commands.get(key[8:], (0, 0))
+                    commands[key[8:]] = (calls + int(stat["calls"]), usec + int(stat["usec"]))
+        self.commands.append((t, commands))
         self.peak_clients = max(self.peak_clients, clients)
         self.cpu.append((t, cpu))
         self.memory.append((t, memory))
@@ -107,6 +115,33 @@ class RedisWatch:
         got = [int(self.client_for(k).memory_usage(k) or 0) for k in names]  # type: ignore[arg-type]
         bcast = sum(int(self.client_for(k).memory_usage(k) or 0) for k in self.keys.broadcasts)  # type: ignore[arg-type]
         return int(sum(got) / len(picks) + bcast / self.ranks)
+
+
+def busiest_commands(
+    samples: Sequence[tuple[float, dict[str, tuple[int, int]]]], a: float, b: float, top: int = 5
+) -> list[tuple[str, int, float, float]]:
+    """Redis's busiest commands over [a, b] (the samples nearest inside it): (command,
+    calls, µs inside Redis a call, share of the time Redis spent in commands), most time
+    first; a window too short for two samples inside it takes the two around it. Redis
+    times a command from its start to its reply being queued, so a figure far below what
+    a client waits for a reply is time the client spent queued behind other clients'
+    commands, not time in this one. A transaction's ``exec`` and a script's ``evalsha``
+    count the commands they ran again (Redis times both), so the shares overlap."""
+    inside = [s for s in samples if a <= s[0] <= b]
+    if len(inside) < 2:
+        before = [s for s in samples if s[0] <= a]
+        after = [s for s in samples if s[0] >= b]
+        inside = [before[-1] if before else samples[0], after[0] if after else samples[-1]]
+    if inside[0] is inside[-1]:
+        return []
+    first, last = inside[0][1], inside[-1][1]
+    delta = {
+        name: (calls - first.get(name, (0, 0))[0], usec - first.get(name, (0, 0))[1])
+        for name, (calls, usec) in last.items()
+    }
+    total = sum(usec for _, usec in delta.values())
+    ranked = sorted(((u, c, n) for n, (c, u) in delta.items() if c > 0), reverse=True)
+    return [(n, c, u / c, u / total if total else 0.0) for u, c, n in ranked[:top]]
 
 
 def host_busy() -> float | None:

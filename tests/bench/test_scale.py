@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from flodl_bus.bench import scale, scale_sizing
+from flodl_bus.bench import scale, scale_sizing, scale_watch
 from flodl_bus.bench.scale import ScaleResult, main
 from flodl_bus.bench.scale_stages import STAGE_LABELS
 from flodl_bus.cli import BENCHES
@@ -53,13 +53,19 @@ def test_bench_scale_with_eight_ranks_trains_every_step_and_reports_every_figure
     printed = capsys.readouterr().out
     for label in ("epoch time", "dispatch p50", "coordinator CPU", "redis-server CPU",
                   "redis memory", "stream bytes", "record", "saturated",
-                  "per simulated rank", "coordinator loop",
+                  "per simulated rank", "coordinator loop", "redis commands",
                   "budget at 8 ranks: step / 2N = 1250.0 µs", "largest: "):  # fmt: skip
         assert label in printed
     for label in STAGE_LABELS.values():
         assert label in printed
     # a sim rank holds at least its control reader's and its publisher's connections
     assert got["clients_per_rank"] >= 2 and got["threads_per_rank"] >= 3
+    # Redis's own time a command over the epochs: the ranks' and the coordinator's reads
+    # are among the busiest, and the shares are of one total
+    names = [c[0] for c in got["redis_commands"]]
+    assert any(n.startswith("xread") for n in names), names
+    assert all(calls > 0 and us > 0 for _, calls, us, _ in got["redis_commands"])
+    assert 0 < sum(c[3] for c in got["redis_commands"]) <= 1.0 + 1e-9
     assert main(["--ranks", "eight"]) == 2
 
     # The coordinator's own accounting of the same run adds up, and counts what it did.
@@ -193,3 +199,23 @@ def test_more_ranks_than_the_cores_carry_are_refused_up_front(
     assert any(p.startswith("CPU:") for p in scale_sizing.problems(too_many, 2))
     assert main(["--ranks", str(too_many), "--procs", "2", "--timeout", "1"]) == 2
     assert f"this host cannot run {too_many} ranks" in capsys.readouterr().err
+
+
+def test_busiest_commands_are_the_counts_between_the_window_s_first_and_last_samples() -> None:
+    samples = [
+        (0.0, {"xadd": (10, 100)}),  # before the window: not counted
+        (1.0, {"xadd": (20, 200), "evalsha": (5, 500)}),
+        (2.0, {"xadd": (70, 300), "evalsha": (9, 2100), "ping": (1, 1)}),
+        (3.0, {"xadd": (500, 9000), "evalsha": (500, 9000)}),  # after it
+    ]
+    got = scale_watch.busiest_commands(samples, 0.5, 2.5)
+    # evalsha: 4 calls, 1,600 µs; xadd: 50 calls, 100 µs; ping: one call that came new
+    assert [g[0] for g in got] == ["evalsha", "xadd", "ping"]
+    assert got[0][1:] == (4, 400.0, pytest.approx(1600 / 1701))
+    assert got[1][1:] == (50, 2.0, pytest.approx(100 / 1701))
+    assert scale_watch.busiest_commands(samples, 0.5, 2.5, top=1) == got[:1]
+    # a window between two samples takes the two around it
+    assert scale_watch.busiest_commands(samples, 1.2, 1.8, top=1) == [
+        ("evalsha", 4, 400.0, pytest.approx(1600 / 1701))
+    ]
+    assert scale_watch.busiest_commands(samples[:1], 0.0, 1.0) == []
