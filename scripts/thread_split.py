@@ -1,0 +1,139 @@
+"""Where each thread of a training process spends its wall time, seen from outside it.
+
+Runs a command (``bench train`` as a rule) and, for each process whose command line
+holds one of the ``--match`` strings, reads every thread's ``/proc/<pid>/task/<tid>``
+``schedstat`` and ``status`` at the start and the end of a window of ``--window``
+seconds, ``--after`` seconds after the process appeared (past its imports and its first
+epochs). Per thread: the share of the window it ran on a core, waited for one (runnable,
+not running: another thread or process had the core), and was blocked (a lock, the GIL,
+a socket, a sleep), and its voluntary and involuntary switches a second. Nothing is
+injected into the process: the plain loop and a rank are seen the same way.
+
+    python3 scripts/thread_split.py --match plain_loop --match 'cli worker' -- \\
+        python3 -m flodl_bus.cli bench train --device cpu --workers 1 --epochs 400
+
+A training thread that runs 95% of its window alone and 60% beside the rank's other
+threads, blocked the rest, loses its time to waits (the GIL); one that runs 99% in both
+and still steps slower loses it on the core (caches, migrations, more work a step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    run_ns: int
+    wait_ns: int
+    voluntary: int
+    involuntary: int
+
+
+def _threads(pid: int) -> dict[int, Sample]:
+    out: dict[int, Sample] = {}
+    base = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            with open(f"{base}/{t}/schedstat") as f:
+                run_ns, wait_ns, _ = (int(x) for x in f.read().split())
+            with open(f"{base}/{t}/comm") as f:
+                name = f.read().strip()
+            vol = inv = 0
+            with open(f"{base}/{t}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        vol = int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches"):
+                        inv = int(line.split()[1])
+        except (OSError, ValueError):
+            continue
+        out[int(t)] = Sample(name, run_ns, wait_ns, vol, inv)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _watch(pid: int, label: str, after: float, window: float, lines: list[str]) -> None:
+    time.sleep(after)
+    t0, a = time.monotonic(), _threads(pid)
+    time.sleep(window)
+    t1, b = time.monotonic(), _threads(pid)
+    if not a or not b:
+        lines.append(f"{label} pid {pid}: gone before its window ended")
+        return
+    wall_ns = (t1 - t0) * 1e9
+    rows = []
+    for tid, s1 in b.items():
+        s0 = a.get(tid)
+        if s0 is None:
+            continue
+        run, wait = s1.run_ns - s0.run_ns, s1.wait_ns - s0.wait_ns
+        blocked = max(0.0, wall_ns - run - wait)
+        rows.append(
+            (
+                run,
+                f"  {s1.name[:22]:22} tid {tid:>7}: on a core {run / wall_ns:6.1%}, "
+                f"runnable {wait / wall_ns:6.1%}, blocked {blocked / wall_ns:6.1%}; "
+                f"switches/s voluntary {(s1.voluntary - s0.voluntary) / (t1 - t0):7.0f}, "
+                f"involuntary {(s1.involuntary - s0.involuntary) / (t1 - t0):6.0f}",
+            )
+        )
+    rows.sort(reverse=True)
+    lines.append(f"{label} pid {pid}, a {t1 - t0:.2f} s window {after:.1f} s after it appeared:")
+    lines.extend(r for _, r in rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--match", action="append", required=True, help="command-line substring")
+    ap.add_argument("--after", type=float, default=3.0)
+    ap.add_argument("--window", type=float, default=3.0)
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = ap.parse_args()
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    proc = subprocess.Popen(cmd)
+    seen: set[int] = set()
+    lines: list[str] = []
+    watchers: list[threading.Thread] = []
+    while proc.poll() is None:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) in seen:
+                continue
+            line = _cmdline(int(entry))
+            hit = next((m for m in args.match if m in line), None)
+            # The bench's own parent holds every match in its argv; skip it.
+            if hit is None or int(entry) == proc.pid or "thread_split" in line:
+                continue
+            seen.add(int(entry))
+            w = threading.Thread(
+                target=_watch, args=(int(entry), hit, args.after, args.window, lines), daemon=True
+            )
+            w.start()
+            watchers.append(w)
+        time.sleep(0.05)
+    for w in watchers:
+        w.join(timeout=args.after + args.window + 1)
+    print("\n".join(lines), flush=True)
+    return proc.returncode or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
