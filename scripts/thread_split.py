@@ -35,6 +35,7 @@ class Sample:
     wait_ns: int
     voluntary: int
     involuntary: int
+    minor_faults: int
 
 
 def _threads(pid: int) -> dict[int, Sample]:
@@ -50,6 +51,9 @@ def _threads(pid: int) -> dict[int, Sample]:
                 run_ns, wait_ns, _ = (int(x) for x in f.read().split())
             with open(f"{base}/{t}/comm") as f:
                 name = f.read().strip()
+            with open(f"{base}/{t}/stat") as f:
+                # fields after the command's closing parenthesis; minflt is the 10th field
+                minflt = int(f.read().rsplit(")", 1)[1].split()[7])
             vol = inv = 0
             with open(f"{base}/{t}/status") as f:
                 for line in f:
@@ -59,7 +63,7 @@ def _threads(pid: int) -> dict[int, Sample]:
                         inv = int(line.split()[1])
         except (OSError, ValueError):
             continue
-        out[int(t)] = Sample(name, run_ns, wait_ns, vol, inv)
+        out[int(t)] = Sample(name, run_ns, wait_ns, vol, inv, minflt)
     return out
 
 
@@ -93,7 +97,8 @@ def _watch(pid: int, label: str, after: float, window: float, lines: list[str]) 
                 f"  {s1.name[:22]:22} tid {tid:>7}: on a core {run / wall_ns:6.1%}, "
                 f"runnable {wait / wall_ns:6.1%}, blocked {blocked / wall_ns:6.1%}; "
                 f"switches/s voluntary {(s1.voluntary - s0.voluntary) / (t1 - t0):7.0f}, "
-                f"involuntary {(s1.involuntary - s0.involuntary) / (t1 - t0):6.0f}",
+                f"involuntary {(s1.involuntary - s0.involuntary) / (t1 - t0):6.0f}; "
+                f"minor faults/s {(s1.minor_faults - s0.minor_faults) / (t1 - t0):7.0f}",
             )
         )
     rows.sort(reverse=True)
