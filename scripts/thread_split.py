@@ -27,6 +27,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+#: py-spy sampling mode: FLODL_SPY_NATIVE=1 walks native frames too (pausing the process)
+SPY_MODE = ["--native"] if os.environ.get("FLODL_SPY_NATIVE") == "1" else ["--nonblocking"]
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -75,11 +78,24 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _watch(pid: int, label: str, after: float, window: float, lines: list[str]) -> None:
+def _watch(
+    pid: int, label: str, after: float, window: float, lines: list[str], spy: str | None
+) -> None:
     time.sleep(after)
     t0, a = time.monotonic(), _threads(pid)
+    sampler = None
+    if spy is not None:
+        # py-spy's samples of the same window (raw stacks per thread, idle ones included)
+        out = os.path.join(spy, f"{label.replace(' ', '_')}-{pid}.txt")
+        sampler = subprocess.Popen(
+            ["py-spy", "record", "--pid", str(pid), "--idle", "--threads", *SPY_MODE,
+             "-r", "200", "-d", str(max(1, round(window))), "-f", "raw", "-o", out],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
     time.sleep(window)
     t1, b = time.monotonic(), _threads(pid)
+    if sampler is not None:
+        sampler.wait(timeout=window + 10)
     if not a or not b:
         lines.append(f"{label} pid {pid}: gone before its window ended")
         return
@@ -111,9 +127,12 @@ def main() -> int:
     ap.add_argument("--match", action="append", required=True, help="command-line substring")
     ap.add_argument("--after", type=float, default=3.0)
     ap.add_argument("--window", type=float, default=3.0)
+    ap.add_argument("--spy", help="also record each window with py-spy into this folder")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.spy:
+        os.makedirs(args.spy, exist_ok=True)
     proc = subprocess.Popen(cmd)
     seen: set[int] = set()
     lines: list[str] = []
@@ -129,13 +148,15 @@ def main() -> int:
                 continue
             seen.add(int(entry))
             w = threading.Thread(
-                target=_watch, args=(int(entry), hit, args.after, args.window, lines), daemon=True
+                target=_watch,
+                args=(int(entry), hit, args.after, args.window, lines, args.spy),
+                daemon=True,
             )
             w.start()
             watchers.append(w)
         time.sleep(0.05)
     for w in watchers:
-        w.join(timeout=args.after + args.window + 1)
+        w.join(timeout=args.after + args.window + 15)
     print("\n".join(lines), flush=True)
     return proc.returncode or 0
 
