@@ -70,6 +70,22 @@ def _threads(pid: int) -> dict[int, Sample]:
     return out
 
 
+def _memory(pid: int) -> str:
+    """Resident memory and how much of it is in transparent huge pages (fewer TLB misses
+    for the same tensors)."""
+    got: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "AnonHugePages"):
+                    got[key] = int(rest.split()[0])
+    except (OSError, ValueError):
+        return "memory unknown"
+    rss, huge = got.get("Rss", 0) / 1024, got.get("AnonHugePages", 0) / 1024
+    return f"rss {rss:.0f} MB, {huge:.0f} MB in huge pages"
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -118,7 +134,10 @@ def _watch(
             )
         )
     rows.sort(reverse=True)
-    lines.append(f"{label} pid {pid}, a {t1 - t0:.2f} s window {after:.1f} s after it appeared:")
+    lines.append(
+        f"{label} pid {pid}, a {t1 - t0:.2f} s window {after:.1f} s after it appeared"
+        f" ({_memory(pid)}):"
+    )
     lines.extend(r for _, r in rows)
 
 
