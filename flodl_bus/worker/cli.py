@@ -548,10 +548,13 @@ class _ConsoleRankBus(RedisRankBus):
     rank's Metrics, as it goes upstream)."""
 
     def publish(self, msg: UpstreamMsg) -> None:
-        super().publish(msg)
         if isinstance(msg, MetricsMsg) and msg.batches_processed:
+            # Said before the Metrics goes: it wakes the publisher, whose write would
+            # take the GIL the console write gives up, and the training thread would
+            # wait it out (a world of one's epoch end: 0.6 ms on 2 cores, against 50 µs).
             rate = msg.samples_processed / (msg.epoch_ms / 1000) if msg.epoch_ms > 0 else 0.0
             _say(
                 f"rank {msg.rank}: epoch {msg.epoch}: {msg.batches_processed} batches, "
                 f"loss {msg.avg_loss:.4f}, {rate:.0f} samples/s"
             )
+        super().publish(msg)
