@@ -526,7 +526,7 @@ def report(r: ScaleResult) -> str:
                 [
                     "  redis commands    "
                     + ", ".join(
-                        f"{name} {us:.1f} us x {calls:,} ({100 * part:.0f}%)"
+                        f"{name} {us:.1f} µs x {calls:,} ({100 * part:.0f}%)"
                         for name, calls, us, part in r.redis_commands
                     )
                     + " (µs inside Redis a call; exec and scripts hold what they ran)"

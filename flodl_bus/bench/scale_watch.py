@@ -127,6 +127,8 @@ def busiest_commands(
     a client waits for a reply is time the client spent queued behind other clients'
     commands, not time in this one. A transaction's ``exec`` and a script's ``evalsha``
     count the commands they ran again (Redis times both), so the shares overlap."""
+    if not samples:
+        return []
     inside = [s for s in samples if a <= s[0] <= b]
     if len(inside) < 2:
         before = [s for s in samples if s[0] <= a]

@@ -219,3 +219,4 @@ def test_busiest_commands_are_the_counts_between_the_window_s_first_and_last_sam
         ("evalsha", 4, 400.0, pytest.approx(1600 / 1701))
     ]
     assert scale_watch.busiest_commands(samples[:1], 0.0, 1.0) == []
+    assert scale_watch.busiest_commands([], 0.0, 1.0) == []  # every sample missed
