@@ -6,8 +6,11 @@ holds one of the ``--match`` strings, reads every thread's ``/proc/<pid>/task/<t
 seconds, ``--after`` seconds after the process appeared (past its imports and its first
 epochs). Per thread: the share of the window it ran on a core, waited for one (runnable,
 not running: another thread or process had the core), and was blocked (a lock, the GIL,
-a socket, a sleep), and its voluntary and involuntary switches a second. Nothing is
-injected into the process: the plain loop and a rank are seen the same way.
+a socket, a sleep), its voluntary and involuntary switches and its minor page faults a
+second; per process, its resident memory and how much of it is in huge pages. ``--spy
+DIR`` also records the window with py-spy (``FLODL_SPY_NATIVE=1``: native frames too,
+pausing the process at each sample). Nothing is injected into the process: the plain
+loop and a rank are seen the same way.
 
     python3 scripts/thread_split.py --match plain_loop --match 'cli worker' -- \\
         python3 -m flodl_bus.cli bench train --device cpu --workers 1 --epochs 400
