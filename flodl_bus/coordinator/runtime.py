@@ -529,10 +529,17 @@ class CoordinatorLoop:
         pending = list(outs)
         send_batch = getattr(self.bus, "send_batch", None)
         lane = self._lane
+        # What consecutive runs of writes carried, observed once the last of them went:
+        # an epoch's aggregate (a broadcast) and the plans sent beside it (unicasts) go
+        # back to back, not a console line and a metrics.csv write apart, so a rank
+        # reads them in one wake rather than two.
+        written: list[object] = []
         i = 0
         while i < len(pending):
             o = pending[i]
             i += 1
+            if written and not (send_batch is not None and isinstance(o, Send | Broadcast)):
+                self._observe_all(written)
             if lane is not None and isinstance(o, Send | Broadcast):
                 # Handed to the sender thread in the core's order (with whatever else it
                 # returned between two effects kept in its place here): observed now,
@@ -557,22 +564,24 @@ class CoordinatorLoop:
                 if j > i:
                     run = pending[i - 1 : j]
                     i = j
-                    self._send_run(send_batch, run, now, pending)
+                    self._send_run(send_batch, run, now, pending, written)
                     continue
             if isinstance(o, Send):
                 failed = self._timed_send(self.bus.send, o.rank, o.msg)
                 if failed is not None:
+                    self._observe_all(written)
                     pending += self._send_failed(o, failed, now)
                     continue
                 self.profile.sent += 1
-                self._observe(o.msg)
+                written.append(o.msg)
             elif isinstance(o, Broadcast):
                 failed = self._timed_send(self.bus.broadcast, o.msg)
                 if failed is not None:
+                    self._observe_all(written)
                     self._broadcast_failed(o, failed, now)
                     continue
                 self.profile.broadcasts += 1
-                self._observe(o.msg)
+                written.append(o.msg)
             elif isinstance(o, WriteMeta):
                 self._write_meta(o)
             elif isinstance(o, Alert):
@@ -592,6 +601,13 @@ class CoordinatorLoop:
                     version=self.core.version,
                     global_step=self.core.global_step,
                 )
+        self._observe_all(written)
+
+    def _observe_all(self, msgs: list[object]) -> None:
+        """Observe ``msgs`` in order, and empty the list."""
+        for m in msgs:
+            self._observe(m)
+        msgs.clear()
 
     def _send_run(
         self,
@@ -599,10 +615,15 @@ class CoordinatorLoop:
         run: Sequence[Out],
         now: float,
         pending: list[Out],
+        written: list[object],
     ) -> None:
+        """Write ``run`` in one round trip; its messages join ``written``, to be observed
+        by the caller. A failure is taken through the core at once, after what was
+        written before it is observed (the console reads the core's state)."""
         items = [(o.rank, o.msg) if isinstance(o, Send) else (None, o.msg) for o in run]  # type: ignore[union-attr]
         exc = self._timed_send(send_batch, items)
         if exc is not None:
+            self._observe_all(written)
             # The batch is one transaction: none of it was written. Each message fails
             # as it would alone (a Send's chunk rolled back, a broadcast reported).
             for o in run:
@@ -617,7 +638,7 @@ class CoordinatorLoop:
             self.profile.sent += len(items)
         for o in run:
             assert isinstance(o, Send | Broadcast)
-            self._observe(o.msg)
+            written.append(o.msg)
 
     def _timed_send(self, call: Callable[..., object], *args: Any) -> Exception | None:
         """One bus write, its time in the profile's ``send``; what it raised, if it did."""

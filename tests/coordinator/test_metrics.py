@@ -174,3 +174,31 @@ def test_the_rounds_after_the_last_aggregate_join_the_last_row(tmp_path: Path) -
     table.on_end(4)  # said twice, counted once
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [(r["syncs"], r["syncs_total"]) for r in rows] == [("2", "2"), ("2", "4")]
+
+
+def test_metrics_csv_shows_every_later_change_to_a_row_already_written(tmp_path: Path) -> None:
+    # Rows are rendered once and kept: an eval, a round or a re-aggregation landing on a
+    # row already in the file must still reach the file.
+    path = tmp_path / "metrics.csv"
+    table = MetricsTable(path, 1)
+    table.on_eval(1, 0.25)  # scores epoch 0 before its row exists (async overlap)
+    table.on_epoch(EpochMetrics(0, 0.5, 10.0), version=1, syncs=1, step=1, anchor=1)
+    table.on_epoch(EpochMetrics(1, 0.4, 10.0), version=2, syncs=2, step=2, anchor=1)
+    table.on_eval(2, 0.75)  # scores epoch 1, its row already written
+    assert [r["eval_metric"] for r in csv.DictReader(path.open())] == ["0.25", "0.75"]
+    table.on_epoch(EpochMetrics(2, 0.3, 10.0), version=3, syncs=3, step=3, anchor=1)
+    table.on_epoch(EpochMetrics(1, 0.35, 10.0), version=3, syncs=3, step=3, anchor=1)
+    table.on_end(5)  # the final rounds join the last row
+    table.on_eval(9, 0.5)  # an epoch never aggregated (a resumed run's first eval)
+    rows = list(csv.DictReader(path.open()))
+    got = [(r["epoch"], r["avg_loss"], r["eval_metric"], r["syncs_total"]) for r in rows]
+    assert got == [
+        ("0", "0.5", "0.25", "1"),
+        ("1", "0.35", "0.75", "3"),
+        ("2", "0.3", "", "5"),
+        ("8", "", "0.5", ""),
+    ]
+    fresh = MetricsTable(tmp_path / "fresh.csv", 1)
+    fresh.rows, fresh.evals = table.rows, table.evals
+    fresh.write()
+    assert path.read_text() == (tmp_path / "fresh.csv").read_text()

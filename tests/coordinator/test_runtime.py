@@ -447,3 +447,69 @@ def test_a_loop_behind_its_input_takes_no_rank_for_one_leaving_its_control_unrea
     assert [e["event"] for e in logs if e["event"].startswith("coordinator_")][-1] == (
         "coordinator_caught_up"
     )
+
+
+class BatchingBus(MemoryCoordinatorBus):
+    """The in-memory bus with ``send_batch`` (one call a run, as Redis's bus), noting
+    each call's message types in ``events``."""
+
+    def __init__(self, hub: MemoryHub, events: list[tuple[str, object]]) -> None:
+        super().__init__(hub)
+        self.events = events
+
+    def send_batch(self, items: Sequence[tuple[int | None, ControlWire]]) -> list[str]:
+        self.events.append(("write", tuple(type(msg).__name__ for _, msg in items)))
+        for rank, msg in items:
+            if rank is None:
+                super().broadcast(msg)
+            else:
+                super().send(rank, msg)
+        return [str(i) for i in range(len(items))]
+
+    def send(self, rank: int, msg: ControlWire) -> None:
+        self.events.append(("write", (type(msg).__name__,)))
+        super().send(rank, msg)
+
+    def broadcast(self, msg: ControlWire) -> None:
+        self.events.append(("write", (type(msg).__name__,)))
+        super().broadcast(msg)
+
+
+def test_an_epochs_aggregate_and_the_plans_beside_it_are_written_before_metrics_csv(
+    tmp_path: Path,
+) -> None:
+    # One tick returns the epoch's aggregate (a broadcast) and the plans sent beside it
+    # (unicasts): they go back to back, the console line and metrics.csv after both, so
+    # a rank reads them together rather than a file write apart.
+    events: list[tuple[str, object]] = []
+
+    class NotedMetrics(MetricsTable):
+        def on_epoch(self, em: EpochMetrics, **kw: int) -> None:  # type: ignore[override]
+            events.append(("csv", em.epoch))
+            super().on_epoch(em, **kw)
+
+    core = Coordinator(config("cpu-cadence", epochs=3, eval_every=1))
+    hub = MemoryHub(1)
+    world = start_rank(hub)
+    rec = DispatchRecorder(tmp_path, "coordinator")
+    loop = CoordinatorLoop(
+        core,
+        BatchingBus(hub, events),
+        recorder=rec,
+        metrics=NotedMetrics(tmp_path / "metrics.csv", 1),
+        options=LoopOptions(),
+    )
+    try:
+        code = loop.run()
+    finally:
+        rec.close()
+    world.thread.join(30)
+    assert code == EXIT_OK and world.result == [0]
+    at = events.index(("csv", 0))
+    assert events[at - 2 : at] == [
+        ("write", ("EpochAggregated",)),
+        ("write", ("ArmEpochEval", "StartEpoch")),
+    ], events[at - 6 : at + 2]
+    assert [e for e in events if e[0] == "csv"] == [("csv", 0), ("csv", 1), ("csv", 2)]
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [r["epoch"] for r in rows] == ["0", "1", "2"]
