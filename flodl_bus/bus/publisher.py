@@ -15,6 +15,12 @@ is what costs the training thread most (BENCHMARKS.md, 2026-12-06).
 With ``publish_first_step`` (a world of one), so does the first ``Batch`` after such a
 message: a plan's first step is what its coordinator sends it its next plan on; the
 steps after it are not news, until the next such message.
+With ``publish_epoch_end_lazy`` (a world of one, which holds its next plan while it
+trains), a plan's ``MetricsMsg`` and an ``EvalResult`` wait too, for that first step:
+an epoch's end is then one write, not three (each a wake of this thread and of the
+training thread's GIL). The rank calls ``hurry`` before it blocks on its control, so a
+message its coordinator must answer never waits out a linger on a rank that waits for
+the answer.
 Order is never changed: a batch is always a prefix of the queue.
 """
 
@@ -43,7 +49,7 @@ from flodl_bus.bus.stream_ops import (
     stream_top,
 )
 from flodl_bus.protocol import wire
-from flodl_bus.protocol.messages import Batch, Heartbeat, LrUpdate
+from flodl_bus.protocol.messages import Batch, EvalResult, Heartbeat, LrUpdate, MetricsMsg
 from flodl_bus.protocol.signing import MacKey
 
 _STOP: Final = object()
@@ -73,6 +79,9 @@ def _top_of(info: object) -> EntryId:
 #: decision never hangs on one of these alone (a plan's end is told by its MetricsMsg,
 #: a round's by its SyncAck, liveness has a timeout of seconds).
 LAZY: Final[frozenset[type]] = frozenset({Batch, LrUpdate, Heartbeat})
+#: What also waits with ``publish_epoch_end_lazy``: news (the next ``Batch`` goes at
+#: once after one), but nothing a rank that trains on waits for.
+EPOCH_END: Final[frozenset[type]] = frozenset({MetricsMsg, EvalResult})
 
 
 class _Publisher:
@@ -106,6 +115,8 @@ class _Publisher:
         #: them costs at most one early or late write, never order or a message)
         self._news = config.publish_first_step
         self._first_step = config.publish_first_step
+        #: the types that wait for company (``LAZY``, and ``EPOCH_END`` where asked)
+        self._lazy = LAZY | EPOCH_END if config.publish_epoch_end_lazy else LAZY
         self._closed = False
         self._closing = threading.Event()
         #: the first id and mac of the last batch tried (a lost reply: did it land?)
@@ -130,12 +141,22 @@ class _Publisher:
             raise BusError(f"upstream publisher of rank {self.rank} failed: {self.error}")
         self._q.put(msg)
         kind = type(msg)
-        if kind not in LAZY:
+        if kind not in self._lazy:
             self._news = self._first_step
             self._urgent.set()
-        elif kind is Batch and self._news:
-            self._news = False
-            self._urgent.set()
+        elif kind is Batch:
+            if self._news:
+                self._news = False
+                self._urgent.set()
+        elif kind in EPOCH_END:
+            self._news = self._first_step
+
+    def hurry(self) -> None:
+        """Write what waits now, without waiting for it: the rank is about to block on
+        its control, whose next message may answer what waits. Set even when the queue
+        looks empty: the thread may hold what it took, lingering; an event left set
+        costs at most one early write."""
+        self._urgent.set()
 
     def flush(self, timeout: float) -> bool:
         if not self._thread.is_alive():
@@ -188,6 +209,7 @@ class _Publisher:
         limit = self.config.publish_batch
         linger = self.config.publish_linger_s
         urgent = self._urgent
+        lazy = self._lazy
         #: the last write was of a run of step reports: more are likely on their way
         flowing = False
         while True:
@@ -203,7 +225,7 @@ class _Publisher:
                     lingered = True
             if not lingered:
                 first = get()
-                if linger > 0 and type(first) in LAZY:
+                if linger > 0 and type(first) in lazy:
                     # Asleep, not woken by each put: the training thread's publishes cost
                     # it no GIL hand-over. An urgent put wakes us; one already queued left
                     # the event set, so the wait returns at once.
@@ -229,7 +251,7 @@ class _Publisher:
                 else:
                     msgs.append(item)
             self._write(msgs)
-            flowing = linger > 0 and bool(msgs) and type(msgs[-1]) in LAZY
+            flowing = linger > 0 and bool(msgs) and type(msgs[-1]) in lazy
 
     def _write(self, msgs: list[object]) -> None:
         if not msgs or self.error is not None:

@@ -70,6 +70,11 @@ class StreamsConfig:
     #: fires sooner, so a run makes more of them (cpu-sync x2 on two cores: 100-120 rounds
     #: in 1.36-1.53 s against 84-86 in 1.19-1.23 s).
     publish_first_step: bool = False
+    #: Whether a plan's ``MetricsMsg`` and an ``EvalResult`` wait for the next ``Batch``
+    #: (written at once as the first after them) rather than going at once (a world of
+    #: one, which holds its next plan: ``bus.publisher``). The rank must then call the
+    #: publisher's ``hurry`` before it blocks on its control.
+    publish_epoch_end_lazy: bool = False
     max_block_ms: int = MAX_BLOCK_MS
     backoff: Backoff = field(default_factory=Backoff)
     #: The coordinator trims every stream to what its readers consumed this often
@@ -90,10 +95,15 @@ SOLO_PUBLISH_LINGER_S: Final = 0.05
 
 def rank_streams_config(world_size: int) -> StreamsConfig | None:
     """A rank's publisher settings where they differ from the defaults (None): a world of
-    one lingers ``SOLO_PUBLISH_LINGER_S`` and writes a plan's first step report at once
-    (``publish_first_step``)."""
+    one lingers ``SOLO_PUBLISH_LINGER_S``, writes a plan's first step report at once
+    (``publish_first_step``) and lets its epoch's end wait for it
+    (``publish_epoch_end_lazy``)."""
     if world_size == 1:
-        return StreamsConfig(publish_linger_s=SOLO_PUBLISH_LINGER_S, publish_first_step=True)
+        return StreamsConfig(
+            publish_linger_s=SOLO_PUBLISH_LINGER_S,
+            publish_first_step=True,
+            publish_epoch_end_lazy=True,
+        )
     return None
 
 

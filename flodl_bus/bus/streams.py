@@ -156,6 +156,11 @@ class RedisRankBus:
             raise TypeError(f"{type(msg).__name__} is not an upstream message")
         self._publisher.publish(msg)
 
+    def hurry(self) -> None:
+        """Write what the publisher holds back now (``bus.publisher``): the rank is
+        about to block on its control."""
+        self._publisher.hurry()
+
     def flush(self, timeout: float) -> bool:
         return self._publisher.flush(timeout)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Final, final
 
 from flodl_bus.protocol.messages import ControlMsg
@@ -45,6 +45,10 @@ class Inbox:
         self._closed = False
         #: origin of the message most recently returned by ``poll``/``get``
         self.last_origin: Origin | None = None
+        #: called (on the consumer's thread) before ``get`` blocks on an empty inbox: the
+        #: rank's publisher writes what it holds back (``bus.publisher``'s ``hurry``), so
+        #: a report the coordinator must answer never lingers while the rank waits
+        self.before_wait: Callable[[], None] | None = None
 
     def put(self, msg: ControlMsg, origin: Origin | None = None) -> None:
         with self._cond:
@@ -86,6 +90,8 @@ class Inbox:
 
     def get(self, timeout: float | None = None) -> ControlMsg | Closed | None:
         """Block for the next message; CLOSED once closed and drained; None on timeout."""
+        if not self._items and self.before_wait is not None:
+            self.before_wait()
         with self._cond:
             if not self._cond.wait_for(lambda: self._items or self._closed, timeout):
                 return None

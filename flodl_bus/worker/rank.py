@@ -249,6 +249,7 @@ class RankSession:
         self.recording = recording
 
         inbox = Inbox()
+        inbox.before_wait = getattr(bus, "hurry", None)
         if self.params_factory is None:
             params: ParamPort = LocalParams(model, rank=rank, inject=inbox.put, publish=bus.publish)
         else:

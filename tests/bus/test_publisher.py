@@ -120,6 +120,72 @@ def test_with_first_step_on_the_first_report_after_news_goes_at_once_and_the_res
         coord.close()
 
 
+def _eval_result() -> m.EvalResult:
+    return m.EvalResult(rank=0, schedule_id=1, epoch=1, metric=0.9, elapsed_ms=1.0)
+
+
+def _solo_pair(backend: Backend, run: str) -> tuple[RedisRankBus, RedisCoordinatorBus]:
+    config = dataclasses.replace(LONG, publish_first_step=True, publish_epoch_end_lazy=True)
+    rank = RedisRankBus(backend.make(), run, 0, RK(0), config=config)
+    coord = RedisCoordinatorBus(backend.make(), run, CK, ranks=[0], config=FAST)
+    return rank, coord
+
+
+def test_with_epoch_end_lazy_a_plans_metrics_and_eval_go_with_the_next_plans_first_step(
+    backend: Backend,
+) -> None:
+    """A world of one holds its next plan: its epoch's end (the MetricsMsg, the eval's
+    result) goes in one write with the next plan's first step, in order."""
+    rank, coord = _solo_pair(backend, "linger-epoch-end")
+    started = time.monotonic()
+    try:
+        rank.publish(_batch(1))  # the run's first step goes at once
+        assert _steps(collect_up(coord, 1, timeout=20.0)) == [1]
+        rank.publish(_batch(2))
+        rank.publish(_metrics())
+        rank.publish(_eval_result())
+        assert coord.read_upstream(300) == []  # the epoch's end lingers
+        rank.publish(_batch(3))  # the next plan's first step: news after the end
+        got = collect_up(coord, 4, timeout=20.0)
+        assert [type(d.msg).__name__ for d in got] == [
+            "Batch",
+            "MetricsMsg",
+            "EvalResult",
+            "Batch",
+        ]
+        rank.publish(_batch(4))  # not news: it lingers again
+        assert coord.read_upstream(300) == []
+        assert time.monotonic() - started < LONG.publish_linger_s / 4
+    finally:
+        rank.close()
+        coord.close()
+
+
+def test_hurry_writes_a_lingering_epoch_end_at_once_even_one_the_thread_holds(
+    backend: Backend,
+) -> None:
+    """The rank hurries its publisher before it blocks on its control: a MetricsMsg the
+    coordinator must answer never waits out the linger, taken off the queue or not."""
+    rank, coord = _solo_pair(backend, "linger-hurry")
+    started = time.monotonic()
+    try:
+        rank.publish(_metrics())
+        # the thread took it and lingers with it in hand: the queue is empty now
+        assert coord.read_upstream(300) == []
+        rank.hurry()
+        assert [type(d.msg).__name__ for d in collect_up(coord, 1, timeout=20.0)] == ["MetricsMsg"]
+        rank.publish(_batch(1))  # news after the end: at once
+        rank.publish(_batch(2))
+        rank.publish(_eval_result())
+        rank.hurry()
+        got = collect_up(coord, 3, timeout=20.0)
+        assert [type(d.msg).__name__ for d in got] == ["Batch", "Batch", "EvalResult"]
+        assert time.monotonic() - started < LONG.publish_linger_s / 4
+    finally:
+        rank.close()
+        coord.close()
+
+
 def test_with_no_linger_every_report_is_written_as_it_comes(backend: Backend) -> None:
     rank = RedisRankBus(
         backend.make(),
@@ -230,6 +296,8 @@ def test_only_a_world_of_one_lingers_longer_and_sends_its_plans_first_step_at_on
     solo = rank_streams_config(1)
     assert solo is not None
     assert (solo.publish_linger_s, solo.publish_first_step) == (SOLO_PUBLISH_LINGER_S, True)
+    assert solo.publish_epoch_end_lazy
     assert StreamsConfig().publish_linger_s < SOLO_PUBLISH_LINGER_S
     assert rank_streams_config(2) is None
     assert not StreamsConfig().publish_first_step
+    assert not StreamsConfig().publish_epoch_end_lazy

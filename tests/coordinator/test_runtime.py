@@ -18,7 +18,8 @@ import pytest
 from flodl_bus.bus.ids import format_id
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub
+from flodl_bus.bus.memory import MemoryCoordinatorBus, MemoryHub, MemoryRankBus
+from flodl_bus.bus.publisher import EPOCH_END, LAZY
 from flodl_bus.bus.stream_ops import stream_top
 from flodl_bus.coordinator import runtime
 from flodl_bus.coordinator.config import CoordinatorConfig
@@ -30,6 +31,7 @@ from flodl_bus.coordinator.runtime import EXIT_INTERRUPTED, EXIT_OK, Coordinator
 from flodl_bus.examples import digits
 from flodl_bus.protocol.messages import (
     Assign,
+    Batch,
     ControlWire,
     EpochAggregated,
     EpochMetrics,
@@ -37,6 +39,7 @@ from flodl_bus.protocol.messages import (
     Reject,
     Shutdown,
     StartEpoch,
+    UpstreamMsg,
 )
 from flodl_bus.protocol.signing import CoordinatorIdentity, new_secret
 from flodl_bus.record import states
@@ -513,3 +516,60 @@ def test_an_epochs_aggregate_and_the_plans_beside_it_are_written_before_metrics_
     assert [e for e in events if e[0] == "csv"] == [("csv", 0), ("csv", 1), ("csv", 2)]
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert [r["epoch"] for r in rows] == ["0", "1", "2"]
+
+
+class HoldingRankBus(MemoryRankBus):
+    """A world of one's publisher, as ``bus.publisher`` makes it with
+    ``publish_epoch_end_lazy`` and a linger that never ends: what may wait (``LAZY``,
+    ``EPOCH_END``) waits for a step report, an urgent message or ``hurry``, in order."""
+
+    def __init__(self, hub: MemoryHub) -> None:
+        super().__init__(hub, 0)
+        self.held: list[UpstreamMsg] = []
+        self.hurried = 0
+
+    def publish(self, msg: UpstreamMsg) -> None:
+        self.held.append(msg)
+        if isinstance(msg, Batch) or type(msg) not in LAZY | EPOCH_END:
+            self._release()
+
+    def hurry(self) -> None:
+        self.hurried += 1
+        self._release()
+
+    def flush(self, timeout: float) -> bool:
+        self._release()
+        return super().flush(timeout)
+
+    def _release(self) -> None:
+        held, self.held = self.held, []
+        for msg in held:
+            super().publish(msg)
+
+
+def test_a_rank_hurries_what_its_bus_holds_back_before_it_waits_for_control(
+    tmp_path: Path,
+) -> None:
+    # The last epoch's MetricsMsg is what the coordinator ends the run on: held back on a
+    # rank that then waits for the coordinator's answer, the run would never end.
+    hub = MemoryHub(1)
+    bus = HoldingRankBus(hub)
+    result: list[int] = []
+    rank = threading.Thread(
+        target=lambda: result.append(run_rank(digits.job, bus, RankOptions(world_size=1))),
+        daemon=True,
+    )
+    rank.start()
+    core = Coordinator(config("cpu-cadence", epochs=2, eval_every=1))
+    loop_result: list[int] = []
+    loop = threading.Thread(
+        target=lambda: loop_result.append(run_loop(core, MemoryCoordinatorBus(hub), tmp_path)[0]),
+        daemon=True,
+    )
+    loop.start()
+    loop.join(60)
+    rank.join(30)
+    assert loop_result == [EXIT_OK] and result == [0]
+    assert bus.hurried > 0
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert [r["epoch"] for r in rows] == ["0", "1"] and rows[-1]["eval_metric"]

@@ -45,3 +45,24 @@ def test_close_delivers_what_is_queued_then_closed_and_wakes_a_waiter() -> None:
     waiting.close()
     t.join(timeout=5)
     assert len(got) == 1 and isinstance(got[0], Closed)
+
+
+def test_before_wait_runs_only_when_get_is_about_to_block_and_before_it_does() -> None:
+    # A world of one's publisher holds its epoch's end back; the rank hurries it before
+    # it waits on its control, whose next message may be the answer to it.
+    inbox = Inbox()
+    calls: list[int] = []
+
+    def hurry() -> None:
+        calls.append(len(inbox))
+        inbox.put(SetGlobalStep(global_step=7))  # the answer comes once it is hurried
+
+    inbox.before_wait = hurry
+    inbox.put(Shutdown())
+    assert isinstance(inbox.get(timeout=5.0), Shutdown)
+    assert calls == []  # queued: no wait, no hurry
+    got = inbox.get(timeout=5.0)
+    assert isinstance(got, SetGlobalStep) and got.global_step == 7
+    assert calls == [0]
+    inbox.before_wait = None
+    assert inbox.get(timeout=0.01) is None and calls == [0]
