@@ -27,8 +27,10 @@ def _metrics() -> m.MetricsMsg:
     return m.MetricsMsg(0, 0, 0.5, 3, 10.0, 96, 8.0, 6.0, 2.0)
 
 
-def _pair(backend: Backend, run: str) -> tuple[RedisRankBus, RedisCoordinatorBus]:
-    rank = RedisRankBus(backend.make(), run, 0, RK(0), config=LONG)
+def _pair(
+    backend: Backend, run: str, config: StreamsConfig = LONG
+) -> tuple[RedisRankBus, RedisCoordinatorBus]:
+    rank = RedisRankBus(backend.make(), run, 0, RK(0), config=config)
     coord = RedisCoordinatorBus(backend.make(), run, CK, ranks=[0], config=FAST)
     return rank, coord
 
@@ -125,10 +127,8 @@ def _eval_result() -> m.EvalResult:
 
 
 def _solo_pair(backend: Backend, run: str) -> tuple[RedisRankBus, RedisCoordinatorBus]:
-    config = dataclasses.replace(LONG, publish_first_step=True, publish_epoch_end_lazy=True)
-    rank = RedisRankBus(backend.make(), run, 0, RK(0), config=config)
-    coord = RedisCoordinatorBus(backend.make(), run, CK, ranks=[0], config=FAST)
-    return rank, coord
+    solo = dataclasses.replace(LONG, publish_first_step=True, publish_epoch_end_lazy=True)
+    return _pair(backend, run, solo)
 
 
 def test_with_epoch_end_lazy_a_plans_metrics_and_eval_go_with_the_next_plans_first_step(
