@@ -531,8 +531,7 @@ class CoordinatorLoop:
         lane = self._lane
         # What consecutive runs of writes carried, observed once the last of them went:
         # an epoch's aggregate (a broadcast) and the plans sent beside it (unicasts) go
-        # back to back, not a console line and a metrics.csv write apart, so a rank
-        # reads them in one wake rather than two.
+        # in back-to-back round trips, not a console line and a metrics.csv write apart.
         written: list[object] = []
         i = 0
         while i < len(pending):
