@@ -482,8 +482,8 @@ def test_an_epochs_aggregate_and_the_plans_beside_it_are_written_before_metrics_
     tmp_path: Path,
 ) -> None:
     # One tick returns the epoch's aggregate (a broadcast) and the plans sent beside it
-    # (unicasts): they go back to back, the console line and metrics.csv after both, so
-    # a rank reads them together rather than a file write apart.
+    # (unicasts): they go back to back, the console line and metrics.csv after both,
+    # not between them.
     events: list[tuple[str, object]] = []
 
     class NotedMetrics(MetricsTable):
