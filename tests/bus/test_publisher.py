@@ -186,6 +186,24 @@ def test_hurry_writes_a_lingering_epoch_end_at_once_even_one_the_thread_holds(
         coord.close()
 
 
+def test_without_epoch_end_lazy_hurry_ends_no_linger(backend: Backend) -> None:
+    """Several ranks' publishers hold nothing their coordinator must answer: a rank
+    that blocks on its control must not send its next step report early (a sync
+    round would fire sooner, and a run make more of them)."""
+    rank, coord = _pair(backend, "linger-no-hurry")
+    try:
+        rank.publish(_batch(1))
+        rank.hurry()
+        assert coord.read_upstream(300) == []  # still lingering
+        rank.publish(_batch(2))  # a stale hurry would have sent this at once
+        assert coord.read_upstream(300) == []
+        assert rank.flush(10.0)
+        assert _steps(collect_up(coord, 2, timeout=20.0)) == [1, 2]
+    finally:
+        rank.close()
+        coord.close()
+
+
 def test_with_no_linger_every_report_is_written_as_it_comes(backend: Backend) -> None:
     rank = RedisRankBus(
         backend.make(),
