@@ -160,7 +160,7 @@ class _Publisher:
         costs at most one early write. Only with ``publish_epoch_end_lazy``: otherwise
         nothing the coordinator must answer ever waits, and that early write (a plan's
         first step report) makes a sync round fire sooner, so a run makes more of them
-        (cpu-sync x2 here: 101-119 rounds against 83-92, 1.6-1.9 s against 1.4-1.6)."""
+        (cpu-sync x2 on two cores: 101-119 rounds against 83-92, 1.6-1.9 s against 1.4-1.6)."""
         if self._hurries:
             self._urgent.set()
 
