@@ -5,7 +5,6 @@ own drift. Run from the repository root: ``python3 scripts/spin_pin.py``
 """
 
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -13,33 +12,12 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-from flodl_bus.examples import digits
-from flodl_bus.job import as_arrays
-from flodl_bus.partition import make_partition
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_noise import digits_steps
 
 torch.set_num_threads(1)
 os.sched_setaffinity(0, {0})
-job = digits.job
-data = as_arrays(job.train_data(), "x")
-model = job.build_model()
-opt = job.build_optimizer(model)
-picks = make_partition(0, len(data), len(data), 0)
-bs = job.batch_size
-batches = [data.batch(picks[i * bs : (i + 1) * bs]) for i in range(len(data) // bs)]
-
-
-def steps(n=1000):
-    ts = []
-    for i in range(n):
-        t0 = time.perf_counter_ns()
-        opt.zero_grad(set_to_none=True)
-        loss = job.loss_fn(model, batches[i % len(batches)])
-        loss.backward()
-        opt.step()
-        float(loss.detach())
-        ts.append(time.perf_counter_ns() - t0)
-    return statistics.median(ts) / 1000
-
+steps = digits_steps(1000)
 
 steps(500)
 ncpu = os.cpu_count() or 1

@@ -30,8 +30,9 @@ THREADS = int(os.environ.get("T", "1"))
 WINDOW = 1500
 
 
-def main() -> None:
-    torch.set_num_threads(THREADS)
+def digits_steps(window: int = WINDOW) -> Callable[..., float]:
+    """``steps(n)``: the median µs of ``n`` digits steps (the epoch-0 batches, in turn),
+    on a model and optimizer built once, in this thread, at torch's thread count now."""
     job = digits.job
     data = as_arrays(job.train_data(), "step_noise")
     model = job.build_model()
@@ -40,7 +41,7 @@ def main() -> None:
     bs = job.batch_size
     batches = [data.batch(picks[i * bs : (i + 1) * bs]) for i in range(len(data) // bs)]
 
-    def steps(n: int = WINDOW) -> float:
+    def steps(n: int = window) -> float:
         times = []
         for i in range(n):
             t0 = time.perf_counter_ns()
@@ -51,6 +52,13 @@ def main() -> None:
             float(loss.detach())
             times.append(time.perf_counter_ns() - t0)
         return statistics.median(times) / 1000
+
+    return steps
+
+
+def main() -> None:
+    torch.set_num_threads(THREADS)
+    steps = digits_steps()
 
     def beside(kind: str) -> float:
         stop = threading.Event()
