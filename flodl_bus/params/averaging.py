@@ -55,9 +55,11 @@ def sq_sum(tensors: Iterable[torch.Tensor]) -> float:
     if not ts:
         return 0.0
     norms = torch._foreach_norm([t.float() if not t.is_floating_point() else t for t in ts])
-    # One conversion for the stack, not one op per tensor (a rank's 10th step pays this):
-    # the stack widens any half-precision norm exactly, as the double does.
-    return float(torch.stack(norms).double().square().sum().item())
+    # One stack and one copy out, then double arithmetic in Python: each torch op is
+    # some 10 µs of dispatch on a rank's training thread (its every 10th step), and
+    # squaring and summing a handful of norms there took as long as the norms. A norm
+    # widens to a Python float exactly, half precision included.
+    return math.fsum(n * n for n in torch.stack(norms).tolist())
 
 
 def diff_sq_sum(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
