@@ -41,10 +41,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from flodl_bus.bench.breakdown import step_profile
+from flodl_bus.bench.breakdown import BLOCKS, step_profile
 from flodl_bus.job import Job, load_job
 from flodl_bus.params.hosts import pin_one_host
 from flodl_bus.partition import SHUFFLE_BASE_SEED, make_partition
+from flodl_bus.worker import thread_stats
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.host import set_rank_env, thread_share, tunes_threads, usable_cores
 from flodl_bus.worker.threads import ThreadTuner
@@ -81,6 +82,8 @@ class _Run:
     lengths: list[float] = field(default_factory=list)
     #: the thread count kept once sized to the work (None: not sized)
     threads: int | None = None
+    #: times a second the training thread blocked (``worker.thread_stats``; None: unknown)
+    blocks_s: float | None = None
 
     def parts(self) -> dict[str, float]:
         rest = self.total - self.compute - self.data - self.eval
@@ -91,6 +94,7 @@ class _Run:
             "eval": self.eval,
             "rest": max(0.0, rest),
             **step_profile(self.lengths),
+            **({} if self.blocks_s is None else {BLOCKS: self.blocks_s}),
         }
 
 
@@ -153,6 +157,8 @@ def _train(
     clip = job.max_grad_norm
     clock = _Clock(device)
     now = time.perf_counter
+    # Counted as a rank counts its own (``RankSession``): from set up to the end.
+    began = thread_stats.sample()
     try:
         clock.start()
         for epoch in range(epochs):
@@ -203,6 +209,8 @@ def _train(
                     run.evals.append((epoch, at, metric))
                 clock.start()
         run.total = clock.stop()
+        trained = thread_stats.since(began, thread_stats.sample())
+        run.blocks_s = None if trained is None else trained["blocks_s"]
     finally:
         feed.close()
     return run

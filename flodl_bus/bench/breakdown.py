@@ -23,7 +23,10 @@ Beside the parts, the steps' own profile (``step_profile``, which the plain loop
 report too): the median step, and the tail: what the settled steps longer than
 ``SETTLED`` x the median took beyond the median. A rank whose median step is the plain
 loop's but whose compute is not loses its time to a few stalled steps (its threads, or
-other processes on its cores), not to a dearer step.
+other processes on its cores), not to a dearer step. And how often the training thread
+blocked a second (``blocks_s``, the record's ``end`` line, ``worker.thread_stats``): the
+plain loop's almost never does; a rank's does each time another of its threads takes the
+GIL, and that count holds still where step times drift.
 """
 
 from __future__ import annotations
@@ -62,17 +65,21 @@ class Breakdown:
     step_ms: float = 0.0
     #: seconds the settled steps over ``SETTLED`` x the median took beyond it
     tail: float = 0.0
+    #: times a second the training thread blocked (None: the record does not say)
+    blocks_s: float | None = None
 
     def parts(self) -> dict[str, float]:
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("total", "steps", "plans", *PROFILE)
+            if f.name not in ("total", "steps", "plans", BLOCKS, *PROFILE)
         }
 
 
 #: what ``step_profile`` adds beside the parts (not a part: the tail is in ``compute``)
 PROFILE: Final = ("step_ms", "tail")
+#: said beside the parts where every rank's record has it (not a part either)
+BLOCKS: Final = "blocks_s"
 
 
 def step_profile(lengths: Sequence[float]) -> dict[str, float]:
@@ -105,10 +112,15 @@ def rank_breakdown(records: Iterable[Mapping[str, Any]]) -> Breakdown | None:
     """The breakdown of one rank's record (None without dated steps)."""
     # (now, kind, payload) in record order; kinds: step, plan, round, eval, other
     events: list[tuple[float, str, Any]] = []
+    blocks: float | None = None
     for rec in records:
         ev = rec.get("event")
         now = rec.get("now")
-        if ev == "step":
+        if ev == "end":
+            trained = rec.get("training_thread")
+            if isinstance(trained, Mapping) and isinstance(trained.get(BLOCKS), int | float):
+                blocks = float(trained[BLOCKS])
+        elif ev == "step":
             if now is None:
                 return None
             args = rec.get("args") or (0.0, 0.0, 0.0, 0.0)
@@ -195,6 +207,7 @@ def rank_breakdown(records: Iterable[Mapping[str, Any]]) -> Breakdown | None:
         rest=rest,
         steps=len(steps),
         plans=len(plans),
+        blocks_s=blocks,
         **step_profile(lengths),
     )
 
@@ -216,12 +229,16 @@ def run_breakdowns(run_dir: Path, world: int) -> list[Breakdown] | None:
 def mean_of(breakdowns: Sequence[Breakdown]) -> dict[str, float]:
     """The ranks' mean of each part, and of the total (seconds)."""
     keys = ["total", *breakdowns[0].parts(), *PROFILE]
-    return {k: statistics.fmean(getattr(b, k) for b in breakdowns) for k in keys}
+    out = {k: statistics.fmean(getattr(b, k) for b in breakdowns) for k in keys}
+    blocks = [b.blocks_s for b in breakdowns]
+    if all(x is not None for x in blocks):
+        out[BLOCKS] = statistics.fmean(x for x in blocks if x is not None)
+    return out
 
 
 def median_of(runs: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Each part's median over runs."""
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    """Each part's median over runs (of the parts every run has)."""
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0] if all(k in r for r in runs)}
 
 
 def describe(name: str, parts: Mapping[str, float], plain: Mapping[str, float] | None) -> str:
@@ -229,7 +246,7 @@ def describe(name: str, parts: Mapping[str, float], plain: Mapping[str, float] |
     total = parts["total"]
     cells = [f"{name:<24}{total:7.2f} s"]
     for k, v in parts.items():
-        if k == "total" or k in PROFILE:
+        if k in ("total", BLOCKS) or k in PROFILE:
             continue
         share = v / total if total > 0 else 0.0
         cells.append(f"{k} {v:.2f} ({share:.0%})")
@@ -246,4 +263,7 @@ def describe(name: str, parts: Mapping[str, float], plain: Mapping[str, float] |
 def _profile(parts: Mapping[str, float]) -> str:
     if "step_ms" not in parts:
         return ""
-    return f"; median step {parts['step_ms']:.3f} ms, tail {parts.get('tail', 0.0):.2f} s"
+    said = f"; median step {parts['step_ms']:.3f} ms, tail {parts.get('tail', 0.0):.2f} s"
+    if BLOCKS in parts:
+        said += f", training thread blocked {parts[BLOCKS]:.0f}/s"
+    return said

@@ -23,6 +23,7 @@ from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import ControlMsg, Exiting, UpstreamMsg
 from flodl_bus.stop_signals import StopSignals, signal_name
+from flodl_bus.worker import thread_stats
 from flodl_bus.worker.control import WorkerControl
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.hooks import JobHooks, bind_intent_sink, unbind_intent_sink
@@ -184,6 +185,8 @@ class RankSession:
         self.runtimes: list[RankRuntime] = []
         self.recording: Any = None
         self.user_group: UserGroup | None = None
+        #: the training thread's counters once the rank is set up (``thread_stats``)
+        self._trained_from: thread_stats.ThreadSample | None = None
         if stop is not None:
             stop.call_on_stop(self._on_stop)
 
@@ -356,6 +359,7 @@ class RankSession:
         gc.freeze()
         # The job's request_eval/request_checkpoint, called on this (the training) thread.
         bind_intent_sink(rank, bus.publish)
+        self._trained_from = thread_stats.sample()
         return None
 
     def _thread_tuner(self, share: int, device: torch.device) -> ThreadTuner | None:
@@ -397,6 +401,8 @@ class RankSession:
 
     def close(self, clean: bool) -> int:
         """Tear the rank down after its loop's own teardown; the exit code."""
+        # Before the teardown's joins: how often the training thread stopped while it ran.
+        trained = thread_stats.since(self._trained_from, thread_stats.sample())
         options, rank, runtime, loop = self.options, self.rank, self.runtime, self.loop
         stop, recording = self.stop, self.recording
         unbind_intent_sink()
@@ -439,7 +445,12 @@ class RankSession:
         if recording is not None:
             # The closing line: a record without it was cut short (a kill, a crash).
             recording.event(
-                "end", exit_code=code, clean=clean, left=runtime.left, failure=loop.failure
+                "end",
+                exit_code=code,
+                clean=clean,
+                left=runtime.left,
+                failure=loop.failure,
+                training_thread=trained,
             )
             recording.close()
         return code

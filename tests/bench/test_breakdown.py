@@ -6,7 +6,15 @@ from typing import Any
 
 import pytest
 
-from flodl_bus.bench.breakdown import SETTLE, describe, rank_breakdown, step_profile
+from flodl_bus.bench.breakdown import (
+    BLOCKS,
+    SETTLE,
+    describe,
+    mean_of,
+    median_of,
+    rank_breakdown,
+    step_profile,
+)
 
 
 def _step(now: float, batch_ms: float, data_ms: float = 0.0) -> dict[str, Any]:
@@ -103,3 +111,30 @@ def test_the_line_names_the_median_step_and_the_tail_beside_the_plain_loops() ->
     assert "compute 0.80 (80%)" in line and "step_ms" not in line
     assert "median step 0.220 ms, tail 0.04 s" in line
     assert line.endswith("of 0.50 s; median step 0.215 ms, tail 0.00 s")
+
+
+def test_the_training_threads_blocks_come_from_the_end_line_and_are_said_beside_the_plains() -> (
+    None
+):
+    recs: list[dict[str, Any]] = [_plan(0.0, 0), *_run(0.0, 3 * SETTLE, 0.001)]
+    assert rank_breakdown(recs).blocks_s is None  # type: ignore[union-attr]  # an older record
+    trained = {"wall_s": 2.0, "blocks_s": 150.0, "preempted_s": 3.0, "on_core": 0.9}
+    recs.append({"event": "end", "exit_code": 0, "training_thread": trained})
+    b = rank_breakdown(recs)
+    assert b is not None and b.blocks_s == 150.0
+    assert BLOCKS not in b.parts() and sum(b.parts().values()) == pytest.approx(b.total)
+    other = rank_breakdown([*recs[:-1], {**recs[-1], "training_thread": {BLOCKS: 50.0}}])
+    assert other is not None
+    assert mean_of([b, other])[BLOCKS] == 100.0
+    # a rank whose record does not say (off Linux): no figure rather than a wrong mean
+    unsaid = rank_breakdown(recs[:-1])
+    assert unsaid is not None and BLOCKS not in mean_of([b, unsaid])
+    line = describe("bus x1", mean_of([b]), {**mean_of([unsaid]), BLOCKS: 4.0})
+    assert "training thread blocked 150/s" in line and line.endswith("blocked 4/s")
+    assert "blocks_s" not in line
+
+
+def test_the_median_over_runs_keeps_only_what_every_run_says() -> None:
+    runs = [{"total": 1.0, BLOCKS: 10.0}, {"total": 3.0}, {"total": 2.0, BLOCKS: 30.0}]
+    assert median_of(runs) == {"total": 2.0}
+    assert median_of([runs[0], runs[2]]) == {"total": 1.5, BLOCKS: 20.0}

@@ -14,7 +14,7 @@ from torch import nn
 
 from flodl_bus.bench import slow
 from flodl_bus.bench.baselines import ddp_loop, plain_loop
-from flodl_bus.bench.breakdown import PROFILE
+from flodl_bus.bench.breakdown import BLOCKS, PROFILE
 from flodl_bus.bench.train import _parser, _to_target, _up_command, main
 from flodl_bus.job import load_job
 
@@ -173,11 +173,14 @@ def test_bench_train_runs_plain_bus_and_ddp_and_prints_medians(
     for name, runs in got["runs"].items():
         parts = runs[0]["parts"]
         assert parts["compute"] > 0, name
-        assert sum(v for k, v in parts.items() if k not in ("total", *PROFILE)) == pytest.approx(
-            parts["total"], rel=0.02, abs=0.01
-        ), name
+        assert sum(
+            v for k, v in parts.items() if k not in ("total", BLOCKS, *PROFILE)
+        ) == pytest.approx(parts["total"], rel=0.02, abs=0.01), name
         # and the steps' profile beside them: a median step, and a tail within compute
         assert parts["step_ms"] > 0 and 0 <= parts["tail"] <= parts["compute"], name
+        # and how often the training thread blocked, counted alike for every contender
+        assert parts[BLOCKS] >= 0, name
+    assert "training thread blocked" in text
 
 
 def test_work_shares_are_the_batches_each_rank_trained_beside_elches_counts(
