@@ -3,10 +3,10 @@
 A rank's training thread blocks where the plain loop's never does: each time another of
 its process's threads (the publisher, the control reader, the record writer, the
 averaging thread) takes the GIL, the training thread waits for it at its next Python
-line, asleep, and is woken when the GIL comes back. On the 16-core host one such wait
-cost the training thread some 250-360 µs, far more than the other thread's work (issue
-27, BENCHMARKS.md), and step times there drift too much to show a few percent; the count
-of waits does not drift. So a rank puts its training thread's count in its record's
+line, asleep, and is woken when the GIL comes back. On the 16-core host a world of one's
+training thread blocked 267 times a second, 360 µs a time on average (issue 27,
+BENCHMARKS.md), and step times there drift too much to show a few percent; the count of
+waits does not drift. So a rank puts its training thread's count in its record's
 ``end`` line, the plain loop measures its own the same way, and ``bench train`` prints
 both (``bench.breakdown``).
 
