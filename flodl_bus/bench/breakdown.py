@@ -25,8 +25,9 @@ report too): the median step, and the tail: what the settled steps longer than
 loop's but whose compute is not loses its time to a few stalled steps (its threads, or
 other processes on its cores), not to a dearer step. And how often the training thread
 blocked a second (``blocks_s``, the record's ``end`` line, ``worker.thread_stats``): the
-plain loop's almost never does; a rank's does each time another of its threads takes the
-GIL, and that count holds still where step times drift.
+plain loop's almost never does; a rank's blocks on its control and its rounds' collectives
+and, most often, on the GIL another of its threads holds, and that count holds still
+where step times drift.
 """
 
 from __future__ import annotations
