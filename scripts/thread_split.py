@@ -30,6 +30,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+sys.path.insert(0, os.getcwd())
+
+from flodl_bus.worker import thread_stats
+
 #: py-spy sampling mode: FLODL_SPY_NATIVE=1 walks native frames too (pausing the process)
 SPY_MODE = ["--native"] if os.environ.get("FLODL_SPY_NATIVE") == "1" else ["--nonblocking"]
 
@@ -52,24 +56,20 @@ def _threads(pid: int) -> dict[int, Sample]:
     except OSError:
         return out
     for t in tids:
+        counts = thread_stats.sample(f"{base}/{t}")
         try:
-            with open(f"{base}/{t}/schedstat") as f:
-                run_ns, wait_ns, _ = (int(x) for x in f.read().split())
             with open(f"{base}/{t}/comm") as f:
                 name = f.read().strip()
             with open(f"{base}/{t}/stat") as f:
                 # fields after the command's closing parenthesis; minflt is the 10th field
                 minflt = int(f.read().rsplit(")", 1)[1].split()[7])
-            vol = inv = 0
-            with open(f"{base}/{t}/status") as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches"):
-                        vol = int(line.split()[1])
-                    elif line.startswith("nonvoluntary_ctxt_switches"):
-                        inv = int(line.split()[1])
         except (OSError, ValueError):
             continue
-        out[int(t)] = Sample(name, run_ns, wait_ns, vol, inv, minflt)
+        if counts is None:
+            continue
+        out[int(t)] = Sample(
+            name, counts.run_ns, counts.wait_ns, counts.voluntary, counts.involuntary, minflt
+        )
     return out
 
 

@@ -11,13 +11,19 @@ waits does not drift. So a rank puts its training thread's count in its record's
 both (``bench.breakdown``).
 
 Linux only (``/proc/thread-self``); elsewhere ``sample`` is None and nothing is said.
+``scripts/thread_split.py`` reads other processes' threads with the same ``sample``.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Final
+
+#: the calling thread's task directory
+SELF: Final = "/proc/thread-self"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +42,14 @@ class ThreadSample:
     wait_ns: int
 
 
-def sample() -> ThreadSample | None:
-    """The calling thread's counters; None where the kernel does not give them."""
+def sample(task: str = SELF) -> ThreadSample | None:
+    """The counters of the calling thread, or of the thread whose task directory is
+    ``task`` (``/proc/<pid>/task/<tid>``); None where the kernel does not give them (or
+    the thread is gone)."""
     try:
-        with open("/proc/thread-self/status") as f:
+        with open(f"{task}/status") as f:
             status = f.read()
-        with open("/proc/thread-self/schedstat") as f:
+        with open(f"{task}/schedstat") as f:
             run_ns, wait_ns, _ = (int(x) for x in f.read().split())
     except (OSError, ValueError):
         return None
@@ -53,7 +61,7 @@ def sample() -> ThreadSample | None:
     if len(counts) != 2:
         return None
     return ThreadSample(
-        tid=threading.get_native_id(),
+        tid=threading.get_native_id() if task == SELF else int(os.path.basename(task)),
         at=time.perf_counter(),
         voluntary=counts["voluntary_ctxt_switches"],
         involuntary=counts["nonvoluntary_ctxt_switches"],

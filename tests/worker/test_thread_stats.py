@@ -73,3 +73,25 @@ def test_samples_of_two_threads_or_a_missing_one_say_nothing() -> None:
     t.join()
     assert thread_stats.since(here, there[0]) is None
     assert thread_stats.since(None, here) is None and thread_stats.since(here, None) is None
+
+
+def test_another_threads_counters_are_read_from_its_task_directory() -> None:
+    release, started = threading.Event(), threading.Event()
+    tid: list[int] = []
+
+    def waiter() -> None:
+        tid.append(threading.get_native_id())
+        started.set()
+        for _ in range(20):  # each wait a block, counted from outside the thread
+            release.wait(0.001)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    started.wait(10.0)
+    task = f"/proc/self/task/{tid[0]}"
+    before = thread_stats.sample(task)
+    t.join()
+    assert before is not None and before.tid == tid[0]
+    assert thread_stats.sample(task) is None  # gone: nothing, not a stale figure
+    here = thread_stats.sample()
+    assert here is not None and thread_stats.since(before, here) is None
