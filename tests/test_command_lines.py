@@ -263,3 +263,20 @@ def test_up_trains_a_job_from_its_own_folder_without_pythonpath(job_dir: Path) -
                        "--no-progress", "--run", "own-folder", timeout=240)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (job_dir / "runs" / "own-folder" / "metrics.csv").is_file()
+
+
+def test_a_worker_refuses_an_unknown_rank_io_from_its_environment_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse checks a flag's choices, not a default read from the environment."""
+    argv = ["--run", "r", "--redis-url", DEAD]
+    assert _run_main("worker", argv, {"FLODL_RANK_IO": "procss"}, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "flodl-bus worker: --rank-io (or FLODL_RANK_IO) must be one of threads, process, "
+        "got 'procss'\n"
+    )
+    with pytest.raises(SystemExit) as exited:
+        _run_main("worker", [*argv, "--rank-io", "procss"], {}, monkeypatch)
+    assert exited.value.code == 2
+    assert "invalid choice: 'procss'" in capsys.readouterr().err

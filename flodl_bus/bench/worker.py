@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from flodl_bus.bus.api import RankBus
+from flodl_bus.bus.keys import RunKeys
 from flodl_bus.job import Job, as_arrays, load_job
 from flodl_bus.partition import make_partition
+from flodl_bus.worker import thread_stats
 from flodl_bus.worker.control import PARAM_NORM_EVERY, WorkerControl
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.local_params import LocalParams
@@ -38,6 +40,8 @@ class Sample:
     step_us: float
     bus_us: float
     bus_mean_us: float
+    #: times a second the training thread blocked (another thread took the GIL, or IO)
+    blocks_s: float | None = None
 
 
 def _batches(job: Job, steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,6 +111,7 @@ def bus_steps(job: Job, steps: int, bus: RankBus) -> Sample:
     step_ns: list[int] = []
     bus_ns: list[int] = []
     runtime.start()
+    began = thread_stats.sample()
     try:
         for batch in _batches(job, steps):
             t0 = time.perf_counter_ns()
@@ -120,17 +125,22 @@ def bus_steps(job: Job, steps: int, bus: RankBus) -> Sample:
             t2 = time.perf_counter_ns()
             step_ns.append(t1 - t0)
             bus_ns.append(t2 - t1)
+        trained = thread_stats.since(began, thread_stats.sample())
     finally:
         runtime.close()
     return Sample(
         step_us=statistics.median(step_ns) / 1000.0,
         bus_us=statistics.median(bus_ns) / 1000.0,
         bus_mean_us=statistics.fmean(bus_ns) / 1000.0,
+        blocks_s=None if trained is None else trained["blocks_s"],
     )
 
 
 @contextmanager
-def _redis_bus(url: str | None) -> Iterator[Callable[[], RankBus]]:
+def _redis_bus(url: str | None) -> Iterator[dict[str, Callable[[], RankBus]]]:
+    """The Redis contenders: the rank's bus on threads of the training process, and in
+    a process of its own (``--rank-io process``)."""
+    from flodl_bus.agent.rank_io import RankIoBus
     from flodl_bus.bus.connection import connect
     from flodl_bus.bus.server import RedisServer
     from flodl_bus.bus.streams import RedisRankBus
@@ -144,11 +154,17 @@ def _redis_bus(url: str | None) -> Iterator[Callable[[], RankBus]]:
     counter = iter(range(1_000_000))
     try:
 
-        def make() -> RankBus:
-            run = f"bench-worker-{time.time_ns()}-{next(counter)}"
-            return RedisRankBus(client, run, 0, rank_keys_for(fixed_keys(), 0))
+        def run() -> str:
+            return f"bench-worker-{time.time_ns()}-{next(counter)}"
 
-        yield make
+        def threads() -> RankBus:
+            return RedisRankBus(client, run(), 0, rank_keys_for(fixed_keys(), 0))
+
+        def process() -> RankBus:
+            assert url is not None
+            return RankIoBus(url, RunKeys(run()), 0, rank_keys_for(fixed_keys(), 0))
+
+        yield {"redis": threads, "redis, own process": process}
     finally:
         client.close()
         if server is not None:
@@ -184,9 +200,8 @@ def _run(args: argparse.Namespace) -> int:
     buses: list[tuple[str, Callable[[], RankBus]]] = [
         ("memory", lambda: MemoryHub(1, roundtrip=False).rank_bus(0))
     ]
-    with _maybe_redis(args) as make_redis:
-        if make_redis is not None:
-            buses.insert(0, ("redis", make_redis))
+    with _maybe_redis(args) as redis_buses:
+        buses[:0] = redis_buses.items()
         plain: list[float] = []
         results: dict[str, list[Sample]] = {name: [] for name, _ in buses}
         for _ in range(args.repeats):
@@ -213,13 +228,19 @@ def _run(args: argparse.Namespace) -> int:
             f"  ({step - ref:+.1f} us vs plain: CPU shared with the reader/heartbeat/publisher"
             " threads)"
         )
+        blocks = [s.blocks_s for s in samples if s.blocks_s is not None]
+        if blocks:
+            print(
+                f"  [{name}]   training thread blocked           {statistics.median(blocks):8.1f}"
+                " /s  (each a wait for the GIL another thread held, or for IO)"
+            )
     return 0
 
 
 @contextmanager
-def _maybe_redis(args: argparse.Namespace) -> Iterator[Callable[[], RankBus] | None]:
+def _maybe_redis(args: argparse.Namespace) -> Iterator[dict[str, Callable[[], RankBus]]]:
     if args.no_redis:
-        yield None
+        yield {}
         return
     with _redis_bus(args.redis_url) as make:
         yield make

@@ -641,6 +641,34 @@ def encode(msg: object) -> bytes:
     return _ENCODER.encode(to_map(msg))
 
 
+_LOCAL_ENCODER: Final = msgspec.msgpack.Encoder()
+_LOCAL_DECODERS: dict[str, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def encode_local(msg: object) -> tuple[str, bytes]:
+    """A message for another process of the same rank, which runs this same code (its
+    bus process, ``agent.rank_io``): the wire type and msgspec's own packing of the
+    class, without the checked map of ``encode`` (a fifth of its time, paid on the
+    training thread per step). Never for Redis nor a record: ``encode`` is the wire,
+    and the bus process encodes with it (checking what ``to_map`` checks) before a
+    message leaves the rank."""
+    return type_name(msg), _LOCAL_ENCODER.encode(msg)
+
+
+def decode_local(name: str, raw: bytes) -> Any:
+    """``encode_local``'s message again. Raises ``DecodeError`` on anything else."""
+    dec = _LOCAL_DECODERS.get(name)
+    if dec is None:
+        spec = _BY_NAME.get(name)
+        if spec is None:
+            raise DecodeError(f"unknown message type {name!r}")
+        dec = _LOCAL_DECODERS[name] = msgspec.msgpack.Decoder(spec.cls)
+    try:
+        return dec.decode(raw)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise DecodeError(f"{name}: {exc}") from None
+
+
 def from_map(data: Any, channel: str | None = None) -> Any:
     """Validated map -> message. Raises ``DecodeError`` on anything malformed."""
     if type(data) is not dict:

@@ -30,6 +30,7 @@ import redis
 from torch import nn
 
 from flodl_bus import settings
+from flodl_bus.agent.rank_io import RankIoBus
 from flodl_bus.bus import cluster
 from flodl_bus.bus.connection import (
     REFUSALS,
@@ -41,9 +42,9 @@ from flodl_bus.bus.connection import (
 )
 from flodl_bus.bus.join import JoinStream
 from flodl_bus.bus.keys import RunKeys
-from flodl_bus.bus.stream_ops import rank_streams_config
+from flodl_bus.bus.stream_ops import BusError, rank_streams_config
 from flodl_bus.bus.streams import RedisRankBus
-from flodl_bus.exits import CONFIG, by_signal, describe
+from flodl_bus.exits import CONFIG, FAILED, by_signal, describe
 from flodl_bus.job import (
     Job,
     JobError,
@@ -326,7 +327,7 @@ class Joined:
     """A rank that joined its run: what ``run_rank`` (or a script's ``Rank``) needs."""
 
     job: Job
-    bus: RedisRankBus
+    bus: RedisRankBus | RankIoBus
     options: RankOptions
     factory: ParamsFactory | None
     #: the connection that joined; the caller closes it after the rank ends
@@ -480,17 +481,36 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
     if mode.startswith("nccl") and not device.startswith("cuda"):
         # The mode still runs (its in-place averaging over gloo), but never silently.
         _say(f"rank {rank}: {mode} on {device}: no CUDA here, so it averages over gloo")
-    bus_client = client
-    if keys.shards:
-        bus_client = connect(args.redis_url, client_name=f"flodl-rank{rank}", key=keys.ctl(rank))
-    bus = _ConsoleRankBus(
-        bus_client,
-        keys,
-        rank,
-        RankKeys(kx.rank_key(ident, args.run, rank), ident.sign_pub),
-        config=rank_streams_config(world),
-        where=f"rank{rank}",
-    )
+    rank_keys = RankKeys(kx.rank_key(ident, args.run, rank), ident.sign_pub)
+    bus: RedisRankBus | RankIoBus
+    if args.rank_io == "process":
+        try:
+            bus = _ConsoleRankIoBus(
+                args.redis_url,
+                keys,
+                rank,
+                rank_keys,
+                config=rank_streams_config(world),
+                where=f"rank{rank}",
+            )
+        except BusError as exc:
+            print(f"flodl-bus worker: --rank-io process: {exc}", file=sys.stderr)
+            return FAILED
+        _say(f"rank {rank}: its Redis work in process {bus.pid} (--rank-io process)")
+    else:
+        bus_client = client
+        if keys.shards:
+            bus_client = connect(
+                args.redis_url, client_name=f"flodl-rank{rank}", key=keys.ctl(rank)
+            )
+        bus = _ConsoleRankBus(
+            bus_client,
+            keys,
+            rank,
+            rank_keys,
+            config=rank_streams_config(world),
+            where=f"rank{rank}",
+        )
     options = RankOptions(
         world_size=world,
         runtime=RuntimeConfig(
@@ -543,18 +563,31 @@ def _say(line: str) -> None:
     print(f"flodl-bus worker: {line}", file=sys.stderr, flush=True)
 
 
+def _say_chunk(msg: UpstreamMsg) -> None:
+    """A finished chunk of work on the console (the rank's Metrics, as it goes upstream).
+    Said before the Metrics goes: it wakes the publisher, whose write would take the GIL
+    the console write gives up, and the training thread would wait it out (a world of
+    one's epoch end, 2 cores: 0.69 ms a line, now 32 µs)."""
+    if isinstance(msg, MetricsMsg) and msg.batches_processed:
+        rate = msg.samples_processed / (msg.epoch_ms / 1000) if msg.epoch_ms > 0 else 0.0
+        _say(
+            f"rank {msg.rank}: epoch {msg.epoch}: {msg.batches_processed} batches, "
+            f"loss {msg.avg_loss:.4f}, {rate:.0f} samples/s"
+        )
+
+
 class _ConsoleRankBus(RedisRankBus):
-    """The rank's bus, which also says each finished chunk of work on the console (the
-    rank's Metrics, as it goes upstream)."""
+    """The rank's bus, which also says each finished chunk of work on the console."""
 
     def publish(self, msg: UpstreamMsg) -> None:
-        if isinstance(msg, MetricsMsg) and msg.batches_processed:
-            # Said before the Metrics goes: it wakes the publisher, whose write would
-            # take the GIL the console write gives up, and the training thread would
-            # wait it out (a world of one's epoch end, 2 cores: 0.69 ms a line, now 32 µs).
-            rate = msg.samples_processed / (msg.epoch_ms / 1000) if msg.epoch_ms > 0 else 0.0
-            _say(
-                f"rank {msg.rank}: epoch {msg.epoch}: {msg.batches_processed} batches, "
-                f"loss {msg.avg_loss:.4f}, {rate:.0f} samples/s"
-            )
+        _say_chunk(msg)
+        super().publish(msg)
+
+
+class _ConsoleRankIoBus(RankIoBus):
+    """The rank's bus in a process of its own (``--rank-io process``), which also says
+    each finished chunk of work on the console."""
+
+    def publish(self, msg: UpstreamMsg) -> None:
+        _say_chunk(msg)
         super().publish(msg)

@@ -7,6 +7,7 @@ line that passes here imports the rank (and torch, seconds on a loaded machine).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +23,13 @@ DEFAULT_JOB = "flodl_bus.examples.digits:job"
 #: command line here, as a JSON list of flags: its ``flodl_bus.Rank`` joins the run with
 #: them exactly as ``flodl-bus worker`` would (the script's own argv stays its own).
 ENV_WORKER_ARGV = "FLODL_BUS_WORKER_ARGV"
+#: ``--rank-io``'s choices: the rank's Redis work on threads of the training process, or
+#: in a process of its own (``agent.rank_io``: the training process then runs one busy
+#: Python thread; issue 27)
+RANK_IO = ("threads", "process")
+#: ``--rank-io``'s default when the flag is not given (``up`` and ``bench`` pass the
+#: environment on to every rank)
+ENV_RANK_IO = "FLODL_RANK_IO"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -94,6 +102,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-record", action="store_true", help="do not record dispatches")
     p.add_argument(
+        "--rank-io",
+        choices=RANK_IO,
+        default=os.environ.get(ENV_RANK_IO) or "threads",
+        help="where the rank's Redis work runs: threads of the training process, or "
+        f"process, a process of its own (default {ENV_RANK_IO}, else threads)",
+    )
+    p.add_argument(
         "--device",
         default="auto",
         help="cpu, cuda, cuda:N, or auto (default: cuda:<rank mod GPUs> when CUDA is "
@@ -121,6 +136,12 @@ def check(args: argparse.Namespace) -> None:
         )
     if args.join_timeout <= 0:
         raise ConfigError("--join-timeout must be positive")
+    if args.rank_io not in RANK_IO:
+        # argparse checks a flag's choices, not a default taken from the environment
+        raise ConfigError(
+            f"--rank-io (or {ENV_RANK_IO}) must be one of {', '.join(RANK_IO)}, "
+            f"got {args.rank_io!r}"
+        )
     if args.epochs is not None and args.epochs < 0:
         raise ConfigError(f"--epochs must be 0 or more, got {args.epochs}")
     if args.heartbeat_interval <= 0:

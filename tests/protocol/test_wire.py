@@ -824,3 +824,22 @@ def test_a_hello_with_a_device_score_round_trips_and_one_before_the_field_reads_
     assert encode(back) == body  # byte for byte, as a replay compares
     # the score is a float: a string there is refused, naming the field
     assert "Hello.device_score" in rejected(with_value("Hello", ("device_score",), "880"))
+
+
+@pytest.mark.parametrize("msg", SAMPLES.values(), ids=list(SAMPLES))
+def test_a_message_handed_to_the_ranks_bus_process_decodes_to_itself(msg: object) -> None:
+    name, raw = wire.encode_local(msg)
+    assert name == wire.type_name(msg)
+    assert wire.decode_local(name, raw) == msg
+
+
+def test_a_local_message_of_an_unknown_type_or_of_bad_bytes_is_a_decode_error() -> None:
+    name, raw = wire.encode_local(
+        m.Batch(rank=0, batch_ms=1.0, data_ms=0.1, step_count=1, batch_loss=0.5)
+    )
+    with pytest.raises(DecodeError, match="unknown message type"):
+        wire.decode_local("NoSuchMessage", raw)
+    with pytest.raises(DecodeError, match="Batch"):
+        wire.decode_local(name, raw[:-3])
+    with pytest.raises(DecodeError, match="Batch"):
+        wire.decode_local(name, wire.encode_local(m.Exiting(rank=0))[1])  # fields missing

@@ -1,0 +1,180 @@
+"""A rank's bus in a process of its own (``flodl_bus.agent.rank_io``), against a real
+redis-server and a real child process: upstream in publish order and nothing lost at
+close, control verified and in send order with a forged entry dead-lettered, the
+heartbeats' read positions, and the child's death, signals and its rank's death."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from flodl_bus.agent.rank_io import RankIoBus
+from flodl_bus.bus import entries
+from flodl_bus.bus.api import BusLost, Delivery
+from flodl_bus.bus.connection import connect
+from flodl_bus.bus.keys import RunKeys
+from flodl_bus.bus.stream_ops import BusError
+from flodl_bus.bus.streams import RedisCoordinatorBus
+from flodl_bus.protocol import messages as m
+from tests.bus.conftest import CK, FAST, RK
+
+pytestmark = [pytest.mark.redis]
+
+KEYS = RunKeys("rankio")
+
+
+@pytest.fixture
+def coord(real_redis: redis.Redis, redis_url: str) -> Iterator[RedisCoordinatorBus]:
+    bus = RedisCoordinatorBus(connect(redis_url), KEYS, CK, ranks=range(2), config=FAST)
+    yield bus
+    bus.close()
+
+
+@pytest.fixture
+def rank_bus(coord: RedisCoordinatorBus, redis_url: str) -> Iterator[RankIoBus]:
+    bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=FAST)
+    yield bus
+    bus.close()
+
+
+def _upstream(coord: RedisCoordinatorBus, want: int, timeout: float = 60.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        ds = coord.read_upstream(100)
+        coord.ack(ds)
+        got += ds
+    return got
+
+
+def _control(bus: RankIoBus, want: int, timeout: float = 60.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        ds = bus.read_control(100)
+        bus.ack(ds)
+        got += ds
+    return got
+
+
+def _batch(i: int) -> m.Batch:
+    return m.Batch(rank=0, batch_ms=1.0, data_ms=0.1, step_count=i, batch_loss=0.5)
+
+
+def test_upstream_goes_in_publish_order_and_nothing_queued_is_lost_at_close(
+    coord: RedisCoordinatorBus, redis_url: str
+) -> None:
+    bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=FAST)
+    sent: list[object] = []
+    for i in range(1, 401):
+        # lingering step reports with reports the coordinator acts on between them
+        msg: object = _batch(i) if i % 50 else m.SyncAck(rank=0, step_count=i)
+        bus.publish(msg)  # type: ignore[arg-type]
+        sent.append(msg)
+    bus.close()  # no flush first: the close itself writes what is queued
+    got = _upstream(coord, len(sent))
+    # The coordinator's bus verified each entry's MAC (rank 0's key) and seq.
+    assert [d.msg for d in got] == sent
+    assert {d.stream for d in got} == {KEYS.up(0)}
+    assert _upstream(coord, 1, timeout=0.5) == []
+
+
+def test_control_comes_verified_in_send_order_and_a_forged_entry_is_dead_lettered(
+    coord: RedisCoordinatorBus, rank_bus: RankIoBus, real_redis: redis.Redis
+) -> None:
+    coord.send(0, m.Checkpoint(version=1, target_rank=0))
+    coord.broadcast(m.SetGlobalStep(global_step=2))
+    # A writer without the rank's key adds an entry that looks like the coordinator's.
+    body = entries.encode(m.Checkpoint(version=99, target_rank=0))
+    real_redis.xadd(
+        KEYS.ctl(0),
+        {b"type": body[0], b"rank": b"0", b"seq": b"2", b"body": body[1], b"mac": b"0" * 32},
+    )
+    coord.send(0, m.Checkpoint(version=3, target_rank=0))
+    coord.send(1, m.Checkpoint(version=4, target_rank=1))  # another rank's
+    coord.broadcast(m.SetGlobalStep(global_step=5))
+    got = _control(rank_bus, 4)
+    assert [d.msg for d in got] == [
+        m.Checkpoint(version=1, target_rank=0),
+        m.SetGlobalStep(global_step=2),
+        m.Checkpoint(version=3, target_rank=0),
+        m.SetGlobalStep(global_step=5),
+    ]
+    assert rank_bus.read_control(200) == []
+    dead = real_redis.xrange(KEYS.dlq_for(KEYS.ctl(0)))
+    assert len(dead) == 1  # type: ignore[arg-type]
+    # What the runtime took over is what its heartbeats say it read.
+    ctl, bcast = rank_bus.control_read()
+    assert ctl == got[2].entry_id and bcast == got[3].entry_id
+
+
+def test_the_bus_process_killed_is_the_bus_lost_for_reads_and_publishes(
+    rank_bus: RankIoBus,
+) -> None:
+    rank_bus.publish(_batch(1))
+    assert rank_bus.flush(10.0)
+    os.kill(rank_bus.pid, signal.SIGKILL)
+    with pytest.raises(BusLost, match=r"exited \(code -9\)"):
+        rank_bus.read_control(5000)
+    with pytest.raises(BusError, match="bus process"):
+        rank_bus.publish(_batch(2))
+    assert rank_bus.flush(1.0) is False
+
+
+def test_the_bus_process_outlives_stop_signals_sent_to_its_rank(
+    coord: RedisCoordinatorBus, rank_bus: RankIoBus
+) -> None:
+    """A Ctrl-C reaches the whole process group: the rank stops in order and its last
+    reports (its Exiting) must still go out through the bus process."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        os.kill(rank_bus.pid, sig)
+    rank_bus.publish(m.Exiting(rank=0, reason="signal"))
+    assert rank_bus.flush(10.0)
+    assert [d.msg for d in _upstream(coord, 1)] == [m.Exiting(rank=0, reason="signal")]
+    os.kill(rank_bus.pid, 0)  # still there
+
+
+RANK = """
+import sys
+from flodl_bus.agent.rank_io import RankIoBus
+from flodl_bus.bus.keys import RunKeys
+from tests.bus.conftest import FAST, RK
+bus = RankIoBus(sys.argv[1], RunKeys("rankio"), 0, RK(0), config=FAST)
+print(bus.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_bus_process_leaves_when_its_rank_dies(
+    coord: RedisCoordinatorBus, redis_url: str
+) -> None:
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK, redis_url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+    )
+    assert rank.stdout is not None
+    child = os.pidfd_open(int(rank.stdout.readline()))
+    try:
+        rank.kill()
+        rank.wait(10)
+        # readable once the process has exited (an event, not a poll)
+        ready, _, _ = select.select([child], [], [], 60)
+        assert ready, "the bus process outlived its rank"
+    finally:
+        os.close(child)
+
+
+def test_a_bus_process_that_cannot_start_says_why(redis_url: str) -> None:
+    with pytest.raises(BusError, match="did not start: BadRedisUrl: unsupported Redis URL"):
+        RankIoBus("ftp://127.0.0.1:1", KEYS, 0, RK(0), config=FAST)
