@@ -315,7 +315,13 @@ class RankIoBus:
             raise TypeError(f"{kind.__name__} is not an upstream message")
         if self.error is not None:
             raise BusError(f"upstream of rank {self.rank} failed: {self.error}")
-        body = wire.encode_local(msg)
+        try:
+            body = wire.encode_local(msg)
+        except (TypeError, ValueError, OverflowError) as exc:
+            # e.g. an int beyond 64 bits: one message lost, loudly, as the publisher
+            # thread of ``RedisRankBus`` does; the stream goes on
+            _log.error("bus_publish_dropped", rank=self.rank, error=str(exc)[:200])
+            return
         now = time.monotonic()
         with self._send_lock:
             buffer = self._buffer

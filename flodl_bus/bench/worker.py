@@ -6,7 +6,11 @@ publish a Batch and an LrUpdate, and poll the control queue (``handle_control``)
 bench trains the digits model for real and times that block after every step, with the
 rank's runtime threads (control reader, heartbeats, the transport's publisher) running.
 The reference is the step time of the same model, same data, with no bus at all,
-measured in the same run. Medians over steps, then the median over repeats.
+measured in the same run. Medians over steps, then the median over repeats. Redis is
+timed twice: the rank's bus on threads of the training process, and in a process of
+its own (``--rank-io process``, ``agent.rank_io``); each line also says how often the
+training thread blocked a second (``worker.thread_stats``), the count a GIL hand-over
+leaves, which does not drift with the host's speed as times do.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ heartbeats' read positions, and the child's death, signals and its rank's death.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import select
 import signal
@@ -72,11 +73,13 @@ def _batch(i: int) -> m.Batch:
 def test_upstream_goes_in_publish_order_and_nothing_queued_is_lost_at_close(
     coord: RedisCoordinatorBus, redis_url: str
 ) -> None:
-    bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=FAST)
+    # a linger beyond the test: the last step reports are still held when it closes
+    config = dataclasses.replace(FAST, publish_linger_s=3600.0)
+    bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=config)
     sent: list[object] = []
     for i in range(1, 401):
         # lingering step reports with reports the coordinator acts on between them
-        msg: object = _batch(i) if i % 50 else m.SyncAck(rank=0, step_count=i)
+        msg: object = _batch(i) if i % 50 != 25 else m.SyncAck(rank=0, step_count=i)
         bus.publish(msg)  # type: ignore[arg-type]
         sent.append(msg)
     bus.close()  # no flush first: the close itself writes what is queued
@@ -84,6 +87,49 @@ def test_upstream_goes_in_publish_order_and_nothing_queued_is_lost_at_close(
     # The coordinator's bus verified each entry's MAC (rank 0's key) and seq.
     assert [d.msg for d in got] == sent
     assert {d.stream for d in got} == {KEYS.up(0)}
+    assert _upstream(coord, 1, timeout=0.5) == []
+
+
+def test_a_report_the_coordinator_acts_on_goes_at_once_and_step_reports_wait_for_it(
+    coord: RedisCoordinatorBus, redis_url: str
+) -> None:
+    """The publisher's rules, kept on the publishing thread: with a linger far beyond
+    the test, step reports wait (for a report the coordinator acts on, or the rank's
+    wait on its control), and with ``publish_first_step`` the first step report after
+    such a report goes at once."""
+    config = dataclasses.replace(FAST, publish_linger_s=3600.0, publish_first_step=True)
+    bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=config)
+    try:
+        bus.publish(_batch(1))  # the first report: news for a world of one
+        assert [d.msg for d in _upstream(coord, 1)] == [_batch(1)]
+        bus.publish(_batch(2))
+        bus.publish(_batch(3))
+        assert _upstream(coord, 1, timeout=1.0) == []  # they wait for company
+        bus.publish(m.SyncAck(rank=0, step_count=3))
+        assert [d.msg for d in _upstream(coord, 3)] == [
+            _batch(2),
+            _batch(3),
+            m.SyncAck(rank=0, step_count=3),
+        ]
+        bus.publish(_batch(4))  # the first after a report the coordinator acted on
+        assert [d.msg for d in _upstream(coord, 1)] == [_batch(4)]
+        bus.publish(_batch(5))
+        assert _upstream(coord, 1, timeout=1.0) == []
+        bus.hurry()  # the rank is about to wait on its control
+        assert [d.msg for d in _upstream(coord, 1)] == [_batch(5)]
+    finally:
+        bus.close()
+
+
+def test_a_message_the_wire_cannot_carry_is_dropped_loudly_and_the_stream_goes_on(
+    coord: RedisCoordinatorBus, rank_bus: RankIoBus
+) -> None:
+    rank_bus.publish(_batch(1))
+    rank_bus.publish(_batch(2**70))  # beyond any msgpack int: refused in the rank
+    rank_bus.publish(_batch(-1))  # a msgpack int, not a u64: refused by the bus process
+    rank_bus.publish(m.SyncAck(rank=0, step_count=3))
+    assert rank_bus.flush(10.0)
+    assert [d.msg for d in _upstream(coord, 2)] == [_batch(1), m.SyncAck(rank=0, step_count=3)]
     assert _upstream(coord, 1, timeout=0.5) == []
 
 
