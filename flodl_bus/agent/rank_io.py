@@ -175,6 +175,8 @@ class RankIoBus:
         self._ctl = ctl
         self._up_frames = frames.FrameReader(up)
         self._ctl_frames = frames.FrameReader(ctl)
+        self._ctl_poll = select.poll()
+        self._ctl_poll.register(ctl, select.POLLIN)
         self._wait_ready(start_timeout)
 
     # ------------------------------------------------------------------ life
@@ -231,9 +233,8 @@ class RankIoBus:
         while True:
             if _whole_frame(reader.buf):
                 return reader.read()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
+            # Past the deadline, one look without waiting (``poll_control``'s case).
+            left = max(deadline - time.monotonic(), 0.0)
             ready, _, _ = select.select([reader.sock], [], [], left)
             if not ready:
                 return None
@@ -258,34 +259,56 @@ class RankIoBus:
     # --------------------------------------------------------------- control
 
     def read_control(self, block_ms: int) -> list[Delivery]:
-        if self.lost is not None:
-            raise BusLost(self.lost)
         deadline = time.monotonic() + max(block_ms, 0) / 1000.0
         while True:
-            try:
-                frame = self._next(self._ctl_frames, deadline)
-            except frames.FrameError:
-                self.lost = self.lost or self._gone()
-                self.error = self.error or self.lost
-                raise BusLost(self.lost) from None
-            except OSError as exc:
-                self.lost = self.lost or f"{self._gone()} ({exc})"
-                self.error = self.error or self.lost
-                raise BusLost(self.lost) from None
-            if frame is None:
-                return []
-            op = frame.get("op")
-            if op == "d":
-                return [
-                    Delivery(str(stream), str(eid), wire.decode(body, wire.CONTROL))
-                    for stream, eid, body in frame["e"]
-                ]
-            if op == "x":
-                # The child's publisher failed: publishes raise from now on; its reads
-                # go on (the rank stops on its next publish, as with a thread publisher).
-                self.error = str(frame.get("why"))
-            elif op == "n":
-                self.reconnects = int(frame.get("n", 0))
+            got = self._take(deadline)
+            if got is not None:
+                return got
+
+    def poll_control(self) -> list[Delivery]:
+        """The control already here, without waiting (the training thread polls it
+        between steps: ``worker.runtime``); empty when none is."""
+        if not _whole_frame(self._ctl_frames.buf) and not self._ctl_poll.poll(0):
+            return []
+        out: list[Delivery] = []
+        while True:
+            got = self._take(0.0)
+            if got is None:
+                continue  # a frame that was not control: look again
+            if not got:
+                return out
+            out += got
+
+    def _take(self, deadline: float) -> list[Delivery] | None:
+        """The next control frame's deliveries ([] at ``deadline``; None for a frame
+        that says something else, taken note of here)."""
+        if self.lost is not None:
+            raise BusLost(self.lost)
+        try:
+            frame = self._next(self._ctl_frames, deadline)
+        except frames.FrameError:
+            self.lost = self.lost or self._gone()
+            self.error = self.error or self.lost
+            raise BusLost(self.lost) from None
+        except OSError as exc:
+            self.lost = self.lost or f"{self._gone()} ({exc})"
+            self.error = self.error or self.lost
+            raise BusLost(self.lost) from None
+        if frame is None:
+            return []
+        op = frame.get("op")
+        if op == "d":
+            return [
+                Delivery(str(stream), str(eid), wire.decode(body, wire.CONTROL))
+                for stream, eid, body in frame["e"]
+            ]
+        if op == "x":
+            # The child's publisher failed: publishes raise from now on; its reads go
+            # on (the rank stops on its next publish, as with a thread publisher).
+            self.error = str(frame.get("why"))
+        elif op == "n":
+            self.reconnects = int(frame.get("n", 0))
+        return None
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
         """The runtime took these over: the heartbeats say so (``control_read``)."""

@@ -49,6 +49,10 @@ class Inbox:
         #: rank's publisher writes what it holds back (``bus.publisher``'s ``hurry``), so
         #: a report the coordinator must answer never lingers while the rank waits
         self.before_wait: Callable[[], None] | None = None
+        #: called (on the consumer's thread) when ``poll`` finds the inbox empty: a rank
+        #: whose training thread takes its control itself (``worker.runtime``) looks for
+        #: more there, without waiting
+        self.before_poll: Callable[[], None] | None = None
 
     def put(self, msg: ControlMsg, origin: Origin | None = None) -> None:
         with self._cond:
@@ -84,7 +88,11 @@ class Inbox:
         """The next message if one is queued, else None. Never blocks."""
         items = self._items
         if not items:
-            return None
+            if self.before_poll is None:
+                return None
+            self.before_poll()
+            if not items:
+                return None
         msg, self.last_origin = items.popleft()
         return msg
 

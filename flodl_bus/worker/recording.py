@@ -211,9 +211,16 @@ class RecordingRankBus:
         self.rank = inner.rank
         self._rec = recorder
         self._t0 = t0
+        poll = getattr(inner, "poll_control", None)
+        if callable(poll):
+            # Only where the inner bus has it (the runtime asks with getattr): the reads
+            # the training thread makes by polling are recorded as the reader's are.
+            self.poll_control: Callable[[], Sequence[Delivery]] = lambda: self._recorded(poll())
 
     def read_control(self, block_ms: int) -> Sequence[Delivery]:
-        deliveries = self.inner.read_control(block_ms)
+        return self._recorded(self.inner.read_control(block_ms))
+
+    def _recorded(self, deliveries: Sequence[Delivery]) -> Sequence[Delivery]:
         if deliveries:
             self._rec.read(
                 now=time.perf_counter() - self._t0,

@@ -5,6 +5,13 @@
   notices and NCCL re-session requests are acted on here; the rest, the wire ``Update``'s
   next plan as a ``StartEpoch``, goes to the local ``Inbox``) and acks.
   It also runs the coordinator-liveness escape hatch.
+  With a bus whose control can be taken without waiting (``poll_control``: the rank's
+  bus in a process of its own, ``agent.rank_io``) the training thread takes it itself
+  between steps (``Inbox.before_poll``) and the reader stands by: it wakes every
+  ``POLL_STALE_S`` and reads only while the training thread does not poll (it waits on
+  its inbox, or it is away in an eval, a collective, the job's code), so a rank that
+  trains is not interrupted by a thread of its own for its control. Reads, their routing
+  and their acks are made under one lock, so the two paths keep the read order.
 * **heartbeat**: ``Heartbeat`` every second, independent of training, so a rank parked
   in a collective still looks alive.
 * **session**: hands the latest ``NewNcclSession`` to the param plane off the reader
@@ -49,6 +56,9 @@ NEW_SESSION_UID_BYTES = 32
 
 #: a heartbeat's read position before anything was read (the start of a stream)
 START_ID = format_id(ZERO)
+#: the reader takes over the control a polling training thread has not polled for this
+#: long (an eval, a collective, the job's own code between steps)
+POLL_STALE_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,10 +144,30 @@ class RankRuntime:
         self._session: NewNcclSession | None = None
         self._heartbeats = 0
         self._threads: list[threading.Thread] = []
+        #: reads, their routing and their acks, on either thread, one at a time, in order
+        self._read_lock = threading.Lock()
+        #: whether the training thread polls the control itself (``poll_control``)
+        self._polls = callable(getattr(bus, "poll_control", None))
+        #: when the training thread last polled (its clock)
+        self._last_poll = 0.0
+        #: set by the training thread before it waits on its inbox: the reader reads
+        self._wanted = threading.Event()
+        #: when a control entry was last taken (the coordinator-liveness clock)
+        self._last_seen = clock()
 
     # ------------------------------------------------------------------- life
 
     def start(self) -> RankRuntime:
+        if self._polls:
+            hurry = self.inbox.before_wait
+
+            def before_wait() -> None:
+                if hurry is not None:
+                    hurry()
+                self._wanted.set()
+
+            self.inbox.before_wait = before_wait
+            self.inbox.before_poll = self.poll_control
         for name, target in (
             ("reader", self._reader),
             ("heartbeat", self._heartbeat),
@@ -150,7 +180,9 @@ class RankRuntime:
 
     def close(self, flush_timeout: float = 5.0) -> None:
         """Stop every thread, flush upstream, close the bus. Idempotent."""
+        self.inbox.before_poll = None
         self._stop.set()
+        self._wanted.set()
         with self._session_cond:
             self._session_cond.notify_all()
         for t in self._threads:
@@ -172,30 +204,33 @@ class RankRuntime:
 
     def _reader(self) -> None:
         cfg = self.config
-        last_seen = self._clock()
         try:
             while not self._stop.is_set():
-                try:
-                    deliveries = self.bus.read_control(cfg.read_block_ms)
-                except BusLost as exc:
-                    # Its host agent is gone (``flodl_bus.agent``): nothing more can
-                    # come or go, so stop now instead of after the liveness timeout.
-                    if not self.shutdown_seen:
-                        self._escape(f"bus lost: {exc}")
-                    return
-                except Exception as exc:
-                    # The transport reconnects with backoff on its own; a persistent
-                    # failure ends up as silence, which the liveness clock handles.
-                    _log.warning("control_read_failed", rank=self.rank, error=repr(exc))
-                    self._stop.wait(cfg.read_block_ms / 1000.0)
-                    deliveries = ()
-                now = self._clock()
-                if deliveries:
-                    last_seen = now
-                    self.route(deliveries)
-                    self.bus.ack(deliveries)
-                elif not self.shutdown_seen and now - last_seen > cfg.coord_liveness_timeout:
-                    self._escape(f"no coordinator entry for {now - last_seen:.1f}s")
+                if self._polls and self._polled():
+                    # The training thread takes its control between steps: stand by.
+                    self._wanted.wait(POLL_STALE_S)
+                    if self._silent_too_long():
+                        return
+                    continue
+                with self._read_lock:
+                    try:
+                        deliveries = self.bus.read_control(cfg.read_block_ms)
+                    except BusLost as exc:
+                        # Its bus process or host agent is gone (``flodl_bus.agent``):
+                        # nothing more can come or go, so stop now instead of after the
+                        # liveness timeout.
+                        if not self.shutdown_seen:
+                            self._escape(f"bus lost: {exc}")
+                        return
+                    except Exception as exc:
+                        # The transport reconnects with backoff on its own; a persistent
+                        # failure ends up as silence, which the liveness clock handles.
+                        _log.warning("control_read_failed", rank=self.rank, error=repr(exc))
+                        self._stop.wait(cfg.read_block_ms / 1000.0)
+                        deliveries = ()
+                    if deliveries:
+                        self._took(deliveries)
+                if not deliveries and self._silent_too_long():
                     return
         except Exception as exc:
             _log.exception("control_reader_failed", rank=self.rank)
@@ -204,6 +239,41 @@ class RankRuntime:
         finally:
             # Nothing more can arrive: wake a training thread blocked on the inbox.
             self.inbox.close()
+
+    def _polled(self) -> bool:
+        """Whether the training thread polls its control now (and does not wait)."""
+        return not self._wanted.is_set() and self._clock() - self._last_poll < POLL_STALE_S
+
+    def _silent_too_long(self) -> bool:
+        """The coordinator-liveness escape hatch: True once it fired."""
+        silent = self._clock() - self._last_seen
+        if self.shutdown_seen or silent <= self.config.coord_liveness_timeout:
+            return False
+        self._escape(f"no coordinator entry for {silent:.1f}s")
+        return True
+
+    def _took(self, deliveries: Sequence[Delivery]) -> None:
+        """One read taken over (the read lock held): routed in order, then acked."""
+        self._last_seen = self._clock()
+        self.route(deliveries)
+        self.bus.ack(deliveries)
+
+    def poll_control(self) -> None:
+        """The training thread, between steps, with nothing queued: take the control
+        already there, without waiting. The reader has it while it holds the lock."""
+        self._last_poll = self._clock()
+        if self._wanted.is_set():
+            self._wanted.clear()
+        if not self._read_lock.acquire(blocking=False):
+            return
+        try:
+            deliveries = self.bus.poll_control()  # type: ignore[attr-defined]
+            if deliveries:
+                self._took(deliveries)
+        except BusLost:
+            self._wanted.set()  # the reader reads, meets the loss and stops the rank
+        finally:
+            self._read_lock.release()
 
     def route(self, deliveries: Sequence[Delivery]) -> None:
         """Act on one read of control (``worker.control.route`` decides each entry) and

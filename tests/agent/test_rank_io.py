@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -24,8 +25,12 @@ from flodl_bus.bus.connection import connect
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.stream_ops import BusError
 from flodl_bus.bus.streams import RedisCoordinatorBus
+from flodl_bus.examples import digits
 from flodl_bus.protocol import messages as m
+from flodl_bus.worker.inbox import Inbox
+from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 from tests.bus.conftest import CK, FAST, RK
+from tests.worker.rig import ObservedParams
 
 pytestmark = [pytest.mark.redis]
 
@@ -224,3 +229,93 @@ def test_the_bus_process_leaves_when_its_rank_dies(
 def test_a_bus_process_that_cannot_start_says_why(redis_url: str) -> None:
     with pytest.raises(BusError, match="did not start: BadRedisUrl: unsupported Redis URL"):
         RankIoBus("ftp://127.0.0.1:1", KEYS, 0, RK(0), config=FAST)
+
+
+class CountingBus(RankIoBus):
+    """Counts the control each path took: the training thread's polls, the reader's reads."""
+
+    polled = 0
+    read = 0
+
+    def poll_control(self) -> list[Delivery]:
+        got = super().poll_control()
+        self.polled += len(got)
+        return got
+
+    def read_control(self, block_ms: int) -> list[Delivery]:
+        got = super().read_control(block_ms)
+        self.read += len(got)
+        return got
+
+
+def _runtime(bus: RankIoBus, timeout: float = 30.0) -> tuple[RankRuntime, Inbox]:
+    inbox = Inbox()
+    params = ObservedParams(digits.build_model(), rank=0)
+    config = RuntimeConfig(heartbeat_interval=10.0, coord_liveness_timeout=timeout)
+    runtime = RankRuntime(bus=bus, inbox=inbox, params=params, world_size=2, config=config)
+    return runtime.start(), inbox
+
+
+def test_a_polling_training_thread_and_the_reader_take_control_once_each_in_send_order(
+    coord: RedisCoordinatorBus, redis_url: str
+) -> None:
+    """The training thread polls between steps and waits on its inbox now and then; the
+    coordinator sends meanwhile: every entry arrives once, in send order, over both."""
+    bus = CountingBus(redis_url, KEYS, 0, RK(0), config=FAST)
+    runtime, inbox = _runtime(bus)
+    n = 400
+    sender = threading.Thread(
+        target=lambda: [coord.send(0, m.Checkpoint(version=v, target_rank=0)) for v in range(n)]
+    )
+    got: list[int] = []
+    try:
+        sender.start()
+        deadline = time.monotonic() + 60
+        while len(got) < n and time.monotonic() < deadline:
+            msg = inbox.poll() if len(got) % 50 else inbox.get(5.0)  # a step, or a wait
+            if isinstance(msg, m.Checkpoint):
+                got.append(msg.version)
+        sender.join()
+    finally:
+        runtime.close()
+    assert got == list(range(n))
+    assert bus.polled > 0 and bus.read > 0, (bus.polled, bus.read)
+    assert bus.polled + bus.read == n
+
+
+def test_the_reader_takes_the_control_of_a_training_thread_that_stopped_polling(
+    coord: RedisCoordinatorBus, redis_url: str
+) -> None:
+    """A rank away from its loop (an eval, a collective, the job's code) does not poll:
+    past ``POLL_STALE_S`` its reader reads, and a message that must act at once (a peer
+    declared dead aborts the collective) does."""
+    bus = CountingBus(redis_url, KEYS, 0, RK(0), config=FAST)
+    runtime, inbox = _runtime(bus)
+    try:
+        assert inbox.poll() is None  # the training thread polled once, then went away
+        coord.send(0, m.Checkpoint(version=7, target_rank=0))
+        coord.broadcast(m.DeclareDead(rank=1))
+        deadline = time.monotonic() + 30
+        while not runtime.dead_ranks and time.monotonic() < deadline:
+            threading.Event().wait(0.01)  # not polling: only the reader can bring them
+        assert runtime.dead_ranks == {1}
+        assert len(inbox) == 1 and bus.read == 2 and bus.polled == 0
+        assert ("abort", None) in runtime.params.calls  # type: ignore[attr-defined]
+    finally:
+        runtime.close()
+
+
+def test_a_polling_rank_still_stops_when_its_coordinator_falls_silent(
+    coord: RedisCoordinatorBus, redis_url: str
+) -> None:
+    bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=FAST)
+    runtime, inbox = _runtime(bus, timeout=1.0)
+    try:
+        deadline = time.monotonic() + 30
+        msg = None
+        while not isinstance(msg, m.Shutdown) and time.monotonic() < deadline:
+            msg = inbox.poll()  # a training thread that keeps stepping and polling
+        assert isinstance(msg, m.Shutdown)
+        assert runtime.coordinator_lost.is_set()
+    finally:
+        runtime.close()
