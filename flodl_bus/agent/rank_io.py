@@ -175,8 +175,11 @@ class RankIoBus:
         self._ctl = ctl
         self._up_frames = frames.FrameReader(up)
         self._ctl_frames = frames.FrameReader(ctl)
-        self._ctl_poll = select.poll()
-        self._ctl_poll.register(ctl, select.POLLIN)
+        self._polls: dict[socket.socket, select.poll] = {}
+        for sock in (up, ctl):
+            self._polls[sock] = select.poll()
+            self._polls[sock].register(sock, select.POLLIN)
+        self._ctl_poll = self._polls[ctl]
         self._wait_ready(start_timeout)
 
     # ------------------------------------------------------------------ life
@@ -233,10 +236,10 @@ class RankIoBus:
         while True:
             if _whole_frame(reader.buf):
                 return reader.read()
-            # Past the deadline, one look without waiting (``poll_control``'s case).
+            # Past the deadline, one look without waiting (``poll_control``'s case). A
+            # poll, not a select: a rank's descriptors may number past select's 1024.
             left = max(deadline - time.monotonic(), 0.0)
-            ready, _, _ = select.select([reader.sock], [], [], left)
-            if not ready:
+            if not self._polls[reader.sock].poll(left * 1000.0):
                 return None
             chunk = reader.sock.recv(1 << 16)
             if not chunk:
