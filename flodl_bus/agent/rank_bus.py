@@ -13,10 +13,10 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any, Final
 
 from flodl_bus.agent import frames
+from flodl_bus.agent.applied import AckedControl, Applied
 from flodl_bus.bus import entries, fold
 from flodl_bus.bus.api import BusLost, Delivery
 from flodl_bus.bus.connection import BusClosed
@@ -33,7 +33,7 @@ DEFAULT_AGENT_GRACE_S: Final = 5.0
 _LOST: Final = object()
 
 
-class AgentRankBus:
+class AgentRankBus(AckedControl):
     """``RankBus`` for rank ``rank`` whose agent listens on Unix socket ``path``."""
 
     def __init__(
@@ -66,8 +66,8 @@ class AgentRankBus:
         #: the newest entry per stream checked (accepted or refused), and seq accepted
         self._checked: dict[str, EntryId] = {self._ctl: ZERO, self._all: ZERO}
         self._seqs: dict[str, int] = {}
-        self._applied: dict[str, EntryId] = {}
-        self._ack_lock = threading.Lock()
+        #: where the runtime took its control over (``ack``), for its heartbeats
+        self._applied = Applied(self._ctl, self._all)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         #: why the agent is gone for good (then reads raise ``BusLost``)
         self.lost: str | None = None
@@ -232,24 +232,6 @@ class AgentRankBus:
         for f in refused:
             self._send({"op": "dlq", "fields": [x for kv in f.items() for x in kv]})
         return out
-
-    def ack(self, deliveries: Sequence[Delivery]) -> None:
-        with self._ack_lock:
-            for d in deliveries:
-                eid = parse_id(d.entry_id)
-                if eid > self._applied.get(d.stream, ZERO):
-                    self._applied[d.stream] = eid
-
-    def flush_acks(self) -> None:
-        return
-
-    def control_read(self) -> tuple[str | None, str | None]:
-        with self._ack_lock:
-            ctl, bcast = self._applied.get(self._ctl), self._applied.get(self._all)
-        return (
-            None if ctl is None else format_id(ctl),
-            None if bcast is None else format_id(bcast),
-        )
 
     # -------------------------------------------------------------- upstream
 

@@ -47,15 +47,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final, get_args
 
 import structlog
 
 from flodl_bus.agent import frames
+from flodl_bus.agent.applied import AckedControl, Applied
 from flodl_bus.bus.api import BusLost, Delivery
-from flodl_bus.bus.ids import ZERO, EntryId, format_id, parse_id
 from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.publisher import EPOCH_END, LAZY
 from flodl_bus.bus.stream_ops import BusError, StreamsConfig
@@ -89,7 +88,7 @@ class Setup:
     where: str
 
 
-class RankIoBus:
+class RankIoBus(AckedControl):
     """``RankBus`` for rank ``rank`` whose Redis work runs in a child process."""
 
     def __init__(
@@ -108,9 +107,8 @@ class RankIoBus:
         self.config = config or StreamsConfig()
         self._ctl_stream = run.ctl(rank)
         self._all_stream = run.ctl_all_of(rank)
-        #: the newest entry per control stream the runtime took over (``ack``)
-        self._applied: dict[str, EntryId] = {}
-        self._ack_lock = threading.Lock()
+        #: where the runtime took its control over (``ack``), for its heartbeats
+        self._applied = Applied(self._ctl_stream, self._all_stream)
         self._send_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._tokens = itertools.count(1)
@@ -312,26 +310,6 @@ class RankIoBus:
         elif op == "n":
             self.reconnects = int(frame.get("n", 0))
         return None
-
-    def ack(self, deliveries: Sequence[Delivery]) -> None:
-        """The runtime took these over: the heartbeats say so (``control_read``)."""
-        with self._ack_lock:
-            for d in deliveries:
-                eid = parse_id(d.entry_id)
-                if eid > self._applied.get(d.stream, ZERO):
-                    self._applied[d.stream] = eid
-
-    def flush_acks(self) -> None:
-        return
-
-    def control_read(self) -> tuple[str | None, str | None]:
-        with self._ack_lock:
-            ctl = self._applied.get(self._ctl_stream)
-            bcast = self._applied.get(self._all_stream)
-        return (
-            None if ctl is None else format_id(ctl),
-            None if bcast is None else format_id(bcast),
-        )
 
     # -------------------------------------------------------------- upstream
 

@@ -30,6 +30,7 @@ from flodl_bus.protocol import messages as m
 from flodl_bus.worker.inbox import Inbox
 from flodl_bus.worker.runtime import RankRuntime, RuntimeConfig
 from tests.bus.conftest import CK, FAST, RK
+from tests.bus.test_streams import collect, collect_up
 from tests.worker.rig import ObservedParams
 
 pytestmark = [pytest.mark.redis]
@@ -52,23 +53,11 @@ def rank_bus(coord: RedisCoordinatorBus, redis_url: str) -> Iterator[RankIoBus]:
 
 
 def _upstream(coord: RedisCoordinatorBus, want: int, timeout: float = 60.0) -> list[Delivery]:
-    got: list[Delivery] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < want and time.monotonic() < deadline:
-        ds = coord.read_upstream(100)
-        coord.ack(ds)
-        got += ds
-    return got
+    return collect_up(coord, want, timeout)
 
 
 def _control(bus: RankIoBus, want: int, timeout: float = 60.0) -> list[Delivery]:
-    got: list[Delivery] = []
-    deadline = time.monotonic() + timeout
-    while len(got) < want and time.monotonic() < deadline:
-        ds = bus.read_control(100)
-        bus.ack(ds)
-        got += ds
-    return got
+    return collect(bus, want, timeout)  # type: ignore[arg-type]
 
 
 def _batch(i: int) -> m.Batch:
