@@ -68,6 +68,9 @@ _log = structlog.get_logger("flodl_bus.agent")
 ENV_FDS: Final = "FLODL_RANK_IO_FDS"
 #: how long a rank waits for its IO process to be up (imports, its Redis connection)
 DEFAULT_START_TIMEOUT_S: Final = 60.0
+#: a bus process that takes no upstream for this long (stopped, hung) is killed, and the
+#: rank's bus is lost, rather than its publishes waiting on it for ever
+DEFAULT_STALL_S: Final = 30.0
 #: how long the child's control reads block (its close waits at most this long for them)
 CHILD_BLOCK_MS: Final = 250
 #: how long ``close`` lets the child flush and leave before it is killed
@@ -101,6 +104,7 @@ class RankIoBus(AckedControl):
         config: StreamsConfig | None = None,
         where: str = "",
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        stall_s: float = DEFAULT_STALL_S,
     ) -> None:
         self.keys = run
         self.rank = rank
@@ -170,6 +174,10 @@ class RankIoBus(AckedControl):
             self._proc.stdin.write(pickle.dumps(setup))
         self._proc.stdin.close()
         self._up = up
+        self._stall_s = stall_s
+        # Bounds a send to a child that takes nothing (``_send``); every read of this
+        # socket waits on its poll first, so no read meets the timeout.
+        up.settimeout(stall_s)
         self._ctl = ctl
         self._up_frames = frames.FrameReader(up)
         self._ctl_frames = frames.FrameReader(ctl)
@@ -383,6 +391,15 @@ class RankIoBus(AckedControl):
             raise BusError(f"rank {self.rank}'s bus is closed")
         try:
             self._up.sendall(frames.pack(frame))
+        except TimeoutError:
+            # Alive but taking nothing (stopped, hung), with a frame cut short: killed,
+            # so the rank's reads meet its end and the rank stops in order.
+            self.error = (
+                f"rank {self.rank}'s bus process took no upstream for {self._stall_s:.0f}s "
+                "(stopped or hung); killed"
+            )
+            self._proc.kill()
+            raise BusError(f"upstream of rank {self.rank} failed: {self.error}") from None
         except OSError as exc:
             self.error = self.error or f"{self._gone()} ({exc})"
             raise BusError(f"upstream of rank {self.rank} failed: {self.error}") from None

@@ -229,8 +229,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  [{name}]   mean, incl. the param norm every {every} step {mean:8.2f} us")
         print(
             f"  [{name}]   train step while the bus threads run {step:8.1f} us"
-            f"  ({step - ref:+.1f} us vs plain: CPU shared with the reader/heartbeat/publisher"
-            " threads)"
+            f"  ({step - ref:+.1f} us vs plain: what the rank's other threads cost the step"
+            " itself)"
         )
         blocks = [s.blocks_s for s in samples if s.blocks_s is not None]
         if blocks:

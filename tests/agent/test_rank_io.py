@@ -308,3 +308,22 @@ def test_a_polling_rank_still_stops_when_its_coordinator_falls_silent(
         assert runtime.coordinator_lost.is_set()
     finally:
         runtime.close()
+
+
+def test_a_bus_process_that_takes_nothing_is_killed_and_the_bus_is_lost(
+    coord: RedisCoordinatorBus, redis_url: str
+) -> None:
+    """Stopped (or hung) rather than dead, it would let the socket fill and a publish
+    wait for ever: past the stall the publish raises, the process is killed, and the
+    rank's next read meets its end."""
+    bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=FAST, stall_s=1.0)
+    try:
+        os.kill(bus.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        with pytest.raises(BusError, match=r"took no upstream for 1s \(stopped or hung\)"):
+            while time.monotonic() < deadline:  # until the socket is full
+                bus.publish(m.SyncAck(rank=0, step_count=1))
+        with pytest.raises(BusLost, match=r"exited \(code -9\)"):
+            bus.read_control(5000)
+    finally:
+        bus.close()
