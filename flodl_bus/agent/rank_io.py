@@ -59,7 +59,7 @@ from flodl_bus.bus.keys import RunKeys
 from flodl_bus.bus.publisher import EPOCH_END, LAZY
 from flodl_bus.bus.stream_ops import BusError, StreamsConfig
 from flodl_bus.protocol import wire
-from flodl_bus.protocol.messages import Batch, UpstreamMsg
+from flodl_bus.protocol.messages import Batch, Heartbeat, UpstreamMsg
 from flodl_bus.protocol.signing import MacKey, RankKeys, VerifyKey
 
 _log = structlog.get_logger("flodl_bus.agent")
@@ -120,9 +120,10 @@ class RankIoBus(AckedControl):
         # a message the coordinator acts on goes at once with all before it; step reports
         # wait for company, up to the linger while they flow. Sent from the publishing
         # thread, never by a thread of ours: no wake of another thread in this process.
-        # When reports stop flowing they wait for the next publish (a heartbeat within
-        # a second, at the latest), a ``hurry`` (the rank is about to wait on control),
-        # or a flush: the coordinator's next decision never hangs on them alone (LAZY).
+        # When reports stop flowing they wait for the next report, a ``hurry`` (the rank
+        # is about to wait on control), a flush, or the next heartbeat, which goes at
+        # once (a second at the latest): the coordinator's next decision never hangs on
+        # them alone (LAZY), and a rank parked in a collective still looks alive.
         self._buffer: list[tuple[str, bytes]] = []
         self._buffered_at = 0.0
         self._linger = self.config.publish_linger_s
@@ -346,6 +347,8 @@ class RankIoBus(AckedControl):
                 if not self._news and now - self._buffered_at < self._linger:
                     return
                 self._news = False
+            elif kind is Heartbeat:
+                pass  # goes now, once a second: what waits here never waits longer
             else:
                 if kind in EPOCH_END:
                     self._news = self._first_step

@@ -88,9 +88,9 @@ def test_a_report_the_coordinator_acts_on_goes_at_once_and_step_reports_wait_for
     coord: RedisCoordinatorBus, redis_url: str
 ) -> None:
     """The publisher's rules, kept on the publishing thread: with a linger far beyond
-    the test, step reports wait (for a report the coordinator acts on, or the rank's
-    wait on its control), and with ``publish_first_step`` the first step report after
-    such a report goes at once."""
+    the test, step reports wait (for a report the coordinator acts on, the rank's wait
+    on its control, or a heartbeat), and with ``publish_first_step`` the first step
+    report after such a report goes at once."""
     config = dataclasses.replace(FAST, publish_linger_s=3600.0, publish_first_step=True)
     bus = RankIoBus(redis_url, KEYS, 0, RK(0), config=config)
     try:
@@ -111,6 +111,10 @@ def test_a_report_the_coordinator_acts_on_goes_at_once_and_step_reports_wait_for
         assert _upstream(coord, 1, timeout=1.0) == []
         bus.hurry()  # the rank is about to wait on its control
         assert [d.msg for d in _upstream(coord, 1)] == [_batch(5)]
+        bus.publish(_batch(6))
+        beat = m.Heartbeat(rank=0, step_count=1)
+        bus.publish(beat)  # a heartbeat goes at once, with what waited
+        assert [d.msg for d in _upstream(coord, 2)] == [_batch(6), beat]
     finally:
         bus.close()
 
