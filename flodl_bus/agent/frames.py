@@ -9,8 +9,10 @@ refused, for the run's dlq). Agent -> rank: ``ctl`` (raw control entries, in id 
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
+import time
 from typing import Any, Final
 
 import msgspec
@@ -39,12 +41,39 @@ def send(sock: socket.socket, obj: dict[str, Any]) -> None:
 
 
 class FrameReader:
-    """Whole frames from a stream socket (blocking); EOF or a bad frame raises
-    ``FrameError``."""
+    """Whole frames from a stream socket: ``read`` blocks, ``read_by`` waits up to a
+    deadline; EOF or a bad frame raises ``FrameError``."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
+        # A poll, not a select: a process's descriptors may number past select's 1024.
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    def whole(self) -> bool:
+        """Whether a whole frame is buffered already (``read`` will not touch the socket)."""
+        if len(self.buf) < _LEN.size:
+            return False
+        size: int = _LEN.unpack_from(self.buf)[0]
+        return len(self.buf) >= _LEN.size + size
+
+    def waiting(self) -> bool:
+        """Whether a frame, or part of one, can be read now without waiting."""
+        return self.whole() or bool(self._poll.poll(0))
+
+    def read_by(self, deadline: float) -> dict[str, Any] | None:
+        """The next frame, or None at ``deadline`` (``time.monotonic``); past it, one
+        look without waiting. A frame cut short by the deadline stays for the next call."""
+        while not self.whole():
+            left = max(deadline - time.monotonic(), 0.0)
+            if not self._poll.poll(left * 1000.0):
+                return None
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise FrameError("peer closed the socket")
+            self.buf += chunk
+        return self.read()
 
     def _fill(self, n: int) -> None:
         while len(self.buf) < n:

@@ -40,7 +40,6 @@ import dataclasses
 import itertools
 import os
 import pickle
-import select
 import signal
 import socket
 import subprocess
@@ -182,11 +181,6 @@ class RankIoBus(AckedControl):
         self._ctl = ctl
         self._up_frames = frames.FrameReader(up)
         self._ctl_frames = frames.FrameReader(ctl)
-        self._polls: dict[socket.socket, select.poll] = {}
-        for sock in (up, ctl):
-            self._polls[sock] = select.poll()
-            self._polls[sock].register(sock, select.POLLIN)
-        self._ctl_poll = self._polls[ctl]
         self._wait_ready(start_timeout)
 
     # ------------------------------------------------------------------ life
@@ -198,7 +192,7 @@ class RankIoBus(AckedControl):
 
     def _wait_ready(self, timeout: float) -> None:
         try:
-            frame = self._next(self._ctl_frames, time.monotonic() + timeout)
+            frame = self._ctl_frames.read_by(time.monotonic() + timeout)
         except frames.FrameError:
             frame = None
         if frame is not None and frame.get("op") == "r":
@@ -236,23 +230,6 @@ class RankIoBus(AckedControl):
             if sock is not None:
                 sock.close()
 
-    # ---------------------------------------------------------------- frames
-
-    def _next(self, reader: frames.FrameReader, deadline: float) -> dict[str, Any] | None:
-        """The next whole frame on ``reader``'s socket, or None at ``deadline``."""
-        while True:
-            if _whole_frame(reader.buf):
-                return reader.read()
-            # Past the deadline, one look without waiting (``poll_control``'s case). A
-            # poll, not a select: a rank's descriptors may number past select's 1024.
-            left = max(deadline - time.monotonic(), 0.0)
-            if not self._polls[reader.sock].poll(left * 1000.0):
-                return None
-            chunk = reader.sock.recv(1 << 16)
-            if not chunk:
-                raise frames.FrameError("the rank's bus process closed its socket")
-            reader.buf += chunk
-
     def _gone(self) -> str:
         """Why the bus is lost: its process's exit, once reaped (end-of-file on its
         sockets comes first, its exit status an instant later)."""
@@ -278,7 +255,7 @@ class RankIoBus(AckedControl):
     def poll_control(self) -> list[Delivery]:
         """The control already here, without waiting (the training thread polls it
         between steps: ``worker.runtime``); empty when none is."""
-        if not _whole_frame(self._ctl_frames.buf) and not self._ctl_poll.poll(0):
+        if not self._ctl_frames.waiting():
             return []
         out: list[Delivery] = []
         while True:
@@ -295,7 +272,7 @@ class RankIoBus(AckedControl):
         if self.lost is not None:
             raise BusLost(self.lost)
         try:
-            frame = self._next(self._ctl_frames, deadline)
+            frame = self._ctl_frames.read_by(deadline)
         except frames.FrameError:
             self.lost = self.lost or self._gone()
             self.error = self.error or self.lost
@@ -309,8 +286,8 @@ class RankIoBus(AckedControl):
         op = frame.get("op")
         if op == "d":
             return [
-                Delivery(str(stream), str(eid), wire.decode(body, wire.CONTROL))
-                for stream, eid, body in frame["e"]
+                Delivery(str(stream), str(eid), wire.decode_local(name, raw))
+                for stream, eid, name, raw in frame["e"]
             ]
         if op == "x":
             # The child's publisher failed: publishes raise from now on; its reads go
@@ -374,7 +351,7 @@ class RankIoBus(AckedControl):
             deadline = time.monotonic() + timeout + 1.0
             while True:
                 try:
-                    frame = self._next(self._up_frames, deadline)
+                    frame = self._up_frames.read_by(deadline)
                 except (frames.FrameError, OSError):
                     return False
                 if frame is None:
@@ -406,12 +383,6 @@ class RankIoBus(AckedControl):
         except OSError as exc:
             self.error = self.error or f"{self._gone()} ({exc})"
             raise BusError(f"upstream of rank {self.rank} failed: {self.error}") from None
-
-
-def _whole_frame(buf: bytearray) -> bool:
-    if len(buf) < 4:
-        return False
-    return len(buf) >= 4 + int.from_bytes(buf[:4], "big")
 
 
 # ------------------------------------------------------------------- the child
@@ -459,7 +430,7 @@ def _child(setup: Setup, up: socket.socket, ctl: socket.socket) -> int:
                 continue
             try:
                 if got:
-                    entries = [[d.stream, d.entry_id, wire.encode(d.msg)] for d in got]
+                    entries = [[d.stream, d.entry_id, *wire.encode_local(d.msg)] for d in got]
                     tell({"op": "d", "e": entries})
                 if bus.reconnects != said:
                     said = bus.reconnects
