@@ -7,8 +7,11 @@
 # Parts: one (a world of one against the plain loop, the default thread share),
 # threads (the same at 1, 2, 4 and 8 threads), two (digits on 2 ranks: cadence, sync,
 # async, DDP), slow (rank 1 made 2x slower), charrnn, policies (a world of one under
-# other thread policies: 14 and 8 threads, OMP_WAIT_POLICY=PASSIVE; bench worker).
-# Dependencies as in gpu_suite.sh (.gpu/wheels, .gpu/bin on a host without internet).
+# other thread policies: 14 and 8 threads, OMP_WAIT_POLICY=PASSIVE; bench worker),
+# rankio (a rank's Redis work on threads against a process of its own, alternating: a
+# world of one for 100 epochs and two ranks for 30, then bench worker with both).
+# Dependencies as in gpu_suite.sh (.gpu/wheels, .gpu/bin on a host without internet:
+# scripts/gpu_bundle.sh builds them on a machine that has them).
 # REPEATS=N (default 3) runs of each.
 set -uo pipefail
 
@@ -55,6 +58,19 @@ policies() {
     echo "--- bench worker"
     python3 -m flodl_bus.cli bench worker --repeats "$repeats"
 }
+rankio() {
+    local io
+    for io in threads process threads process; do
+        echo "--- FLODL_RANK_IO=$io, a world of one"
+        FLODL_RANK_IO=$io train --workers 1 --modes cpu-cadence --epochs 100 --repeats 1
+        echo "--- FLODL_RANK_IO=$io, two ranks"
+        FLODL_RANK_IO=$io train --workers 2 --modes cpu-cadence --no-plain --epochs 30 \
+            --repeats 1
+    done
+    echo "--- bench worker"
+    python3 -m flodl_bus.cli bench worker --repeats "$repeats"
+}
+step rankio rankio
 step one train --workers 1 --modes cpu-cadence --epochs 30 --repeats "$repeats"
 step threads threads
 step two train --workers 2 --modes cpu-cadence,cpu-sync,cpu-async --ddp --epochs 30 \
