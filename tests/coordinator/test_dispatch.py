@@ -271,6 +271,17 @@ def test_a_cpu_cadence_rank_that_takes_its_epochs_last_chunk_holds_the_next_epoc
     assert core.last_aggregated == 2 and core.dispatch.coverage() == (3, [])
 
 
+def test_a_cpu_rank_whose_plan_ahead_was_lost_is_sent_it_again_while_it_trains() -> None:
+    core, _ = _left_out_start()
+    (ahead,) = msgs(feed(core, 1, 1), m.StartEpoch)
+    core.send_failed(1, ahead.msg, 0.0)  # the plan never reached the rank
+    assert not core.dispatch.pools[1].has_in_flight(1)  # type: ignore[attr-defined]
+    # offered again on the next tick, while the rank still trains its last share
+    assert plans(core.tick(0.01)) == {1: m.EpochPlan(1, 20, 4)}
+    assert not plans(feed(core, 1, 11) + core.tick(0.02))
+    assert not plans(core.handle(1, metrics(1, 0, 12), 0.03))
+
+
 def test_no_chunk_ahead_for_a_rank_whose_chunk_fills_its_window() -> None:
     # each rank's chunk is its whole window (10 of 10 steps): the round that closes the
     # window hands out the next chunks, not a plan ahead
