@@ -226,6 +226,10 @@ class PoolDispatch(Dispatch):
         #: Batches of each rank since its last report: what it trained of the chunk it
         #: trains now (``_ahead_multi``: its window's budget counts the rest of it)
         self._trained = [0] * core.ws
+        #: ranks refused a plan ahead only until a round frees their window: a round's
+        #: ``_fill_idle`` asks these again, not every rank (at 1,024 ranks asking all of
+        #: them added half to a round's cost, ``bench coordinator``)
+        self._owed_ahead: set[int] = set()
         #: pools opened ahead of their epoch: their clock starts at the previous one's end
         #: (a world of one) or as a rank starts them (several ranks, ``_clock_starts``)
         self._ahead_pools: set[int] = set()
@@ -370,8 +374,12 @@ class PoolDispatch(Dispatch):
         for r in range(self.core.ws):
             if not self.has_in_flight(r):
                 self.next_chunk(r, now, out)
-            elif (self._ahead or self._ahead_multi) and not self._unbegun[r]:
+            elif self._ahead and not self._unbegun[r]:
                 self._plan_ahead(r, now, out)
+        if self._owed_ahead:
+            for r in sorted(self._owed_ahead):
+                if not self._unbegun[r]:
+                    self._plan_ahead(r, now, out)
 
     def reassign(self, r: int, remainder: list[Range], now: float, out: list[Out]) -> None:
         for e in sorted(self.pools):
@@ -530,6 +538,7 @@ class PoolDispatch(Dispatch):
         window the chunk fills gets its next chunk from the round that closes it
         (``prefetch``, ``plans_for_update``)."""
         core = self.core
+        self._owed_ahead.discard(r)
         held = [e for e, p in self.pools.items() if p.has_in_flight(r)]
         if not core.alive(r) or len(held) != 1:
             return None
@@ -545,6 +554,7 @@ class PoolDispatch(Dispatch):
             # against its window too.
             budget = self._budget(r) - (cur.in_flight(r) // core.bs - self._trained[r])
             if core.ledger.steps[r] >= budget:
+                self._owed_ahead.add(r)  # asked again as a round frees its window
                 return None
         if nxt not in self.pools and not core.hooks_armable(nxt):
             return None
