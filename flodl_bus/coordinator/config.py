@@ -40,6 +40,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "partition_tail_holds_gate": False,
     "final_round_saves_graceful": False,
     "solo_plans_ahead": False,
+    "plans_ahead": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -199,6 +200,11 @@ class CoordinatorConfig:
     #: whose start takes a checkpoint is planned when it starts, as before. Not a
     #: setting: off only to replay records made before it
     solo_plans_ahead: bool = True
+    #: several ranks on the CPU plane (cadence, async): a rank whose chunk ends its
+    #: share of an epoch holds its first chunk of the next while it trains that one,
+    #: so it goes on without waiting a trip through Redis for it (issue 27). Not a
+    #: setting: off only to replay records made before it
+    plans_ahead: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

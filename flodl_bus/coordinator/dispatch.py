@@ -209,10 +209,29 @@ class PoolDispatch(Dispatch):
         #: a world of one holds two plans, the epoch it trains and the next, so no epoch
         #: ends in a trip through Redis for the next plan (issue 27)
         self._ahead = self._solo_epochs and self.overlaps and cfg.solo_plans_ahead
-        #: ranks sent a plan while they had none: the plan ahead waits for their first
-        #: Batch, so two StartEpochs never meet in the rank's one-plan mailbox
+        #: several ranks (cadence, async; sync keeps its lockstep rounds): a rank whose
+        #: chunk ends its share of an epoch, its window not yet full, holds its first
+        #: chunk of the next while it trains that one, for the same reason (issue 27)
+        self._ahead_multi = (
+            not self._solo_epochs
+            and cfg.world_size > 1
+            and self.overlaps
+            and cfg.plans_ahead
+            and cfg.policy is not Policy.SYNC
+        )
+        #: ranks sent a plan they have not begun (no Batch since): the plan ahead waits
+        #: for their first Batch, so two StartEpochs never meet in the rank's one-plan
+        #: mailbox (a world of one: only plans sent while it had none)
         self._unbegun = [False] * core.ws
+        #: Batches of each rank since its last report: what it trained of the chunk it
+        #: trains now (``_ahead_multi``: its window's budget counts the rest of it)
+        self._trained = [0] * core.ws
+        #: ranks refused a plan ahead only until a round frees their window: a round's
+        #: ``_fill_idle`` asks these again, not every rank (at 1,024 ranks asking all of
+        #: them added half to a round's cost, ``bench coordinator``)
+        self._owed_ahead: set[int] = set()
         #: pools opened ahead of their epoch: their clock starts at the previous one's end
+        #: (a world of one) or as a rank starts them (several ranks, ``_clock_starts``)
         self._ahead_pools: set[int] = set()
 
     def start(self, now: float, out: list[Out]) -> None:
@@ -280,6 +299,8 @@ class PoolDispatch(Dispatch):
         return min(self.pools) if self.pools else None
 
     def on_batch(self, r: int, now: float, out: list[Out]) -> None:
+        if self._ahead_multi:
+            self._trained[r] += 1
         if self._unbegun[r]:
             self._unbegun[r] = False
             if self.core.training:
@@ -289,11 +310,17 @@ class PoolDispatch(Dispatch):
         pool = self.pools.get(msg.epoch)
         if pool is not None:
             pool.mark_completed(r, msg.samples_processed)
-        if self._ahead:
+        if self._ahead or self._ahead_multi:
             # The plan held ahead is the one r trains now: its epoch is r's.
             held = [e for e, p in self.pools.items() if p.has_in_flight(r)]
             if held:
                 self.rank_epoch[r] = min(held)
+                if self._ahead_multi:
+                    # Taken from the mailbox as r sent this report, begun at its first
+                    # Batch; its epoch's clock starts now, as r starts it.
+                    self._unbegun[r] = True
+                    self._clock_starts(min(held), now)
+        self._trained[r] = 0
         if self.core.training:
             self.next_chunk(r, now, out)
         self._advise(out)
@@ -317,6 +344,8 @@ class PoolDispatch(Dispatch):
             for r in retry:
                 if not self.has_in_flight(r):
                     self.next_chunk(r, now, out)
+                elif self._ahead_multi and not self._unbegun[r]:
+                    self._plan_ahead(r, now, out)  # the plan ahead's send failed
 
     def aggregate_ready(self, now: float, out: list[Out]) -> bool:
         done_any = False
@@ -347,6 +376,10 @@ class PoolDispatch(Dispatch):
                 self.next_chunk(r, now, out)
             elif self._ahead and not self._unbegun[r]:
                 self._plan_ahead(r, now, out)
+        if self._owed_ahead:
+            for r in sorted(self._owed_ahead):
+                if not self._unbegun[r]:
+                    self._plan_ahead(r, now, out)
 
     def reassign(self, r: int, remainder: list[Range], now: float, out: list[Out]) -> None:
         for e in sorted(self.pools):
@@ -451,7 +484,9 @@ class PoolDispatch(Dispatch):
         core = self.core
         pool = self.pools.get(epoch)
         if pool is None:
-            core.epoch_hooks(epoch, out, armed=ahead)
+            # Several ranks on the CPU plane score an epoch's start on the consensus of
+            # the next round (``CpuReduce.schedule_eval``): nothing to arm ahead.
+            core.epoch_hooks(epoch, out, armed=ahead and self._solo_epochs)
             if ahead:
                 self._ahead_pools.add(epoch)
             holes = core.resume_holes.pop(epoch, None)
@@ -478,6 +513,15 @@ class PoolDispatch(Dispatch):
         plan = self._draw(r, now, out, via_update)
         if plan is not None and self._ahead and not via_update:
             self._unbegun[r] = True
+        elif plan is not None and self._ahead_multi:
+            self._unbegun[r] = True
+            self._clock_starts(plan.epoch, now)
+            if self.pools[plan.epoch].remaining() == 0:
+                # The epoch handed out its last chunk: a rank training one of its chunks
+                # now trains its last share of it, and may hold its next plan.
+                for s in range(self.core.ws):
+                    if s != r and not self._unbegun[s]:
+                        self._plan_ahead(s, now, out)
         return plan
 
     def _plan_ahead(self, r: int, now: float, out: list[Out]) -> EpochPlan | None:
@@ -486,14 +530,32 @@ class PoolDispatch(Dispatch):
         step is followed by the next one's first without a trip through Redis. Sent only
         once the rank trains its plan (a Batch since it went out); the eval the epoch's
         start owes rides ahead of it, armed (``ArmEpochEval``); an epoch whose start takes
-        a checkpoint is not planned ahead (the save is of the model at that start)."""
+        a checkpoint is not planned ahead (the save is of the model at that start).
+
+        Several ranks (``_ahead_multi``): the first chunk of the next epoch, for a rank
+        whose chunk ends its share of the current one (nothing left in it, or nothing
+        for it in the epoch's last window) with steps of its window to spare. One whose
+        window the chunk fills gets its next chunk from the round that closes it
+        (``prefetch``, ``plans_for_update``)."""
         core = self.core
+        self._owed_ahead.discard(r)
         held = [e for e, p in self.pools.items() if p.has_in_flight(r)]
-        if not core.alive(r) or len(held) != 1 or self.pools[held[0]].remaining() > 0:
+        if not core.alive(r) or len(held) != 1:
+            return None
+        cur = self.pools[held[0]]
+        if cur.remaining() > 0 and not (self._ahead_multi and self._left_out(r, cur)):
             return None
         nxt = held[0] + 1
         if nxt >= core.config.num_epochs or nxt > core.last_aggregated + 2:
             return None
+        budget = 0
+        if self._ahead_multi:
+            # The ledger holds what r trained of its chunk so far: the rest of it counts
+            # against its window too.
+            budget = self._budget(r) - (cur.in_flight(r) // core.bs - self._trained[r])
+            if core.ledger.steps[r] >= budget:
+                self._owed_ahead.add(r)  # asked again as a round frees its window
+                return None
         if nxt not in self.pools and not core.hooks_armable(nxt):
             return None
         pool = self._get_pool(nxt, now, out, ahead=True)
@@ -501,7 +563,17 @@ class PoolDispatch(Dispatch):
             return None
         # ``rank_epoch`` stays the epoch r trains (status, the saves' epoch) until it
         # reports it (``on_metrics``).
-        return self._take(r, pool, pool.remaining() // core.bs, out, via_update=False)
+        if not self._ahead_multi:
+            return self._take(r, pool, pool.remaining() // core.bs, out, via_update=False)
+        batches = self._chunk_batches(r, pool, budget)
+        return self._take(r, pool, batches, out, via_update=False) if batches > 0 else None
+
+    def _clock_starts(self, epoch: int, now: float) -> None:
+        """Several ranks: a pool opened ahead counts its epoch from when a rank starts
+        it (as one opened by the rank's draw does), not from when the plan went out."""
+        if epoch in self._ahead_pools:
+            self._ahead_pools.discard(epoch)
+            self.pools[epoch].created_at = now
 
     def _draw(self, r: int, now: float, out: list[Out], via_update: bool) -> EpochPlan | None:
         core = self.core

@@ -44,15 +44,19 @@ def _cadence_run(overlap: bool, total: int = 50, epochs: int = 3) -> tuple[Coord
     core, out = started(
         "cpu-cadence", total=total, num_epochs=epochs, anchor=16, epoch_overlap=overlap
     )
-    holding, now, early, rounds = dict(plans(out)), 0.0, 0, 0
+    # each rank's plans in the order it trains them (it may hold one ahead)
+    holding: dict[int, list[m.EpochPlan]] = {r: [p] for r, p in plans(out).items()}
+    now, early, rounds = 0.0, 0, 0
     for _ in range(1000):
-        if not holding:
+        if not any(holding.values()):
             break
         now += 0.01
         outs: list[Any] = []
         for r in sorted(holding):
-            plan = holding.pop(r)
-            feed(core, r, plan.partition_size, now=now)
+            if not holding[r]:
+                continue
+            plan = holding[r].pop(0)
+            outs += feed(core, r, plan.partition_size, now=now)
             outs += core.handle(r, metrics(r, plan.epoch, plan.partition_size), now)
         outs += (tick := core.tick(now))
         if msgs(tick, m.RequestParams):
@@ -64,7 +68,8 @@ def _cadence_run(overlap: bool, total: int = 50, epochs: int = 3) -> tuple[Coord
             u.rank: u.msg.next_plan for u in msgs(outs, m.WireUpdate) if u.msg.next_plan
         }
         early += sum(p.epoch > core.last_aggregated + 1 for p in got.values())
-        holding.update(got)
+        for r, p in got.items():
+            holding.setdefault(r, []).append(p)
     return core, early, rounds
 
 
@@ -147,6 +152,178 @@ def test_a_world_of_one_plans_an_epoch_that_starts_with_a_checkpoint_when_it_sta
     assert not plans(feed(core, 0, 40))
     out = core.handle(0, metrics(0, 0, 40), 0.0)
     assert types(out) == ["Checkpoint", "ExecuteEvalCallback", "StartEpoch"]
+
+
+# ------------------------------------------- several ranks: the next epoch's plan ahead
+def _left_out_start(**kw: Any) -> tuple[Coordinator, dict[int, m.EpochPlan]]:
+    """Two cpu-cadence ranks of 16-step windows over 40-sample epochs: rank 0's first
+    chunk (16) leaves 12, pinned as epoch 0's last window, all rank 0's; rank 1's first
+    chunk (12) is its whole share of the epoch, and fills 12 of its 16 steps."""
+    core, out = started("cpu-cadence", total=40, num_epochs=3, anchor=16, **kw)
+    first = plans(out)
+    assert first == {0: m.EpochPlan(0, 0, 16), 1: m.EpochPlan(0, 20, 12)}
+    assert core.elche.counts == [16, 16]
+    return core, first
+
+
+def _train_out(
+    core: Coordinator,
+    holding: dict[int, list[m.EpochPlan]],
+    now: float,
+    done: dict[int, int] | None = None,
+) -> list[m.EpochPlan]:
+    """The live ranks train what they hold, in order (a plan ahead after the current
+    one, ``done`` batches of the current trained already), round by round, until every
+    epoch is aggregated: the plans handed out meanwhile."""
+    handed: list[m.EpochPlan] = []
+    done = dict(done or {})
+    for _ in range(1000):
+        if core.last_aggregated == core.config.num_epochs - 1:
+            break
+        now += 0.01
+        outs: list[Any] = []
+        for r in sorted(holding):
+            if holding[r] and core.alive(r):
+                plan = holding[r].pop(0)
+                outs += feed(core, r, plan.partition_size - done.pop(r, 0), now=now)
+                outs += core.handle(r, metrics(r, plan.epoch, plan.partition_size), now)
+        outs += core.tick(now)
+        for nid in msgs(outs, m.RequestNewNcclId):
+            outs += core.handle(nid.rank, m.NewNcclIdGenerated(nid.rank, bytes(128)), now)
+        if msgs(outs, m.RequestParams):
+            for r in sorted(holding):
+                if core.alive(r):
+                    core.handle(r, m.SyncAck(r, 0), now)
+            outs += core.tick(now)
+        got = [(o.rank, o.msg.plan) for o in msgs(outs, m.StartEpoch)]
+        got += [(u.rank, u.msg.next_plan) for u in msgs(outs, m.WireUpdate) if u.msg.next_plan]
+        for r, p in got:
+            assert not holding[r]  # never two plans in the rank's one-plan mailbox
+            holding[r].append(p)
+            handed.append(p)
+    return handed
+
+
+def _tiles(plans_: list[m.EpochPlan], epochs: int, size: int) -> bool:
+    """Each epoch's plans cover it exactly once: no sample twice, none left out."""
+    for epoch in range(epochs):
+        spans = sorted((p.partition_offset, p.partition_size) for p in plans_ if p.epoch == epoch)
+        ends = [0] + [off + n for off, n in spans]
+        if [off for off, _ in spans] != ends[:-1] or ends[-1] != size:
+            return False
+    return True
+
+
+def test_a_cpu_cadence_rank_gets_its_next_epochs_chunk_once_it_began_its_last_share() -> None:
+    # issue 27: a rank whose chunk ends its share of the epoch (here: epoch 0's last
+    # window has no slot for it) is sent its first chunk of the next while it trains
+    # that one, once it has begun it, so it never waits a trip through Redis for it
+    core, _ = _left_out_start()
+    assert not plans(core.tick(0.0))  # not begun: its mailbox still holds its plan
+    assert not feed(core, 0, 1)  # epoch 0 still holds rank 0's last window
+    ahead = plans(feed(core, 1, 1, now=0.5))  # rank 1 took its plan: the mailbox is free
+    # sized by what its window has left once this chunk is trained: 16 - 12 steps
+    assert ahead == {1: m.EpochPlan(1, 20, 4)}
+    assert not plans(feed(core, 1, 11, now=0.5) + core.tick(0.5))  # never a second
+    assert core.dispatch.rank_epochs() == [0, 0]  # what it trains, not what it holds
+    # its report: nothing to send, it goes on into the plan it holds
+    assert not plans(core.handle(1, metrics(1, 0, 12), 1.0) + core.tick(1.0))
+    assert core.dispatch.rank_epochs() == [0, 1]
+    # epoch 1's time counts from its start (rank 1's report), not from its plan's send
+    assert core.dispatch.pools[1].created_at == 1.0  # type: ignore[attr-defined]
+    assert not plans(feed(core, 1, 1))  # epoch 1 has work left for it: nothing ahead
+    holding = {0: [m.EpochPlan(0, 0, 16)], 1: [ahead[1]]}
+    handed = _train_out(core, holding, 1.0, done={0: 1, 1: 1})
+    assert _tiles([m.EpochPlan(0, 0, 16), m.EpochPlan(0, 20, 12), ahead[1], *handed], 3, 40)
+    assert core.last_aggregated == 2 and core.dispatch.coverage() == (3, [])
+
+
+def test_a_cpu_cadence_rank_that_takes_its_epochs_last_chunk_holds_the_next_epochs() -> None:
+    # the pool runs dry with the chunk the rank is given: at its first Batch of it the
+    # rank is sent its next epoch's first chunk; a rank that holds one already gets none
+    core, _ = _left_out_start()
+    feed(core, 0, 1)
+    feed(core, 1, 12)
+    core.handle(1, metrics(1, 0, 12), 0.0)  # rank 1 goes on into (1, 20, 4), held ahead
+    feed(core, 0, 15)
+    bridge = plans(core.handle(0, metrics(0, 0, 16), 0.0))[0]  # at its count: a bridge
+    assert bridge == m.EpochPlan(0, 16, 4)
+    feed(core, 0, 1)
+    out = feed(core, 1, 4) + core.tick(0.01)  # rank 1 trained (1, 20, 4): the round
+    assert msgs(out, m.RequestParams) and not plans(out)
+    for r in (0, 1):
+        core.handle(r, m.SyncAck(r, 0), 0.01)
+    core.tick(0.01)
+    feed(core, 0, 3)
+    assert plans(core.handle(0, metrics(0, 0, 4), 0.02)) == {0: m.EpochPlan(0, 36, 4)}
+    # rank 0, left out of what epoch 0 keeps for rank 1, holds its next chunk too
+    assert plans(feed(core, 0, 1)) == {0: m.EpochPlan(1, 0, 9)}
+    # rank 1 takes epoch 0's last chunk: rank 0 holds a plan ahead, it gets no other
+    last = plans(core.handle(1, metrics(1, 1, 4), 0.02))
+    assert last == {1: m.EpochPlan(0, 32, 4)} and core.dispatch.remaining()[0] == 0
+    # rank 1's first Batch of it: its next epoch's chunk (epoch 1's last window slot)
+    assert plans(feed(core, 1, 1)) == {1: m.EpochPlan(1, 24, 13)}
+    held = [[(0, 36, 4), (1, 0, 9)], [(0, 32, 4), (1, 24, 13)]]
+    holding = {r: [m.EpochPlan(*p) for p in held[r]] for r in (0, 1)}
+    handed = _train_out(core, holding, 0.02, done={0: 1, 1: 1})
+    before = [(0, 0, 16), (0, 20, 12), (1, 20, 4), (0, 16, 4), *held[0], *held[1]]
+    assert _tiles([m.EpochPlan(*p) for p in before] + handed, 3, 40)
+    assert core.last_aggregated == 2 and core.dispatch.coverage() == (3, [])
+
+
+def test_a_cpu_rank_whose_plan_ahead_was_lost_is_sent_it_again_while_it_trains() -> None:
+    core, _ = _left_out_start()
+    (ahead,) = msgs(feed(core, 1, 1), m.StartEpoch)
+    core.send_failed(1, ahead.msg, 0.0)  # the plan never reached the rank
+    assert not core.dispatch.pools[1].has_in_flight(1)  # type: ignore[attr-defined]
+    # offered again on the next tick, while the rank still trains its last share
+    assert plans(core.tick(0.01)) == {1: m.EpochPlan(1, 20, 4)}
+    assert not plans(feed(core, 1, 11) + core.tick(0.02))
+    assert not plans(core.handle(1, metrics(1, 0, 12), 0.03))
+
+
+def test_no_chunk_ahead_for_a_rank_whose_chunk_fills_its_window() -> None:
+    # each rank's chunk is its whole window (10 of 10 steps): the round that closes the
+    # window hands out the next chunks, not a plan ahead
+    core, out = started("cpu-cadence", total=20, num_epochs=3, anchor=16)
+    assert plans(out) == {0: m.EpochPlan(0, 0, 10), 1: m.EpochPlan(0, 10, 10)}
+    assert not feed(core, 0, 10) + feed(core, 1, 10)
+    assert not plans(core.handle(0, metrics(0, 0, 10), 0.0))
+    assert not plans(core.handle(1, metrics(1, 0, 10), 0.0))
+    out = core.tick(0.0)
+    assert types(out) == ["EpochAggregated", "RequestParams", "StartEpoch", "StartEpoch"]
+
+
+def test_an_epoch_that_starts_with_a_checkpoint_is_not_planned_ahead() -> None:
+    # a checkpoint is of the model at its epoch's start, taken on receipt
+    core, _ = _left_out_start(checkpoint_every=1)
+    assert not feed(core, 1, 12)
+    out = core.handle(1, metrics(1, 0, 12), 0.0)
+    assert types(out) == ["Checkpoint", "StartEpoch"] and plans(out)[1].epoch == 1
+
+
+def test_records_made_before_plans_ahead_send_the_next_epoch_with_the_report() -> None:
+    core, _ = _left_out_start(plans_ahead=False)
+    assert not feed(core, 1, 12) + core.tick(0.0)
+    assert plans(core.handle(1, metrics(1, 0, 12), 0.0)) == {1: m.EpochPlan(1, 20, 4)}
+    assert not core.dispatch._ahead_multi  # type: ignore[attr-defined]
+
+
+def test_a_rank_that_dies_holding_a_plan_ahead_loses_no_sample() -> None:
+    core, _ = _left_out_start()
+    ahead = plans(feed(core, 1, 1))[1]
+    assert ahead == m.EpochPlan(1, 20, 4)
+    feed(core, 1, 5)
+    core.declare_dead(1, 1.0)
+    pools = core.dispatch.pools  # type: ignore[attr-defined]
+    # both of its plans are back in their epochs, whole (its 6 batches were never
+    # reported: they are trained again)
+    assert [pools[e].in_flight(1) for e in (0, 1)] == [0, 0]
+    assert core.dispatch.remaining() == {0: 24, 1: 40}
+    handed = _train_out(core, {0: [m.EpochPlan(0, 0, 16)], 1: []}, 1.0)
+    assert {p.epoch for p in handed} == {0, 1, 2}
+    assert _tiles([m.EpochPlan(0, 0, 16), *handed], 3, 40)  # rank 0 trained it all
+    assert core.last_aggregated == 2 and core.dispatch.coverage() == (3, [])
 
 
 def test_dead_rank_remainder_redistributed_via_extend_partition() -> None:
@@ -261,18 +438,21 @@ def test_a_cpu_cadence_rank_at_its_count_bridges_through_the_round_and_covers_ea
     for r in (0, 1):
         core.handle(r, m.SyncAck(r, 0), 0.1)
     assert msgs(core.tick(0.1), m.WireUpdate)
-    holding = {0: bridge, **plans(out)}
+    # each rank's plans in the order it trains them (it may hold one ahead)
+    holding = {0: [bridge], 1: [plans(out)[1]]}
     handed += [(p.epoch, p.partition_offset, p.partition_size) for p in plans(out).values()]
     done = {0: 47, 1: 0}
     now, bridges = 0.1, 0
     for _ in range(10_000):  # every rank trains what it holds out, round by round
-        if not holding:
+        if not any(holding.values()):
             break
         now += 0.01
         outs: list[Any] = []
         for r in sorted(holding):
-            plan = holding.pop(r)
-            feed(core, r, plan.partition_size - done.pop(r, 0), now=now, ms=10.0 + 30.0 * r)
+            if not holding[r]:
+                continue
+            plan = holding[r].pop(0)
+            outs += feed(core, r, plan.partition_size - done.pop(r, 0), now=now, ms=10.0 + 30.0 * r)
             full = core.ledger.steps[r] >= core.elche.counts[r]
             reply = core.handle(r, metrics(r, plan.epoch, plan.partition_size), now)
             bridges += full and r in plans(reply)  # sent past its window's count
@@ -284,7 +464,8 @@ def test_a_cpu_cadence_rank_at_its_count_bridges_through_the_round_and_covers_ea
             outs += core.tick(now)
         got = plans(outs)
         handed += [(p.epoch, p.partition_offset, p.partition_size) for p in got.values()]
-        holding.update(got)
+        for r, p in got.items():
+            holding[r].append(p)
     assert core.last_aggregated == 1 and core.dispatch.coverage() == (2, [])
     assert bridges > 0
     for epoch in (0, 1):  # what was handed out tiles each epoch: no sample twice, none left

@@ -136,6 +136,48 @@ def test_a_world_of_one_starts_each_epoch_as_the_last_ends_but_a_checkpoints(
     assert cluster.finished is not None and cluster.finished.reason is None and rank.exited
 
 
+@pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
+@pytest.mark.parametrize("ahead", [True, False])
+def test_cpu_ranks_start_each_epoch_as_their_share_of_the_last_ends_but_a_checkpoints(
+    mode: str, ahead: bool
+) -> None:
+    # issue 27: a rank's first chunk of the next epoch is in its mailbox before its
+    # share of the current one ends; an epoch that starts with a checkpoint (taken on
+    # receipt) is planned as it starts. Off: records made before it.
+    cfg = CoordinatorConfig(
+        mode=mode,
+        world_size=2,
+        total_samples=1797,
+        batch_size=16,
+        num_epochs=6,
+        eval_every=2,
+        checkpoint_every=4,
+        final_eval=True,
+        plans_ahead=ahead,
+    )
+    cluster = Cluster(cfg, speeds=[2, 3])
+    cluster.run()
+    trained = cluster.trained_by_epoch()
+    for e in range(cfg.num_epochs):
+        assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
+    assert all(rk.dropped_plans == 0 for rk in cluster.ranks)  # one plan in the mailbox
+    # per rank, the ticks between its last plan of an epoch and its first of the next
+    turns = [
+        {e: start - end for (end, prev), (start, e) in zip(rk.ends, rk.starts[1:]) if e != prev}
+        for rk in cluster.ranks
+    ]
+    assert all(sorted(t) == [1, 2, 3, 4, 5] for t in turns)
+    if ahead:
+        assert all(t[e] == 0 for t in turns for e in (1, 2, 3, 5))
+        assert any(t[4] > 0 for t in turns)  # the checkpoint's epoch opens on a report
+    else:
+        assert all(v > 0 for t in turns for v in t.values())
+    assert not cluster.count_sent(m.ArmEpochEval)  # epoch evals score the consensus
+    assert [e for e, _ in cluster.ranks[0].evals] == [2, 4, cfg.num_epochs]
+    assert cluster.count_sent(m.Checkpoint) == 1
+    assert cluster.finished is not None and cluster.finished.reason is None
+
+
 def _slowed_mid_run(bridges: bool) -> Cluster:
     cfg = CoordinatorConfig(
         mode="nccl-cadence",
