@@ -27,7 +27,8 @@ from typing import Any, assert_never
 
 from flodl_bus.coordinator.checkpoint import Checkpoints, read_meta
 from flodl_bus.coordinator.config import Backend, CoordinatorConfig, Policy
-from flodl_bus.coordinator.dispatch import Dispatch, PoolDispatch
+from flodl_bus.coordinator.dispatch import PoolDispatch
+from flodl_bus.coordinator.dispatch_api import Dispatch
 from flodl_bus.coordinator.effects import Alert, Broadcast, Finished, Out, Send, WriteMeta
 from flodl_bus.coordinator.elche import ElChe
 from flodl_bus.coordinator.guard import STABLE, Verdict, make_guard

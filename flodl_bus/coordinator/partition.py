@@ -18,7 +18,7 @@ from flodl_bus.coordinator.chunk_pool import (
     throughput_sizes,
 )
 from flodl_bus.coordinator.config import Policy
-from flodl_bus.coordinator.dispatch import Dispatch, DispatchCore
+from flodl_bus.coordinator.dispatch_api import Dispatch, DispatchCore
 from flodl_bus.coordinator.effects import Out, Send
 from flodl_bus.coordinator.ledger import Ledger
 from flodl_bus.protocol.messages import (
