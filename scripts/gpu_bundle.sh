@@ -30,7 +30,7 @@ for tool in redis-server redis-cli; do
     ldd "$src" | awk '/=> \//{print $3}' | while read -r lib; do
         case "$(basename "$lib")" in
         libc.so.* | libm.so.* | ld-linux*) ;;
-        *) cp -n "$lib" "$g/lib/" ;;
+        *) [ -e "$g/lib/$(basename "$lib")" ] || cp "$lib" "$g/lib/" ;;
         esac
     done
     cat > "$g/bin/$tool" <<EOF

@@ -428,9 +428,7 @@ class PoolDispatch(Dispatch):
         if pool.remaining() == 0:
             return None
         # ``rank_epoch`` stays the epoch r trains (status, the saves' epoch) until it
-        # reports it (``on_metrics``).
-        if not self._ahead_multi:
-            return self._take(r, pool, pool.remaining() // core.bs, out, via_update=False)
+        # reports it (``on_metrics``). Sized as any chunk (a world of one's: the epoch).
         batches = self._chunk_batches(r, pool, budget)
         return self._take(r, pool, batches, out, via_update=False) if batches > 0 else None
 
