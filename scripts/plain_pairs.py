@@ -10,6 +10,9 @@ steps after a barrier; the line gives every process's median step (µs). If K = 
 and no control plane can make two ranks beat that. Run from the repository root:
 
     ROUNDS=3 python3 scripts/plain_pairs.py
+
+``PIN=0,8`` binds process i to core ``PIN[i]`` (all its threads), to tell two processes
+sharing a physical core (hyperthreads) from two on their own.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 WINDOW = 3000
 
 
-def _worker(barrier: mp.synchronize.Barrier, out: mp.Queue) -> None:  # type: ignore[type-arg]
+def _worker(barrier: mp.synchronize.Barrier, out: mp.Queue, core: int | None) -> None:  # type: ignore[type-arg]
+    if core is not None:
+        os.sched_setaffinity(0, {core})
     import torch
     from step_noise import digits_steps
 
@@ -40,7 +45,11 @@ def run(k: int) -> list[float]:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(k)
     out: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    procs = [ctx.Process(target=_worker, args=(barrier, out)) for _ in range(k)]
+    pins = [int(c) for c in os.environ["PIN"].split(",")] if os.environ.get("PIN") else []
+    procs = [
+        ctx.Process(target=_worker, args=(barrier, out, pins[i] if i < len(pins) else None))
+        for i in range(k)
+    ]
     for p in procs:
         p.start()
     medians = sorted(out.get() for _ in procs)
