@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import math
 import os
 import sys
 import threading
@@ -241,6 +242,11 @@ class Job:
     #: optimizer step is taken with it), or ``"skip"`` the batch (no optimizer step; its
     #: samples count as seen; the rank's metrics carry the count as ``nonfinite_skipped``)
     on_nonfinite_loss: NonFinitePolicy = "stop"
+    #: how the ranks scale this job's LR with the world (``1 + (world_size - 1) *
+    #: RATIO``) when the run does not say (``--lr-scale-ratio``, a ``--config`` file):
+    #: None takes flodl's linear scaling (1.0), right for SGD, whose step grows with the
+    #: batch; an adaptive optimizer's (Adam's) step does not, and 0 keeps its LR as given
+    lr_scale_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if self.on_nonfinite_loss not in NONFINITE_POLICIES:
@@ -248,6 +254,14 @@ class Job:
                 f"Job.on_nonfinite_loss must be one of {NONFINITE_POLICIES}, "
                 f"got {self.on_nonfinite_loss!r}"
             )
+        ratio = self.lr_scale_ratio
+        if ratio is not None and not (math.isfinite(ratio) and ratio >= 0.0):
+            raise ValueError(f"Job.lr_scale_ratio must be a number of 0 or more, got {ratio!r}")
+
+    def knob_defaults(self) -> dict[str, Any]:
+        """The run settings this job asks for where the run gives none
+        (``settings.resolve``)."""
+        return {} if self.lr_scale_ratio is None else {"lr_scale_ratio": self.lr_scale_ratio}
 
     def planned_steps(self, epochs: int, train_size: int) -> int:
         """Global steps (batches of all ranks together) of a run of ``epochs``: every

@@ -379,9 +379,13 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def resolve(args: argparse.Namespace) -> dict[str, Any]:
-    """Every knob's value: the flag, else ``--config``'s, else the default."""
+def resolve(
+    args: argparse.Namespace, job_defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Every knob's value: the flag, else ``--config``'s, else what the job asks for
+    (``Job.knob_defaults``: the coordinator, which loads the job), else the default."""
     from_file = read_file(args.config) if getattr(args, "config", None) else {}
+    job_defaults = job_defaults or {}
     values: dict[str, Any] = {}
     for k in KNOBS:
         flag = getattr(args, f"knob_{k.key}", None)
@@ -392,6 +396,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
                 raise SettingsError(f"{k.flag}: {exc}") from None
         elif k.key in from_file:
             values[k.key] = from_file[k.key]
+        elif k.key in job_defaults:
+            values[k.key] = job_defaults[k.key]
         else:
             values[k.key] = k.default
     return values

@@ -194,3 +194,19 @@ def test_the_model_signature_is_its_names_shapes_and_dtypes_told_without_using_t
         return m
 
     assert model_signature(reads_its_weights) is None
+
+
+@pytest.mark.parametrize("ratio", [-0.5, float("nan"), float("inf")])
+def test_a_jobs_lr_scale_ratio_must_be_a_number_of_zero_or_more(ratio: float) -> None:
+    import dataclasses
+
+    with pytest.raises(ValueError, match="lr_scale_ratio must be a number of 0 or more"):
+        dataclasses.replace(digits.job, lr_scale_ratio=ratio)
+
+
+def test_a_job_asks_for_its_lr_scaling_only_where_it_states_one() -> None:
+    import dataclasses
+
+    assert digits.job.knob_defaults() == {}
+    unscaled = dataclasses.replace(digits.job, lr_scale_ratio=0.0)
+    assert unscaled.knob_defaults() == {"lr_scale_ratio": 0.0}

@@ -29,6 +29,17 @@ def test_defaults_are_flodls() -> None:
     assert v["overhead_target"] == 0.05 and v["epoch_splits"] == 1
 
 
+def test_a_jobs_own_ask_beats_the_default_but_not_the_file_nor_a_flag(tmp_path: Path) -> None:
+    asks = {"lr_scale_ratio": 0.0}
+    assert settings.resolve(parse(), asks)["lr_scale_ratio"] == 0.0
+    assert settings.resolve(parse(), {})["lr_scale_ratio"] == 1.0
+    toml = tmp_path / "run.toml"
+    toml.write_text("lr_scale_ratio = 0.5\n")
+    assert settings.resolve(parse("--config", str(toml)), asks)["lr_scale_ratio"] == 0.5
+    flagged = parse("--config", str(toml), "--lr-scale-ratio", "1.0")
+    assert settings.resolve(flagged, asks)["lr_scale_ratio"] == 1.0
+
+
 def test_a_flag_beats_the_file_and_the_file_beats_the_default(tmp_path: Path) -> None:
     toml = tmp_path / "run.toml"
     toml.write_text(

@@ -104,8 +104,9 @@ def _up_command(args: argparse.Namespace, job: str, mode: str, run_dir: Path) ->
         sys.executable, "-m", "flodl_bus.cli", "up", "--job", job,
         "--workers", str(args.workers), "--mode", mode, "--run-dir", str(run_dir),
         "--no-progress", "--no-plot", "--eval-every", str(args.eval_every),
-        "--lr-scale-ratio", repr(args.lr_scale_ratio),
     ]  # fmt: skip
+    if args.lr_scale_ratio is not None:
+        cmd += ["--lr-scale-ratio", repr(args.lr_scale_ratio)]
     if args.epochs:
         cmd += ["--epochs", str(args.epochs)]
     if args.device == "cpu":  # every contender on the CPU, on a GPU host too
@@ -255,7 +256,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-rank", type=int, help="make this rank slower (bus and DDP runs)")
     p.add_argument("--slow-factor", type=float, default=2.0, help="how much slower (> 1)")
     p.add_argument(
-        "--lr-scale-ratio", type=float, default=1.0, help="passed to the bus run (flodl's 1.0)"
+        "--lr-scale-ratio",
+        type=float,
+        default=None,
+        help="passed to the bus run (default: the job's Job.lr_scale_ratio, else flodl's 1.0)",
     )
     p.add_argument(
         "--up-args",

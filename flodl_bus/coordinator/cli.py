@@ -150,6 +150,9 @@ def _main(args: argparse.Namespace, stop: StopSignals) -> int:
     except JobError as exc:
         flag = f"--job {args.job!r}" if args.job else f"--script {args.script!r}"
         raise ConfigError(f"{flag}: {exc}") from None
+    # Read again with the job's own asks (its LR scaling) under the run's: the flags
+    # and the file were checked above, before the job was built.
+    knobs = settings.resolve(args, job.knob_defaults())
     for flag, asked in (
         ("--checkpoint-every", args.checkpoint_every),
         ("--checkpoint-at-epoch", knobs["checkpoint_at_epoch"]),

@@ -206,6 +206,32 @@ def test_the_lr_scale_ratio_reaches_every_rank_as_flodls_linear_scaling(
         assert lrs and all(lr == pytest.approx(base * (1 + (2 - 1) * 1.0)) for lr in lrs), lrs
 
 
+def test_a_job_that_asks_for_no_lr_scaling_trains_every_rank_at_its_lr_as_given(
+    tmp_path: Path, mark: str
+) -> None:
+    (tmp_path / "unscaled_job.py").write_text(
+        "import dataclasses\n"
+        "from flodl_bus.examples import digits\n"
+        "job = dataclasses.replace(digits.job, lr_scale_ratio=0.0)\n"
+    )
+    proc = _up(tmp_path, mark, "--job", "unscaled_job:job", "--run", "jlrs", "--epochs", "1")
+    out, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 0, out
+    run_dir = tmp_path / "runs" / "jlrs"
+    header = read_records(run_dir / "coordinator.jsonl")[0]
+    assert header["settings"]["lr_scale_ratio"] == 0.0
+    base = digits.job.lr_at(0)
+    for r in (0, 1):
+        lrs = {
+            o["lr"]
+            for rec in read_records(run_dir / f"rank{r}.jsonl")
+            if rec.get("event") == "step"
+            for o in rec["out"]
+            if o["type"] == "LrUpdate"
+        }
+        assert lrs and all(lr == pytest.approx(base) for lr in lrs), lrs
+
+
 def test_a_redis_hiccup_mid_run_costs_a_reconnect_and_the_run_still_finishes(
     tmp_path: Path, mark: str
 ) -> None:
