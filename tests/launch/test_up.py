@@ -187,6 +187,17 @@ def test_ctrl_c_mid_run_stops_every_process_closes_the_record_and_leaves_a_resum
     assert marked_pids(mark) == []
 
 
+def _lrs_trained(run_dir: Path, rank: int) -> set[float]:
+    """Every LR a rank reported training at (its record's ``LrUpdate``s)."""
+    return {
+        o["lr"]
+        for rec in read_records(run_dir / f"rank{rank}.jsonl")
+        if rec.get("event") == "step"
+        for o in rec["out"]
+        if o["type"] == "LrUpdate"
+    }
+
+
 def test_the_lr_scale_ratio_reaches_every_rank_as_flodls_linear_scaling(
     tmp_path: Path, mark: str
 ) -> None:
@@ -196,13 +207,7 @@ def test_the_lr_scale_ratio_reaches_every_rank_as_flodls_linear_scaling(
     run_dir = tmp_path / "runs" / "lrs"
     base = digits.job.lr_at(0)
     for r in (0, 1):
-        lrs = {
-            o["lr"]
-            for rec in read_records(run_dir / f"rank{r}.jsonl")
-            if rec.get("event") == "step"
-            for o in rec["out"]
-            if o["type"] == "LrUpdate"
-        }
+        lrs = _lrs_trained(run_dir, r)
         assert lrs and all(lr == pytest.approx(base * (1 + (2 - 1) * 1.0)) for lr in lrs), lrs
 
 
@@ -222,13 +227,7 @@ def test_a_job_that_asks_for_no_lr_scaling_trains_every_rank_at_its_lr_as_given(
     assert header["settings"]["lr_scale_ratio"] == 0.0
     base = digits.job.lr_at(0)
     for r in (0, 1):
-        lrs = {
-            o["lr"]
-            for rec in read_records(run_dir / f"rank{r}.jsonl")
-            if rec.get("event") == "step"
-            for o in rec["out"]
-            if o["type"] == "LrUpdate"
-        }
+        lrs = _lrs_trained(run_dir, r)
         assert lrs and all(lr == pytest.approx(base) for lr in lrs), lrs
 
 
