@@ -35,6 +35,7 @@ from itertools import compress
 from typing import Any, Final, Protocol
 
 from flodl_bus.coordinator.tracked import Tracked
+from flodl_bus.record.states import delta_shared
 
 __all__ = ["Summarizer", "SummaryCore"]
 
@@ -121,6 +122,19 @@ KEYS: Final = (
     "counts",
 )
 COPIED: Final = (True, True, True, True, True, False, False, False, True)
+#: every other key, in the summary's key order (the optional last one included)
+SCALARS: Final = (
+    "phase",
+    "version",
+    "global_step",
+    "avg_count",
+    "cpu_pending",
+    "anchor",
+    "last_aggregated",
+    "pools",
+    "gate",
+    "window_wait_since",
+)
 
 
 class Summarizer:
@@ -148,6 +162,9 @@ class Summarizer:
         #: key -> [index, value, index, value...] of the lists of ``_last`` set in place
         #: since ``_base`` (``mirror``)
         self._patches: dict[str, list[Any]] = {}
+        #: the record's delta from ``_base`` to ``_last`` where the build knew it
+        #: (``mirror``, no list replaced), else None
+        self._delta: dict[str, Any] | None = None
 
     def flagged(self, flags: list[bool]) -> list[int]:
         """The ranks whose flag is set, in order; none (the usual answer) at the cost of
@@ -224,6 +241,15 @@ class Summarizer:
             return self._patches
         return None
 
+    def delta(self, after: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The record's delta from ``before`` to ``after`` (``record.states.delta`` of
+        the two with ``patches``), where this builder made ``after`` from ``before``
+        with its lists shared (``mirror``) and none replaced: what a ``Batch`` does.
+        None where the delta must walk the states instead."""
+        if after is self._last and before is self._base:
+            return self._delta
+        return None
+
     def _assemble(self, lists: Mapping[str, list[Any]]) -> dict[str, Any]:
         core = self.core
         reduce = core.reduce
@@ -275,6 +301,7 @@ class Summarizer:
         summary = self._assemble(lists)
         self._last, self._base, self._base_kept = summary, reuse, not changes
         self._sources, self._changes, self._patches = sources, changes, {}
+        self._delta = None
         return summary
 
     def _incremental(self, reuse: Mapping[str, Any], last: dict[str, Any]) -> dict[str, Any]:
@@ -351,4 +378,9 @@ class Summarizer:
             del summary["window_wait_since"]
         self._last, self._base, self._base_kept = summary, reuse, not changes
         self._sources, self._changes, self._patches = sources, changes, patches
+        # Every list is shared with ``reuse`` (the last summary's, or a base's that stands
+        # for it): only the scalars can differ, and the patches say where the lists did.
+        self._delta = (
+            delta_shared(reuse, summary, SCALARS, patches) if mirror and not changed else None
+        )
         return summary
