@@ -314,19 +314,29 @@ class Summarizer:
         touched: list[list[Any]] = []
         for key, copied, src, old in zip(KEYS, COPIED, sources, self._sources, strict=True):
             if src is old and type(src) is Tracked:
-                if not src.whole and not src.marks:
+                marks = src.marks
+                if not marks and not src.whole:
                     continue  # nothing written since: the common case
                 touched.append(src)
                 if copied and not src.whole:
                     # Only the written entries can differ: patch a copy of the last
                     # list there, and keep the last one if none did.
                     was = last[key]
-                    marks = src.marks
                     if len(marks) == 1:  # a message's usual write: its own rank's entry
                         (i,) = marks
-                        at = [i] if was[i] != src[i] else []
-                    else:
-                        at = sorted(i for i in marks if was[i] != src[i])
+                        v = src[i]
+                        if was[i] == v:
+                            continue
+                        if mirror:  # (as below, for one entry: a Batch's two lists)
+                            was[i] = v
+                            patches[key] = [i, v]
+                        else:
+                            now = was.copy()
+                            now[i] = v
+                            changed[key] = now
+                        changes[key] = [i]
+                        continue
+                    at = sorted(i for i in marks if was[i] != src[i])
                     if at:
                         if mirror:
                             # Set in place: every summary since shares the list; the
