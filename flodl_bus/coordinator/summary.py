@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from itertools import compress
+from operator import ne
 from typing import Any, Final, Protocol
 
 from flodl_bus.coordinator.tracked import Tracked
@@ -122,8 +123,8 @@ KEYS: Final = (
     "counts",
 )
 COPIED: Final = (True, True, True, True, True, False, False, False, True)
-#: every other key, in the summary's key order (the optional last one included)
-SCALARS: Final = (
+#: every other key, in the summary's key order (the last one, optional, apart)
+SCALARS_ALWAYS: Final = (
     "phase",
     "version",
     "global_step",
@@ -133,8 +134,11 @@ SCALARS: Final = (
     "last_aggregated",
     "pools",
     "gate",
-    "window_wait_since",
 )
+OPTIONAL: Final = ("window_wait_since",)
+SCALARS: Final = (*SCALARS_ALWAYS, *OPTIONAL)
+#: the key of each value ``_incremental`` reads for them (the gate's two: its map's)
+_VAL_KEYS: Final = (*SCALARS_ALWAYS, "gate")
 
 
 class Summarizer:
@@ -165,6 +169,8 @@ class Summarizer:
         #: the record's delta from ``_base`` to ``_last`` where the build knew it
         #: (``mirror``, no list replaced), else None
         self._delta: dict[str, Any] | None = None
+        #: the scalars' values ``_last`` was built from (``_incremental``), or None
+        self._vals: tuple[Any, ...] | None = None
 
     def flagged(self, flags: list[bool]) -> list[int]:
         """The ranks whose flag is set, in order; none (the usual answer) at the cost of
@@ -301,7 +307,7 @@ class Summarizer:
         summary = self._assemble(lists)
         self._last, self._base, self._base_kept = summary, reuse, not changes
         self._sources, self._changes, self._patches = sources, changes, {}
-        self._delta = None
+        self._delta = self._vals = None
         return summary
 
     def _incremental(self, reuse: Mapping[str, Any], last: dict[str, Any]) -> dict[str, Any]:
@@ -370,16 +376,22 @@ class Summarizer:
         core = self.core
         reduce = core.reduce
         open_, why = core.gate()
+        vals = (
+            core.phase, core.version, core.global_step, core.avg_count, reduce.in_flight,
+            core.elche.anchor, core.last_aggregated, core.dispatch.remaining(), open_, why,
+        )  # fmt: skip
         summary = last.copy()
-        summary["phase"] = core.phase
-        summary["version"] = core.version
-        summary["global_step"] = core.global_step
-        summary["avg_count"] = core.avg_count
-        summary["cpu_pending"] = reduce.in_flight
-        summary["anchor"] = core.elche.anchor
-        summary["last_aggregated"] = core.last_aggregated
-        summary["pools"] = core.dispatch.remaining()
-        summary["gate"] = {"open": open_, "why": why}
+        read = self._vals
+        # One C comparison says whether any scalar moved (most messages move none):
+        # else the last summary's values, equal, stand.
+        moved = read is None or vals != read
+        if moved:
+            (
+                summary["phase"], summary["version"], summary["global_step"],
+                summary["avg_count"], summary["cpu_pending"], summary["anchor"],
+                summary["last_aggregated"], summary["pools"],
+            ) = vals[:8]  # fmt: skip
+            summary["gate"] = {"open": open_, "why": why}
         if changed:
             summary.update(changed)
         if reduce.wait_since is not None:
@@ -390,7 +402,14 @@ class Summarizer:
         self._sources, self._changes, self._patches = sources, changes, patches
         # Every list is shared with ``reuse`` (the last summary's, or a base's that stands
         # for it): only the scalars can differ, and the patches say where the lists did.
-        self._delta = (
-            delta_shared(reuse, summary, SCALARS, patches) if mirror and not changed else None
-        )
+        self._delta = None
+        if mirror and not changed:
+            keys: tuple[str, ...] = SCALARS
+            if reuse is last and read is not None:
+                # The scalars to compare are those that moved since ``last`` (= ``reuse``).
+                keys = OPTIONAL
+                if moved:
+                    keys = (*compress(_VAL_KEYS, map(ne, read, vals)), *OPTIONAL)
+            self._delta = delta_shared(reuse, summary, keys, patches)
+        self._vals = vals
         return summary
