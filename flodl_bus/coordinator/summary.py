@@ -26,6 +26,12 @@ message at 4,096 ranks), but a summary no longer keeps its lists as they were: o
 caller that reads nothing of an old summary but its identity may turn it on (the
 coordinator loop recording through a record process, whose deltas are made here and
 whose whole states are copied as they are sent).
+
+With the mirror, a build that replaced no list also makes the record's delta
+(``delta(after, before)``): every list is shared, so only the scalars can differ, and
+those are read as one tuple and compared with the last build's in C. The walk of
+``record.states.delta`` over every key was a fifth of a ``Batch``'s record cost at 1,024
+ranks; the tests hold this delta to that walk over two fresh states, line by line.
 """
 
 from __future__ import annotations
