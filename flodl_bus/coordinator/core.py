@@ -386,6 +386,14 @@ class Coordinator:
             return None
         return self.summarizer.patches(after, before)
 
+    def summary_delta(
+        self, after: Mapping[str, Any], before: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        """The record's delta from ``before`` to ``after`` where the summarizer knew it
+        as it built ``after`` (``Summarizer.delta``: the mirror on, no list replaced),
+        else None."""
+        return self.summarizer.delta(after, before)
+
     # ================================================================= upstream
     def _on_exiting(self, r: int, out: list[Out]) -> None:
         if self.live.mark_exited(r):

@@ -154,7 +154,11 @@ class PoolDispatch(Dispatch):
         return self.in_flight_all()
 
     def remaining(self) -> dict[int, int]:
-        return {e: p.remaining() for e, p in sorted(self.pools.items())}
+        pools = self.pools
+        if len(pools) == 1:  # an epoch's steady state; asked by every state summary
+            for e, p in pools.items():
+                return {e: p.remaining()}
+        return {e: p.remaining() for e, p in sorted(pools.items())}
 
     def epoch_remaining(self) -> int | None:
         if not self.pools:

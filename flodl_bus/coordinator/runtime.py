@@ -380,6 +380,7 @@ class CoordinatorLoop:
                     sender=rank,
                     changes=core.summary_changes(after, before),
                     patches=core.summary_patches(after, before),
+                    delta=core.summary_delta(after, before),
                 )
             t3, sent = pc(), prof.send
             self._apply(outs, now)
@@ -455,6 +456,7 @@ class CoordinatorLoop:
             after=after,
             out=out,
             patches=self.core.summary_patches(after, before),
+            delta=self.core.summary_delta(after, before),
             **fields,
         )
 

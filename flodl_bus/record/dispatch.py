@@ -362,15 +362,17 @@ class DispatchRecorder:
         sender: int | None = None,
         changes: Mapping[str, Sequence[int] | None] | None = None,
         patches: Mapping[str, list[Any]] | None = None,
+        delta: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> None:
         """One upstream message's line. ``changes``: where ``after``'s lists differ from
         ``before``'s when one was built from the other (``Coordinator.summary_changes``),
         so the delta need not look for it; ``patches``: the entries set in place between
-        them (``Coordinator.summary_patches``, ``Summarizer.mirror``). Neither is
-        recorded itself."""
+        them (``Coordinator.summary_patches``, ``Summarizer.mirror``); ``delta``: the
+        delta itself, from whoever built ``after`` from ``before`` knowing it
+        (``Coordinator.summary_delta``). None of them is recorded itself."""
         i = next(self._counter)
-        st = self._states(before, after, sender, changes, patches)
+        st = self._states(before, after, sender, changes, patches, delta)
         if self._remote is not None:
             k, values = process.pack_msg(msg, record_value)
             self._send(
@@ -421,15 +423,19 @@ class DispatchRecorder:
         hint: int | None,
         changes: Mapping[str, Sequence[int] | None] | None = None,
         patches: Mapping[str, list[Any]] | None = None,
+        delta: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """``before`` and ``after`` as the line holds them: whole, or (``deltas``) what
         changed since the last recorded ``after`` when ``before`` is that state, as it
         always is in the coordinator loop (its cache hands back the same object). With
         ``patches`` (a summarizer that sets lists in place), whole states are copied:
-        their lists change after the call, before a record process takes them."""
+        their lists change after the call, before a record process takes them. A
+        ``delta`` handed in is taken as it is, where it is one from ``last``."""
         last = self._state
         if self.deltas:
             self._state = after
+            if delta is not None and before is last:
+                return dict(delta)
             if last is not None and (before is last or (patches is None and before == last)):
                 # ``changes`` is ``after`` against ``before``, which equals ``last``.
                 return states.delta(last, after, hint, changes, patches)
@@ -543,15 +549,17 @@ class DispatchRecorder:
         after: Mapping[str, Any],
         out: Sequence[object],
         patches: Mapping[str, list[Any]] | None = None,
+        delta: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> None:
         """A coordinator core call other than an upstream dispatch: ``start``, ``tick``,
         ``send_failed`` (with ``rank``, ``msg``), ``declare_dead`` (``rank``),
-        ``interrupt``. Replay re-issues each by its event name. ``patches``: as for
-        ``dispatch`` (never recorded)."""
+        ``interrupt``. Replay re-issues each by its event name. ``patches``, ``delta``:
+        as for ``dispatch`` (never recorded)."""
         rank = extra.get("rank")
         i = next(self._counter)
-        st = self._states(before, after, rank if type(rank) is int else None, None, patches)
+        hint = rank if type(rank) is int else None
+        st = self._states(before, after, hint, None, patches, delta)
         if self._remote is not None:
             self._send(
                 (process.CORE, event, i, now, st, record_value(out) if out else [],

@@ -20,6 +20,7 @@ from flodl_bus.coordinator.config import MODES, CoordinatorConfig
 from flodl_bus.coordinator.core import Coordinator
 from flodl_bus.coordinator.effects import Out
 from flodl_bus.coordinator.reduce import NcclReduce
+from flodl_bus.coordinator.summary import KEYS, SCALARS
 from flodl_bus.coordinator.tracked import Tracked
 from flodl_bus.protocol.messages import UpstreamMsg
 from flodl_bus.record import states
@@ -219,9 +220,12 @@ class Mirrored(Coordinator):
     in place (``Summarizer.mirror``), each call's delta made from the summarizer's
     patches; beside it, every state built fresh and recorded whole-diffed."""
 
-    def __init__(self, config: CoordinatorConfig, run_dir: Path) -> None:
+    def __init__(self, config: CoordinatorConfig, run_dir: Path, fast: bool = False) -> None:
         super().__init__(config)
         self.summarizer.mirror = True
+        #: each call's delta as the summarizer made it (``summary_delta``), where it did
+        self.fast = fast
+        self.known = 0
         self.ours = DispatchRecorder(run_dir / "ours", "coordinator", compress=False, process=True)
         self.fresh_rec = DispatchRecorder(
             run_dir / "fresh", "coordinator", compress=False, process=False, events=False
@@ -244,14 +248,24 @@ class Mirrored(Coordinator):
         if event == "tick" and not outs and after == before and not patches:
             self.state = before  # unrecorded, as the loop leaves it
             return outs
+        delta = self.summary_delta(after, before) if self.fast else None
+        if delta is not None:
+            # the line's delta, as two fresh states diffed whole make it (key order too)
+            want = states.delta(fresh_before, fresh, hint)
+            assert delta == want, f"call {self.calls}: {delta} != {want}"
+            assert [list(d) for d in delta.values()] == [list(d) for d in want.values()]
+            self.known += 1
         if event == "dispatch":
             self.ours.dispatch(
                 before=before, after=after, out=outs, sender=hint,
-                changes=self.summary_changes(after, before), patches=patches, **kw,
+                changes=self.summary_changes(after, before), patches=patches, delta=delta,
+                **kw,
             )  # fmt: skip
             self.fresh_rec.dispatch(before=fresh_before, after=fresh, out=outs, sender=hint, **kw)
         else:
-            self.ours.core_call(event, before=before, after=after, out=outs, patches=patches, **kw)
+            self.ours.core_call(
+                event, before=before, after=after, out=outs, patches=patches, delta=delta, **kw
+            )
             self.fresh_rec.core_call(event, before=fresh_before, after=fresh, out=outs, **kw)
         self.state, self.fresh = after, fresh
         return outs
@@ -295,3 +309,42 @@ def test_lists_set_in_place_record_byte_for_byte_what_fresh_states_record(
     assert core.in_place > 300  # the lists were set in place, not copied
     assert ours.count(b"\n") > 500 and b'"patched"' in ours
     assert ours == fresh
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-sync", "cpu-cadence"])
+def test_the_summarizers_own_deltas_record_byte_for_byte_what_fresh_states_record(
+    mode: str, tmp_path: Path
+) -> None:
+    """The deltas the summarizer makes as it builds a state (``summary_delta``: no walk
+    over the keys, only its scalars compared) are, call by call, the whole diff of two
+    fresh states, and the record they make is the fresh one to the byte: the gate moving
+    on a ``Batch``, the pools on a plan, a wait's start and end on ticks, two deaths."""
+    cfg = CoordinatorConfig(
+        mode=mode, world_size=RANKS, total_samples=RANKS * 60, batch_size=2, num_epochs=3,
+        eval_every=1, final_eval=True, heartbeat_timeout=0.05, max_batch_diff=3,
+    )  # fmt: skip
+    core = Mirrored(cfg, tmp_path, fast=True)
+    cluster = Cluster(cfg, speeds=[1 + (r * 7) % 5 for r in range(RANKS)], core=core)
+    cluster.heartbeat_every_ms = 10
+    cluster.kill_at.update({5: 30, 13: 90})
+    cluster.run()
+    assert cluster.finished is not None and core.live.dead[5] and core.live.dead[13]
+    core.ours.close()
+    core.fresh_rec.close()
+    assert core.ours.failure is None
+    ours = (tmp_path / "ours" / "coordinator.jsonl").read_bytes()
+    fresh = (tmp_path / "fresh" / "coordinator.jsonl").read_bytes()
+    assert core.known > 300  # most lines took the summarizer's delta
+    assert ours.count(b"\n") > 500 and b'"patched"' in ours
+    assert ours == fresh
+
+
+def test_the_keys_a_summarizers_delta_compares_are_every_key_but_its_lists() -> None:
+    """A key missing there would never reach a line built from the summarizer's delta."""
+    cfg = CoordinatorConfig(
+        mode="cpu-cadence", world_size=RANKS, total_samples=400, batch_size=1, num_epochs=1
+    )
+    core = Coordinator(cfg)
+    core.reduce.wait_since = 1.5  # the optional last key
+    summary = core.state_summary()
+    assert [k for k in summary if k not in KEYS] == list(SCALARS)

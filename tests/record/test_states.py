@@ -99,6 +99,39 @@ def test_a_key_the_state_gains_is_changed_and_one_it_loses_removed() -> None:
     assert states.delta(gained, a, None) == {"changed": {}, "removed": ["window_wait_since"]}
 
 
+@pytest.mark.parametrize("n", [4, 64])
+def test_a_delta_of_states_sharing_their_lists_is_the_walks_delta(n: int) -> None:
+    """``delta_shared`` (the keys that can differ named, the lists set in place given
+    as patches) says what ``delta`` says of the same two states, or leaves it to it."""
+    rnd = random.Random(n)
+    scalars = ("phase", "version", "pools", "gate", "window_wait_since")
+    prev = _state(n)
+    taken = 0
+    for _ in range(400):
+        cur = _mutate(rnd, prev)
+        for k in ("steps", "acks", "dead"):
+            cur[k] = prev[k]  # shared, as the summarizer's mirror keeps them
+        patches: dict[str, list[Any]] = {}
+        chosen = rnd.sample(["steps", "acks"], rnd.randrange(3))
+        for k in (k for k in ("steps", "acks") if k in chosen):  # in the state's order
+            flat: list[Any] = []
+            for i in sorted(rnd.sample(range(n), rnd.choice([1, 1, 2, n // 2]))):
+                cur[k][i] = v = cur[k][i] + 1 if k == "steps" else not cur[k][i]
+                flat += (i, v)
+            patches[k] = flat
+        # the walk compares the lists' entries with themselves: a patch only says where
+        want = states.delta(prev, cur, rnd.randrange(n), None, patches)
+        got = states.delta_shared(prev, cur, scalars, patches)
+        if got is not None:
+            taken += 1
+            assert got == want
+            assert [list(v) for v in got.values()] == [list(v) for v in want.values()]
+        else:  # only a patch the line writes whole leaves it to the walk
+            assert any(k in want[states.CHANGED] for k in patches)
+        prev = cur
+    assert taken > (300 if n == 64 else 100)
+
+
 def test_expanded_events_share_no_list_so_changing_one_changes_no_other() -> None:
     a = _state(32)
     b = dict(a, steps=[1] + [0] * 31)
