@@ -125,7 +125,7 @@ job = Job(
     max_grad_norm=1.0,
     target_metric=0.45,
     # Adam's step does not grow with the batch, so flodl's linear scaling (2e-2 on two
-    # ranks) only doubles it: 0.51-0.54 final accuracy on two CPU ranks against 0.53-0.60
+    # ranks) only doubles it: 0.50-0.56 final accuracy on two CPU ranks against 0.53-0.60
     # (medians 0.58) at the LR as given; DDP's 0.58 (BENCHMARKS.md, 2026-12-07).
     lr_scale_ratio=0.0,
 )
