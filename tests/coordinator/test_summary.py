@@ -284,18 +284,15 @@ class Mirrored(Coordinator):
         return self._record("tick", super().tick(now), None, now=now)
 
 
-@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-sync", "cpu-cadence"])
-def test_lists_set_in_place_record_byte_for_byte_what_fresh_states_record(
-    mode: str, tmp_path: Path
-) -> None:
-    """The mirror's deltas, sent to a record process while the lists keep changing under
-    them, write the very lines that fresh summaries diffed whole write: a rank killed,
-    throttling, evals, a world over ``PATCH_MIN`` and the whole lists a death rewrites."""
+def _record_both_ways(mode: str, tmp_path: Path, fast: bool) -> tuple[Mirrored, bytes, bytes]:
+    """A simulated run of ``RANKS`` (two of them killed) recorded through the mirror
+    (``fast``: with the summarizer's own deltas) and from fresh states: the core and
+    both records' bytes."""
     cfg = CoordinatorConfig(
         mode=mode, world_size=RANKS, total_samples=RANKS * 60, batch_size=2, num_epochs=3,
         eval_every=1, final_eval=True, heartbeat_timeout=0.05, max_batch_diff=3,
     )  # fmt: skip
-    core = Mirrored(cfg, tmp_path)
+    core = Mirrored(cfg, tmp_path, fast=fast)
     cluster = Cluster(cfg, speeds=[1 + (r * 7) % 5 for r in range(RANKS)], core=core)
     cluster.heartbeat_every_ms = 10
     cluster.kill_at.update({5: 30, 13: 90})
@@ -306,6 +303,17 @@ def test_lists_set_in_place_record_byte_for_byte_what_fresh_states_record(
     assert core.ours.failure is None
     ours = (tmp_path / "ours" / "coordinator.jsonl").read_bytes()
     fresh = (tmp_path / "fresh" / "coordinator.jsonl").read_bytes()
+    return core, ours, fresh
+
+
+@pytest.mark.parametrize("mode", ["nccl-cadence", "cpu-sync", "cpu-cadence"])
+def test_lists_set_in_place_record_byte_for_byte_what_fresh_states_record(
+    mode: str, tmp_path: Path
+) -> None:
+    """The mirror's deltas, sent to a record process while the lists keep changing under
+    them, write the very lines that fresh summaries diffed whole write: a rank killed,
+    throttling, evals, a world over ``PATCH_MIN`` and the whole lists a death rewrites."""
+    core, ours, fresh = _record_both_ways(mode, tmp_path, fast=False)
     assert core.in_place > 300  # the lists were set in place, not copied
     assert ours.count(b"\n") > 500 and b'"patched"' in ours
     assert ours == fresh
@@ -319,21 +327,7 @@ def test_the_summarizers_own_deltas_record_byte_for_byte_what_fresh_states_recor
     over the keys, only its scalars compared) are, call by call, the whole diff of two
     fresh states, and the record they make is the fresh one to the byte: the gate moving
     on a ``Batch``, the pools on a plan, a wait's start and end on ticks, two deaths."""
-    cfg = CoordinatorConfig(
-        mode=mode, world_size=RANKS, total_samples=RANKS * 60, batch_size=2, num_epochs=3,
-        eval_every=1, final_eval=True, heartbeat_timeout=0.05, max_batch_diff=3,
-    )  # fmt: skip
-    core = Mirrored(cfg, tmp_path, fast=True)
-    cluster = Cluster(cfg, speeds=[1 + (r * 7) % 5 for r in range(RANKS)], core=core)
-    cluster.heartbeat_every_ms = 10
-    cluster.kill_at.update({5: 30, 13: 90})
-    cluster.run()
-    assert cluster.finished is not None and core.live.dead[5] and core.live.dead[13]
-    core.ours.close()
-    core.fresh_rec.close()
-    assert core.ours.failure is None
-    ours = (tmp_path / "ours" / "coordinator.jsonl").read_bytes()
-    fresh = (tmp_path / "fresh" / "coordinator.jsonl").read_bytes()
+    core, ours, fresh = _record_both_ways(mode, tmp_path, fast=True)
     assert core.known > 300  # most lines took the summarizer's delta
     assert ours.count(b"\n") > 500 and b'"patched"' in ours
     assert ours == fresh
