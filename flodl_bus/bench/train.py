@@ -48,7 +48,7 @@ from flodl_bus.bench import breakdown, rounds
 from flodl_bus.bench.breakdown import mean_of, run_breakdowns
 from flodl_bus.bench.idle import describe, idle_of_run
 from flodl_bus.bench.rounds import RoundPhases, rounds_of_run
-from flodl_bus.job import load_job
+from flodl_bus.job import Job, load_job
 from flodl_bus.record.dispatch import fresh_run_dir
 from flodl_bus.record.log import read_records
 from flodl_bus.worker.host import thread_share, usable_cores
@@ -271,6 +271,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def lr_line(job: Job, flag: float | None, workers: int) -> str:
+    """The LR each contender trains at, for the header: the bus ranks scale the job's by
+    flodl's rule (the flag's ratio, else the job's, else 1.0) where DDP and the plain
+    loop do not, and a comparison of their times to target reads that way."""
+    ratio, whose = flag, "--lr-scale-ratio"
+    if ratio is None:
+        ratio, whose = job.lr_scale_ratio, "the job's ratio"
+    if ratio is None:
+        ratio, whose = 1.0, "flodl's ratio"
+    scale = 1.0 + (workers - 1) * ratio
+    if scale == 1.0:
+        return "LR: every contender at the job's"
+    return (
+        f"LR: the bus ranks at the job's x{scale:g} ({whose} {ratio:g}, unless --up-args "
+        "gives another); the plain loop and DDP at the job's"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
@@ -318,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.slow_rank is not None:
         print(f"rank {args.slow_rank} slowed about {args.slow_factor:g}x (bus and DDP runs)")
+    print(lr_line(job, args.lr_scale_ratio, args.workers))
     print("command: flodl-bus bench train " + shlex.join(list(argv or sys.argv[1:])))
 
     contenders: list[str] = [] if args.no_plain else ["plain"]

@@ -233,3 +233,16 @@ def test_the_thread_count_each_rank_kept_is_read_from_what_it_said(tmp_path: Pat
     assert _threads_kept(tmp_path, 2) == [None, 1]
     (tmp_path / "rank1.log").unlink()
     assert _threads_kept(tmp_path, 2) is None
+
+
+def test_the_header_says_the_bus_ranks_lr_scale_beside_the_baselines_lr() -> None:
+    import dataclasses
+
+    from flodl_bus.bench.train import lr_line
+    from flodl_bus.examples import digits
+
+    assert "x2 (flodl's ratio 1" in lr_line(digits.job, None, 2)
+    unscaled = dataclasses.replace(digits.job, lr_scale_ratio=0.0)
+    assert lr_line(unscaled, None, 2) == "LR: every contender at the job's"
+    assert "x1.5 (--lr-scale-ratio 0.5" in lr_line(unscaled, 0.5, 2)
+    assert lr_line(digits.job, None, 1) == "LR: every contender at the job's"
