@@ -362,7 +362,7 @@ class DispatchRecorder:
         sender: int | None = None,
         changes: Mapping[str, Sequence[int] | None] | None = None,
         patches: Mapping[str, list[Any]] | None = None,
-        delta: Mapping[str, Any] | None = None,
+        delta: dict[str, Any] | None = None,
         **extra: Any,
     ) -> None:
         """One upstream message's line. ``changes``: where ``after``'s lists differ from
@@ -423,7 +423,7 @@ class DispatchRecorder:
         hint: int | None,
         changes: Mapping[str, Sequence[int] | None] | None = None,
         patches: Mapping[str, list[Any]] | None = None,
-        delta: Mapping[str, Any] | None = None,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """``before`` and ``after`` as the line holds them: whole, or (``deltas``) what
         changed since the last recorded ``after`` when ``before`` is that state, as it
@@ -435,7 +435,8 @@ class DispatchRecorder:
         if self.deltas:
             self._state = after
             if delta is not None and before is last:
-                return dict(delta)
+                # A fresh dict of each build, never written again: no copy needed.
+                return delta
             if last is not None and (before is last or (patches is None and before == last)):
                 # ``changes`` is ``after`` against ``before``, which equals ``last``.
                 return states.delta(last, after, hint, changes, patches)
@@ -549,7 +550,7 @@ class DispatchRecorder:
         after: Mapping[str, Any],
         out: Sequence[object],
         patches: Mapping[str, list[Any]] | None = None,
-        delta: Mapping[str, Any] | None = None,
+        delta: dict[str, Any] | None = None,
         **extra: Any,
     ) -> None:
         """A coordinator core call other than an upstream dispatch: ``start``, ``tick``,
