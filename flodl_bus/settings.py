@@ -403,6 +403,12 @@ def resolve(
     return values
 
 
+def lr_scale(ratio: float, world_size: int) -> float:
+    """flodl's LR scaling (reference §3.13): the factor every rank of ``world_size``
+    applies to the job's LR at ``lr_scale_ratio`` ``ratio``."""
+    return 1.0 + (world_size - 1) * ratio
+
+
 def world_mismatch(values: Mapping[str, Any], world_size: int) -> str | None:
     """What in the resolved knobs cannot fit a world of ``world_size`` (one line), or
     None: checked by a launcher that knows the world before anything starts."""

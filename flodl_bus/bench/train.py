@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from flodl_bus import settings
 from flodl_bus.bench import breakdown, rounds
 from flodl_bus.bench.breakdown import mean_of, run_breakdowns
 from flodl_bus.bench.idle import describe, idle_of_run
@@ -273,16 +274,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def lr_line(job: Job, flag: float | None, workers: int) -> str:
     """The LR each contender trains at, for the header: the bus ranks scale the job's by
-    flodl's rule (the flag's ratio, else the job's, else 1.0) where DDP and the plain
-    loop do not, and a comparison of their times to target reads that way."""
-    ratio, whose = flag, "--lr-scale-ratio"
-    if ratio is None:
-        ratio, whose = job.lr_scale_ratio, "the job's ratio"
-    if ratio is None:
-        ratio, whose = 1.0, "flodl's ratio"
-    scale = 1.0 + (workers - 1) * ratio
+    flodl's rule at the ratio a run resolves (``settings.resolve``: the flag, else the
+    job's, else flodl's) where DDP and the plain loop do not, and a comparison of their
+    times to target reads that way."""
+    asks = job.knob_defaults()
+    ratio = settings.resolve(argparse.Namespace(knob_lr_scale_ratio=flag), asks)["lr_scale_ratio"]
+    scale = settings.lr_scale(ratio, workers)
     if scale == 1.0:
         return "LR: every contender at the job's"
+    whose = (
+        "--lr-scale-ratio"
+        if flag is not None
+        else "the job's ratio"
+        if "lr_scale_ratio" in asks
+        else "flodl's ratio"
+    )
     return (
         f"LR: the bus ranks at the job's x{scale:g} ({whose} {ratio:g}, unless --up-args "
         "gives another); the plain loop and DDP at the job's"
@@ -298,6 +304,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--slow-rank must be a rank of 0..{args.workers - 1}")
     if args.slow_rank is not None and args.slow_factor <= 1.0:
         p.error("--slow-factor must be above 1")
+    if args.lr_scale_ratio is not None and not args.lr_scale_ratio >= 0.0:
+        p.error("--lr-scale-ratio must be 0 or more")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
 
     import torch

@@ -532,8 +532,7 @@ def join_run(args: argparse.Namespace, job: Job | None = None) -> Joined | int:
             "settings": knobs,
         },
         device=device,
-        # flodl's LR scaling (reference §3.13): every rank the same factor of the world
-        lr_scale=1.0 + (world - 1) * lr_scale_ratio,
+        lr_scale=settings.lr_scale(lr_scale_ratio, world),
         announce=_say,
         epochs=epochs,
         resume=resume,
