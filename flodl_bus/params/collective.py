@@ -44,7 +44,7 @@ from flodl_bus.params.flat import FlatBuffers, FlatLayout
 from flodl_bus.params.fused import MIN_NUMEL as FUSED_MIN_NUMEL
 from flodl_bus.params.fused import available as fused_stats_available
 from flodl_bus.params.fused import stats as fused_stats
-from flodl_bus.params.groups import Group, SessionManager
+from flodl_bus.params.groups import Group, RoundSplit, SessionManager
 from flodl_bus.params.port import SyncResult
 
 UNREALIZED = SyncResult(divergence=None, post_norm=None, pre_norm=None)
@@ -192,7 +192,15 @@ class CollectiveSync(Averager):
             )
             return True
 
-        if not self.sessions.run(attempt):
+        try:
+            realized = self.sessions.run(attempt)
+        except RoundSplit:
+            # Kept local: the model still points at ``pre``; the buffers an abandoned op
+            # of the broken group may still write are not used again.
+            self._p = _replace(self._p, other, FlatBuffers(self._p_layout, self.device))
+            self._b = _replace(self._b, other, FlatBuffers(self._b_layout, self.device))
+            return UNREALIZED
+        if not realized:
             return UNREALIZED
         work_p = self._p[other]
         d2, post2, pre2 = (float(x) for x in torch.stack(sums).tolist())  # the one sync

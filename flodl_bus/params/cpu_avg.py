@@ -57,7 +57,7 @@ from flodl_bus.params.averaging import (
 )
 from flodl_bus.params.collective import Averager, scale_into_
 from flodl_bus.params.flat import FlatBuffers
-from flodl_bus.params.groups import Group, SessionManager
+from flodl_bus.params.groups import Group, RoundSplit, SessionManager
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import AveragedParams, Shutdown, SnapshotReady, SyncAck, Update
 
@@ -217,11 +217,7 @@ class CpuAverager(Averager):
             nonlocal attempts
             attempts += 1
             if attempts > 1:
-                # An abandoned gloo op of the failed attempt may still write ``cons``.
-                self.cons = FlatBuffers(self._p_layout, self.cons.device, pin=self.cons.pinned)
-                self.cons_b = FlatBuffers(self._b_layout, self.cons.device, pin=self.cons.pinned)
-                if self.bf16_wire:
-                    self._wire = self._wire_buffers()
+                self._fresh_staging()
             if self.bf16_wire:
                 return self._bf16_all_reduce(group, n_eff, mover)
             self._wire_bytes = _nbytes([*self.cons.flats, *self.cons_b.flats])
@@ -229,7 +225,15 @@ class CpuAverager(Averager):
                 group, (n_eff, mover), (self.snap, self.snap_b), (self.cons, self.cons_b)
             )
 
-        realized = self.sessions.run(attempt)
+        try:
+            realized = self.sessions.run(attempt)
+        except RoundSplit as exc:
+            log.warning("cpu_round_kept_local", rank=self.rank, why=str(exc)[:300])
+            realized = False
+            self._fresh_staging()
+            # Peers adopted this round's consensus, this rank did not: the next round
+            # must not take a change against bases that differ (it travels in f32).
+            self.base = None
         reduce_s = time.monotonic() - reduce_started
         self.version += 1
         if not realized:
@@ -248,6 +252,13 @@ class CpuAverager(Averager):
                 b.copy_(c)
         avg = AveragedParams(tuple(self.cons.views), tuple(self.cons_b.views), self.version)
         return Update(avg), reduce_s
+
+    def _fresh_staging(self) -> None:
+        # An abandoned gloo op of a failed attempt may still write ``cons``.
+        self.cons = FlatBuffers(self._p_layout, self.cons.device, pin=self.cons.pinned)
+        self.cons_b = FlatBuffers(self._b_layout, self.cons.device, pin=self.cons.pinned)
+        if self.bf16_wire:
+            self._wire = self._wire_buffers()
 
     def _wire_buffers(self) -> list[torch.Tensor | None]:
         return [

@@ -45,6 +45,8 @@ MAX_ATTEMPTS: Final = 32
 #: How often a parked waiter looks at the abort flag.
 ABORT_POLL_S: Final = 0.05
 INITIAL_UID: Final = b"initial"
+#: store key (under a session's prefix) where each member says its ops completed
+ANNOUNCE_KEY: Final = "flodl_ops_done/"
 
 
 class CollectiveFailed(RuntimeError):
@@ -53,6 +55,18 @@ class CollectiveFailed(RuntimeError):
 
 class SessionTimeout(RuntimeError):
     """No new session arrived within the mailbox cap after the group broke."""
+
+
+class RoundSplit(RuntimeError):
+    """The op being retried completed on a survivor before the group broke.
+
+    A collective can finish on some ranks and break on others when a peer dies inside
+    it (gloo's ring: the dead peer's last chunk reached one survivor, not the other). The
+    survivors that finished moved on and never run that op again, so a retry in the new
+    session would wait for them until the group timeout, then for a session nobody
+    sends. The caller keeps its own state for this round (not realized); the next round
+    brings the survivors together again.
+    """
 
 
 def session_prefix(base: str, uid: bytes) -> str:
@@ -316,6 +330,16 @@ class SessionManager:
         self._closed = False
         self.retired: list[Group] = []
         self.sessions_formed = 0
+        #: ops this rank completed over the run, every group counted: survivors of one
+        #: world run the same sequence, so a peer one ahead finished the op we retry
+        self._ops_total = 0
+        #: offers seen, so an op that succeeds after an offer announced the count
+        #: without it is taken as failed (the announcement must stay true)
+        self._offers = 0
+        #: rounds given up because they completed on a peer only
+        self.rounds_split = 0
+        #: whether the last offer was formed at once (every survivor's plane does the same)
+        self._eager = False
         _LIVE.add(self)
 
     # -- state ----------------------------------------------------------------------------
@@ -351,11 +375,60 @@ class SessionManager:
         with self._cond:
             self._pending = spec
             group = self._group
+            self._offers += 1
+            self._eager = form
+            done = self._ops_total
             self._cond.notify_all()
         if group is not None and group.spec.uid != spec.uid:
             group.abort()
+        self._announce(spec, done)
         if form:
             self._form_offered()
+
+    # -- split rounds ---------------------------------------------------------------------
+
+    def _session_store(self, spec: SessionSpec) -> RedisStore:
+        return RedisStore(
+            self._redis, session_prefix(self.base_prefix, spec.uid), timedelta(seconds=self.timeout)
+        )
+
+    def _announce(self, spec: SessionSpec, done: int) -> None:
+        """Say, under the new session's keys, how many ops this rank completed before it.
+
+        Every survivor is offered the session, so every one announces, whether it is in
+        a collective or between rounds; a survivor retrying reads them all (``_split``).
+        """
+        try:
+            self._session_store(spec).set(f"{ANNOUNCE_KEY}{spec.rank}", str(done))
+        except (RuntimeError, redis.RedisError) as exc:
+            # Without it a retrying peer waits the timeout, then retries as before.
+            log.warning("param_ops_not_announced", uid=spec.uid.hex(), error=str(exc)[:300])
+
+    def _split(self, spec: SessionSpec) -> bool:
+        """Whether a member of ``spec``'s session completed the op this rank is retrying;
+        if so the op counts as done here too (the peers' count and ours agree again)."""
+        if spec.uid == INITIAL_UID:
+            return False  # the first session: nobody announced into it
+        keys = [f"{ANNOUNCE_KEY}{r}" for r in range(spec.world_size)]
+        try:
+            counts = [int(v) for v in self._session_store(spec).multi_get(keys)]
+        except (RuntimeError, redis.RedisError, ValueError) as exc:
+            log.warning("param_ops_unknown", uid=spec.uid.hex(), error=str(exc)[:300])
+            return False
+        with self._cond:
+            # A peer cannot be further ahead: it needed this rank for any later op.
+            if max(counts) != self._ops_total + 1:
+                return False
+            self._ops_total += 1
+            self.rounds_split += 1
+        log.warning(
+            "param_round_split",
+            uid=spec.uid.hex(),
+            rank=spec.rank,
+            detail="the round completed on a survivor before the group broke; "
+            "this rank keeps its own state for it",
+        )
+        return True
 
     def _form_offered(self) -> None:
         with self._forming:
@@ -395,12 +468,16 @@ class SessionManager:
 
     # -- forming --------------------------------------------------------------------------
 
-    def connect(self) -> Group:
-        """The usable group, formed now if needed (waits for a new session if broken)."""
-        with self._forming:
-            return self._connect()
+    def connect(self, *, retry: bool = False) -> Group:
+        """The usable group, formed now if needed (waits for a new session if broken).
 
-    def _connect(self) -> Group:
+        ``retry``: the caller's op broke on the last group and is about to run again;
+        if it completed on a peer, ``RoundSplit`` is raised instead (``_split``).
+        """
+        with self._forming:
+            return self._connect(retry)
+
+    def _connect(self, retry: bool) -> Group:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the param plane is closed")
@@ -412,12 +489,27 @@ class SessionManager:
             # A session offered before the first one formed supersedes it.
             need_new = bool(self._failed) or (group is None and self._pending is not None)
             spec = self._take_pending_locked() if need_new else self._spec
+            eager = self._eager
+        # Told before forming: where survivors form an offer lazily (at their next op),
+        # a peer done with the round would not form it now, and neither may we.
+        split = retry and need_new and self._split(spec)
+        if split and not eager:
+            with self._cond:
+                if self._pending is None:
+                    self._pending = spec  # formed with the peers at the next op
+            raise RoundSplit("the round completed on a peer only")
         try:
-            return self._form(spec)
+            formed = self._form(spec)
         except CollectiveFailed:
             with self._cond:
                 self._failed.add(spec.uid)
+            if split:
+                raise RoundSplit("the round completed on a peer only") from None
             raise
+        if split:
+            # Formed with the peers that form offers at once, then the round is given up.
+            raise RoundSplit("the round completed on a peer only")
+        return formed
 
     def _take_pending_locked(self) -> SessionSpec:
         deadline = time.monotonic() + self.mailbox_cap
@@ -480,12 +572,19 @@ class SessionManager:
         last: Exception | None = None
         for attempt in range(self.max_attempts):
             try:
-                group = self.connect()
+                group = self.connect(retry=isinstance(last, CollectiveFailed))
             except CollectiveFailed as exc:  # formation failed: wait for yet another session
                 last = exc
                 continue
+            with self._cond:
+                offers = self._offers
             try:
                 result = op(group)
+                with self._cond:
+                    if self._offers != offers:
+                        # Announced without this op: peers must not count it either.
+                        raise CollectiveFailed("a new session was offered during the op")
+                    self._ops_total += 1
             except CollectiveFailed as exc:
                 last = exc
                 self._mark_broken(group)

@@ -212,3 +212,20 @@ def test_a_tensor_pointed_elsewhere_between_rounds_is_adopted_with_its_values(
     sync.sync_now(1)
     assert torch.equal(layer.weight.detach(), torch.full((2, 3), 7.0))
     assert layer.weight.data_ptr() == sync.live[0].views[0].data_ptr()
+
+
+def test_a_sync_that_completed_on_a_peer_only_leaves_the_model_as_it_was() -> None:
+    """``RoundSplit`` from the session manager (the round completed on a survivor before
+    the group broke, so nobody will join its retry): the rank keeps its own parameters
+    for the round and reports it unrealized, instead of failing."""
+    from flodl_bus.params.collective import UNREALIZED, CollectiveSync
+    from flodl_bus.params.groups import RoundSplit
+
+    class SplitSessions:
+        def run(self, attempt: Any) -> bool:
+            raise RoundSplit("the round completed on a peer only")
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    sync = CollectiveSync([w], [], SplitSessions())  # type: ignore[arg-type]
+    assert sync.sync_now(3) == UNREALIZED
+    assert w.tolist() == [1.0, 2.0, 3.0]

@@ -53,3 +53,62 @@ def test_a_round_that_fails_for_good_is_reported_not_silent() -> None:
     # No SyncAck: the coordinator must not count this round as done by this rank.
     assert [type(m) for m in published] == [SnapshotReady]
     assert not any(isinstance(m, SyncAck) for m in published)
+
+
+class SplitSessions:
+    """A first round realized, then the session manager's verdict on a retried round
+    that had completed on a peer before the group broke (``RoundSplit``)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def run(self, attempt: Any) -> bool:
+        from flodl_bus.params.groups import RoundSplit
+
+        self.calls += 1
+        if self.calls == 1:
+            return True  # its sums are not what is tested
+        raise RoundSplit("the round completed on a peer only")
+
+
+def test_a_round_that_completed_on_a_peer_only_is_kept_local_and_acked() -> None:
+    """Not a failure: the rank keeps its own state for that round (an unrealized
+    ``Update`` of its snapshot), acks it so the coordinator closes the cycle, and drops
+    its bf16 base (its peers adopted a consensus it did not, so the next round must
+    travel in f32)."""
+    from flodl_bus.protocol.messages import Update
+
+    injected: list[Any] = []
+    published: list[Any] = []
+    got = threading.Semaphore(0)
+
+    def inject(msg: Any) -> None:
+        injected.append(msg)
+        got.release()
+
+    avg = CpuAverager(
+        [torch.full((4,), 5.0)],
+        [],
+        SplitSessions(),  # type: ignore[arg-type]
+        rank=1,
+        inject=inject,
+        publish=published.append,
+        bf16_wire=True,
+    )
+    try:
+        avg.snapshot(3)
+        assert got.acquire(timeout=10)
+        assert avg.wait_idle(10)
+        assert avg.base is not None  # the realized round's consensus
+        avg.snapshot(2)
+        assert got.acquire(timeout=10)
+        assert avg.wait_idle(10)
+    finally:
+        avg.close()
+    assert avg.failure is None
+    assert [type(m) for m in injected] == [Update, Update]
+    kept = injected[1].avg
+    assert not kept.realized
+    assert kept.params[0].tolist() == [5.0] * 4  # the rank's own snapshot
+    assert avg.base is None
+    assert [type(m) for m in published] == [SnapshotReady, SyncAck] * 2

@@ -266,3 +266,100 @@ def test_a_survivor_not_in_a_collective_forms_the_new_session_when_offered(
     finally:
         a.close()
         b.close()
+
+
+def _broken_then(reduce_op: Any) -> Any:
+    """An op whose first run breaks (its group lost a peer mid-collective) and whose
+    runs after that are ``reduce_op``: the retry in the new session."""
+    from flodl_bus.params.groups import CollectiveFailed
+
+    runs = [0]
+
+    def op(group: Any) -> Any:
+        runs[0] += 1
+        if runs[0] == 1:
+            raise CollectiveFailed("peer lost mid-collective")
+        return reduce_op(group)
+
+    return op
+
+
+def _sum_of_ones(group: Any) -> Any:
+    import torch
+
+    t = torch.ones(2)
+    group.all_reduce_sum_([t], 10.0)
+    return t.tolist()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["formed-at-once", "formed-at-next-op"])
+@pytest.mark.parametrize("peer_finished", [True, False])
+def test_a_retried_round_that_completed_on_a_peer_is_kept_local_not_waited_for(
+    redis_url: str, peer_finished: bool, eager: bool
+) -> None:
+    """A peer died inside a round's collective: it completed on survivor A and broke on
+    survivor B (gloo's ring handed A the dead peer's last chunk). A moved on and never
+    runs that round again, so B's retry in the new session waited for A until the group
+    timeout, then for a session nobody sends, and B left the run (CI saw it). B must
+    see from A's announced count that the round completed there and keep its own state
+    for it; where the round broke on both, both retry it and it is realized. The cpu
+    planes form an offered session at once; the nccl planes (gloo's too, on a CPU) at
+    their next op, so B must not form it alone while A, done with the round, does not."""
+    from flodl_bus.params.groups import RoundSplit, SessionSpec
+
+    a, b = _pair(redis_url, timeout=3.0, cap=3.0)
+    try:
+        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
+        if peer_finished:
+            # completed before the group broke: A is one op ahead, between rounds
+            assert a.run(lambda g: "done") == "done"
+            survivor_a: Any = lambda: "between rounds"  # noqa: E731
+        else:
+            survivor_a = lambda: a.run(_broken_then(_sum_of_ones))  # noqa: E731
+        uid = os.urandom(16)
+        got = _both(
+            survivor_a,
+            lambda: b.run(_broken_then(_sum_of_ones)),
+            # the control threads' deliveries of NewNcclSession
+            lambda: a.offer(SessionSpec(uid, 0, 2), form=eager),
+            lambda: b.offer(SessionSpec(uid, 1, 2), form=eager),
+        )
+        if peer_finished:
+            assert isinstance(got[1], RoundSplit), got  # before the fix: SessionTimeout
+            assert (a.rounds_split, b.rounds_split) == (0, 1)
+        else:
+            assert got[:2] == [[2.0] * 2] * 2, got
+            assert (a.rounds_split, b.rounds_split) == (0, 0)
+        # Either way the survivors agree again: the next round averages over both, in
+        # the offered session.
+        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
+        assert a.spec.uid == b.spec.uid == uid
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_op_that_succeeds_after_a_new_session_was_offered_runs_again_there(
+    redis_url: str,
+) -> None:
+    """The offer announced how many ops this rank completed before the new session; an
+    op that returns after that announcement must not count, or a peer reading it would
+    take a round the announcement left out for one completed here alone."""
+    from flodl_bus.params.groups import SessionSpec
+
+    manager = _manager(redis_url)
+    uid = os.urandom(16)
+    runs: list[bytes] = []
+
+    def op(group: Any) -> str:
+        runs.append(group.spec.uid)
+        if len(runs) == 1:
+            manager.offer(SessionSpec(uid, 0, 1))  # delivered while the op ran
+        return f"run {len(runs)}"
+
+    try:
+        assert manager.run(op) == "run 2"
+        assert runs[1] == uid  # the second run was in the offered session
+        assert manager.rounds_split == 0
+    finally:
+        manager.close()
