@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 
 from flodl_bus.bus.server import RedisServer
 from flodl_bus.params.collective import CollectiveSync
-from flodl_bus.params.groups import SessionManager, backend_for, store_base
+from flodl_bus.params.forming import backend_for, store_base
+from flodl_bus.params.groups import SessionManager
 from flodl_bus.params.hosts import pin_one_host
 
 

@@ -29,7 +29,8 @@ import torch
 from flodl_bus.params.averaging import OuterOptimizer, easgd_blend_, make_outer, sq_sum
 from flodl_bus.params.collective import UNREALIZED, CollectiveSync, averaged_buffers
 from flodl_bus.params.cpu_avg import CpuAverager, Inject, Publish
-from flodl_bus.params.groups import SessionManager, SessionSpec, backend_for, store_base
+from flodl_bus.params.forming import backend_for, store_base
+from flodl_bus.params.groups import SessionManager, SessionSpec
 from flodl_bus.params.port import SyncResult
 from flodl_bus.protocol.messages import AveragedParams
 

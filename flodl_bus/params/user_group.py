@@ -12,7 +12,7 @@ own, one per generation, so an old generation's address can never be dialed by a
 one). A deployment still needs only the Redis address, ranks started by hand included;
 ``MASTER_ADDR``/``MASTER_PORT`` are then set to that store, as torchrun's are to its.
 A C++ store rather than the ``RedisStore`` itself: NCCL calls store methods a Python
-store cannot serve on every torch version (``groups._tcp_store_via`` says which).
+store cannot serve on every torch version (``forming._tcp_store_via`` says which).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import torch.distributed as dist
 
 from flodl_bus.bus.store import RedisStore
 from flodl_bus.job import GroupInfo, bind_process_group
-from flodl_bus.params.groups import (
-    INITIAL_UID,
+from flodl_bus.params.forming import (
     backend_for,
     routable_host,
     serve_tcp_store,
     session_prefix,
     store_base,
 )
+from flodl_bus.params.groups import INITIAL_UID
 from flodl_bus.params.hosts import ENV_BIND_HOST
 
 log = structlog.get_logger("flodl_bus.params")

@@ -167,7 +167,8 @@ def alone(redis_url: str) -> Iterator[Any]:
     import uuid
 
     from flodl_bus.params import collective as col
-    from flodl_bus.params.groups import SessionManager, store_base
+    from flodl_bus.params.forming import store_base
+    from flodl_bus.params.groups import SessionManager
 
     sessions = SessionManager(
         redis_url, store_base(f"alone-{uuid.uuid4().hex[:8]}"), 0, 1, backend="gloo"

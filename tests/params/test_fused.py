@@ -65,7 +65,8 @@ def test_a_round_mixing_fused_and_eager_chunks_reads_every_norm_once(
 
     from flodl_bus.params import collective
     from flodl_bus.params.collective import CollectiveSync
-    from flodl_bus.params.groups import SessionManager, store_base
+    from flodl_bus.params.forming import store_base
+    from flodl_bus.params.groups import SessionManager
 
     # chunks of exactly MIN_NUMEL: the first is fused, the 1,005-element tail is eager
     monkeypatch.setattr(collective, "CHUNK_BYTES", fused.MIN_NUMEL * 4)

@@ -129,7 +129,8 @@ def test_without_a_new_session_a_survivor_gives_up_within_the_mailbox_cap(
 
 
 def _manager(redis_url: str, cap: float = 0.3) -> Any:
-    from flodl_bus.params.groups import SessionManager, store_base
+    from flodl_bus.params.forming import store_base
+    from flodl_bus.params.groups import SessionManager
 
     run = f"solo-{os.urandom(16).hex()[:8]}"
     return SessionManager(redis_url, store_base(run), 0, 1, timeout=5.0, mailbox_cap=cap)
@@ -195,7 +196,8 @@ def test_an_offered_session_replaces_the_group_under_its_uid_prefix(redis_url: s
 
 
 def _pair(redis_url: str, *, timeout: float, cap: float) -> list[Any]:
-    from flodl_bus.params.groups import SessionManager, store_base
+    from flodl_bus.params.forming import store_base
+    from flodl_bus.params.groups import SessionManager
 
     base = store_base(f"pair-{os.urandom(16).hex()[:8]}")
     return [SessionManager(redis_url, base, r, 2, timeout=timeout, mailbox_cap=cap) for r in (0, 1)]

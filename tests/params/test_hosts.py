@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from flodl_bus.params.groups import _tcp_store_via
+from flodl_bus.params.forming import _tcp_store_via
 from flodl_bus.params.hosts import ENV_BIND_HOST, ONE_HOST_ENV, pin_one_host
 
 

@@ -1,4 +1,4 @@
-"""Rank 0's rendezvous store (``params.groups.serve_tcp_store``) listens where its peers
+"""Rank 0's rendezvous store (``params.forming.serve_tcp_store``) listens where its peers
 are told to dial, and nowhere else."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from flodl_bus.bench.sockets import tcp_endpoints
-from flodl_bus.params.groups import serve_tcp_store
+from flodl_bus.params.forming import serve_tcp_store
 
 TIMEOUT = timedelta(seconds=10)
 
