@@ -310,15 +310,31 @@ class SessionManager:
             # Without it a retrying peer waits the timeout, then retries as before.
             log.warning("param_ops_not_announced", uid=spec.uid.hex(), error=str(exc)[:300])
 
-    def _split(self, spec: SessionSpec) -> bool:
+    def _split(self, spec: SessionSpec) -> bool | None:
         """Whether a member of ``spec``'s session completed the op this rank is retrying;
-        if so the op counts as done here too (the peers' count and ours agree again)."""
+        if so the op counts as done here too (the peers' count and ours agree again).
+
+        None: a newer session was offered while the announcements were awaited (a member
+        died after this offer), so this one will never form. The wait is bounded by the
+        group timeout; without every announcement the retry goes on as before.
+        """
         if spec.uid == INITIAL_UID:
             return False  # the first session: nobody announced into it
         keys = [f"{ANNOUNCE_KEY}{r}" for r in range(spec.world_size)]
+        store = self._session_store(spec)
+        deadline = time.monotonic() + self.timeout
         try:
-            counts = [int(v) for v in self._session_store(spec).multi_get(keys)]
-        except (RuntimeError, redis.RedisError, ValueError) as exc:
+            while not store.check(keys):
+                with self._cond:
+                    # ``_connect`` took this offer: anything pending now is newer.
+                    if self._closed or (self._pending is not None and self._pending != spec):
+                        return None
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("not every member announced its ops in time")
+                    self._cond.wait(min(left, ABORT_POLL_S))
+            counts = [int(v) for v in store.multi_get(keys)]
+        except (RuntimeError, redis.RedisError, ValueError, TimeoutError) as exc:
             log.warning("param_ops_unknown", uid=spec.uid.hex(), error=str(exc)[:300])
             return False
         with self._cond:
@@ -388,8 +404,16 @@ class SessionManager:
             if self._closed:
                 raise RuntimeError("the param plane is closed")
             group = self._group
-            if group is not None and not group.broken:
+            # A session the control thread formed while this op was failing: the retry
+            # is its first op, so whether the round split is told here, before running.
+            fresh = retry and group is not None and group.ops_done == 0
+            if group is not None and not group.broken and not fresh:
                 return group
+        if group is not None and not group.broken:
+            if self._split(group.spec):
+                raise RoundSplit("the round completed on a peer only")
+            return group
+        with self._cond:
             if group is not None:
                 self._failed.add(group.spec.uid)
             # A session offered before the first one formed supersedes it.
@@ -398,7 +422,14 @@ class SessionManager:
             eager = self._eager
         # Told before forming: where survivors form an offer lazily (at their next op),
         # a peer done with the round would not form it now, and neither may we.
-        split = retry and need_new and self._split(spec)
+        split = False
+        if retry and need_new:
+            verdict = self._split(spec)
+            if verdict is None:
+                with self._cond:
+                    self._failed.add(spec.uid)
+                raise CollectiveFailed(f"session {spec.uid.hex()} superseded before it formed")
+            split = verdict
         if split and not eager:
             with self._cond:
                 if self._pending is None:

@@ -365,3 +365,109 @@ def test_an_op_that_succeeds_after_a_new_session_was_offered_runs_again_there(
         assert manager.rounds_split == 0
     finally:
         manager.close()
+
+
+@pytest.mark.parametrize("peer_finished", [True, False])
+def test_a_retry_on_a_session_the_control_thread_already_formed_still_tells_a_split(
+    redis_url: str, peer_finished: bool
+) -> None:
+    """The other interleaving of a split round: the collective still hangs when the new
+    session is offered (a frozen peer, gloo not yet told), so the control thread forms
+    the session first and the failing op finds it formed. Its retry is that session's
+    first op and must be told the split as well, not run alone on it."""
+    import threading
+
+    from flodl_bus.params.groups import CollectiveFailed, RoundSplit, SessionSpec
+
+    a, b = _pair(redis_url, timeout=3.0, cap=3.0)
+    offered = threading.Event()
+
+    def hangs_then_breaks(group: Any) -> Any:
+        assert offered.wait(30)  # released (broken) only once the session is formed
+        raise CollectiveFailed("peer lost mid-collective")
+
+    def broken_until_formed() -> Any:
+        runs = [0]
+
+        def op(group: Any) -> Any:
+            runs[0] += 1
+            return hangs_then_breaks(group) if runs[0] == 1 else _sum_of_ones(group)
+
+        return op
+
+    try:
+        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
+        if peer_finished:
+            assert a.run(lambda g: "done") == "done"
+            survivor_a: Any = lambda: "between rounds"  # noqa: E731
+        else:
+            op_a = broken_until_formed()
+            survivor_a = lambda: a.run(op_a)  # noqa: E731
+        uid = os.urandom(16)
+        op_b = broken_until_formed()
+
+        def deliver() -> str:
+            # the control threads: each offer formed at once, as the cpu planes do
+            _both(
+                lambda: a.offer(SessionSpec(uid, 0, 2), form=True),
+                lambda: b.offer(SessionSpec(uid, 1, 2), form=True),
+            )
+            offered.set()
+            return "formed"
+
+        got = _both(survivor_a, lambda: b.run(op_b), deliver)
+        assert got[2] == "formed"
+        if peer_finished:
+            assert isinstance(got[1], RoundSplit), got
+            assert (a.rounds_split, b.rounds_split) == (0, 1)
+        else:
+            assert got[:2] == [[2.0] * 2] * 2, got
+            assert (a.rounds_split, b.rounds_split) == (0, 0)
+        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
+        assert a.spec.uid == b.spec.uid == uid
+    finally:
+        offered.set()
+        a.close()
+        b.close()
+
+
+def test_a_retry_waiting_on_announcements_moves_to_a_newer_session_at_once(
+    redis_url: str,
+) -> None:
+    """A member of the offered session died before it announced (a second death): the
+    coordinator offers a newer session, and the survivor waiting on the first one's
+    announcements moves to it at once, instead of waiting out the group timeout there
+    and then again in forming a session a member of which is dead."""
+    import threading
+
+    from flodl_bus.params.groups import SessionSpec
+
+    a, b = _pair(redis_url, timeout=30.0, cap=30.0)
+    try:
+        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
+        got: list[Any] = []
+        retry = threading.Thread(
+            target=lambda: got.append(b.run(_broken_then(_sum_of_ones))), daemon=True
+        )
+        retry.start()
+        b.offer(SessionSpec(os.urandom(16), 1, 2))  # A never announces into it: dead
+        # B took it (its retry reads the announcements now)...
+        assert _wait_until(lambda: b._pending is None)
+        # ...and the coordinator re-forms without A: B alone.
+        newer = os.urandom(16)
+        b.offer(SessionSpec(newer, 0, 1))
+        retry.join(15.0)  # far below the 30 s of either wait
+        assert got == [[1.0, 1.0]]
+        assert b.spec.uid == newer
+    finally:
+        a.close()
+        b.close()
+
+
+def _wait_until(cond: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
