@@ -51,6 +51,12 @@ ABORT_POLL_S: Final = 0.05
 INITIAL_UID: Final = b"initial"
 #: store key (under a session's prefix) where each member says its ops completed
 ANNOUNCE_KEY: Final = "flodl_ops_done/"
+#: How long a retry waits for every member's announcement (bounded by the group timeout).
+#: Members announce as the offer reaches them, all at about the same time; one that has
+#: not after this long died or is stuck, and the retry goes on as it did before splits
+#: were told. Kept short: on the cpu planes a newer offer can reach this rank only after
+#: the wait (the control thread forms offers under the lock the wait is made in).
+ANNOUNCE_WAIT_S: Final = 10.0
 
 
 class CollectiveFailed(RuntimeError):
@@ -315,14 +321,14 @@ class SessionManager:
         if so the op counts as done here too (the peers' count and ours agree again).
 
         None: a newer session was offered while the announcements were awaited (a member
-        died after this offer), so this one will never form. The wait is bounded by the
-        group timeout; without every announcement the retry goes on as before.
+        died after this offer), so this one will never form. The wait is bounded
+        (``ANNOUNCE_WAIT_S``); without every announcement the retry goes on as before.
         """
         if spec.uid == INITIAL_UID:
             return False  # the first session: nobody announced into it
         keys = [f"{ANNOUNCE_KEY}{r}" for r in range(spec.world_size)]
         store = self._session_store(spec)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + min(self.timeout, ANNOUNCE_WAIT_S)
         try:
             while not store.check(keys):
                 with self._cond:

@@ -456,7 +456,7 @@ def test_a_retry_waiting_on_announcements_moves_to_a_newer_session_at_once(
         # ...and the coordinator re-forms without A: B alone.
         newer = os.urandom(16)
         b.offer(SessionSpec(newer, 0, 1))
-        retry.join(15.0)  # far below the 30 s of either wait
+        retry.join(15.0)  # below the announcement wait (10 s) plus forming the dead one (30 s)
         assert got == [[1.0, 1.0]]
         assert b.spec.uid == newer
     finally:
