@@ -294,6 +294,34 @@ def _sum_of_ones(group: Any) -> Any:
     return t.tolist()
 
 
+def _round_then_a(a: Any, b: Any, peer_finished: bool, broken: Any) -> Any:
+    """One round on both, then survivor A's part in the next: completed before the group
+    broke (one op ahead, between rounds), or an op that breaks as B's does (``broken``
+    makes it) and is retried."""
+    assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
+    if peer_finished:
+        assert a.run(lambda g: "done") == "done"
+        return lambda: "between rounds"
+    op = broken()
+    return lambda: a.run(op)
+
+
+def _assert_told(a: Any, b: Any, got: list[Any], peer_finished: bool, uid: bytes) -> None:
+    """B's retry: kept local where A had finished the round (before the fix B waited for
+    A, then for a session nobody sends: SessionTimeout), realized over both where it
+    broke on both; either way the next round averages over both in the offered session."""
+    from flodl_bus.params.groups import RoundSplit
+
+    if peer_finished:
+        assert isinstance(got[1], RoundSplit), got
+        assert (a.rounds_split, b.rounds_split) == (0, 1)
+    else:
+        assert got[:2] == [[2.0] * 2] * 2, got
+        assert (a.rounds_split, b.rounds_split) == (0, 0)
+    assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
+    assert a.spec.uid == b.spec.uid == uid
+
+
 @pytest.mark.parametrize("eager", [True, False], ids=["formed-at-once", "formed-at-next-op"])
 @pytest.mark.parametrize("peer_finished", [True, False])
 def test_a_retried_round_that_completed_on_a_peer_is_kept_local_not_waited_for(
@@ -307,17 +335,11 @@ def test_a_retried_round_that_completed_on_a_peer_is_kept_local_not_waited_for(
     for it; where the round broke on both, both retry it and it is realized. The cpu
     planes form an offered session at once; the nccl planes (gloo's too, on a CPU) at
     their next op, so B must not form it alone while A, done with the round, does not."""
-    from flodl_bus.params.groups import RoundSplit, SessionSpec
+    from flodl_bus.params.groups import SessionSpec
 
     a, b = _pair(redis_url, timeout=3.0, cap=3.0)
     try:
-        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
-        if peer_finished:
-            # completed before the group broke: A is one op ahead, between rounds
-            assert a.run(lambda g: "done") == "done"
-            survivor_a: Any = lambda: "between rounds"  # noqa: E731
-        else:
-            survivor_a = lambda: a.run(_broken_then(_sum_of_ones))  # noqa: E731
+        survivor_a = _round_then_a(a, b, peer_finished, lambda: _broken_then(_sum_of_ones))
         uid = os.urandom(16)
         got = _both(
             survivor_a,
@@ -326,16 +348,7 @@ def test_a_retried_round_that_completed_on_a_peer_is_kept_local_not_waited_for(
             lambda: a.offer(SessionSpec(uid, 0, 2), form=eager),
             lambda: b.offer(SessionSpec(uid, 1, 2), form=eager),
         )
-        if peer_finished:
-            assert isinstance(got[1], RoundSplit), got  # before the fix: SessionTimeout
-            assert (a.rounds_split, b.rounds_split) == (0, 1)
-        else:
-            assert got[:2] == [[2.0] * 2] * 2, got
-            assert (a.rounds_split, b.rounds_split) == (0, 0)
-        # Either way the survivors agree again: the next round averages over both, in
-        # the offered session.
-        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
-        assert a.spec.uid == b.spec.uid == uid
+        _assert_told(a, b, got, peer_finished, uid)
     finally:
         a.close()
         b.close()
@@ -377,7 +390,7 @@ def test_a_retry_on_a_session_the_control_thread_already_formed_still_tells_a_sp
     first op and must be told the split as well, not run alone on it."""
     import threading
 
-    from flodl_bus.params.groups import CollectiveFailed, RoundSplit, SessionSpec
+    from flodl_bus.params.groups import CollectiveFailed, SessionSpec
 
     a, b = _pair(redis_url, timeout=3.0, cap=3.0)
     offered = threading.Event()
@@ -396,13 +409,7 @@ def test_a_retry_on_a_session_the_control_thread_already_formed_still_tells_a_sp
         return op
 
     try:
-        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
-        if peer_finished:
-            assert a.run(lambda g: "done") == "done"
-            survivor_a: Any = lambda: "between rounds"  # noqa: E731
-        else:
-            op_a = broken_until_formed()
-            survivor_a = lambda: a.run(op_a)  # noqa: E731
+        survivor_a = _round_then_a(a, b, peer_finished, broken_until_formed)
         uid = os.urandom(16)
         op_b = broken_until_formed()
 
@@ -417,14 +424,7 @@ def test_a_retry_on_a_session_the_control_thread_already_formed_still_tells_a_sp
 
         got = _both(survivor_a, lambda: b.run(op_b), deliver)
         assert got[2] == "formed"
-        if peer_finished:
-            assert isinstance(got[1], RoundSplit), got
-            assert (a.rounds_split, b.rounds_split) == (0, 1)
-        else:
-            assert got[:2] == [[2.0] * 2] * 2, got
-            assert (a.rounds_split, b.rounds_split) == (0, 0)
-        assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
-        assert a.spec.uid == b.spec.uid == uid
+        _assert_told(a, b, got, peer_finished, uid)
     finally:
         offered.set()
         a.close()
