@@ -179,9 +179,7 @@ class CollectiveSync(Averager):
             nonlocal attempts, sums
             attempts += 1
             if attempts > 1:
-                # An abandoned op of the failed attempt may still write the old buffers.
-                self._p = _replace(self._p, other, FlatBuffers(self._p_layout, self.device))
-                self._b = _replace(self._b, other, FlatBuffers(self._b_layout, self.device))
+                self._fresh(other)
             counts = torch.tensor([n_eff, mover], dtype=torch.float64, device=self.device)
             group.all_reduce_sum_([counts], self.timeout)
             total, movers = (float(x) for x in counts.tolist())
@@ -195,10 +193,8 @@ class CollectiveSync(Averager):
         try:
             realized = self.sessions.run(attempt)
         except RoundSplit:
-            # Kept local: the model still points at ``pre``; the buffers an abandoned op
-            # of the broken group may still write are not used again.
-            self._p = _replace(self._p, other, FlatBuffers(self._p_layout, self.device))
-            self._b = _replace(self._b, other, FlatBuffers(self._b_layout, self.device))
+            # Kept local: the model still points at ``pre``.
+            self._fresh(other)
             return UNREALIZED
         if not realized:
             return UNREALIZED
@@ -213,6 +209,11 @@ class CollectiveSync(Averager):
         _point(self.buffers, self._b[other].views)
         self._live = other
         return SyncResult(divergence=divergence, post_norm=post_norm, pre_norm=pre_norm)
+
+    def _fresh(self, other: int) -> None:
+        # An abandoned op of a failed attempt may still write the old buffers.
+        self._p = _replace(self._p, other, FlatBuffers(self._p_layout, self.device))
+        self._b = _replace(self._b, other, FlatBuffers(self._b_layout, self.device))
 
     def _reduce(
         self,

@@ -57,6 +57,7 @@ ANNOUNCE_KEY: Final = "flodl_ops_done/"
 #: were told. Kept short: on the cpu planes a newer offer can reach this rank only after
 #: the wait (the control thread forms offers under the lock the wait is made in).
 ANNOUNCE_WAIT_S: Final = 10.0
+SPLIT: Final = "the round completed on a peer only"
 
 
 class CollectiveFailed(RuntimeError):
@@ -410,22 +411,24 @@ class SessionManager:
             if self._closed:
                 raise RuntimeError("the param plane is closed")
             group = self._group
-            # A session the control thread formed while this op was failing: the retry
-            # is its first op, so whether the round split is told here, before running.
-            fresh = retry and group is not None and group.ops_done == 0
-            if group is not None and not group.broken and not fresh:
-                return group
-        if group is not None and not group.broken:
-            if self._split(group.spec):
-                raise RoundSplit("the round completed on a peer only")
-            return group
-        with self._cond:
-            if group is not None:
-                self._failed.add(group.spec.uid)
-            # A session offered before the first one formed supersedes it.
-            need_new = bool(self._failed) or (group is None and self._pending is not None)
-            spec = self._take_pending_locked() if need_new else self._spec
+            if group is not None and not group.broken:
+                # A retry finding a session the control thread formed while its op was
+                # failing is that session's first op: whether the round split is told.
+                if not (retry and group.ops_done == 0):
+                    return group
+                formed_meanwhile = group
+            else:
+                formed_meanwhile = None
+                if group is not None:
+                    self._failed.add(group.spec.uid)
+                # A session offered before the first one formed supersedes it.
+                need_new = bool(self._failed) or (group is None and self._pending is not None)
+                spec = self._take_pending_locked() if need_new else self._spec
             eager = self._eager
+        if formed_meanwhile is not None:
+            if self._split(formed_meanwhile.spec):
+                raise RoundSplit(SPLIT)
+            return formed_meanwhile
         # Told before forming: where survivors form an offer lazily (at their next op),
         # a peer done with the round would not form it now, and neither may we.
         split = False
@@ -440,18 +443,18 @@ class SessionManager:
             with self._cond:
                 if self._pending is None:
                     self._pending = spec  # formed with the peers at the next op
-            raise RoundSplit("the round completed on a peer only")
+            raise RoundSplit(SPLIT)
         try:
             formed = self._form(spec)
         except CollectiveFailed:
             with self._cond:
                 self._failed.add(spec.uid)
-            if split:
-                raise RoundSplit("the round completed on a peer only") from None
-            raise
+            if not split:
+                raise
+        # Formed with the peers that form offers at once (or that failed), then the
+        # round is given up.
         if split:
-            # Formed with the peers that form offers at once, then the round is given up.
-            raise RoundSplit("the round completed on a peer only")
+            raise RoundSplit(SPLIT)
         return formed
 
     def _take_pending_locked(self) -> SessionSpec:
