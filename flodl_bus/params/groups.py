@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from flodl_bus.bus.store import RedisStore
+from flodl_bus.params import forming
 from flodl_bus.params.forming import form_process_group, session_prefix
 
 log = structlog.get_logger("flodl_bus.params")
@@ -58,6 +60,21 @@ ANNOUNCE_KEY: Final = "flodl_ops_done/"
 #: the wait (the control thread forms offers under the lock the wait is made in).
 ANNOUNCE_WAIT_S: Final = 10.0
 SPLIT: Final = "the round completed on a peer only"
+
+
+#: moved to ``params.forming``; still found here, with a warning, for one minor version
+_MOVED: Final = frozenset({"store_base", "backend_for", "routable_host", "serve_tcp_store"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"flodl_bus.params.groups.{name} moved to flodl_bus.params.forming.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(forming, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CollectiveFailed(RuntimeError):

@@ -471,3 +471,13 @@ def _wait_until(cond: Any, timeout: float = 30.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_the_helpers_moved_to_forming_are_still_found_in_groups_with_a_warning() -> None:
+    from flodl_bus.params import forming, groups
+
+    for name in ("store_base", "backend_for", "routable_host", "serve_tcp_store"):
+        with pytest.warns(DeprecationWarning, match=f"moved to flodl_bus.params.forming.{name}"):
+            assert getattr(groups, name) is getattr(forming, name)
+    with pytest.raises(AttributeError):
+        groups.no_such_name  # noqa: B018
