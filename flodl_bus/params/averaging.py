@@ -110,6 +110,10 @@ class OuterOptimizer(Protocol):
 
     def step_(self, consensus: Sequence[torch.Tensor]) -> None: ...
 
+    def reset(self) -> None:
+        """Forget the previous global model and the momentum: the next ``step_`` takes
+        its consensus as is and starts from it, as the first window does."""
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
@@ -122,6 +126,9 @@ class OuterAvg:
     resets_inner = False
 
     def step_(self, consensus: Sequence[torch.Tensor]) -> None:
+        return None
+
+    def reset(self) -> None:
         return None
 
     def state_dict(self) -> dict[str, Any]:
@@ -161,6 +168,10 @@ class _MomentumOuter:
             v.mul_(self.momentum).add_(g)
             prev.sub_(self._update(g, v), alpha=self.lr)
             c.copy_(prev)
+
+    def reset(self) -> None:
+        self.prev = None
+        self.velocity = None
 
     def state_dict(self) -> dict[str, Any]:
         return {

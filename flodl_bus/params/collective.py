@@ -30,6 +30,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Final
 
+import structlog
 import torch
 
 from flodl_bus.params.averaging import (
@@ -46,6 +47,8 @@ from flodl_bus.params.fused import available as fused_stats_available
 from flodl_bus.params.fused import stats as fused_stats
 from flodl_bus.params.groups import Group, RoundSplit, SessionManager
 from flodl_bus.params.port import SyncResult
+
+log = structlog.get_logger("flodl_bus.params")
 
 UNREALIZED = SyncResult(divergence=None, post_norm=None, pre_norm=None)
 
@@ -96,7 +99,50 @@ class Averager:
         self.device = self.params[0].device
         self._p_layout = FlatLayout(self.params)
         self._b_layout = FlatLayout(self.buffers)
+        #: this rank kept a round local that its peers adopted (``RoundSplit``): their
+        #: outer optimizers stepped on it and this one did not, so the states differ
+        self.outer_behind = False
+        #: the last masses' sum said some rank's outer state is behind: every rank
+        #: restarts its outer optimizer at this round, so all hold the same state again
+        self._restart_outer = False
         self._allocate()
+
+    def _sum_masses(
+        self, group: Group, masses: Sequence[float], device: torch.device
+    ) -> list[float]:
+        """The round's masses summed over ``group``, with one count more: how many ranks'
+        outer optimizer state is behind. An outer optimizer is replicated (each rank
+        steps it on the same consensus, no state travels), so a rank that kept a split
+        round local stays apart from its peers for good unless every rank restarts it at
+        the same round; the count tells them all at once."""
+        counts = torch.tensor(
+            [*masses, 1.0 if self.outer_behind else 0.0], dtype=torch.float64, device=device
+        )
+        group.all_reduce_sum_([counts], self.timeout)
+        *sums, behind = (float(x) for x in counts.tolist())
+        self._restart_outer = behind > 0.0
+        return sums
+
+    def _kept_local(self) -> None:
+        """This rank keeps a round local that completed on a peer (``RoundSplit``)."""
+        if self.outer is not None:
+            self.outer_behind = True
+
+    def _step_outer(self, consensus: Sequence[torch.Tensor]) -> None:
+        """The outer step of a realized round, after a restart where a rank was behind
+        (the round's consensus is then the new global model as is, on every rank)."""
+        outer = self.outer
+        if outer is None:
+            return
+        if self._restart_outer:
+            outer.reset()
+            self.outer_behind = False
+            log.warning(
+                "outer_optimizer_restarted",
+                outer=outer.name,
+                why="a rank kept a split round local; every rank restarts from this consensus",
+            )
+        outer.step_(consensus)
 
     def _allocate(self) -> None:
         """Room for a round, sized by the layouts (a subclass's hook)."""
@@ -113,9 +159,7 @@ class Averager:
         (the round is unrealized and ``dst`` holds nothing)."""
         n_eff, mover = masses
         # The masses travel with the tensors: on the device for NCCL, on the host for gloo.
-        counts = torch.tensor([n_eff, mover], dtype=torch.float64, device=dst[0].device)
-        group.all_reduce_sum_([counts], self.timeout)
-        total, movers = (float(x) for x in counts.tolist())
+        total, movers = self._sum_masses(group, masses, dst[0].device)
         if not is_realized(total):
             return False
         scale_into_(dst[0], src[0], weight(n_eff, total))
@@ -180,9 +224,7 @@ class CollectiveSync(Averager):
             attempts += 1
             if attempts > 1:
                 self._fresh(other)
-            counts = torch.tensor([n_eff, mover], dtype=torch.float64, device=self.device)
-            group.all_reduce_sum_([counts], self.timeout)
-            total, movers = (float(x) for x in counts.tolist())
+            total, movers = self._sum_masses(group, (n_eff, mover), self.device)
             if not is_realized(total):
                 return False
             sums = self._reduce(
@@ -195,6 +237,7 @@ class CollectiveSync(Averager):
         except RoundSplit:
             # Kept local: the model still points at ``pre``.
             self._fresh(other)
+            self._kept_local()
             return UNREALIZED
         if not realized:
             return UNREALIZED
@@ -203,8 +246,7 @@ class CollectiveSync(Averager):
         pre_norm, post_norm = math.sqrt(pre2), math.sqrt(post2)
         # Below the floor a relative divergence is noise; flodl reports 0.
         divergence = math.sqrt(d2) / post_norm if post_norm > NORM_FLOOR else 0.0
-        if self.outer is not None:
-            self.outer.step_(work_p.flats)
+        self._step_outer(work_p.flats)
         _point(self.params, work_p.views)
         _point(self.buffers, self._b[other].views)
         self._live = other

@@ -231,6 +231,7 @@ class CpuAverager(Averager):
             log.warning("cpu_round_kept_local", rank=self.rank, why=str(exc)[:300])
             realized = False
             self._fresh_staging()
+            self._kept_local()
             # Peers adopted this round's consensus, this rank did not: the next round
             # must not take a change against bases that differ (it travels in f32).
             self.base = None
@@ -242,8 +243,7 @@ class CpuAverager(Averager):
                 tuple(self.snap.views), tuple(self.snap_b.views), self.version, realized=False
             )
             return Update(avg), reduce_s
-        if self.outer is not None:
-            self.outer.step_(self.cons.flats)
+        self._step_outer(self.cons.flats)
         if self.bf16_wire:
             # After the outer step: the base is what every rank adopts, bit for bit.
             if self.base is None:
@@ -271,9 +271,7 @@ class CpuAverager(Averager):
         """The round of ``_weighted_all_reduce`` with the params' change in bf16. The
         third count says how many ranks hold a consensus to take a change against."""
         based = 0.0 if self.base is None else 1.0
-        counts = torch.tensor([n_eff, mover, based], dtype=torch.float64)
-        group.all_reduce_sum_([counts], self.timeout)
-        total, movers, bases = (float(x) for x in counts.tolist())
+        total, movers, bases = self._sum_masses(group, (n_eff, mover, based), self.cons.device)
         if not is_realized(total):
             return False
         if self.base is None or bases < group.world_size:

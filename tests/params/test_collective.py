@@ -230,3 +230,109 @@ def test_a_sync_that_completed_on_a_peer_only_leaves_the_model_as_it_was() -> No
     sync = CollectiveSync([w], [], SplitSessions())  # type: ignore[arg-type]
     assert sync.sync_now(3) == UNREALIZED
     assert w.tolist() == [1.0, 2.0, 3.0]
+
+
+# ------------------------------------------- an outer optimizer after a split round
+
+
+class _SplitOnce:
+    """A rank's sessions for the test below: the real pair, but its second round is the
+    split one, completed on the survivor alone (``solo``: a one-rank group, its own
+    consensus) and kept local on the other (``RoundSplit``: what the session manager
+    raises there, ``test_groups`` makes it happen for real)."""
+
+    def __init__(self, real: Any, solo: Any | None) -> None:
+        self.real, self.solo, self.calls = real, solo, 0
+
+    def run(self, attempt: Any) -> Any:
+        from flodl_bus.params.groups import RoundSplit
+
+        self.calls += 1
+        if self.calls != 2:
+            return self.real.run(attempt)
+        if self.solo is None:
+            raise RoundSplit("the round completed on a peer only")
+        return self.solo.run(attempt)
+
+
+def _sync_round(avgs: list[Any], steps: int) -> None:
+    from tests.params.test_groups import _both
+
+    got = _both(*(lambda a=a: a.sync_now(steps) for a in avgs))
+    assert not any(isinstance(g, Exception) for g in got), got
+
+
+def _cpu_round(avgs: list[Any], steps: int) -> None:
+    for a in avgs:
+        a.snapshot(steps)
+    for a in avgs:
+        assert a.wait_idle(30)
+        update = a.updates[-1]
+        if update.avg.realized:  # what the rank's loop does with the Update
+            with torch.no_grad():
+                for p, c in zip(a.params, update.avg.params, strict=True):
+                    p.copy_(c)
+
+
+@pytest.mark.parametrize("plane", ["sync-now", "cpu-bf16"])
+def test_a_rank_that_kept_a_split_round_local_restarts_every_outer_optimizer_with_it(
+    redis_url: str, plane: str
+) -> None:
+    """An outer optimizer is replicated: each rank steps its own on the same consensus.
+    A round that completed on a survivor and was kept local on the other (a death inside
+    the collective) stepped one and not the other, and every later round stepped them
+    apart again, so the two ranks never again held the same model. The next realized
+    round restarts the outer optimizer on every rank (the consensus as is, momentum
+    dropped), after which they step as one."""
+    from flodl_bus.params.averaging import Nesterov
+    from flodl_bus.params.collective import CollectiveSync
+    from flodl_bus.params.cpu_avg import CpuAverager
+    from tests.params.test_groups import _manager, _pair
+
+    pair = _pair(redis_url, timeout=20.0, cap=3.0)
+    solo = _manager(redis_url)
+    weights = [torch.nn.Parameter(torch.full((3,), v)) for v in (9.0, 11.0)]
+    sessions = [_SplitOnce(pair[0], solo), _SplitOnce(pair[1], None)]
+    avgs: list[Any] = []
+    try:
+        for r, (w, s) in enumerate(zip(weights, sessions, strict=True)):
+            if plane == "sync-now":
+                avgs.append(CollectiveSync([w], [], s, outer=Nesterov(), timeout=20.0))  # type: ignore[arg-type]
+                continue
+            updates: list[Any] = []
+            a = CpuAverager(
+                [w], [], s, rank=r, inject=updates.append, publish=lambda m: None,  # type: ignore[arg-type]
+                outer=Nesterov(), bf16_wire=True, timeout=20.0,
+            )  # fmt: skip
+            a.updates = updates  # type: ignore[attr-defined]
+            avgs.append(a)
+        one_round = _sync_round if plane == "sync-now" else _cpu_round
+        one_round(avgs, 1)  # the first window: both anchor at the consensus, 10
+        with torch.no_grad():
+            weights[0].fill_(7.0)
+            weights[1].fill_(9.0)
+        one_round(avgs, 1)  # split: survivor 0 steps on its own 7; rank 1 keeps its 9
+        assert (avgs[0].outer_behind, avgs[1].outer_behind) == (False, True)
+        with torch.no_grad():
+            weights[0].fill_(5.0)
+            weights[1].fill_(7.0)
+        one_round(avgs, 1)  # consensus 6 on both: both restart there
+        assert [w.tolist() for w in weights] == [[6.0] * 3] * 2
+        assert not avgs[1].outer_behind
+        with torch.no_grad():
+            weights[0].fill_(3.0)
+            weights[1].fill_(5.0)
+        one_round(avgs, 1)  # consensus 4: one outer step, the same on both
+        # g = 6 - 4 = 2, v = 2: new = 6 - 0.7 * (0.9 * 2 + 2) = 3.34
+        assert weights[0].tolist() == pytest.approx([3.34] * 3)
+        assert weights[0].tolist() == weights[1].tolist()
+        outers = [a.outer for a in avgs]
+        assert [o.prev[0].tolist() for o in outers] == [weights[0].tolist()] * 2
+        assert outers[0].velocity[0].tolist() == outers[1].velocity[0].tolist()
+    finally:
+        for a in avgs:
+            close = getattr(a, "close", None)
+            if close is not None:
+                close()
+        for m in (*pair, solo):
+            m.close()
