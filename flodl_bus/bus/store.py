@@ -69,8 +69,14 @@ class RedisStore(Store):
         client_or_url: redis.Redis | str,
         prefix: str,
         timeout: timedelta | float = DEFAULT_TIMEOUT,
+        *,
+        cancelled: Callable[[], str | None] | None = None,
     ) -> None:
+        """``cancelled``: asked between two slices of every wait; a reason given ends the
+        wait at once with ``DistStoreError`` (a rendezvous that can never complete,
+        because a newer session was offered, stops holding its caller)."""
         super().__init__()
+        self._cancelled = cancelled
         if isinstance(client_or_url, str):
             self._client: redis.Redis = redis.Redis.from_url(
                 client_or_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=5.0
@@ -224,12 +230,17 @@ class RedisStore(Store):
     def clone(self) -> RedisStore:  # type: ignore[override]
         """A store on the same keys with its own connections (safe from another thread)."""
         if self._url is not None:
-            return RedisStore(self._url, self.prefix, self._timeout_s())
+            return RedisStore(self._url, self.prefix, self._timeout_s(), cancelled=self._cancelled)
         kwargs = dict(self._client.connection_pool.connection_kwargs)
         pool = self._client.connection_pool.__class__(
             connection_class=self._client.connection_pool.connection_class, **kwargs
         )
-        return RedisStore(redis.Redis(connection_pool=pool), self.prefix, self._timeout_s())
+        return RedisStore(
+            redis.Redis(connection_pool=pool),
+            self.prefix,
+            self._timeout_s(),
+            cancelled=self._cancelled,
+        )
 
     def has_extended_api(self) -> bool:
         return True
@@ -270,6 +281,11 @@ class RedisStore(Store):
             if left <= 0:
                 raise dist.DistStoreError(
                     f"RedisStore: key {key!r} under {self.prefix!r} not set within the timeout"
+                )
+            why = None if self._cancelled is None else self._cancelled()
+            if why is not None:
+                raise dist.DistStoreError(
+                    f"RedisStore: the wait for {key!r} under {self.prefix!r} was given up: {why}"
                 )
             # Redis takes fractional BLMOVE timeouts; 0 would block forever.
             block = max(0.01, min(self._block_slice, left))

@@ -490,9 +490,28 @@ class SessionManager:
                 )
             self._cond.wait(min(left, ABORT_POLL_S * 4))
 
+    def _superseded(self, spec: SessionSpec) -> str | None:
+        """Why a formation of ``spec`` can never complete, if it can't: a newer session
+        was offered (a member died meanwhile, a second death), or the plane closed. It
+        then stops waiting for that member at once, where it held the formation lock
+        for the whole group timeout and the newer session's peers timed out on this rank
+        in their turn (a cascade: every later death cost a whole timeout more)."""
+        with self._cond:
+            if self._closed:
+                return "the param plane closed"
+            pending = self._pending
+            if pending is not None and pending.uid != spec.uid:
+                return f"session {pending.uid.hex()} was offered since"
+        return None
+
     def _form(self, spec: SessionSpec) -> Group:
         prefix = session_prefix(self.base_prefix, spec.uid)
-        store = RedisStore(self._redis, prefix, timedelta(seconds=self.timeout))
+        store = RedisStore(
+            self._redis,
+            prefix,
+            timedelta(seconds=self.timeout),
+            cancelled=lambda: self._superseded(spec),
+        )
         started = time.monotonic()
         try:
             pg = form_process_group(

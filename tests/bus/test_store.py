@@ -119,6 +119,41 @@ def test_wait_with_a_timeout_fails_within_that_timeout(store: RedisStore) -> Non
     assert time.monotonic() - started < 10.0  # bounded, not fast: speed is for benches
 
 
+def test_a_wait_whose_caller_gives_it_up_ends_with_the_reason_before_its_timeout(
+    redis_url: str,
+) -> None:
+    """``cancelled`` is asked between two slices of a wait: once it names a reason, the
+    wait (and a gloo rendezvous blocked in it) ends with that reason, the store timeout
+    (an hour here) notwithstanding; a clone keeps the question."""
+    why: list[str] = []
+    s = RedisStore(
+        redis_url,
+        f"test:{{{uuid.uuid4().hex[:8]}}}:store:c/",
+        timedelta(hours=1),
+        cancelled=lambda: why[0] if why else None,
+    )
+    errors: list[BaseException] = []
+
+    def waiter(store: RedisStore) -> None:
+        try:
+            store.wait(["never"])
+        except dist.DistStoreError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=waiter, args=(t,), daemon=True) for t in (s, s.clone())]
+    try:
+        for t in threads:
+            t.start()
+        why.append("a newer session was offered")
+        for t in threads:
+            t.join(30.0)
+            assert not t.is_alive()
+        assert len(errors) == 2
+        assert all("a newer session was offered" in str(e) for e in errors)
+    finally:
+        s.close()
+
+
 def test_wait_without_a_timeout_uses_the_store_timeout(store: RedisStore) -> None:
     store.set_timeout(timedelta(seconds=0.25))
     started = time.monotonic()

@@ -464,6 +464,41 @@ def test_a_retry_waiting_on_announcements_moves_to_a_newer_session_at_once(
         b.close()
 
 
+def test_a_formation_waiting_on_a_dead_member_gives_way_to_a_newer_session_at_once(
+    redis_url: str,
+) -> None:
+    """A second death: a member of the offered session died before it formed, so this
+    rank's formation waits for it (the cpu planes form an offer at once, holding the
+    formation lock). The coordinator offers a newer session without it: the formation
+    of the first gives up within a wait slice and the newer one forms, where the first
+    held the lock for the whole group timeout and the newer session's peers, formed at
+    once, timed out on this rank in their turn."""
+    import threading
+
+    from flodl_bus.params.groups import SessionSpec
+
+    a, b = _pair(redis_url, timeout=60.0, cap=60.0)  # b is the member that died
+    try:
+        first = threading.Thread(
+            target=lambda: a.offer(SessionSpec(os.urandom(16), 0, 2), form=True), daemon=True
+        )
+        first.start()
+        assert _wait_until(a._forming.locked)  # waiting in the first one's rendezvous
+        newer = os.urandom(16)
+        second = threading.Thread(
+            target=lambda: a.offer(SessionSpec(newer, 0, 1), form=True), daemon=True
+        )
+        second.start()
+        second.join(20.0)  # a third of the group timeout
+        assert not second.is_alive()
+        assert a.spec.uid == newer and a.group is not None and not a.group.broken
+        first.join(5.0)
+        assert not first.is_alive()
+    finally:
+        a.close()
+        b.close()
+
+
 def _wait_until(cond: Any, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while not cond():
