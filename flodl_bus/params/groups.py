@@ -270,6 +270,10 @@ class SessionManager:
         self.rounds_split = 0
         #: whether the last offer was formed at once (every survivor's plane does the same)
         self._eager = False
+        #: the newest session heard of before it was offered here (``heard_of``), and the
+        #: uids offered so far: one heard of and not yet offered is newer than any formed
+        self._heard: SessionSpec | None = None
+        self._offered: set[bytes] = set()
         _LIVE.add(self)
 
     # -- state ----------------------------------------------------------------------------
@@ -304,6 +308,7 @@ class SessionManager:
         """
         with self._cond:
             self._pending = spec
+            self._offered.add(spec.uid)
             group = self._group
             self._offers += 1
             self._eager = form
@@ -314,6 +319,14 @@ class SessionManager:
         self._announce(spec, done)
         if form:
             self._form_offered()
+
+    def heard_of(self, spec: SessionSpec) -> None:
+        """A session was offered that this rank will take only once the one it forms now
+        is done (the rank's session thread delivers offers one at a time): a formation
+        in progress gives up for it (``_superseded``). Never blocks."""
+        with self._cond:
+            self._heard = spec
+            self._cond.notify_all()
 
     # -- split rounds ---------------------------------------------------------------------
 
@@ -499,9 +512,11 @@ class SessionManager:
         with self._cond:
             if self._closed:
                 return "the param plane closed"
-            pending = self._pending
+            pending, heard = self._pending, self._heard
             if pending is not None and pending.uid != spec.uid:
                 return f"session {pending.uid.hex()} was offered since"
+            if heard is not None and heard.uid != spec.uid and heard.uid not in self._offered:
+                return f"session {heard.uid.hex()} was offered since"
         return None
 
     def _form(self, spec: SessionSpec) -> Group:

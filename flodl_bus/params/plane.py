@@ -237,6 +237,11 @@ class TorchParamPort:
         # training thread, which owns the device, at its next collective.
         self.sessions.offer(SessionSpec(uid, new_rank, new_world_size), form=self._cpu is not None)
 
+    def session_offered(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
+        """A session was offered (on the reader thread, before ``new_session`` gets it on
+        the session thread): a formation of an older one stops waiting for its members."""
+        self.sessions.heard_of(SessionSpec(uid, new_rank, new_world_size))
+
     # -- lifecycle and checkpoints --------------------------------------------------------
 
     def connect(self) -> None:

@@ -345,6 +345,7 @@ class RankSession:
             config=options.runtime,
             # After the averaging group's: the default group follows it over the survivors.
             on_session=None if self.user_group is None else self.user_group.reform,
+            on_offered=getattr(self.raw_params, "session_offered", None),
         )
         if options.announce is not None:
             options.announce(_lr_line(rank, lr_said))

@@ -117,6 +117,7 @@ class RankRuntime:
         config: RuntimeConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_session: Callable[[bytes, int, int], None] | None = None,
+        on_offered: Callable[[bytes, int, int], None] | None = None,
     ) -> None:
         self.bus = bus
         self.rank = bus.rank
@@ -128,6 +129,10 @@ class RankRuntime:
         #: called with each new session (uid, new rank, new world size) after the param
         #: plane took it: the job's default group re-forms over the same survivors
         self._on_session = on_session
+        #: told of each new session on the reader thread, at once, where the session
+        #: thread may still be forming the one before (never blocks): that formation
+        #: then stops waiting for a member the newer session left out
+        self._on_offered = on_offered
         self._stop = threading.Event()
         self._dead_lock = threading.Lock()
         #: the worker-local dead-rank ledger
@@ -321,6 +326,9 @@ class RankRuntime:
                 with self._session_cond:
                     self._session = routed.session  # latest wins
                     self._session_cond.notify_all()
+                if self._on_offered is not None:
+                    s = routed.session
+                    self._on_offered(s.uid_bytes, s.new_rank, s.new_world_size)
             else:
                 assert_never(routed)
 

@@ -464,15 +464,19 @@ def test_a_retry_waiting_on_announcements_moves_to_a_newer_session_at_once(
         b.close()
 
 
+@pytest.mark.parametrize("told", ["offered", "heard-of"])
 def test_a_formation_waiting_on_a_dead_member_gives_way_to_a_newer_session_at_once(
-    redis_url: str,
+    redis_url: str, told: str
 ) -> None:
     """A second death: a member of the offered session died before it formed, so this
     rank's formation waits for it (the cpu planes form an offer at once, holding the
     formation lock). The coordinator offers a newer session without it: the formation
     of the first gives up within a wait slice and the newer one forms, where the first
     held the lock for the whole group timeout and the newer session's peers, formed at
-    once, timed out on this rank in their turn."""
+    once, timed out on this rank in their turn. The newer offer reaches the manager
+    while the first forms (``offered``: another thread delivers it), or only once the
+    first is done (``heard-of``: the rank's one session thread delivers offers in turn;
+    its reader thread tells the manager of the newer one at once)."""
     import threading
 
     from flodl_bus.params.groups import SessionSpec
@@ -484,19 +488,65 @@ def test_a_formation_waiting_on_a_dead_member_gives_way_to_a_newer_session_at_on
         )
         first.start()
         assert _wait_until(a._forming.locked)  # waiting in the first one's rendezvous
-        newer = os.urandom(16)
-        second = threading.Thread(
-            target=lambda: a.offer(SessionSpec(newer, 0, 1), form=True), daemon=True
-        )
+        newer = SessionSpec(os.urandom(16), 0, 1)
+        if told == "heard-of":
+            a.heard_of(newer)
+            first.join(20.0)  # a third of the group timeout
+            assert not first.is_alive()
+        second = threading.Thread(target=lambda: a.offer(newer, form=True), daemon=True)
         second.start()
-        second.join(20.0)  # a third of the group timeout
+        second.join(20.0)
         assert not second.is_alive()
-        assert a.spec.uid == newer and a.group is not None and not a.group.broken
+        assert a.spec.uid == newer.uid and a.group is not None and not a.group.broken
         first.join(5.0)
         assert not first.is_alive()
     finally:
         a.close()
         b.close()
+
+
+def test_a_session_heard_of_once_it_is_offered_gives_no_later_formation_up(
+    redis_url: str,
+) -> None:
+    """What was heard of stops counting as newer once it is offered: a later session's
+    formation, waiting on its peer, must not give up for it (a stale one would fail
+    every re-session after). The reader's word may also come after the session thread
+    offered that session already (a race): it is then old news."""
+    import threading
+
+    from flodl_bus.bus.store import RedisStore
+    from flodl_bus.params.forming import session_prefix
+    from flodl_bus.params.groups import ANNOUNCE_KEY, SessionSpec
+
+    pair = _pair(redis_url, timeout=20.0, cap=20.0)
+    try:
+        for k in range(3):
+            specs = [SessionSpec(uid, r, 2) for uid in [os.urandom(16)] for r in range(2)]
+            if k == 0:
+                for m, spec in zip(pair, specs, strict=True):
+                    m.heard_of(spec)
+            # Rank 0 first, alone in the rendezvous until its own key is in: it then
+            # waits on rank 1's, asking at every slice whether to give up.
+            first = threading.Thread(target=pair[0].offer, args=(specs[0],), kwargs={"form": True})
+            first.start()
+            store = RedisStore(redis_url, session_prefix(pair[0].base_prefix, specs[0].uid))
+            try:
+                assert _wait_until(
+                    lambda st=store: any(not n.startswith(ANNOUNCE_KEY) for n in st.list_keys())
+                )
+            finally:
+                store.close()
+            pair[1].offer(specs[1], form=True)
+            first.join(20.0)
+            assert [m.spec.uid for m in pair] == [specs[0].uid] * 2
+            assert all(m.group is not None and not m.group.broken for m in pair)
+            if k == 1:
+                for m, spec in zip(pair, specs, strict=True):
+                    m.heard_of(spec)  # late: offered already
+        assert [m.sessions_formed for m in pair] == [3, 3]
+    finally:
+        for m in pair:
+            m.close()
 
 
 def _wait_until(cond: Any, timeout: float = 30.0) -> bool:

@@ -144,6 +144,48 @@ def test_new_nccl_session_reaches_the_param_plane_off_the_reader_thread() -> Non
         h.runtime.close()
 
 
+def test_a_newer_session_is_told_to_the_plane_at_once_while_the_session_thread_forms() -> None:
+    """The session thread delivers offers one at a time; while it forms one (blocked in
+    its rendezvous) the reader tells the plane of a newer session at once
+    (``on_offered``), so that formation can give up for it instead of holding the
+    session thread for the whole group timeout."""
+    hub = MemoryHub(1)
+    forming, release = threading.Event(), threading.Event()
+    heard: list[tuple[bytes, int, int]] = []
+    told = threading.Event()
+
+    class BlockingParams(ObservedParams):
+        def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
+            forming.set()  # a rendezvous waiting on a member that died
+            release.wait(30)
+
+    def on_offered(uid: bytes, rank: int, world: int) -> None:
+        heard.append((uid, rank, world))
+        if len(heard) == 2:
+            told.set()
+
+    runtime = RankRuntime(
+        bus=hub.rank_bus(0),
+        inbox=Inbox(),
+        params=BlockingParams(digits.build_model(), rank=0),
+        world_size=1,
+        config=RuntimeConfig(heartbeat_interval=10.0, read_block_ms=20),
+        on_offered=on_offered,
+    )
+    runtime.start()
+    coord = hub.coordinator_bus()
+    try:
+        coord.send(0, NewNcclSession(uid_bytes=b"a" * 16, new_rank=0, new_world_size=2))
+        assert forming.wait(10)
+        coord.send(0, NewNcclSession(uid_bytes=b"b" * 16, new_rank=0, new_world_size=1))
+        assert told.wait(10)  # while the first is still forming
+        assert heard == [(b"a" * 16, 0, 2), (b"b" * 16, 0, 1)]
+        assert not release.is_set()
+    finally:
+        release.set()
+        runtime.close()
+
+
 def test_heartbeats_are_published_every_interval_with_a_rising_counter() -> None:
     h = make_harness(config=RuntimeConfig(heartbeat_interval=0.05, read_block_ms=20))
     try:
