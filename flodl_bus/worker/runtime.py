@@ -428,7 +428,12 @@ class RankRuntime:
                 self.params.new_session(session.uid_bytes, session.new_rank, session.new_world_size)
             except Exception:
                 _log.exception("new_session_failed", rank=self.rank)
-            if self._on_session is not None:
+            with self._session_cond:
+                # A newer session came while the plane took this one (its formation gave
+                # up for it): the job's group skips straight to that one, instead of
+                # forming over a member that died, for a whole timeout, first.
+                superseded = self._session is not None
+            if self._on_session is not None and not superseded:
                 try:
                     self._on_session(session.uid_bytes, session.new_rank, session.new_world_size)
                 except Exception:

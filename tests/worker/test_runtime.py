@@ -186,6 +186,47 @@ def test_a_newer_session_is_told_to_the_plane_at_once_while_the_session_thread_f
         runtime.close()
 
 
+def test_the_jobs_group_skips_a_session_superseded_while_the_plane_formed_it() -> None:
+    """The plane gave a session up for a newer one that came meanwhile: the job's default
+    group follows the survivors to the newer one at once; forming the superseded one
+    would wait the whole timeout on the member that died."""
+    hub = MemoryHub(1)
+    forming, release = threading.Event(), threading.Event()
+    reformed: list[bytes] = []
+    done = threading.Event()
+
+    class BlockingParams(ObservedParams):
+        def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
+            if uid == b"a" * 16:
+                forming.set()  # a rendezvous waiting on a member that died...
+                release.wait(30)  # ...until the newer session is heard of
+
+    def on_session(uid: bytes, rank: int, world: int) -> None:
+        reformed.append(uid)
+        done.set()
+
+    runtime = RankRuntime(
+        bus=hub.rank_bus(0),
+        inbox=Inbox(),
+        params=BlockingParams(digits.build_model(), rank=0),
+        world_size=1,
+        config=RuntimeConfig(heartbeat_interval=10.0, read_block_ms=20),
+        on_session=on_session,
+        on_offered=lambda uid, rank, world: release.set() if uid == b"b" * 16 else None,
+    )
+    runtime.start()
+    coord = hub.coordinator_bus()
+    try:
+        coord.send(0, NewNcclSession(uid_bytes=b"a" * 16, new_rank=0, new_world_size=2))
+        assert forming.wait(10)
+        coord.send(0, NewNcclSession(uid_bytes=b"b" * 16, new_rank=0, new_world_size=1))
+        assert done.wait(10)
+        assert reformed == [b"b" * 16]
+    finally:
+        release.set()
+        runtime.close()
+
+
 def test_heartbeats_are_published_every_interval_with_a_rising_counter() -> None:
     h = make_harness(config=RuntimeConfig(heartbeat_interval=0.05, read_block_ms=20))
     try:
