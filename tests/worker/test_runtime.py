@@ -6,11 +6,13 @@ runtime over a real redis-server is in ``test_integration.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -144,87 +146,83 @@ def test_new_nccl_session_reaches_the_param_plane_off_the_reader_thread() -> Non
         h.runtime.close()
 
 
+_OLD, _NEW = b"a" * 16, b"b" * 16
+
+
+@contextlib.contextmanager
+def _superseded_while_forming(
+    release: threading.Event, **hooks: Any
+) -> Iterator[tuple[MemoryCoordinatorBus, threading.Event]]:
+    """A rank whose session thread forms ``_OLD`` (its params' ``new_session`` blocks on
+    ``release``, as a rendezvous waiting on a member that died): the coordinator's bus
+    and the event set once that formation is under way."""
+    hub = MemoryHub(1)
+    forming = threading.Event()
+
+    class BlockingParams(ObservedParams):
+        def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
+            if uid == _OLD:
+                forming.set()
+                release.wait(30)
+
+    runtime = RankRuntime(
+        bus=hub.rank_bus(0),
+        inbox=Inbox(),
+        params=BlockingParams(digits.build_model(), rank=0),
+        world_size=1,
+        config=RuntimeConfig(heartbeat_interval=10.0, read_block_ms=20),
+        **hooks,
+    )
+    runtime.start()
+    try:
+        coord = hub.coordinator_bus()
+        coord.send(0, NewNcclSession(uid_bytes=_OLD, new_rank=0, new_world_size=2))
+        assert forming.wait(10)
+        coord.send(0, NewNcclSession(uid_bytes=_NEW, new_rank=0, new_world_size=1))
+        yield coord, forming
+    finally:
+        release.set()
+        runtime.close()
+
+
 def test_a_newer_session_is_told_to_the_plane_at_once_while_the_session_thread_forms() -> None:
     """The session thread delivers offers one at a time; while it forms one (blocked in
     its rendezvous) the reader tells the plane of a newer session at once
     (``on_offered``), so that formation can give up for it instead of holding the
     session thread for the whole group timeout."""
-    hub = MemoryHub(1)
-    forming, release = threading.Event(), threading.Event()
+    release, told = threading.Event(), threading.Event()
     heard: list[tuple[bytes, int, int]] = []
-    told = threading.Event()
-
-    class BlockingParams(ObservedParams):
-        def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
-            forming.set()  # a rendezvous waiting on a member that died
-            release.wait(30)
 
     def on_offered(uid: bytes, rank: int, world: int) -> None:
         heard.append((uid, rank, world))
         if len(heard) == 2:
             told.set()
 
-    runtime = RankRuntime(
-        bus=hub.rank_bus(0),
-        inbox=Inbox(),
-        params=BlockingParams(digits.build_model(), rank=0),
-        world_size=1,
-        config=RuntimeConfig(heartbeat_interval=10.0, read_block_ms=20),
-        on_offered=on_offered,
-    )
-    runtime.start()
-    coord = hub.coordinator_bus()
-    try:
-        coord.send(0, NewNcclSession(uid_bytes=b"a" * 16, new_rank=0, new_world_size=2))
-        assert forming.wait(10)
-        coord.send(0, NewNcclSession(uid_bytes=b"b" * 16, new_rank=0, new_world_size=1))
+    with _superseded_while_forming(release, on_offered=on_offered):
         assert told.wait(10)  # while the first is still forming
-        assert heard == [(b"a" * 16, 0, 2), (b"b" * 16, 0, 1)]
+        assert heard == [(_OLD, 0, 2), (_NEW, 0, 1)]
         assert not release.is_set()
-    finally:
-        release.set()
-        runtime.close()
 
 
 def test_the_jobs_group_skips_a_session_superseded_while_the_plane_formed_it() -> None:
     """The plane gave a session up for a newer one that came meanwhile: the job's default
     group follows the survivors to the newer one at once; forming the superseded one
     would wait the whole timeout on the member that died."""
-    hub = MemoryHub(1)
-    forming, release = threading.Event(), threading.Event()
+    release, done = threading.Event(), threading.Event()
     reformed: list[bytes] = []
-    done = threading.Event()
-
-    class BlockingParams(ObservedParams):
-        def new_session(self, uid: bytes, new_rank: int, new_world_size: int) -> None:
-            if uid == b"a" * 16:
-                forming.set()  # a rendezvous waiting on a member that died...
-                release.wait(30)  # ...until the newer session is heard of
 
     def on_session(uid: bytes, rank: int, world: int) -> None:
         reformed.append(uid)
         done.set()
 
-    runtime = RankRuntime(
-        bus=hub.rank_bus(0),
-        inbox=Inbox(),
-        params=BlockingParams(digits.build_model(), rank=0),
-        world_size=1,
-        config=RuntimeConfig(heartbeat_interval=10.0, read_block_ms=20),
-        on_session=on_session,
-        on_offered=lambda uid, rank, world: release.set() if uid == b"b" * 16 else None,
-    )
-    runtime.start()
-    coord = hub.coordinator_bus()
-    try:
-        coord.send(0, NewNcclSession(uid_bytes=b"a" * 16, new_rank=0, new_world_size=2))
-        assert forming.wait(10)
-        coord.send(0, NewNcclSession(uid_bytes=b"b" * 16, new_rank=0, new_world_size=1))
+    # The newer session heard of: the plane's formation of the old one gives up.
+    hooks: dict[str, Any] = {
+        "on_session": on_session,
+        "on_offered": lambda uid, rank, world: release.set() if uid == _NEW else None,
+    }
+    with _superseded_while_forming(release, **hooks):
         assert done.wait(10)
-        assert reformed == [b"b" * 16]
-    finally:
-        release.set()
-        runtime.close()
+        assert reformed == [_NEW]
 
 
 def test_heartbeats_are_published_every_interval_with_a_rising_counter() -> None:
