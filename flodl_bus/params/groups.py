@@ -330,9 +330,14 @@ class SessionManager:
 
     # -- split rounds ---------------------------------------------------------------------
 
-    def _session_store(self, spec: SessionSpec) -> RedisStore:
+    def _session_store(
+        self, spec: SessionSpec, cancelled: Callable[[], str | None] | None = None
+    ) -> RedisStore:
         return RedisStore(
-            self._redis, session_prefix(self.base_prefix, spec.uid), timedelta(seconds=self.timeout)
+            self._redis,
+            session_prefix(self.base_prefix, spec.uid),
+            timedelta(seconds=self.timeout),
+            cancelled=cancelled,
         )
 
     def _announce(self, spec: SessionSpec, done: int) -> None:
@@ -362,13 +367,13 @@ class SessionManager:
         deadline = time.monotonic() + min(self.timeout, ANNOUNCE_WAIT_S)
         try:
             while not store.check(keys):
+                # ``_connect`` took this offer: anything offered or heard of now is newer.
+                if self._superseded(spec) is not None:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("not every member announced its ops in time")
                 with self._cond:
-                    # ``_connect`` took this offer: anything pending now is newer.
-                    if self._closed or (self._pending is not None and self._pending != spec):
-                        return None
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError("not every member announced its ops in time")
                     self._cond.wait(min(left, ABORT_POLL_S))
             counts = [int(v) for v in store.multi_get(keys)]
         except (RuntimeError, redis.RedisError, ValueError, TimeoutError) as exc:
@@ -520,13 +525,8 @@ class SessionManager:
         return None
 
     def _form(self, spec: SessionSpec) -> Group:
-        prefix = session_prefix(self.base_prefix, spec.uid)
-        store = RedisStore(
-            self._redis,
-            prefix,
-            timedelta(seconds=self.timeout),
-            cancelled=lambda: self._superseded(spec),
-        )
+        store = self._session_store(spec, cancelled=lambda: self._superseded(spec))
+        prefix = store.prefix
         started = time.monotonic()
         try:
             pg = form_process_group(

@@ -432,16 +432,20 @@ def test_a_retry_on_a_session_the_control_thread_already_formed_still_tells_a_sp
 
 
 def test_a_retry_waiting_on_announcements_moves_to_a_newer_session_at_once(
-    redis_url: str,
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A member of the offered session died before it announced (a second death): the
     coordinator offers a newer session, and the survivor waiting on the first one's
     announcements moves to it at once, instead of waiting out the group timeout there
-    and then again in forming a session a member of which is dead."""
+    and then again in forming a session a member of which is dead. (The announcement
+    wait is made as long as the group timeout here: the formation that follows it gives
+    up for the newer session too, so a shorter wait would hide a wait that never looks.)"""
     import threading
 
+    from flodl_bus.params import groups
     from flodl_bus.params.groups import SessionSpec
 
+    monkeypatch.setattr(groups, "ANNOUNCE_WAIT_S", 30.0)
     a, b = _pair(redis_url, timeout=30.0, cap=30.0)
     try:
         assert _both(lambda: a.run(_sum_of_ones), lambda: b.run(_sum_of_ones)) == [[2.0] * 2] * 2
@@ -527,7 +531,9 @@ def test_a_session_heard_of_once_it_is_offered_gives_no_later_formation_up(
                     m.heard_of(spec)
             # Rank 0 first, alone in the rendezvous until its own key is in: it then
             # waits on rank 1's, asking at every slice whether to give up.
-            first = threading.Thread(target=pair[0].offer, args=(specs[0],), kwargs={"form": True})
+            first = threading.Thread(
+                target=pair[0].offer, args=(specs[0],), kwargs={"form": True}, daemon=True
+            )
             first.start()
             store = RedisStore(redis_url, session_prefix(pair[0].base_prefix, specs[0].uid))
             try:
