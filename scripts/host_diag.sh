@@ -27,12 +27,26 @@ timeout 70 python3 scripts/thread_split.py --match plain_loop --match 'cli worke
     --epochs 400 --repeats 1 >> "$o/split-two.txt" 2>&1
 grep -v "^  run" "$o/split-two.txt" | grep -v "redis-server\|jemalloc\|bio_" | head -60
 (cd "$o" && tar czf spy.tgz spy && rm -rf spy)
+echo "== the training thread pinned to one core at 3 s, or not (a world of one, 300 epochs; two ranks, 300)" | tee "$o/pin.txt"
+for pin in no 3,5 no 3,5; do
+    for w in 1 2; do
+        echo "-- workers $w, pin $pin" >> "$o/pin.txt"
+        args=(--match plain_loop --match 'cli worker' --after 3 --window 2)
+        [ "$pin" != no ] && args+=(--pin "$pin")
+        timeout 60 python3 scripts/thread_split.py "${args[@]}" -- \
+            python3 -m flodl_bus.cli bench train --device cpu --workers "$w" \
+            --modes cpu-cadence --epochs 300 --repeats 1 2>&1 |
+            grep -v "^  run \|^command\|^records\|^(vs\|^LR\|^medians\|redis-server\|jemalloc\|bio_" |
+            grep -v "blocked 100.0%" >> "$o/pin.txt"
+    done
+done
+grep "^bus\|^plain\|^--\|pinned\|^ *python3 *tid *[0-9]*: on a core *[1-9][0-9]\." "$o/pin.txt" | head -60
 echo "== plain_pairs" | tee "$o/pairs.txt"
 ROUNDS=2 COUNTS=1,2,4 timeout 60 python3 scripts/plain_pairs.py >> "$o/pairs.txt" 2>&1
 cat "$o/pairs.txt"
 echo "== bench bus" | tee "$o/bus.txt"
 timeout 100 python3 -m flodl_bus.cli bench bus --repeats 3 >> "$o/bus.txt" 2>&1
 cat "$o/bus.txt"
-echo "== cpu_suite two (REPEATS=3)"
-REPEATS=3 timeout 190 bash scripts/cpu_suite.sh "$o/suite" two > "$o/suite-two.log" 2>&1
+echo "== cpu_suite two (REPEATS=2)"
+REPEATS=2 timeout 150 bash scripts/cpu_suite.sh "$o/suite" two > "$o/suite-two.log" 2>&1
 grep -v "^  run \|^command\|^records\|^(vs" "$o/suite/two.txt" | head -40

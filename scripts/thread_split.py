@@ -46,6 +46,8 @@ class Sample:
     voluntary: int
     involuntary: int
     minor_faults: int
+    #: times the scheduler moved it to another core (its caches left behind)
+    migrations: int
 
 
 def _threads(pid: int) -> dict[int, Sample]:
@@ -68,9 +70,29 @@ def _threads(pid: int) -> dict[int, Sample]:
         if counts is None:
             continue
         out[int(t)] = Sample(
-            name, counts.run_ns, counts.wait_ns, counts.voluntary, counts.involuntary, minflt
+            name,
+            counts.run_ns,
+            counts.wait_ns,
+            counts.voluntary,
+            counts.involuntary,
+            minflt,
+            _migrations(f"{base}/{t}"),
         )
     return out
+
+
+def _migrations(task: str) -> int:
+    """How often the scheduler moved the thread between cores (``se.nr_migrations`` in
+    its ``sched`` file; 0 where the kernel does not say)."""
+    try:
+        with open(f"{task}/sched") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "se.nr_migrations":
+                    return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _memory(pid: int) -> str:
@@ -98,9 +120,23 @@ def _cmdline(pid: int) -> str:
 
 
 def _watch(
-    pid: int, label: str, after: float, window: float, lines: list[str], spy: str | None
+    pid: int,
+    label: str,
+    after: float,
+    window: float,
+    lines: list[str],
+    spy: str | None,
+    pin: int | None = None,
 ) -> None:
     time.sleep(after)
+    if pin is not None:
+        # The main thread alone (its tid is the pid), once the process's other threads
+        # exist: a thread inherits its creator's cores, so an earlier pin would bind them.
+        try:
+            os.sched_setaffinity(pid, {pin})
+            lines.append(f"{label} pid {pid}: main thread pinned to core {pin} at {after:.1f} s")
+        except OSError as e:
+            lines.append(f"{label} pid {pid}: could not pin ({e})")
     t0, a = time.monotonic(), _threads(pid)
     sampler = None
     if spy is not None:
@@ -133,7 +169,8 @@ def _watch(
                 f"runnable {wait / wall_ns:6.1%}, blocked {blocked / wall_ns:6.1%}; "
                 f"switches/s voluntary {(s1.voluntary - s0.voluntary) / (t1 - t0):7.0f}, "
                 f"involuntary {(s1.involuntary - s0.involuntary) / (t1 - t0):6.0f}; "
-                f"minor faults/s {(s1.minor_faults - s0.minor_faults) / (t1 - t0):7.0f}",
+                f"minor faults/s {(s1.minor_faults - s0.minor_faults) / (t1 - t0):7.0f}; "
+                f"migrations/s {(s1.migrations - s0.migrations) / (t1 - t0):6.0f}",
             )
         )
     rows.sort(reverse=True)
@@ -150,11 +187,18 @@ def main() -> int:
     ap.add_argument("--after", type=float, default=3.0)
     ap.add_argument("--window", type=float, default=3.0)
     ap.add_argument("--spy", help="also record each window with py-spy into this folder")
+    ap.add_argument(
+        "--pin",
+        help="comma-separated cores: pin each matched process's main thread (the training "
+        "thread) to the next of them, in turn, at --after (whether a thread that blocks "
+        "often loses its step to moves between cores)",
+    )
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args()
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if args.spy:
         os.makedirs(args.spy, exist_ok=True)
+    pins = [int(c) for c in args.pin.split(",")] if args.pin else []
     proc = subprocess.Popen(cmd)
     seen: set[int] = set()
     lines: list[str] = []
@@ -171,7 +215,15 @@ def main() -> int:
             seen.add(int(entry))
             w = threading.Thread(
                 target=_watch,
-                args=(int(entry), hit, args.after, args.window, lines, args.spy),
+                args=(
+                    int(entry),
+                    hit,
+                    args.after,
+                    args.window,
+                    lines,
+                    args.spy,
+                    pins[len(watchers) % len(pins)] if pins else None,
+                ),
                 daemon=True,
             )
             w.start()
