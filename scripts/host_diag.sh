@@ -27,20 +27,23 @@ timeout 70 python3 scripts/thread_split.py --match plain_loop --match 'cli worke
     --epochs 400 --repeats 1 >> "$o/split-two.txt" 2>&1
 grep -v "^  run" "$o/split-two.txt" | grep -v "redis-server\|jemalloc\|bio_" | head -60
 (cd "$o" && tar czf spy.tgz spy && rm -rf spy)
-echo "== the training thread pinned to one core at 3 s, or not (a world of one, 300 epochs; two ranks, 300)" | tee "$o/pin.txt"
-for pin in no 3,5 no 3,5; do
+echo "== a core kept for each training thread, or not (a world of one, 300 epochs; two ranks, 300)" | tee "$o/pin.txt"
+# --pin: at 3 s, each training thread alone on its core, every other thread of the run
+# (the rank's own, the coordinator, its record process, Redis) on the other 14
+for pin in no 4,10 no 4,10; do
     for w in 1 2; do
         echo "-- workers $w, pin $pin" >> "$o/pin.txt"
-        args=(--match plain_loop --match 'cli worker' --after 3 --window 2)
+        args=(--match plain_loop --match 'cli worker' --match 'cli coordinator'
+            --match redis-server --match record/process --after 3 --window 2)
         [ "$pin" != no ] && args+=(--pin "$pin")
         timeout 60 python3 scripts/thread_split.py "${args[@]}" -- \
             python3 -m flodl_bus.cli bench train --device cpu --workers "$w" \
             --modes cpu-cadence --epochs 300 --repeats 1 2>&1 |
-            grep -v "^  run \|^command\|^records\|^(vs\|^LR\|^medians\|redis-server\|jemalloc\|bio_" |
-            grep -v "blocked 100.0%" >> "$o/pin.txt"
+            grep -v "^  run \|^command\|^records\|^(vs\|^LR\|^medians\|jemalloc\|bio_" |
+            grep -v "blocked 100.0%\|blocked  99" >> "$o/pin.txt"
     done
 done
-grep "^bus\|^plain\|^--\|pinned\|^ *python3 *tid *[0-9]*: on a core *[1-9][0-9]\." "$o/pin.txt" | head -60
+grep "^bus\|^plain\|^--\|main thread on\|^ *python3 *tid *[0-9]*: on a core *[1-9][0-9]\." "$o/pin.txt" | head -60
 echo "== plain_pairs" | tee "$o/pairs.txt"
 ROUNDS=2 COUNTS=1,2,4 timeout 60 python3 scripts/plain_pairs.py >> "$o/pairs.txt" 2>&1
 cat "$o/pairs.txt"

@@ -23,6 +23,7 @@ and still steps slower loses it on the core (caches, migrations, more work a ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -111,12 +112,57 @@ def _memory(pid: int) -> str:
     return f"rss {rss:.0f} MB, {huge:.0f} MB in huge pages"
 
 
+def _descends(pid: int, root: int) -> bool:
+    """Whether ``pid`` is ``root`` or one of its descendants (a Redis of the run, not the
+    machine's own)."""
+    while pid > 1:
+        if pid == root:
+            return True
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                pid = next(int(ln.split()[1]) for ln in f if ln.startswith("PPid:"))
+        except (OSError, StopIteration, ValueError):
+            return False
+    return False
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def _pin(pid: int, label: str, core: int | None, away: set[int], lines: list[str] | None) -> None:
+    """The kept-core policy, seen from outside: a training process's main thread (its
+    tid is the pid) alone on ``core``, its other threads, and every thread of the other
+    watched processes (the coordinator, Redis), on the ``away`` cores. Set once the
+    process's threads exist: a thread inherits its creator's cores."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return
+    moved = 0
+    for tid in tids:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, {core} if tid == pid and core is not None else away)
+            moved += 1
+    if lines is None:
+        return
+    where = f"main thread on core {core}, the rest" if core is not None else "every thread"
+    lines.append(f"{label} pid {pid}: {where} on cores {_span(away)} ({moved} threads)")
+
+
+def _span(cores: set[int]) -> str:
+    """``{0, 1, 2, 5}`` as ``0-2,5``."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _watch(
@@ -126,17 +172,11 @@ def _watch(
     window: float,
     lines: list[str],
     spy: str | None,
-    pin: int | None = None,
+    pin: tuple[int | None, set[int]] | None = None,
 ) -> None:
     time.sleep(after)
     if pin is not None:
-        # The main thread alone (its tid is the pid), once the process's other threads
-        # exist: a thread inherits its creator's cores, so an earlier pin would bind them.
-        try:
-            os.sched_setaffinity(pid, {pin})
-            lines.append(f"{label} pid {pid}: main thread pinned to core {pin} at {after:.1f} s")
-        except OSError as e:
-            lines.append(f"{label} pid {pid}: could not pin ({e})")
+        _pin(pid, label, pin[0], pin[1], lines)
     t0, a = time.monotonic(), _threads(pid)
     sampler = None
     if spy is not None:
@@ -147,7 +187,14 @@ def _watch(
              "-r", "200", "-d", str(max(1, round(window))), "-f", "raw", "-o", out],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-    time.sleep(window)
+    if pin is None:
+        time.sleep(window)
+    else:
+        # A thread the training thread starts now would share its core: moved as it comes.
+        end = time.monotonic() + window
+        while (left := end - time.monotonic()) > 0:
+            time.sleep(min(0.2, left))
+            _pin(pid, label, pin[0], pin[1], None)
     t1, b = time.monotonic(), _threads(pid)
     if sampler is not None:
         sampler.wait(timeout=window + 10)
@@ -189,9 +236,17 @@ def main() -> int:
     ap.add_argument("--spy", help="also record each window with py-spy into this folder")
     ap.add_argument(
         "--pin",
-        help="comma-separated cores: pin each matched process's main thread (the training "
-        "thread) to the next of them, in turn, at --after (whether a thread that blocks "
-        "often loses its step to moves between cores)",
+        help="comma-separated cores, kept for training threads: at --after, the main thread "
+        "(the training thread) of each process matched by a --train pattern goes alone to "
+        "the next of them, in turn, and every other thread of the watched processes to the "
+        "cores not in the list (whether the step loses its time to threads and processes "
+        "the scheduler wakes beside it)",
+    )
+    ap.add_argument(
+        "--train",
+        action="append",
+        default=None,
+        help="a --match pattern whose processes train (default: plain_loop, cli worker)",
     )
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args()
@@ -199,6 +254,9 @@ def main() -> int:
     if args.spy:
         os.makedirs(args.spy, exist_ok=True)
     pins = [int(c) for c in args.pin.split(",")] if args.pin else []
+    away = set(os.sched_getaffinity(0)) - set(pins)
+    train = args.train or ["plain_loop", "cli worker"]
+    trained = 0
     proc = subprocess.Popen(cmd)
     seen: set[int] = set()
     lines: list[str] = []
@@ -212,7 +270,15 @@ def main() -> int:
             # The bench's own parent holds every match in its argv; skip it.
             if hit is None or int(entry) == proc.pid or "thread_split" in line:
                 continue
+            if not _descends(int(entry), proc.pid):
+                continue
             seen.add(int(entry))
+            pinned: tuple[int | None, set[int]] | None = None
+            if pins:
+                core = None
+                if hit in train:
+                    core, trained = pins[trained % len(pins)], trained + 1
+                pinned = (core, away)
             w = threading.Thread(
                 target=_watch,
                 args=(
@@ -222,7 +288,7 @@ def main() -> int:
                     args.window,
                     lines,
                     args.spy,
-                    pins[len(watchers) % len(pins)] if pins else None,
+                    pinned,
                 ),
                 daemon=True,
             )
