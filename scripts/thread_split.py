@@ -154,6 +154,14 @@ def _pin(pid: int, label: str, core: int | None, away: set[int], lines: list[str
     lines.append(f"{label} pid {pid}: {where} on cores {_span(away)} ({moved} threads)")
 
 
+def _keep_pinned(pid: int, label: str, pin: tuple[int | None, set[int]]) -> None:
+    """Until the process ends: a thread the training thread starts later would share its
+    core (inheriting it), so every 0.2 s each thread is put where it belongs again."""
+    while os.path.exists(f"/proc/{pid}"):
+        time.sleep(0.2)
+        _pin(pid, label, pin[0], pin[1], None)
+
+
 def _span(cores: set[int]) -> str:
     """``{0, 1, 2, 5}`` as ``0-2,5``."""
     runs: list[list[int]] = []
@@ -177,6 +185,7 @@ def _watch(
     time.sleep(after)
     if pin is not None:
         _pin(pid, label, pin[0], pin[1], lines)
+        threading.Thread(target=_keep_pinned, args=(pid, label, pin), daemon=True).start()
     t0, a = time.monotonic(), _threads(pid)
     sampler = None
     if spy is not None:
@@ -187,14 +196,7 @@ def _watch(
              "-r", "200", "-d", str(max(1, round(window))), "-f", "raw", "-o", out],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-    if pin is None:
-        time.sleep(window)
-    else:
-        # A thread the training thread starts now would share its core: moved as it comes.
-        end = time.monotonic() + window
-        while (left := end - time.monotonic()) > 0:
-            time.sleep(min(0.2, left))
-            _pin(pid, label, pin[0], pin[1], None)
+    time.sleep(window)
     t1, b = time.monotonic(), _threads(pid)
     if sampler is not None:
         sampler.wait(timeout=window + 10)
