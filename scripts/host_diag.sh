@@ -27,10 +27,20 @@ timeout 70 python3 scripts/thread_split.py --match plain_loop --match 'cli worke
     --epochs 400 --repeats 1 >> "$o/split-two.txt" 2>&1
 grep -v "^  run" "$o/split-two.txt" | grep -v "redis-server\|jemalloc\|bio_" | head -60
 (cd "$o" && tar czf spy.tgz spy && rm -rf spy)
-echo "== a core kept for each training thread, or not (a world of one, 300 epochs; two ranks, 300)" | tee "$o/pin.txt"
+echo "== FLODL_KEEP_CORE=1 (worker.cores) or 0, alternating: a world of one and two cadence ranks, 100 epochs" | tee "$o/keep.txt"
+for keep in 0 1 0 1; do
+    for w in 1 2; do
+        echo "-- workers $w, FLODL_KEEP_CORE=$keep" >> "$o/keep.txt"
+        FLODL_KEEP_CORE=$keep timeout 60 python3 -m flodl_bus.cli bench train --device cpu \
+            --workers "$w" --modes cpu-cadence --epochs 100 --repeats 1 2>&1 |
+            grep "^plain\|^bus\|^ *plain loop:" >> "$o/keep.txt"
+    done
+done
+cat "$o/keep.txt"
+echo "== a core kept for each training thread from outside, or not (300 epochs)" | tee "$o/pin.txt"
 # --pin: at 3 s, each training thread alone on its core, every other thread of the run
 # (the rank's own, the coordinator, its record process, Redis) on the other 14
-for pin in no 4,10 no 4,10; do
+for pin in no 4,10; do
     for w in 1 2; do
         echo "-- workers $w, pin $pin" >> "$o/pin.txt"
         args=(--match plain_loop --match 'cli worker' --match 'cli coordinator'
@@ -43,7 +53,7 @@ for pin in no 4,10 no 4,10; do
             grep -v "blocked 100.0%\|blocked  99" >> "$o/pin.txt"
     done
 done
-grep "^bus\|^plain\|^--\|main thread on\|^ *python3 *tid *[0-9]*: on a core *[1-9][0-9]\." "$o/pin.txt" | head -60
+grep "^bus\|^plain\|^--\|main thread on\|^ *python3 *tid *[0-9]*: on a core *[1-9][0-9]\." "$o/pin.txt" | head -40
 echo "== plain_pairs" | tee "$o/pairs.txt"
 ROUNDS=2 COUNTS=1,2,4 timeout 60 python3 scripts/plain_pairs.py >> "$o/pairs.txt" 2>&1
 cat "$o/pairs.txt"

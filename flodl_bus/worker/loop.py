@@ -34,6 +34,7 @@ from flodl_bus.protocol.messages import (
     UpstreamMsg,
 )
 from flodl_bus.worker.control import Dispatched, WorkerControl, acts_at_teardown
+from flodl_bus.worker.cores import KeptCore
 from flodl_bus.worker.feed import Feed, FeedOptions, make_feed
 from flodl_bus.worker.inbox import Closed, Inbox
 from flodl_bus.worker.resources import sample as sample_resources
@@ -134,6 +135,7 @@ class RankLoop:
         on_dispatched: Callable[[ControlMsg], None] | None = None,
         threads: ThreadTuner | None = None,
         on_threads: Callable[[ThreadTuner], None] | None = None,
+        kept_core: KeptCore | None = None,
     ) -> None:
         self.job = job
         self.control = control
@@ -177,6 +179,11 @@ class RankLoop:
         self.threads = threads if threads is not None and not threads.done else None
         #: told once the count is settled
         self.on_threads = on_threads
+        #: the training thread's own core (``worker.cores``), taken once the rank trains
+        #: at one intra-op thread; None: the policy is off
+        self.kept_core = kept_core
+        if kept_core is not None and self.threads is None and torch.get_num_threads() == 1:
+            kept_core.apply()
         #: why the rank leaves mid-run (an ``Exiting`` reason, see ``protocol.leaving``);
         #: None while nothing failed
         self.failure: str | None = None
@@ -309,6 +316,9 @@ class RankLoop:
         control.begin_plan(plan)
         if obs is not None:
             obs.planned(plan)
+        if self.kept_core is not None:
+            # Threads started since (they inherit the kept core from this one) move away.
+            self.kept_core.hold()
         if control.num_batches == 0:
             self.publish(
                 _zero_metrics(
@@ -366,6 +376,8 @@ class RankLoop:
             )
             if self.on_threads is not None:
                 self.on_threads(tuner)
+            if self.kept_core is not None and tuner.chosen == 1:
+                self.kept_core.apply()
 
     def close_plan(self, tally: PlanTally) -> None:
         """The plan is trained: its MetricsMsg, which tells the coordinator it is done."""

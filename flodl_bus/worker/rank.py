@@ -23,8 +23,9 @@ from flodl_bus.partition import SHUFFLE_BASE_SEED
 from flodl_bus.protocol import leaving
 from flodl_bus.protocol.messages import ControlMsg, Exiting, UpstreamMsg
 from flodl_bus.stop_signals import StopSignals, signal_name
-from flodl_bus.worker import thread_stats
+from flodl_bus.worker import cores, thread_stats
 from flodl_bus.worker.control import WorkerControl
+from flodl_bus.worker.cores import KeptCore
 from flodl_bus.worker.feed import FeedOptions, make_feed
 from flodl_bus.worker.hooks import JobHooks, bind_intent_sink, unbind_intent_sink
 from flodl_bus.worker.host import set_rank_env, torch_threads, tunes_threads, usable_cores
@@ -119,6 +120,26 @@ def _checkpoint_fn(job: Job, save_path: str | None) -> CheckpointFn | None:
     if user_fn is not None:
         return lambda version, model: call_job("checkpoint_fn", user_fn, version, model)
     return checkpoint_to(save_path) if save_path else None
+
+
+def _kept_core(device: torch.device) -> KeptCore | None:
+    """``FLODL_KEEP_CORE=1`` on a CPU rank of a host with cores to spare: its training
+    thread's own core (``worker.cores``)."""
+    if device.type != "cpu" or not cores.wanted(os.environ):
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    try:
+        usable = os.sched_getaffinity(0)
+    except AttributeError:  # not Linux
+        return None
+    chosen = cores.plan(usable, local_rank, local_world)
+    log = structlog.get_logger("flodl_bus.worker")
+    if chosen is None:
+        log.info("kept_core_skipped", cores=len(usable), local_world=local_world)
+        return None
+    log.info("kept_core_planned", core=chosen.kept, away=len(chosen.away))
+    return KeptCore(chosen)
 
 
 def _threads_said(rank: int, announce: Callable[[str], None]) -> Callable[[ThreadTuner], None]:
@@ -336,6 +357,7 @@ class RankSession:
             on_dispatched=hooks.dispatched if hooks.wanted else None,
             threads=self._thread_tuner(threads, device),
             on_threads=None if options.announce is None else _threads_said(rank, options.announce),
+            kept_core=_kept_core(device),
         )
         runtime = RankRuntime(
             bus=bus,
