@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from flodl_bus.worker import cores
 from flodl_bus.worker.cores import CorePlan, KeptCore
@@ -106,3 +107,52 @@ def test_the_training_thread_runs_alone_on_its_core_and_threads_it_starts_later_
     assert found["later, held"] == set(rest)
     # the runner's own thread was moved too
     assert _cores_of(threading.main_thread().native_id or 0) == set(rest)
+
+
+@linux_only
+@pytest.mark.usefixtures("restored_affinity")
+def test_a_loop_at_one_thread_keeps_its_core_and_moves_threads_started_since_at_its_next_plan() -> (
+    None
+):
+    # the wiring (worker.loop): taken as the loop is built at one intra-op thread, held
+    # at each plan's start
+    from flodl_bus.protocol.messages import EpochPlan
+    from tests.worker.test_loop import BS, make_rig
+
+    kept, *rest = sorted(os.sched_getaffinity(0))
+    threads_before = torch.get_num_threads()
+    stop = threading.Event()
+    found: dict[str, set[int]] = {}
+    failed: list[BaseException] = []
+
+    def training() -> None:
+        try:
+            torch.set_num_threads(1)
+            rig = make_rig(kept_core=KeptCore(CorePlan(kept, frozenset(rest))))
+            found["built"] = _cores_of(threading.get_native_id())
+            started: list[int] = []
+
+            def other() -> None:
+                started.append(threading.get_native_id())
+                stop.wait(30)
+
+            later = threading.Thread(target=other)
+            later.start()
+            while not started:
+                stop.wait(0.001)
+            found["started"] = _cores_of(started[0])
+            assert rig.loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS)) is False
+            found["after a plan"] = _cores_of(started[0])
+            found["training"] = _cores_of(threading.get_native_id())
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=training)
+    t.start()
+    t.join(60)
+    stop.set()
+    torch.set_num_threads(threads_before)
+    assert not failed, failed
+    assert found["built"] == {kept} and found["training"] == {kept}
+    assert found["started"] == {kept}
+    assert found["after a plan"] == set(rest)
