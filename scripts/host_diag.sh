@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 27's open question on a lent host, in order of priority (whatever ran is kept if
-# the call is cut): where two bus ranks' step time goes beside the plain loop's
-# (scripts/thread_split.py with py-spy: each thread's share on a core, runnable, blocked),
-# two and four plain processes at once (scripts/plain_pairs.py), bench bus, and the
-# digits part of scripts/cpu_suite.sh. Run from the repository root, with .gpu/ carried
+# the call is cut): a world of one and two cadence ranks with FLODL_KEEP_CORE=1 and 0
+# (worker.cores), where two bus ranks' step time goes beside the plain loop's
+# (scripts/thread_split.py with py-spy: each thread's share on a core, runnable, blocked,
+# its moves between cores), the kept-core policy applied from outside (--pin, the
+# coordinator and Redis moved too), two and four plain processes at once
+# (scripts/plain_pairs.py), bench bus, and the digits part of scripts/cpu_suite.sh. Run from the repository root, with .gpu/ carried
 # (scripts/gpu_bundle.sh builds it here):
 #
 #   scripts/host_diag.sh [OUT_DIR]      (default: $OUT, else ./host-diag-<date>)
@@ -20,13 +22,6 @@ else
 fi
 [ -d .gpu/bin ] && export PATH="$PWD/.gpu/bin:$PATH"
 { nproc; python3 -c 'import torch,sys;print(torch.__version__, sys.version)'; lscpu | grep -i 'model name\|mhz\|thread\|numa'; } > "$o/host.txt" 2>&1
-echo "== thread_split, two cadence ranks and the plain loop, 400 epochs" | tee "$o/split-two.txt"
-timeout 70 python3 scripts/thread_split.py --match plain_loop --match 'cli worker' \
-    --match 'cli coordinator' --after 6 --window 3 --spy "$o/spy/two" -- \
-    python3 -m flodl_bus.cli bench train --device cpu --workers 2 --modes cpu-cadence \
-    --epochs 400 --repeats 1 >> "$o/split-two.txt" 2>&1
-grep -v "^  run" "$o/split-two.txt" | grep -v "redis-server\|jemalloc\|bio_" | head -60
-(cd "$o" && tar czf spy.tgz spy && rm -rf spy)
 echo "== FLODL_KEEP_CORE=1 (worker.cores) or 0, alternating: a world of one and two cadence ranks, 100 epochs" | tee "$o/keep.txt"
 for keep in 0 1 0 1; do
     for w in 1 2; do
@@ -37,6 +32,13 @@ for keep in 0 1 0 1; do
     done
 done
 cat "$o/keep.txt"
+echo "== thread_split, two cadence ranks and the plain loop, 400 epochs" | tee "$o/split-two.txt"
+timeout 70 python3 scripts/thread_split.py --match plain_loop --match 'cli worker' \
+    --match 'cli coordinator' --after 6 --window 3 --spy "$o/spy/two" -- \
+    python3 -m flodl_bus.cli bench train --device cpu --workers 2 --modes cpu-cadence \
+    --epochs 400 --repeats 1 >> "$o/split-two.txt" 2>&1
+grep -v "^  run" "$o/split-two.txt" | grep -v "redis-server\|jemalloc\|bio_" | head -60
+(cd "$o" && tar czf spy.tgz spy && rm -rf spy)
 echo "== a core kept for each training thread from outside, or not (300 epochs)" | tee "$o/pin.txt"
 # --pin: at 3 s, each training thread alone on its core, every other thread of the run
 # (the rank's own, the coordinator, its record process, Redis) on the other 14
