@@ -6,7 +6,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -58,49 +58,61 @@ def _cores_of(tid: int) -> set[int]:
     return set(os.sched_getaffinity(tid))
 
 
+def _on_a_thread(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a thread of its own, the rank's training thread (pinning the test
+    runner's would hold it there), and raise what it raised."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and not failed, failed
+
+
+def _started(stop: threading.Event) -> int:
+    """The id of a new thread, started by the caller, that waits for ``stop``."""
+    ids: list[int] = []
+
+    def wait() -> None:
+        ids.append(threading.get_native_id())
+        stop.wait(60)
+
+    threading.Thread(target=wait, daemon=True).start()
+    while not ids:
+        stop.wait(0.001)
+    return ids[0]
+
+
 @linux_only
 @pytest.mark.usefixtures("restored_affinity")
 def test_the_training_thread_runs_alone_on_its_core_and_threads_it_starts_later_move_away() -> None:
     kept, *rest = sorted(os.sched_getaffinity(0))
-    plan = CorePlan(kept, frozenset(rest))
-    policy = KeptCore(plan)
+    policy = KeptCore(CorePlan(kept, frozenset(rest)))
     stop = threading.Event()
-    seen: dict[str, int] = {}
-
-    def other(name: str) -> None:
-        seen[name] = threading.get_native_id()
-        stop.wait(30)
-
-    before = threading.Thread(target=other, args=("before",))
-    before.start()
+    before = _started(stop)
     found: dict[str, set[int]] = {}
-    failed: list[BaseException] = []
 
     def training() -> None:
-        try:
-            policy.apply()
-            me = threading.get_native_id()
-            found["training"] = _cores_of(me)
-            while "before" not in seen:
-                stop.wait(0.001)
-            found["before"] = _cores_of(seen["before"])
-            later = threading.Thread(target=other, args=("later",))
-            later.start()
-            while "later" not in seen:
-                stop.wait(0.001)
-            found["later, inherited"] = _cores_of(seen["later"])
-            assert policy.hold() >= 1
-            found["later, held"] = _cores_of(seen["later"])
-            found["training, held"] = _cores_of(me)
-        except BaseException as exc:
-            failed.append(exc)
+        policy.apply()
+        me = threading.get_native_id()
+        found["training"] = _cores_of(me)
+        found["before"] = _cores_of(before)
+        later = _started(stop)
+        found["later, inherited"] = _cores_of(later)
+        assert policy.hold() >= 1
+        found["later, held"] = _cores_of(later)
+        found["training, held"] = _cores_of(me)
 
-    t = threading.Thread(target=training)
-    t.start()
-    t.join(30)
-    stop.set()
-    before.join(30)
-    assert not failed
+    try:
+        _on_a_thread(training)
+    finally:
+        stop.set()
     assert found["training"] == {kept} and found["training, held"] == {kept}
     assert found["before"] == set(rest)
     assert found["later, inherited"] == {kept}  # why ``hold`` exists
@@ -123,36 +135,22 @@ def test_a_loop_at_one_thread_keeps_its_core_and_moves_threads_started_since_at_
     threads_before = torch.get_num_threads()
     stop = threading.Event()
     found: dict[str, set[int]] = {}
-    failed: list[BaseException] = []
 
     def training() -> None:
-        try:
-            torch.set_num_threads(1)
-            rig = make_rig(kept_core=KeptCore(CorePlan(kept, frozenset(rest))))
-            found["built"] = _cores_of(threading.get_native_id())
-            started: list[int] = []
+        torch.set_num_threads(1)
+        rig = make_rig(kept_core=KeptCore(CorePlan(kept, frozenset(rest))))
+        found["built"] = _cores_of(threading.get_native_id())
+        later = _started(stop)
+        found["started"] = _cores_of(later)
+        assert rig.loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS)) is False
+        found["after a plan"] = _cores_of(later)
+        found["training"] = _cores_of(threading.get_native_id())
 
-            def other() -> None:
-                started.append(threading.get_native_id())
-                stop.wait(30)
-
-            later = threading.Thread(target=other)
-            later.start()
-            while not started:
-                stop.wait(0.001)
-            found["started"] = _cores_of(started[0])
-            assert rig.loop.run_epoch_plan(EpochPlan(0, 0, 2 * BS)) is False
-            found["after a plan"] = _cores_of(started[0])
-            found["training"] = _cores_of(threading.get_native_id())
-        except BaseException as exc:
-            failed.append(exc)
-
-    t = threading.Thread(target=training)
-    t.start()
-    t.join(60)
-    stop.set()
-    torch.set_num_threads(threads_before)
-    assert not failed, failed
+    try:
+        _on_a_thread(training)
+    finally:
+        stop.set()
+        torch.set_num_threads(threads_before)
     assert found["built"] == {kept} and found["training"] == {kept}
     assert found["started"] == {kept}
     assert found["after a plan"] == set(rest)
