@@ -41,6 +41,7 @@ LEGACY_DEFAULTS: dict[str, object] = {
     "final_round_saves_graceful": False,
     "solo_plans_ahead": False,
     "plans_ahead": False,
+    "chunks_cross_windows": False,
 }
 MODES: tuple[str, ...] = ("nccl-sync", "nccl-cadence", "cpu-sync", "cpu-cadence", "cpu-async")
 
@@ -205,6 +206,13 @@ class CoordinatorConfig:
     #: so it goes on without waiting a trip through Redis for it (issue 27). Not a
     #: setting: off only to replay records made before it
     plans_ahead: bool = True
+    #: cpu-cadence with bridges: a chunk that would end at the rank's window count
+    #: carries its next window too, so the rank trains on through the round (it takes
+    #: the RequestParams between two batches, as a bridging rank does) instead of
+    #: stopping at the count until the round's RequestParams brings its next chunk: on
+    #: two digits ranks that stop was most of each rank's control waits (issue 27).
+    #: Not a setting: off only to replay records made before it
+    chunks_cross_windows: bool = True
     #: a deterministic schedule (sync modes): one batch per rank per window, the next
     #: plan only after the window's average, and epoch-boundary checkpoints taken at
     #: the boundary (``PartitionDispatch``); timing then decides nothing a model sees

@@ -64,6 +64,11 @@ class PoolDispatch(Dispatch):
         self._owed = bridge.OwedWaits()
         # The core's ``solo`` is not set yet: a world of one is read off the config.
         cfg = core.config
+        #: a chunk capped by the rank's window count carries its next window as well
+        #: (the CPU plane's bridges: work after the snapshot stays on the consensus)
+        self._crosses = (
+            self.bridges and cfg.backend is Backend.CPU and cfg.chunks_cross_windows
+        )
         #: a world of one trains what is left of an epoch in one plan
         self._solo_epochs = (
             cfg.world_size == 1 and cfg.solo_without_rounds and cfg.solo_whole_epochs
@@ -423,7 +428,9 @@ class PoolDispatch(Dispatch):
             # The ledger holds what r trained of its chunk so far: the rest of it counts
             # against its window too.
             budget = self._budget(r) - (cur.in_flight(r) // core.bs - self._trained[r])
-            if core.ledger.steps[r] >= budget:
+            # Crossing windows, the next window may ride ahead too (``_chunk_batches``).
+            room = budget + core.elche.counts[r] if self._crosses else budget
+            if core.ledger.steps[r] >= room:
                 self._owed_ahead.add(r)  # asked again as a round frees its window
                 return None
         if nxt not in self.pools and not core.hooks_armable(nxt):
@@ -565,10 +572,16 @@ class PoolDispatch(Dispatch):
             if fw is not None:
                 return fw.slots[r]
         counts = core.elche.counts
-        left = max(budget - core.ledger.steps[r], 1)
+        if self._crosses:
+            # The round the count triggers reaches the rank mid-chunk: what it trains
+            # past its count before its snapshot is in the snapshot, weighed by its true
+            # steps, and what it trains after counts in its next window (as a bridge).
+            left = max(budget - core.ledger.steps[r], 0) + counts[r]
+        else:
+            left = max(budget - core.ledger.steps[r], 1)
         live_sum = self._live_counts_sum()
         if remaining < live_sum or barrier_paced:
-            return min(counts[r], remaining, left)
+            return min(left, remaining) if self._crosses else min(counts[r], remaining, left)
         if not core.elche.calibrated:
             probe = max(core.config.epoch_batches(pool.epoch) // (core.ws * 10), MIN_CHUNK)
             return min(probe, remaining, left)

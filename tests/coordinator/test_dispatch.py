@@ -159,6 +159,8 @@ def _left_out_start(**kw: Any) -> tuple[Coordinator, dict[int, m.EpochPlan]]:
     """Two cpu-cadence ranks of 16-step windows over 40-sample epochs: rank 0's first
     chunk (16) leaves 12, pinned as epoch 0's last window, all rank 0's; rank 1's first
     chunk (12) is its whole share of the epoch, and fills 12 of its 16 steps."""
+    # chunks of one window each (``chunks_cross_windows`` has its own tests)
+    kw.setdefault("chunks_cross_windows", False)
     core, out = started("cpu-cadence", total=40, num_epochs=3, anchor=16, **kw)
     first = plans(out)
     assert first == {0: m.EpochPlan(0, 0, 16), 1: m.EpochPlan(0, 20, 12)}
@@ -285,7 +287,9 @@ def test_a_cpu_rank_whose_plan_ahead_was_lost_is_sent_it_again_while_it_trains()
 def test_no_chunk_ahead_for_a_rank_whose_chunk_fills_its_window() -> None:
     # each rank's chunk is its whole window (10 of 10 steps): the round that closes the
     # window hands out the next chunks, not a plan ahead
-    core, out = started("cpu-cadence", total=20, num_epochs=3, anchor=16)
+    core, out = started(
+        "cpu-cadence", total=20, num_epochs=3, anchor=16, chunks_cross_windows=False
+    )
     assert plans(out) == {0: m.EpochPlan(0, 0, 10), 1: m.EpochPlan(0, 10, 10)}
     assert not feed(core, 0, 10) + feed(core, 1, 10)
     assert not plans(core.handle(0, metrics(0, 0, 10), 0.0))
@@ -415,7 +419,7 @@ def test_a_cpu_cadence_rank_at_its_count_bridges_through_the_round_and_covers_ea
 ):
     # issue 27: a cpu-cadence rank keeps the steps it takes after its snapshot on top of
     # the consensus (--overlap-rounds), so a full window no longer has to idle
-    core, first = _calibrated("cpu-cadence", num_epochs=2)
+    core, first = _calibrated("cpu-cadence", num_epochs=2, chunks_cross_windows=False)
     handed = [(p.epoch, p.partition_offset, p.partition_size) for p in first.values()]
     feed(core, 1, 7, ms=40.0)
     feed(core, 0, 40)
@@ -523,3 +527,26 @@ def test_a_world_of_one_gets_each_epoch_in_one_plan_and_still_closes_its_windows
     out += core.handle(0, metrics(0, 0, 200), 0.02)
     out += core.tick(0.03)
     assert [(p.epoch, p.partition_size) for p in plans(out).values()] == [(1, 200)]
+
+
+@pytest.mark.parametrize(("mode", "cross", "sizes"), [
+    ("cpu-cadence", True, [6, 6]),
+    ("cpu-cadence", False, [3, 3]),  # records made before chunks crossed windows
+    ("nccl-cadence", True, [3, 3]),  # a blocking collective takes no rank mid-chunk
+])  # fmt: skip
+def test_a_cpu_cadence_chunk_carries_the_next_window_and_the_round_comes_mid_chunk(
+    mode: str, cross: bool, sizes: list[int]
+) -> None:
+    # issue 27: the rank no longer stops at its count until the round brings its next
+    # chunk; it takes the round between two batches and trains on
+    core, out = started(mode, anchor=3, chunks_cross_windows=cross)
+    assert [p.partition_size for p in plans(out).values()] == sizes
+    if mode != "cpu-cadence" or not cross:
+        return
+    feed(core, 0, 3)
+    out = feed(core, 1, 3) + core.tick(0.0)
+    # the round at the count, and no plan with it: each rank still holds 3 batches
+    assert msgs(out, m.RequestParams) and not plans(out)
+    assert core.ledger.steps == [0, 0]
+    feed(core, 0, 3)  # the rest of the chunk, after the trigger: the next window's
+    assert core.ledger.steps == [3, 0]

@@ -284,7 +284,7 @@ def test_cpu_cadence_sends_the_next_chunk_right_behind_request_params() -> None:
 
 
 def test_the_last_round_of_an_epoch_sends_the_next_epochs_chunks_after_its_aggregate() -> None:
-    core, out = started("cpu-cadence", total=40, num_epochs=2)
+    core, out = started("cpu-cadence", total=40, num_epochs=2, chunks_cross_windows=False)
     _train(core, plans(out), 0.0)
     for _ in range(100):  # train epoch 0 out, round by round
         out = core.tick(0.01)
@@ -541,7 +541,7 @@ def test_nccl_cadence_wait_gives_up_at_its_ceiling_on_the_compute_scale() -> Non
 
 
 def test_only_nccl_cadence_waits_for_the_window() -> None:
-    cpu, _ = one_batch_windows("cpu-cadence")
+    cpu, _ = one_batch_windows("cpu-cadence", chunks_cross_windows=False)
     assert msgs(cpu.tick(0.01), m.RequestParams)
     legacy, _ = one_batch_windows(window_wait=False)  # a record from before the wait
     assert msgs(legacy.tick(0.01), m.SyncNow)

@@ -154,6 +154,8 @@ def test_cpu_ranks_start_each_epoch_as_their_share_of_the_last_ends_but_a_checkp
         checkpoint_every=4,
         final_eval=True,
         plans_ahead=ahead,
+        # one window a chunk: the turn-overs this test counts (crossing has its own)
+        chunks_cross_windows=False,
     )
     cluster = Cluster(cfg, speeds=[2, 3])
     cluster.run()
@@ -254,3 +256,43 @@ def test_cpu_cadence_bridges_keep_the_fast_rank_training_and_every_batch_weighs_
     # on. Its idle ticks, up to its last batch:
     idle = [c.ranks[0].last_batch_end - len(c.ranks[0].trained) // bs * 2 for c in (bridged, held)]
     assert idle[0] * 3 < idle[1], idle
+
+
+def _turn_overs(cross: bool, speeds: list[int]) -> tuple[list[int], list[int], Cluster]:
+    """Two cpu-cadence ranks over six digits epochs: each rank's plans, and the ticks it
+    spent between the end of one and the start of the next."""
+    cfg = CoordinatorConfig(
+        mode="cpu-cadence",
+        world_size=2,
+        total_samples=1797,
+        batch_size=16,
+        num_epochs=6,
+        eval_every=2,
+        final_eval=True,
+        chunks_cross_windows=cross,
+    )
+    cluster = Cluster(cfg, speeds=speeds)
+    cluster.run()
+    idle = [
+        sum(max(0, start - end) for (end, _), (start, _) in zip(rk.ends, rk.starts[1:]))
+        for rk in cluster.ranks
+    ]
+    return [len(rk.starts) for rk in cluster.ranks], idle, cluster
+
+
+@pytest.mark.parametrize("speeds", [[1, 1], [2, 3], [1, 3]])
+def test_cpu_cadence_chunks_across_windows_turn_over_fewer_plans_and_idle_less(
+    speeds: list[int],
+) -> None:
+    # issue 27: a chunk that ended at its window's count waited for the round's next one
+    across = _turn_overs(True, speeds)
+    one_window = _turn_overs(False, speeds)
+    for plans_, idle, cluster in (across, one_window):
+        trained = cluster.trained_by_epoch()
+        for e in range(cluster.core.config.num_epochs):
+            assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
+        assert all(rk.dropped_plans == 0 for rk in cluster.ranks)
+        assert cluster.finished is not None and cluster.finished.reason is None
+    # about a third fewer plans each, and the idle ticks between them a third down or more
+    assert all(a * 4 <= o * 3 for a, o in zip(across[0], one_window[0]))
+    assert sum(across[1]) * 3 <= sum(one_window[1]) * 2
