@@ -32,6 +32,8 @@ import os
 from collections.abc import Mapping, MutableMapping
 from typing import Final
 
+from flodl_bus.worker import cores
+
 #: ``1``: the rank sizes its threads to the work (``worker.threads``) although a launcher
 #: set ``OMP_NUM_THREADS`` (its default split); ``0``: never; unset: only at the default
 ENV_TUNE: Final = "FLODL_TUNE_THREADS"
@@ -125,3 +127,4 @@ def check_thread_env(env: Mapping[str, str]) -> None:
     says it once, before anything starts)."""
     thread_share(env, 1)
     tunes_threads(env)
+    cores.wanted(env)

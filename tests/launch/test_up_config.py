@@ -36,6 +36,7 @@ def test_bad_configuration_exits_2_naming_the_fix_and_starts_nothing(
     [
         ("FLODL_NUM_THREADS", "many", "FLODL_NUM_THREADS='many': use a thread count"),
         ("FLODL_TUNE_THREADS", "yes", "FLODL_TUNE_THREADS='yes': use 1"),
+        ("FLODL_KEEP_CORE", "on", "FLODL_KEEP_CORE='on': use 1"),
     ],
 )
 def test_a_thread_setting_every_rank_would_refuse_exits_2_in_one_line_and_starts_nothing(
