@@ -287,7 +287,7 @@ def test_cpu_cadence_chunks_across_windows_turn_over_fewer_plans_and_idle_less(
     # issue 27: a chunk that ended at its window's count waited for the round's next one
     across = _turn_overs(True, speeds)
     one_window = _turn_overs(False, speeds)
-    for plans_, idle, cluster in (across, one_window):
+    for *_, cluster in (across, one_window):
         trained = cluster.trained_by_epoch()
         for e in range(cluster.core.config.num_epochs):
             assert sorted(trained[e]) == cluster.expected_epoch(e), f"epoch {e}"
