@@ -66,9 +66,7 @@ class PoolDispatch(Dispatch):
         cfg = core.config
         #: a chunk capped by the rank's window count carries its next window as well
         #: (the CPU plane's bridges: work after the snapshot stays on the consensus)
-        self._crosses = (
-            self.bridges and cfg.backend is Backend.CPU and cfg.chunks_cross_windows
-        )
+        self._crosses = self.bridges and cfg.backend is Backend.CPU and cfg.chunks_cross_windows
         #: a world of one trains what is left of an epoch in one plan
         self._solo_epochs = (
             cfg.world_size == 1 and cfg.solo_without_rounds and cfg.solo_whole_epochs
