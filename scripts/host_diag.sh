@@ -5,8 +5,8 @@
 # (scripts/thread_split.py with py-spy: each thread's share on a core, runnable, blocked,
 # its moves between cores), the kept-core policy applied from outside (--pin, the
 # coordinator and Redis moved too), two and four plain processes at once
-# (scripts/plain_pairs.py), bench bus, and the digits part of scripts/cpu_suite.sh. Run from the repository root, with .gpu/ carried
-# (scripts/gpu_bundle.sh builds it here):
+# (scripts/plain_pairs.py), bench bus, and the digits part of scripts/cpu_suite.sh. Run
+# from the repository root, with .gpu/ carried (scripts/gpu_bundle.sh builds it here):
 #
 #   scripts/host_diag.sh [OUT_DIR]      (default: $OUT, else ./host-diag-<date>)
 set -uo pipefail
