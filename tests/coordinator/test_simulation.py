@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from flodl_bus.coordinator.config import MODES, CoordinatorConfig
@@ -136,6 +138,20 @@ def test_a_world_of_one_starts_each_epoch_as_the_last_ends_but_a_checkpoints(
     assert cluster.finished is not None and cluster.finished.reason is None and rank.exited
 
 
+def _digits_pair(mode: str, **kw: Any) -> CoordinatorConfig:
+    """Two ranks over six digits epochs, an eval every second one and a final one."""
+    return CoordinatorConfig(
+        mode=mode,
+        world_size=2,
+        total_samples=1797,
+        batch_size=16,
+        num_epochs=6,
+        eval_every=2,
+        final_eval=True,
+        **kw,
+    )
+
+
 @pytest.mark.parametrize("mode", ["cpu-cadence", "cpu-async"])
 @pytest.mark.parametrize("ahead", [True, False])
 def test_cpu_ranks_start_each_epoch_as_their_share_of_the_last_ends_but_a_checkpoints(
@@ -144,15 +160,9 @@ def test_cpu_ranks_start_each_epoch_as_their_share_of_the_last_ends_but_a_checkp
     # issue 27: a rank's first chunk of the next epoch is in its mailbox before its
     # share of the current one ends; an epoch that starts with a checkpoint (taken on
     # receipt) is planned as it starts. Off: records made before it.
-    cfg = CoordinatorConfig(
-        mode=mode,
-        world_size=2,
-        total_samples=1797,
-        batch_size=16,
-        num_epochs=6,
-        eval_every=2,
+    cfg = _digits_pair(
+        mode,
         checkpoint_every=4,
-        final_eval=True,
         plans_ahead=ahead,
         # one window a chunk: the turn-overs this test counts (crossing has its own)
         chunks_cross_windows=False,
@@ -261,17 +271,7 @@ def test_cpu_cadence_bridges_keep_the_fast_rank_training_and_every_batch_weighs_
 def _turn_overs(cross: bool, speeds: list[int]) -> tuple[list[int], list[int], Cluster]:
     """Two cpu-cadence ranks over six digits epochs: each rank's plans, and the ticks it
     spent between the end of one and the start of the next."""
-    cfg = CoordinatorConfig(
-        mode="cpu-cadence",
-        world_size=2,
-        total_samples=1797,
-        batch_size=16,
-        num_epochs=6,
-        eval_every=2,
-        final_eval=True,
-        chunks_cross_windows=cross,
-    )
-    cluster = Cluster(cfg, speeds=speeds)
+    cluster = Cluster(_digits_pair("cpu-cadence", chunks_cross_windows=cross), speeds=speeds)
     cluster.run()
     idle = [
         sum(max(0, start - end) for (end, _), (start, _) in zip(rk.ends, rk.starts[1:]))
